@@ -1,0 +1,37 @@
+"""nbbatch: run parameterized Jupyter notebooks as a batch.
+
+Inside a notebook: ``nbbatch.record(accuracy=...)`` and ``nbbatch.data``. From Python:
+``nbbatch.submit(...)``, ``nbbatch.status(...)`` and friends. Importing nbbatch is light (it runs
+in every framework kernel): the driver's modules load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .record import record
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Experiment": "nbbatch.spec",
+    "load_experiment": "nbbatch.spec",
+    "Run": "nbbatch.runs",
+    "plan": "nbbatch.runs",
+    "RunRecord": "nbbatch.runrecord",
+    "submit": "nbbatch.api",
+    "status": "nbbatch.api",
+    "cancel": "nbbatch.api",
+    "logs": "nbbatch.api",
+    "run_notebook": "nbbatch.api",
+    "NbbatchError": "nbbatch.errors",
+}
+
+__all__ = ["record", "__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'nbbatch' has no attribute {name!r}")

@@ -1,0 +1,324 @@
+"""The ``nbbatch`` command line: submit | status | logs | cancel | run | run-one | envs | plan | fetch | …
+
+Every user mistake is one paragraph on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .errors import NbbatchError
+
+
+def _typed(value: str) -> Any:
+    """papermill's ``-p`` typing: int, float, bool, None, else the string."""
+    lowered = value.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+def _parameters(args: argparse.Namespace) -> dict[str, Any]:
+    import yaml
+
+    params: dict[str, Any] = {}
+    for path in args.parameters_file or []:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise NbbatchError(f"cannot read parameters file {path}: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise NbbatchError(f"parameters file {path} must be a YAML mapping of names to values")
+        params.update(loaded)
+    for text in args.parameters_yaml or []:
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise NbbatchError(f"-y {text!r} is not valid YAML: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise NbbatchError(f"-y takes a YAML mapping, e.g. -y 'lr: 0.1' (got {text!r})")
+        params.update(loaded)
+    for name, value in args.parameters or []:
+        params[name] = _typed(value)
+    for name, value in args.parameters_raw or []:
+        params[name] = value
+    return params
+
+
+def _add_param_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-p", "--parameters", nargs=2, action="append", metavar=("NAME", "VALUE"),
+                        help="a parameter, typed like papermill (int, float, bool, None, else str)")
+    parser.add_argument("-r", "--parameters-raw", nargs=2, action="append", metavar=("NAME", "VALUE"),
+                        help="a parameter kept as a string")
+    parser.add_argument("-y", "--parameters-yaml", action="append", metavar="YAML", help="parameters as YAML")
+    parser.add_argument("-f", "--parameters-file", action="append", metavar="FILE", help="parameters from a YAML file")
+
+
+def _console():
+    from rich.console import Console
+
+    return Console()
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from .api import submit
+
+    result = submit(args.experiment, force=args.force, build_envs=args.build_envs, wait=not args.no_wait,
+                    progress=not args.quiet, only=args.only)
+    console = _console()
+    for warning in result.warnings:
+        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+    if result.skipped:
+        console.print(f"skipped {len(result.skipped)} run(s) that already succeeded (use --force to rerun)")
+    counts: dict[str, int] = {}
+    for r in result.records:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    console.print(f"experiment [bold]{result.experiment}[/]: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+                  + f" — results in {result.share}/{result.experiment}", highlight=False)
+    if args.no_wait:
+        return 0
+    return 0 if result.ok else 1
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .api import prepare
+
+    the_plan, _backend, share = prepare(args.experiment)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in the_plan.runs], indent=2))
+        return 0
+    from rich.table import Table
+
+    table = Table(title=f"{the_plan.experiment.name}: {len(the_plan.runs)} run(s) → {share.url}")
+    for col in ("run", "kernel", "notebook", "parameters", "gpus"):
+        table.add_column(col, overflow="fold")
+    for run in the_plan.runs:
+        table.add_row(run.run_id, run.kernel, run.notebook_rel,
+                      ", ".join(f"{k}={v}" for k, v in run.parameters.items()), str(run.gpus))
+    console = _console()
+    console.print(table)
+    for warning in the_plan.warnings:
+        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from .api import open_experiment_share, status
+    from .results import status_rows, status_table
+
+    name, _share = open_experiment_share(args.experiment, args.share)
+    records = status(args.experiment, share=args.share)
+    if args.json:
+        print(json.dumps(status_rows(records), indent=2, default=str))
+    else:
+        _console().print(status_table(records, title=f"{name}"))
+    return 0 if all(r.status == "succeeded" for r in records) or not args.check else 1
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from .api import logs
+
+    for chunk in logs(args.experiment, args.run, follow=args.follow, tail=args.tail, share=args.share):
+        sys.stdout.write(chunk)
+        sys.stdout.flush()
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from .api import cancel
+
+    asked = cancel(args.experiment, args.runs or None, share=args.share)
+    print(f"asked {len(asked)} run(s) to stop: {', '.join(asked)}" if asked else "no unfinished runs to cancel")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from papermill.exceptions import PapermillExecutionError
+
+    from .api import run_notebook
+
+    try:
+        run_notebook(args.input, args.output, _parameters(args), kernel=args.kernel, cwd=args.cwd,
+                     cell_timeout=args.cell_timeout, log_output=not args.quiet)
+    except PapermillExecutionError as exc:
+        print(f"{Path(args.input).name} failed in cell {exc.exec_count}: {exc.ename}: {exc.evalue} "
+              f"(executed notebook with its outputs: {args.output})", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_run_one(args: argparse.Namespace) -> int:
+    from .execute import execute_run
+    from .project import find_project
+    from .runs import Run
+    from .share import open_share
+
+    text = Path(args.spec_file).read_text() if args.spec_file else args.spec
+    if not text:
+        raise NbbatchError("run-one needs --spec JSON or --spec-file PATH (a Run as written by the backends)")
+    try:
+        run = Run.from_dict(json.loads(text))
+    except (ValueError, TypeError) as exc:
+        raise NbbatchError(f"run-one: the run spec is not a valid Run ({exc})") from exc
+    project = find_project(args.project) if args.project else find_project()
+    project.activate_kernels()
+    gpu_ids = [int(g) for g in args.gpus.split(",") if g.strip()] if args.gpus else []
+    record = execute_run(run, open_share(args.share), gpu_ids=gpu_ids, shared_gpu=args.shared_gpu,
+                         backend=args.backend, project_root=project.root)
+    print(f"{record.run_id}: {record.status}" + (f" ({record.error.summary()})" if record.error else ""))
+    return 0 if record.status == "succeeded" else 1
+
+
+def cmd_envs(args: argparse.Namespace) -> int:
+    from .envs import build_envs, list_envs, remove_env
+    from .frameworks import get_framework, list_frameworks
+
+    if args.action == "list":
+        from rich.table import Table
+
+        table = Table(title="framework environments")
+        for col in ("framework", "state", "kernel", "fingerprint", "built", "path"):
+            table.add_column(col, overflow="fold")
+        style = {"ready": "green", "stale": "yellow", "missing": "red"}
+        for env in list_envs():
+            table.add_row(env.framework, f"[{style[env.state]}]{env.state}[/]", env.kernel, env.fingerprint,
+                          env.built_at or "", str(env.path))
+        _console().print(table)
+        return 0
+    names = args.names or []
+    if args.all or names == ["all"]:
+        names = list(list_frameworks())
+    if not names:
+        raise NbbatchError(f"name the framework(s) to {args.action}, or --all")
+    if args.action == "create":
+        statuses = build_envs(names, force=args.force, parallel=args.parallel)
+        for env in statuses:
+            print(f"{env.framework}: {env.state} (kernel {env.kernel})")
+        return 0
+    for name in names:
+        remove_env(get_framework(name))
+        print(f"removed the environment and kernel of {name}")
+    return 0
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from .api import open_experiment_share
+    from .fetch import fetch
+
+    name, share = open_experiment_share(args.experiment, args.share)
+    copied = fetch(share, name, Path(args.dest))
+    print(f"fetched {len(copied)} file(s) of {name} into {args.dest}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nbbatch", description="Run parameterized notebooks as a batch.")
+    parser.add_argument("--version", action="version", version=f"nbbatch {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("submit", help="plan, validate and run an experiment")
+    p.add_argument("experiment", help="experiment YAML file")
+    p.add_argument("--force", action="store_true", help="rerun runs that already succeeded")
+    p.add_argument("--build-envs", action="store_true", help="build missing or stale framework environments first")
+    p.add_argument("--no-wait", action="store_true", help="return once submitted (remote backends)")
+    p.add_argument("--only", action="append", metavar="RUN", help="only runs whose id starts with RUN")
+    p.add_argument("-q", "--quiet", action="store_true", help="no live progress table")
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("plan", help="show the runs an experiment would start, after validation (a dry run)")
+    p.add_argument("experiment")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+
+    for name, func, helptext in (("status", cmd_status, "table of runs: status, duration, GPU, metrics"),):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("experiment", help="experiment name (or its YAML file)")
+        p.add_argument("--share", help="the share (default: where it was submitted from this project)")
+        p.add_argument("--json", action="store_true")
+        p.add_argument("--check", action="store_true", help="exit 1 unless every run succeeded")
+        p.set_defaults(func=func)
+
+    p = sub.add_parser("logs", help="a run's output (log.txt); -f follows it")
+    p.add_argument("experiment")
+    p.add_argument("run", help="run id or a unique prefix")
+    p.add_argument("-f", "--follow", action="store_true")
+    p.add_argument("--tail", type=int)
+    p.add_argument("--share")
+    p.set_defaults(func=cmd_logs)
+
+    p = sub.add_parser("cancel", help="stop runs (all unfinished ones by default)")
+    p.add_argument("experiment")
+    p.add_argument("runs", nargs="*")
+    p.add_argument("--share")
+    p.set_defaults(func=cmd_cancel)
+
+    p = sub.add_parser("run", help="run one notebook, papermill-style: nbbatch run in.ipynb out.ipynb -p lr 0.1")
+    p.add_argument("input")
+    p.add_argument("output")
+    p.add_argument("-k", "--kernel", help="kernel name (default: the notebook's)")
+    p.add_argument("--cwd", help="working directory of the kernel (default: the notebook's folder)")
+    p.add_argument("--cell-timeout", type=float)
+    p.add_argument("-q", "--quiet", action="store_true", help="do not echo the notebook's output")
+    _add_param_options(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("run-one", help="execute one planned run (what every backend calls)")
+    p.add_argument("--spec", help="the Run as JSON")
+    p.add_argument("--spec-file", help="a file holding the Run as JSON")
+    p.add_argument("--share", required=True)
+    p.add_argument("--gpus", default="", help="GPU indices for CUDA_VISIBLE_DEVICES (comma-separated)")
+    p.add_argument("--shared-gpu", action="store_true", help="the GPU is shared with other runs")
+    p.add_argument("--backend", default="local")
+    p.add_argument("--project", help="project root (default: found from the working directory)")
+    p.set_defaults(func=cmd_run_one)
+
+    p = sub.add_parser("envs", help="framework environments: create | list | remove")
+    p.add_argument("action", choices=["create", "list", "remove"])
+    p.add_argument("names", nargs="*")
+    p.add_argument("--all", action="store_true")
+    p.add_argument("--force", action="store_true", help="rebuild even if ready")
+    p.add_argument("--parallel", type=int, help="builds at once (default: CPU count)")
+    p.set_defaults(func=cmd_envs)
+
+    p = sub.add_parser("fetch", help="copy an experiment's executed notebooks and run records to a folder")
+    p.add_argument("experiment")
+    p.add_argument("dest")
+    p.add_argument("--share")
+    p.set_defaults(func=cmd_fetch)
+    return parser
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``nbbatch`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except NbbatchError as exc:
+        print(f"nbbatch: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("nbbatch: interrupted; unfinished runs were cancelled, finished results are kept", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

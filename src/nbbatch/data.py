@@ -1,0 +1,132 @@
+"""Data loaders every framework notebook shares, so they all see the same arrays.
+
+Both loaders return ``(x_train, y_train, x_test, y_test)`` with images as float32 in [0, 1],
+``(N, 3, 32, 32)`` (channel-first) or ``(N, 32, 32, 3)`` with ``channels_last=True``, and labels
+as int64. Only numpy is needed (plus scikit-learn for the digits).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tarfile
+from pathlib import Path
+
+import numpy as np
+
+CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"
+CIFAR10_FOLDER = "cifar-10-batches-py"
+_TRAIN_BATCHES = [f"data_batch_{i}" for i in range(1, 6)]
+_TEST_BATCH = "test_batch"
+
+Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _layout(x: np.ndarray, channels_last: bool) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    return np.ascontiguousarray(x.transpose(0, 2, 3, 1)) if channels_last else x
+
+
+def _limit(arrays: Arrays, max_samples: int | None) -> Arrays:
+    if not max_samples:
+        return arrays
+    x_train, y_train, x_test, y_test = arrays
+    n_test = max(1, max_samples // 4)
+    return x_train[:max_samples], y_train[:max_samples], x_test[:n_test], y_test[:n_test]
+
+
+def _find_cifar_folder(data_dir: str | os.PathLike[str]) -> Path:
+    root = Path(data_dir).expanduser()
+    for candidate in (root / CIFAR10_FOLDER, root):
+        if (candidate / _TEST_BATCH).exists():
+            return candidate
+    archive = root / "cifar-10-python.tar.gz"
+    if archive.exists():
+        with tarfile.open(archive) as tar:
+            tar.extractall(root, filter="data")
+        return root / CIFAR10_FOLDER
+    raise FileNotFoundError(
+        f"no CIFAR-10 data under {root}: expected {root / CIFAR10_FOLDER}/data_batch_1…5 and test_batch "
+        "(python pickle format). Run `make data` to download it, or use DATASET='digits'."
+    )
+
+
+def _read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    with open(path, "rb") as handle:
+        batch = pickle.load(handle, encoding="bytes")
+    data = batch.get(b"data", batch.get("data"))
+    labels = batch.get(b"labels", batch.get("labels"))
+    if data is None or labels is None:
+        raise ValueError(f"{path} is not a CIFAR-10 python batch (no data/labels)")
+    x = np.asarray(data, dtype=np.uint8).reshape(-1, 3, 32, 32)
+    return x, np.asarray(labels, dtype=np.int64)
+
+
+def load_cifar10(
+    data_dir: str | os.PathLike[str], channels_last: bool = False, max_samples: int | None = None
+) -> Arrays:
+    """Load real CIFAR-10 from its python pickle batches (or the downloaded archive) in ``data_dir``."""
+    folder = _find_cifar_folder(data_dir)
+    parts = [_read_batch(folder / name) for name in _TRAIN_BATCHES if (folder / name).exists()]
+    if not parts:
+        raise FileNotFoundError(f"no data_batch_* files in {folder}")
+    x_train = np.concatenate([p[0] for p in parts])
+    y_train = np.concatenate([p[1] for p in parts])
+    x_test, y_test = _read_batch(folder / _TEST_BATCH)
+    arrays = (x_train / np.float32(255), y_train, x_test / np.float32(255), y_test)
+    x_train, y_train, x_test, y_test = _limit(arrays, max_samples)
+    return _layout(x_train, channels_last), y_train, _layout(x_test, channels_last), y_test
+
+
+def load_digits(
+    channels_last: bool = False, max_samples: int | None = None, test_fraction: float = 0.2, seed: int = 0
+) -> Arrays:
+    """scikit-learn's bundled 8×8 digits, upscaled to 32×32 and copied to 3 channels.
+
+    The split is a fixed shuffle by ``seed`` (1437 train / 360 test by default), so every
+    framework trains and tests on the same images.
+    """
+    from sklearn.datasets import load_digits as sk_load_digits
+
+    digits = sk_load_digits()
+    images = digits.images.astype(np.float32) / np.float32(16.0)  # (N, 8, 8) in [0, 1]
+    images = images.repeat(4, axis=1).repeat(4, axis=2)  # nearest-neighbour 8→32
+    x = np.repeat(images[:, None, :, :], 3, axis=1)
+    y = digits.target.astype(np.int64)
+    order = np.random.RandomState(seed).permutation(len(y))
+    x, y = x[order], y[order]
+    n_test = int(round(len(y) * test_fraction))
+    arrays = (x[n_test:], y[n_test:], x[:n_test], y[:n_test])
+    x_train, y_train, x_test, y_test = _limit(arrays, max_samples)
+    return _layout(x_train, channels_last), y_train, _layout(x_test, channels_last), y_test
+
+
+def load_dataset(
+    name: str, data_dir: str | os.PathLike[str] | None = None, channels_last: bool = False,
+    max_samples: int | None = None,
+) -> Arrays:
+    """Load ``digits`` or ``cifar10`` by name: what the notebooks' ``DATASET`` parameter selects."""
+    if name == "digits":
+        return load_digits(channels_last=channels_last, max_samples=max_samples)
+    if name == "cifar10":
+        return load_cifar10(data_dir or "data", channels_last=channels_last, max_samples=max_samples)
+    raise ValueError(f"unknown DATASET {name!r}: use 'digits' (bundled) or 'cifar10' (after `make data`)")
+
+
+def write_cifar10_batches(folder: str | os.PathLike[str], n_train_per_batch: int = 20, n_test: int = 20,
+                          seed: int = 0) -> Path:
+    """Write small random files in CIFAR-10's exact python pickle format (for tests and demos)."""
+    rng = np.random.RandomState(seed)
+    out = Path(folder) / CIFAR10_FOLDER
+    out.mkdir(parents=True, exist_ok=True)
+    for name, n in [*((b, n_train_per_batch) for b in _TRAIN_BATCHES), (_TEST_BATCH, n_test)]:
+        batch = {
+            b"batch_label": name.encode(),
+            b"labels": rng.randint(0, 10, size=n).tolist(),
+            b"data": rng.randint(0, 256, size=(n, 3072), dtype=np.uint8),
+            b"filenames": [f"{name}_{i}.png".encode() for i in range(n)],
+        }
+        with open(out / name, "wb") as handle:
+            pickle.dump(batch, handle, protocol=2)
+    return out

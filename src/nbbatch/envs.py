@@ -1,0 +1,264 @@
+"""Framework environments: one virtual environment and one Jupyter kernel per framework.
+
+``<envs>/<name>/`` is a venv built from ``frameworks/<name>/`` pins; its kernel ``nbbatch-<name>``
+lives in the project's own Jupyter data dir (never the user's home) and carries the framework's
+variables. A marker file holds the pins fingerprint: an env is ``ready``, ``stale`` or ``missing``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbbatch
+
+from .errors import EnvironmentNotReady, NbbatchError
+from .frameworks import Framework, get_framework, list_frameworks
+from .project import Project, find_project
+
+MARKER = "nbbatch-env.json"
+KERNEL_REQUIREMENTS = ("ipykernel>=6.25",)
+
+
+@dataclass(frozen=True)
+class EnvStatus:
+    """The state of one framework's environment."""
+
+    framework: str
+    state: str  # ready | stale | missing
+    path: Path
+    kernel: str
+    fingerprint: str
+    built_fingerprint: str | None = None
+    built_at: str | None = None
+
+    @property
+    def fix_command(self) -> str:
+        return f"nbbatch envs create {self.framework}"
+
+
+def env_path(framework: Framework, project: Project) -> Path:
+    return project.envs_dir / framework.name
+
+
+def env_python(path: Path) -> Path:
+    return path / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def kernel_dir(framework: Framework, project: Project) -> Path:
+    return project.jupyter_dir / "kernels" / framework.kernel_name
+
+
+def env_status(framework: Framework, project: Project | None = None) -> EnvStatus:
+    """Whether ``framework``'s env is built from its current pins."""
+    project = project or find_project()
+    path = env_path(framework, project)
+    fingerprint = framework.fingerprint()
+    marker = path / MARKER
+    built: dict[str, str] = {}
+    if marker.exists():
+        try:
+            built = json.loads(marker.read_text())
+        except ValueError:
+            built = {}
+    if not built or not env_python(path).exists() or not (kernel_dir(framework, project) / "kernel.json").exists():
+        state = "missing"
+    elif built.get("fingerprint") != fingerprint:
+        state = "stale"
+    else:
+        state = "ready"
+    return EnvStatus(framework.name, state, path, framework.kernel_name, fingerprint,
+                     built.get("fingerprint"), built.get("built_at"))
+
+
+def list_envs(project: Project | None = None) -> list[EnvStatus]:
+    """The env status of every framework in the project."""
+    project = project or find_project()
+    return [env_status(fw, project) for fw in list_frameworks(project).values()]
+
+
+def require_ready(framework: Framework, project: Project) -> EnvStatus:
+    """Raise a clear error naming the fix when ``framework``'s env is not ready."""
+    status = env_status(framework, project)
+    if status.state == "missing":
+        raise EnvironmentNotReady(
+            f"the environment for framework `{framework.name}` is not built ({status.path}). "
+            f"Build it with `{status.fix_command}`, or pass --build-envs to submit."
+        )
+    if status.state == "stale":
+        raise EnvironmentNotReady(
+            f"the environment for framework `{framework.name}` is stale: its pins changed since it was built "
+            f"({status.built_fingerprint} → {status.fingerprint}). Rebuild it with `{status.fix_command}`, "
+            "or pass --build-envs to submit."
+        )
+    return status
+
+
+def installer() -> str:
+    """``uv`` when installed (unless NBBATCH_INSTALLER says otherwise), else ``pip``."""
+    chosen = os.environ.get("NBBATCH_INSTALLER")
+    if chosen:
+        return chosen
+    return "uv" if shutil.which("uv") else "pip"
+
+
+def _install_cmd(python: Path, args: list[str]) -> list[str]:
+    if installer() == "uv":
+        return ["uv", "pip", "install", "--python", str(python), *args]
+    return [str(python), "-m", "pip", "install", "--disable-pip-version-check", "--no-input", *args]
+
+
+def _nbbatch_source() -> Path:
+    return Path(nbbatch.__file__).resolve().parent
+
+
+def _link_nbbatch(python: Path, log) -> None:
+    """Make this nbbatch importable in the env (its kernel calls nbbatch.record and nbbatch.data)."""
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()
+    package = _nbbatch_source()
+    target = Path(site)
+    if package.parent.name == "src":  # a source checkout: follow it live
+        (target / "nbbatch.pth").write_text(str(package.parent) + "\n")
+    else:  # an installed nbbatch: copy the (pure-Python) package
+        shutil.rmtree(target / "nbbatch", ignore_errors=True)
+        shutil.copytree(package, target / "nbbatch", ignore=shutil.ignore_patterns("__pycache__"))
+    log.write(f"linked nbbatch from {package}\n")
+
+
+def _write_kernel(framework: Framework, project: Project, python: Path) -> Path:
+    folder = kernel_dir(framework, project)
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "argv": [str(python), "-Xfrozen_modules=off", "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": f"nbbatch {framework.title}",
+        "language": "python",
+        "env": dict(framework.kernel_env),
+        "metadata": {"nbbatch": {"framework": framework.name, "fingerprint": framework.fingerprint()}},
+    }
+    tmp = folder / "kernel.json.tmp"
+    tmp.write_text(json.dumps(spec, indent=2))
+    os.replace(tmp, folder / "kernel.json")
+    return folder
+
+
+def _package_versions(python: Path) -> dict[str, str]:
+    code = (
+        "import json, importlib.metadata as m;"
+        "print(json.dumps({d.metadata['Name'].lower(): d.version for d in m.distributions() if d.metadata['Name']}))"
+    )
+    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True).stdout
+    return dict(sorted(json.loads(out).items()))
+
+
+def build_env(framework: Framework, project: Project | None = None, force: bool = False,
+              on_step: Callable[[str], None] | None = None) -> EnvStatus:
+    """Create (or rebuild) the env and kernel of ``framework``; idempotent while pins are unchanged."""
+    project = project or find_project()
+    status = env_status(framework, project)
+    if status.state == "ready" and not force:
+        return status
+    path = status.path
+    project.envs_dir.mkdir(parents=True, exist_ok=True)
+    log_path = project.envs_dir / f"{framework.name}.log"
+    step = on_step or (lambda _msg: None)
+    with open(log_path, "w") as log:
+        def run(cmd: list[str], what: str) -> None:
+            step(what)
+            log.write(f"$ {' '.join(cmd)}\n")
+            log.flush()
+            done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PIP_PROGRESS_BAR": "off"})
+            if done.returncode != 0:
+                raise NbbatchError(
+                    f"building the environment for `{framework.name}` failed while {what} "
+                    f"(exit {done.returncode}); see the build log {log_path}"
+                )
+
+        try:
+            (path / MARKER).unlink(missing_ok=True)
+            if path.exists() and (force or status.state == "stale"):
+                shutil.rmtree(path)
+            python = env_python(path)
+            if not python.exists():
+                if installer() == "uv":
+                    run(["uv", "venv", "--python", sys.executable, str(path)], "creating the venv")
+                else:
+                    run([sys.executable, "-m", "venv", str(path)], "creating the venv")
+            if framework.setup_requirements:
+                run(_install_cmd(python, list(framework.setup_requirements)), "installing setup requirements")
+            run(_install_cmd(python, [*framework.pip_options, *KERNEL_REQUIREMENTS, "-r", str(framework.requirements)]),
+                "installing pinned requirements")
+            step("registering the kernel")
+            _link_nbbatch(python, log)
+            _write_kernel(framework, project, python)
+            marker = {
+                "framework": framework.name,
+                "fingerprint": framework.fingerprint(),
+                "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "installer": installer(),
+                "packages": _package_versions(python),
+            }
+            (path / MARKER).write_text(json.dumps(marker, indent=2))
+        except OSError as exc:
+            raise NbbatchError(f"building the environment for `{framework.name}` failed: {exc}; see {log_path}") from exc
+    return env_status(framework, project)
+
+
+def build_envs(names: Iterable[str], project: Project | None = None, force: bool = False,
+               parallel: int | None = None, progress: bool = True) -> list[EnvStatus]:
+    """Build several envs in parallel (with a rich progress display); raise if any failed, naming their logs."""
+    project = project or find_project()
+    frameworks = [get_framework(n, project) for n in dict.fromkeys(names)]
+    todo = [fw for fw in frameworks if force or env_status(fw, project).state != "ready"]
+    failures: list[str] = []
+    if todo:
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                      disable=not progress, transient=False) as bar:
+            tasks = {fw.name: bar.add_task(f"{fw.name}: queued", total=1) for fw in todo}
+
+            def one(fw: Framework) -> None:
+                task = tasks[fw.name]
+                try:
+                    build_env(fw, project, force=force,
+                              on_step=lambda msg: bar.update(task, description=f"{fw.name}: {msg}"))
+                    bar.update(task, description=f"{fw.name}: ready", completed=1)
+                except NbbatchError as exc:
+                    failures.append(str(exc))
+                    bar.update(task, description=f"[red]{fw.name}: failed", completed=1)
+
+            workers = parallel or min(len(todo), max(2, os.cpu_count() or 2))
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                list(pool.map(one, todo))
+    if failures:
+        raise NbbatchError("\n".join(failures))
+    return [env_status(fw, project) for fw in frameworks]
+
+
+def env_packages(framework: Framework, project: Project | None = None) -> dict[str, str]:
+    """The package versions recorded when the env was built (empty when unknown)."""
+    project = project or find_project()
+    marker = env_path(framework, project) / MARKER
+    try:
+        return dict(json.loads(marker.read_text()).get("packages", {}))
+    except (OSError, ValueError):
+        return {}
+
+
+def remove_env(framework: Framework, project: Project | None = None) -> None:
+    """Delete a framework's env and its kernel."""
+    project = project or find_project()
+    shutil.rmtree(env_path(framework, project), ignore_errors=True)
+    shutil.rmtree(kernel_dir(framework, project), ignore_errors=True)
+    (project.envs_dir / f"{framework.name}.log").unlink(missing_ok=True)

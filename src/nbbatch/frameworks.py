@@ -1,0 +1,123 @@
+"""Frameworks are data: ``frameworks/<name>/framework.yaml`` plus its pinned requirements.
+
+Adding a framework is a folder and a notebook; nothing here knows any framework by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import ValidationError, did_you_mean
+from .project import Project, find_project
+
+FRAMEWORK_FILE = "framework.yaml"
+_KNOWN_KEYS = {
+    "title", "notebook", "requirements", "setup_requirements", "pip_options", "kernel_env",
+    "shared_gpu_env", "gpu", "image", "base_image", "description", "python",
+}
+
+
+@dataclass(frozen=True)
+class Framework:
+    """One framework: its notebook, pinned environment, kernel variables and GPU facts."""
+
+    name: str
+    folder: Path
+    title: str
+    notebook: Path
+    requirements: Path
+    setup_requirements: tuple[str, ...] = ()
+    pip_options: tuple[str, ...] = ()
+    kernel_env: dict[str, str] = field(default_factory=dict)
+    shared_gpu_env: dict[str, str] = field(default_factory=dict)
+    gpu: bool = False
+    image: str | None = None
+    base_image: str | None = None
+    description: str = ""
+
+    @property
+    def kernel_name(self) -> str:
+        """The Jupyter kernel this framework's runs use."""
+        return f"nbbatch-{self.name}"
+
+    def pinned(self) -> list[str]:
+        """The requirement lines of the pins file (comments and blanks dropped)."""
+        lines = []
+        for raw in self.requirements.read_text().splitlines():
+            line = raw.split("#", 1)[0].strip()
+            if line:
+                lines.append(line)
+        return lines
+
+    def fingerprint(self) -> str:
+        """A hash of everything that shapes the environment: when it changes the env is stale."""
+        digest = hashlib.sha256()
+        for part in (
+            self.requirements.read_bytes(),
+            "\n".join(self.setup_requirements).encode(),
+            "\n".join(self.pip_options).encode(),
+            repr(sorted(self.kernel_env.items())).encode(),
+        ):
+            digest.update(part)
+            digest.update(b"\0")
+        return digest.hexdigest()[:16]
+
+
+def _load(folder: Path, project: Project) -> Framework:
+    source = folder / FRAMEWORK_FILE
+    try:
+        data: dict[str, Any] = yaml.safe_load(source.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ValidationError(f"{source} is not valid YAML: {exc}") from exc
+    unknown = set(data) - _KNOWN_KEYS
+    if unknown:
+        name = sorted(unknown)[0]
+        raise ValidationError(f"{source}: unknown key `{name}`{did_you_mean(name, _KNOWN_KEYS)}")
+    if "notebook" not in data:
+        raise ValidationError(f"{source} must name its `notebook` (a path relative to the project)")
+    requirements = folder / data.get("requirements", "requirements.txt")
+    if not requirements.exists():
+        raise ValidationError(f"{source}: its requirements file {requirements} does not exist")
+    return Framework(
+        name=folder.name,
+        folder=folder,
+        title=str(data.get("title", folder.name)),
+        notebook=(project.root / data["notebook"]).resolve(),
+        requirements=requirements,
+        setup_requirements=tuple(data.get("setup_requirements") or ()),
+        pip_options=tuple(data.get("pip_options") or ()),
+        kernel_env={str(k): str(v) for k, v in (data.get("kernel_env") or {}).items()},
+        shared_gpu_env={str(k): str(v) for k, v in (data.get("shared_gpu_env") or {}).items()},
+        gpu=bool(data.get("gpu", False)),
+        image=data.get("image"),
+        base_image=data.get("base_image"),
+        description=str(data.get("description", "")),
+    )
+
+
+def list_frameworks(project: Project | None = None) -> dict[str, Framework]:
+    """All frameworks of the project, by name."""
+    project = project or find_project()
+    folder = project.frameworks_dir
+    if not folder.is_dir():
+        return {}
+    return {
+        sub.name: _load(sub, project)
+        for sub in sorted(folder.iterdir())
+        if (sub / FRAMEWORK_FILE).exists()
+    }
+
+
+def get_framework(name: str, project: Project | None = None) -> Framework:
+    """The framework called ``name``, or an error listing the known ones."""
+    project = project or find_project()
+    frameworks = list_frameworks(project)
+    if name not in frameworks:
+        known = ", ".join(frameworks) or f"none: {project.frameworks_dir} has no */framework.yaml"
+        raise ValidationError(f"unknown framework `{name}`{did_you_mean(name, frameworks)}; known frameworks: {known}")
+    return frameworks[name]

@@ -1,0 +1,74 @@
+"""One driver per experiment: an advisory file lock that names its holder.
+
+``fcntl.flock`` is released by the kernel when the holder dies, so a lock left by a killed
+process is free again; its holder file is then reported as stale and replaced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from .errors import LockedError
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+
+class ExperimentLock:
+    """Held while a process drives an experiment; ``with ExperimentLock(path, experiment):``."""
+
+    def __init__(self, path: Path, experiment: str):
+        self.path = path
+        self.experiment = experiment
+        self._fd: int | None = None
+        self.recovered_from: dict | None = None  # the stale holder, when one was found
+
+    def __enter__(self) -> ExperimentLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if fcntl is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            who = (f"process {holder.get('pid')} on {holder.get('host')} (since {holder.get('since')}, "
+                   f"command: {holder.get('command')})") if holder else "another process"
+            raise LockedError(f"experiment `{self.experiment}` is already being run by {who}. Wait for it, follow it "
+                              f"with `nbbatch status {self.experiment}`, or stop it with "
+                              f"`nbbatch cancel {self.experiment}`.") from None
+        previous = _read_holder(fd)
+        if previous:
+            self.recovered_from = previous
+        holder = {"pid": os.getpid(), "host": socket.gethostname(),
+                  "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": _command()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            os.close(self._fd)
+            self._fd = None
+
+
+def _read_holder(fd: int) -> dict:
+    try:
+        data = os.pread(fd, 4096, 0)
+        return json.loads(data) if data.strip() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _command() -> str:
+    import sys
+
+    return " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv))[:200]

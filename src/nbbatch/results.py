@@ -1,0 +1,146 @@
+"""Reading results back from a share: run records, status tables, log tails and follows."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from .errors import NbbatchError, ShareError, did_you_mean
+from .runrecord import FINAL_STATUSES, LOG_FILE, RUN_RECORD, RunRecord
+from .share import Share
+
+STATUS_STYLE = {"queued": "dim", "running": "bold blue", "succeeded": "green", "failed": "bold red",
+                "cancelled": "yellow", "timed_out": "magenta"}
+KEY_METRICS = ("accuracy", "train_seconds", "images_per_second")
+
+
+def load_records(share: Share, experiment: str, strict: bool = False) -> tuple[list[RunRecord], list[str]]:
+    """Every run record of an experiment, and the problems found (corrupt records, with their paths)."""
+    records, problems = [], []
+    for run_id in share.list(experiment):
+        path = f"{experiment}/{run_id}/{RUN_RECORD}"
+        try:
+            data = share.read_bytes(path)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            continue
+        try:
+            records.append(RunRecord.from_json(data, source=f"{share.url}/{path}"))
+        except ShareError as exc:
+            if strict:
+                raise
+            problems.append(str(exc))
+    return records, problems
+
+
+def resolve_run_id(share: Share, experiment: str, ref: str) -> str:
+    """A full run id from an id or a unique prefix of one."""
+    ids = [r for r in share.list(experiment) if share.exists(f"{experiment}/{r}/{RUN_RECORD}")
+           or share.exists(f"{experiment}/{r}/{LOG_FILE}")]
+    if ref in ids:
+        return ref
+    matches = [r for r in ids if r.startswith(ref)]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise NbbatchError(f"no run `{ref}` in experiment `{experiment}` at {share.url}{did_you_mean(ref, ids)}; "
+                           f"runs: {', '.join(ids) or '(none)'}")
+    raise NbbatchError(f"`{ref}` matches {len(matches)} runs ({', '.join(matches)}); give more of the run id")
+
+
+def format_metric(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
+def status_rows(records: list[RunRecord]) -> list[dict[str, Any]]:
+    """One plain dict per run (what the tables, the widgets and ``--json`` show)."""
+    rows = []
+    for r in sorted(records, key=lambda rec: (rec.framework or "", rec.run_id)):
+        progress = f"{r.cells_done}/{r.cells_total}" if r.cells_total and r.status == "running" else ""
+        rows.append({
+            "run_id": r.run_id, "framework": r.framework or r.notebook, "parameters": r.parameters,
+            "status": r.status, "attempts": r.attempts, "progress": progress,
+            "duration_s": r.duration_s, "gpu_ids": r.gpu_ids, "metrics": r.metrics,
+            "error": r.error.summary() if r.error else "",
+        })
+    return rows
+
+
+def status_table(records: list[RunRecord], title: str | None = None, max_params: int = 4) -> Any:
+    """A rich table of runs: status, duration, GPU, key metrics, error."""
+    from rich.table import Table
+
+    table = Table(title=title, header_style="bold", expand=False)
+    for column in ("run", "framework", "parameters", "status", "try", "duration", "GPU", "metrics", "error"):
+        table.add_column(column, overflow="fold")
+    for row in status_rows(records):
+        params = ", ".join(f"{k}={format_metric(v)}" for k, v in list(row["parameters"].items())[:max_params])
+        metrics = row["metrics"]
+        shown = [k for k in KEY_METRICS if k in metrics] or [k for k, v in metrics.items()
+                                                               if isinstance(v, (int, float))][:3]
+        status = row["status"] + (f" {row['progress']}" if row["progress"] else "")
+        table.add_row(
+            row["run_id"], str(row["framework"]), params,
+            f"[{STATUS_STYLE.get(row['status'], '')}]{status}[/]", str(row["attempts"]),
+            f"{row['duration_s']:.1f}s" if row["duration_s"] is not None else "",
+            ",".join(map(str, row["gpu_ids"])) or "cpu",
+            ", ".join(f"{k}={format_metric(metrics[k])}" for k in shown), row["error"][:120],
+        )
+    return table
+
+
+def summary_counts(records: list[RunRecord]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in records:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    return counts
+
+
+def read_log(share: Share, experiment: str, run_id: str, tail: int | None = None) -> str:
+    try:
+        text = share.read_bytes(f"{experiment}/{run_id}/{LOG_FILE}").decode("utf-8", "replace")
+    except FileNotFoundError:
+        return ""
+    if tail:
+        text = "\n".join(text.splitlines()[-tail:]) + "\n"
+    return text
+
+
+def follow_log(share: Share, experiment: str, run_id: str, poll: float = 0.5,
+               timeout: float | None = None) -> Iterator[str]:
+    """Yield the log as it grows until the run is final (``logs -f``)."""
+    from .execute import read_record
+
+    offset = 0
+    local = share.local_path(f"{experiment}/{run_id}/{LOG_FILE}")
+    started = time.monotonic()
+    final = False
+    while True:
+        if local is not None:
+            try:
+                with open(local, "rb") as handle:
+                    handle.seek(offset)
+                    chunk = handle.read()
+            except FileNotFoundError:
+                chunk = b""
+        else:
+            try:
+                data = share.read_bytes(f"{experiment}/{run_id}/{LOG_FILE}")
+            except FileNotFoundError:
+                data = b""
+            chunk = data[offset:]
+        if chunk:
+            offset += len(chunk)
+            yield chunk.decode("utf-8", "replace")
+            continue
+        if final:
+            return
+        record = read_record(share, experiment, run_id)
+        if record is not None and record.status in FINAL_STATUSES:
+            final = True  # read once more: the last lines were written just before the record
+            continue
+        if timeout is not None and time.monotonic() - started > timeout:
+            return
+        time.sleep(poll)

@@ -1,0 +1,150 @@
+"""Runs: the concrete (notebook, kernel, parameters) units a plan is made of.
+
+A run's id is readable and stable: ``<framework or notebook stem>-<hash>``, the hash covering the
+notebook's content, the parameters and the environment's pins. The same run submitted twice is the
+same run, so a succeeded one is skipped unless forced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "run"
+
+
+def run_id_for(label: str, notebook_bytes: bytes, parameters: dict[str, Any], env_lock: str) -> str:
+    """``<label>-<10 hex>`` from the notebook content, parameters and environment lock."""
+    digest = hashlib.sha256()
+    digest.update(notebook_bytes)
+    digest.update(json.dumps(parameters, sort_keys=True, default=repr).encode())
+    digest.update(env_lock.encode())
+    return f"{_slug(label)}-{digest.hexdigest()[:10]}"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One planned execution of a notebook with parameters in a kernel."""
+
+    run_id: str
+    experiment: str
+    notebook: str  # absolute path on the submitting machine
+    notebook_rel: str  # relative to the project root (what remote backends resolve)
+    kernel: str
+    parameters: dict[str, Any] = field(default_factory=dict)
+    framework: str | None = None
+    gpus: int = 0  # GPUs the run asks for (0: CPU only)
+    timeout_s: float | None = None  # whole run
+    cell_timeout_s: float | None = None  # each cell
+    retries: int = 0  # extra attempts after a kernel death
+    env: dict[str, str] = field(default_factory=dict)  # variables for the kernel (on top of the kernelspec's)
+    shared_gpu_env: dict[str, str] = field(default_factory=dict)  # added when the run shares its GPU
+    cwd: str | None = None  # kernel working directory (default: the notebook's folder)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Run:
+        return cls(**data)
+
+    def resolve_notebook(self, project_root: Path | None = None) -> Path:
+        """The notebook on this machine: the absolute path if present, else relative to the project."""
+        absolute = Path(self.notebook)
+        if absolute.exists() or project_root is None:
+            return absolute
+        return project_root / self.notebook_rel
+
+
+@dataclass
+class Plan:
+    """The validated runs of an experiment, and the warnings found while planning."""
+
+    experiment: Any  # nbbatch.spec.Experiment
+    runs: list[Run]
+    warnings: list[str] = field(default_factory=list)
+
+
+def _known_kernels() -> dict[str, str]:
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    return KernelSpecManager().find_kernel_specs()
+
+
+def plan(experiment: Any, project: Any = None, check_kernels: bool = True) -> Plan:
+    """Turn an experiment into runs, checking every notebook, kernel, env and parameter first.
+
+    Raises a :class:`~nbbatch.errors.NbbatchError` describing the first problem; nothing runs.
+    ``check_kernels=False`` skips local kernel/env checks (for backends that run elsewhere).
+    """
+    from .envs import require_ready
+    from .errors import ValidationError, did_you_mean
+    from .frameworks import get_framework
+    from .notebook import inspect_notebook, validate_parameters
+    from .project import find_project
+
+    project = project or find_project(experiment.base_dir)
+    project.activate_kernels()
+    combos = experiment.combinations()
+    kernels = _known_kernels() if check_kernels else {}
+    runs: list[Run] = []
+    warnings: list[str] = []
+
+    def notebook_rel(path: Path) -> str:
+        try:
+            return str(path.relative_to(project.root))
+        except ValueError:
+            return path.name
+
+    targets: list[tuple[str, Path, str, str | None, str, dict[str, str], dict[str, str]]] = []
+    for name in experiment.frameworks:
+        framework = get_framework(name, project)
+        if check_kernels:
+            require_ready(framework, project)
+        if experiment.gpus and not framework.gpu:
+            raise ValidationError(f"framework `{name}` cannot use a GPU (frameworks/{name}/framework.yaml says "
+                                  "gpu: false) but the experiment asks for resources.gpus: "
+                                  f"{experiment.gpus}; set gpus: 0 or drop `{name}`")
+        targets.append((name, framework.notebook, framework.kernel_name, name, framework.fingerprint(),
+                        dict(framework.shared_gpu_env), {}))
+    for entry in experiment.notebooks:
+        info = inspect_notebook(entry.path)
+        kernel = entry.kernel or info.kernel
+        if not kernel:
+            raise ValidationError(f"{entry.path.name} names no kernel in its metadata; give one with "
+                                  f"`kernel:` in the experiment (known kernels: {', '.join(sorted(kernels))})")
+        targets.append((entry.label or entry.path.stem, entry.path, kernel, None, kernel, {}, {}))
+
+    for label, notebook, kernel, framework_name, env_lock, shared_env, _ in targets:
+        info = inspect_notebook(notebook)
+        if check_kernels and kernel not in kernels:
+            raise ValidationError(f"kernel `{kernel}` (for {notebook.name}) does not exist{did_you_mean(kernel, kernels)}; "
+                                  f"known kernels: {', '.join(sorted(kernels)) or '(none)'}. "
+                                  "List them with `jupyter kernelspec list`.")
+        for params in combos:
+            warnings.extend(w for w in validate_parameters(info, params) if w not in warnings)
+            run_id = run_id_for(label, info.content, params, env_lock)
+            runs.append(Run(
+                run_id=run_id, experiment=experiment.name, notebook=str(notebook), notebook_rel=notebook_rel(notebook),
+                kernel=kernel, parameters=dict(params), framework=framework_name, gpus=experiment.gpus,
+                timeout_s=experiment.timeout, cell_timeout_s=experiment.cell_timeout, retries=experiment.retries,
+                env=dict(experiment.env), shared_gpu_env=shared_env,
+            ))
+    seen: dict[str, Run] = {}
+    unique: list[Run] = []
+    for run in runs:
+        if run.run_id not in seen:
+            seen[run.run_id] = run
+            unique.append(run)
+        else:
+            warnings.append(f"run {run.run_id} appears twice in the sweep; it runs once")
+    return Plan(experiment, unique, warnings)

@@ -1,0 +1,147 @@
+"""Shares: where executed notebooks and run records go.
+
+A share is addressed by a URL-ish string and chosen by prefix, like papermill's I/O handlers:
+a plain path is a :class:`FileShare`; other schemes (``azfiles://``) are registered by their
+modules. Every share writes atomically: a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from .errors import ShareError
+
+
+@runtime_checkable
+class Share(Protocol):
+    """The storage protocol every share implements. Paths are ``/``-separated and relative."""
+
+    url: str
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Write a whole file atomically (readers see the old file or the new one)."""
+
+    def read_bytes(self, path: str) -> bytes:
+        """Read a whole file; raise ``FileNotFoundError`` when it is absent."""
+
+    def exists(self, path: str) -> bool:
+        """Whether a file or folder exists."""
+
+    def list(self, path: str = "") -> list[str]:
+        """Names directly under a folder (sorted; empty when the folder is absent)."""
+
+    def remove(self, path: str) -> None:
+        """Remove a file or a folder tree; absent is fine."""
+
+    def local_path(self, path: str) -> Path | None:
+        """The path on this machine's file system, when the share is a local folder."""
+
+
+class FileShare:
+    """A folder on a local or network file system (NFS, a mounted Azure Files share…)."""
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = Path(root).expanduser().resolve()
+        self.url = str(self.root)
+
+    def _abs(self, path: str) -> Path:
+        full = (self.root / path).resolve()
+        if full != self.root and self.root not in full.parents:
+            raise ShareError(f"path `{path}` escapes the share {self.root}")
+        return full
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        target = self._abs(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, target)
+        except OSError as exc:
+            with _suppress():
+                os.unlink(tmp)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise ShareError(
+                    f"the share at {self.root} is out of space while writing `{path}`; "
+                    "the previous version of that file (if any) is untouched. Free some space "
+                    "and resubmit: finished runs are kept and skipped."
+                ) from exc
+            raise ShareError(f"cannot write `{path}` in the share {self.root}: {exc}") from exc
+
+    def read_bytes(self, path: str) -> bytes:
+        return self._abs(path).read_bytes()
+
+    def exists(self, path: str) -> bool:
+        return self._abs(path).exists()
+
+    def list(self, path: str = "") -> list[str]:
+        folder = self._abs(path)
+        if not folder.is_dir():
+            return []
+        return sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+
+    def remove(self, path: str) -> None:
+        import shutil
+
+        target = self._abs(path)
+        if target.is_dir():
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            with _suppress():
+                target.unlink()
+
+    def local_path(self, path: str) -> Path | None:
+        return self._abs(path)
+
+    def __repr__(self) -> str:
+        return f"FileShare({str(self.root)!r})"
+
+
+class _suppress:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return True
+
+
+ShareFactory = Callable[[str], Share]
+_SHARES: dict[str, ShareFactory] = {}
+
+
+def register_share(scheme: str, factory: ShareFactory) -> None:
+    """Register a share type for URLs starting with ``scheme://``."""
+    _SHARES[scheme] = factory
+
+
+def open_share(url: str | os.PathLike[str] | Share) -> Share:
+    """Open the share a URL names: ``scheme://…`` by registry, anything else a folder."""
+    if isinstance(url, Share) and not isinstance(url, (str, os.PathLike)):
+        return url
+    text = os.fspath(url)
+    scheme, sep, _ = text.partition("://")
+    if sep:
+        if scheme not in _SHARES:
+            _load_builtin_scheme(scheme)
+        if scheme not in _SHARES:
+            known = ", ".join(sorted(_SHARES) or ["(none)"])
+            raise ShareError(f"no share type for `{scheme}://` (known: {known}); use a folder path or a known scheme")
+        return _SHARES[scheme](text)
+    return FileShare(text)
+
+
+def _load_builtin_scheme(scheme: str) -> None:
+    # Importing the module registers its scheme; kept lazy so `import nbbatch` stays light.
+    builtin = {"azfiles": "nbbatch.azure_share"}
+    if scheme in builtin:
+        import importlib
+
+        importlib.import_module(builtin[scheme])

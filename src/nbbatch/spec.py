@@ -1,0 +1,209 @@
+"""Experiments: what to run (frameworks and/or notebooks × a sweep), with what resources, where.
+
+An experiment comes from a YAML file (:func:`load_experiment`) or is built in Python
+(:class:`Experiment`); both go through the same validation, so a malformed spec is one clear
+error before anything runs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import SpecError, did_you_mean
+from .sweep import expand_sweep
+
+_TOP_KEYS = ("experiment", "frameworks", "notebooks", "parameters", "sweep", "resources", "timeout",
+             "cell_timeout", "retries", "backend", "share", "env")
+_RESOURCE_KEYS = ("gpus", "runs_per_gpu", "max_parallel")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+
+
+@dataclass(frozen=True)
+class NotebookEntry:
+    """A user's own notebook and the (existing) kernel to run it in."""
+
+    path: Path
+    kernel: str | None = None  # None: the kernel named in the notebook's metadata
+    label: str | None = None  # run id prefix (default: the notebook's stem)
+
+
+@dataclass
+class Experiment:
+    """A batch of runs: (frameworks + notebooks) × (fixed parameters ⊕ sweep)."""
+
+    name: str
+    frameworks: list[str] = field(default_factory=list)
+    notebooks: list[NotebookEntry] = field(default_factory=list)
+    parameters: dict[str, Any] = field(default_factory=dict)
+    sweep: dict[str, Any] = field(default_factory=dict)
+    gpus: int = 0
+    runs_per_gpu: int = 1
+    max_parallel: int | None = None
+    timeout: float | None = None
+    cell_timeout: float | None = None
+    retries: int = 0
+    backend: str = "local"
+    backend_settings: dict[str, Any] = field(default_factory=dict)
+    share: str = "results"
+    env: dict[str, str] = field(default_factory=dict)
+    base_dir: Path = field(default_factory=Path.cwd)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`SpecError` naming the first mistake."""
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise SpecError(f"experiment name {self.name!r} must be 1-100 letters, digits, '-', '_' or '.', "
+                            "starting with a letter or digit (it becomes a folder in the share)")
+        if not self.frameworks and not self.notebooks:
+            raise SpecError(f"experiment `{self.name}` runs nothing: list `frameworks:` (see `nbbatch envs list`) "
+                            "and/or `notebooks:`")
+        _nonneg_int("resources.gpus", self.gpus)
+        _nonneg_int("retries", self.retries)
+        _nonneg_int("resources.runs_per_gpu", self.runs_per_gpu, minimum=1)
+        if self.max_parallel is not None:
+            _nonneg_int("resources.max_parallel", self.max_parallel, minimum=1)
+        for key, value in (("timeout", self.timeout), ("cell_timeout", self.cell_timeout)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value <= 0):
+                raise SpecError(f"`{key}` must be a positive number of seconds (got {value!r})")
+        if not isinstance(self.parameters, Mapping):
+            raise SpecError("`parameters` must map names to values, e.g. parameters: {EPOCHS: 5}")
+        for name in self.parameters:
+            if not isinstance(name, str) or not name.isidentifier():
+                raise SpecError(f"parameter name {name!r} is not a valid Python identifier")
+        if not isinstance(self.env, Mapping):
+            raise SpecError("`env` must map variable names to strings")
+        combos = self.combinations()
+        if not combos:
+            raise SpecError(f"experiment `{self.name}`: the sweep is empty")
+
+    def combinations(self) -> list[dict[str, Any]]:
+        """The parameter dicts every framework/notebook runs with (fixed parameters, then the sweep)."""
+        combos = expand_sweep(self.sweep)
+        for combo in combos:
+            for name in combo:
+                if not isinstance(name, str) or not name.isidentifier():
+                    raise SpecError(f"sweep parameter name {name!r} is not a valid Python identifier")
+        return [{**self.parameters, **combo} for combo in combos]
+
+    @classmethod
+    def from_dict(cls, data: Any, base_dir: Path | None = None, default_name: str | None = None) -> Experiment:
+        """Build an experiment from the YAML structure; every mistake is a :class:`SpecError`."""
+        if not isinstance(data, Mapping):
+            raise SpecError("an experiment file must be a YAML mapping (keys like experiment, frameworks, sweep)")
+        unknown = [k for k in data if k not in _TOP_KEYS]
+        if unknown:
+            key = str(unknown[0])
+            raise SpecError(f"unknown key `{key}` in the experiment{did_you_mean(key, _TOP_KEYS)}; "
+                            f"known keys: {', '.join(_TOP_KEYS)}")
+        base = base_dir or Path.cwd()
+        frameworks = data.get("frameworks") or []
+        if isinstance(frameworks, str):
+            frameworks = _all_frameworks() if frameworks == "all" else [frameworks]
+        if not isinstance(frameworks, list) or not all(isinstance(f, str) for f in frameworks):
+            raise SpecError("`frameworks` must be a list of framework names (or `all`)")
+        resources = data.get("resources") or {}
+        if not isinstance(resources, Mapping):
+            raise SpecError("`resources` must be a mapping with gpus, runs_per_gpu, max_parallel")
+        bad = [k for k in resources if k not in _RESOURCE_KEYS]
+        if bad:
+            raise SpecError(f"unknown key `resources.{bad[0]}`{did_you_mean(str(bad[0]), _RESOURCE_KEYS)}; "
+                            f"known: {', '.join(_RESOURCE_KEYS)}")
+        timeout, cell_timeout = data.get("timeout"), data.get("cell_timeout")
+        if isinstance(timeout, Mapping):
+            bad = [k for k in timeout if k not in ("run", "cell")]
+            if bad:
+                raise SpecError(f"unknown key `timeout.{bad[0]}`; use timeout: {{run: SECONDS, cell: SECONDS}}")
+            timeout, cell_timeout = timeout.get("run"), timeout.get("cell", cell_timeout)
+        backend = data.get("backend", "local")
+        settings: dict[str, Any] = {}
+        if isinstance(backend, Mapping):
+            settings = {k: v for k, v in backend.items() if k != "name"}
+            backend = backend.get("name", "local")
+        if not isinstance(backend, str):
+            raise SpecError("`backend` must be a name (local, azureml, ray) or a mapping with `name:` and settings")
+        share = data.get("share", "results")
+        if not isinstance(share, (str, os.PathLike)):
+            raise SpecError("`share` must be a folder path or a share URL such as azfiles://account/share")
+        share = str(share)
+        if "://" not in share:
+            share = str((base / share).resolve())
+        return cls(
+            name=data.get("experiment") or default_name or "experiment",
+            frameworks=list(frameworks),
+            notebooks=[_notebook_entry(n, base) for n in _as_list(data.get("notebooks"), "notebooks")],
+            parameters=dict(data.get("parameters") or {}),
+            sweep=dict(data.get("sweep") or {}) if isinstance(data.get("sweep") or {}, Mapping) else _bad_sweep(),
+            gpus=resources.get("gpus", 0),
+            runs_per_gpu=resources.get("runs_per_gpu", 1),
+            max_parallel=resources.get("max_parallel"),
+            timeout=timeout,
+            cell_timeout=cell_timeout,
+            retries=data.get("retries", 0),
+            backend=backend,
+            backend_settings=settings,
+            share=share,
+            env={str(k): str(v) for k, v in (data.get("env") or {}).items()} if isinstance(data.get("env") or {},
+                                                                                            Mapping) else data["env"],
+            base_dir=base,
+        )
+
+
+def _bad_sweep() -> dict[str, Any]:
+    raise SpecError("`sweep` must be a mapping with any of grid, zip, random")
+
+
+def _nonneg_int(key: str, value: Any, minimum: int = 0) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SpecError(f"`{key}` must be an integer ≥ {minimum} (got {value!r})")
+
+
+def _as_list(value: Any, key: str) -> list[Any]:
+    if value is None:
+        return []
+    if isinstance(value, (str, Mapping)):
+        return [value]
+    if not isinstance(value, list):
+        raise SpecError(f"`{key}` must be a list")
+    return value
+
+
+def _notebook_entry(item: Any, base: Path) -> NotebookEntry:
+    if isinstance(item, str):
+        return NotebookEntry((base / item).resolve())
+    if isinstance(item, Mapping) and isinstance(item.get("path"), str):
+        bad = [k for k in item if k not in ("path", "kernel", "label")]
+        if bad:
+            raise SpecError(f"unknown key `{bad[0]}` in a notebooks entry; use path, kernel, label")
+        return NotebookEntry((base / item["path"]).resolve(), item.get("kernel"), item.get("label"))
+    raise SpecError(f"each `notebooks` entry is a path or {{path: ..., kernel: ...}} (got {item!r})")
+
+
+def _all_frameworks() -> list[str]:
+    from .frameworks import list_frameworks
+
+    return list(list_frameworks())
+
+
+def load_experiment(path: str | os.PathLike[str]) -> Experiment:
+    """Read and validate an experiment YAML file."""
+    path = Path(path)
+    if not path.exists():
+        raise SpecError(f"experiment file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{path} is not valid YAML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"{path} is not a text file: {exc}") from exc
+    return Experiment.from_dict(data, base_dir=path.resolve().parent, default_name=path.stem)

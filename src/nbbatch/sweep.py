@@ -1,0 +1,125 @@
+"""Parameter sweeps: ``grid`` (product), ``zip`` (side by side) and ``random`` (sampled by seed).
+
+A sweep is a mapping with any of the three keys; they are crossed with each other (and later with
+the frameworks). Each yields a list of parameter dicts, reproducible for a given seed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import SpecError, did_you_mean
+
+DISTRIBUTIONS = ("uniform", "loguniform", "normal", "randint", "choice")
+SWEEP_KINDS = ("grid", "zip", "random")
+
+
+def _grid(spec: Any) -> list[dict[str, Any]]:
+    if not isinstance(spec, Mapping) or not spec:
+        raise SpecError("sweep.grid must map parameter names to lists of values, e.g. grid: {LR: [0.01, 0.1]}")
+    for name, values in spec.items():
+        if not isinstance(values, list) or not values:
+            raise SpecError(f"sweep.grid.{name} must be a non-empty list of values (got {values!r})")
+    names = list(spec)
+    return [dict(zip(names, combo, strict=True)) for combo in itertools.product(*(spec[n] for n in names))]
+
+
+def _zip(spec: Any) -> list[dict[str, Any]]:
+    if not isinstance(spec, Mapping) or not spec:
+        raise SpecError("sweep.zip must map parameter names to lists of equal length, e.g. zip: {LR: [0.1, 0.01], "
+                        "EPOCHS: [5, 10]}")
+    lengths = {}
+    for name, values in spec.items():
+        if not isinstance(values, list) or not values:
+            raise SpecError(f"sweep.zip.{name} must be a non-empty list of values (got {values!r})")
+        lengths[name] = len(values)
+    if len(set(lengths.values())) != 1:
+        detail = ", ".join(f"{k}: {v}" for k, v in lengths.items())
+        raise SpecError(f"sweep.zip lists must have the same length ({detail})")
+    names = list(spec)
+    return [dict(zip(names, combo, strict=True)) for combo in zip(*(spec[n] for n in names), strict=True)]
+
+
+def _pair(name: str, kind: str, args: Any) -> tuple[float, float]:
+    if not isinstance(args, list) or len(args) != 2 or not all(isinstance(a, (int, float)) and not isinstance(a, bool)
+                                                               for a in args):
+        raise SpecError(f"sweep.random.{name}: `{kind}` takes two numbers, e.g. {{{kind}: [0.001, 0.1]}} (got {args!r})")
+    return float(args[0]), float(args[1])
+
+
+def _sampler(name: str, spec: Any):
+    if isinstance(spec, list):
+        spec = {"choice": spec}
+    if not isinstance(spec, Mapping) or len(spec) != 1:
+        raise SpecError(f"sweep.random.{name} must be one distribution, e.g. {{loguniform: [1e-4, 1e-1]}}; known: "
+                        f"{', '.join(DISTRIBUTIONS)}")
+    (kind, args), = spec.items()
+    if kind not in DISTRIBUTIONS:
+        raise SpecError(f"sweep.random.{name}: unknown distribution `{kind}`{did_you_mean(kind, DISTRIBUTIONS)}; "
+                        f"known: {', '.join(DISTRIBUTIONS)}")
+    if kind == "choice":
+        if not isinstance(args, list) or not args:
+            raise SpecError(f"sweep.random.{name}: choice takes a non-empty list")
+        return lambda rng: rng.choice(args)
+    low, high = _pair(name, kind, args)
+    if kind == "uniform":
+        if high <= low:
+            raise SpecError(f"sweep.random.{name}: uniform needs low < high (got {args})")
+        return lambda rng: rng.uniform(low, high)
+    if kind == "loguniform":
+        if not 0 < low < high:
+            raise SpecError(f"sweep.random.{name}: loguniform needs 0 < low < high (got {args})")
+        return lambda rng: math.exp(rng.uniform(math.log(low), math.log(high)))
+    if kind == "normal":
+        if high <= 0:
+            raise SpecError(f"sweep.random.{name}: normal takes [mean, stddev] with stddev > 0 (got {args})")
+        return lambda rng: rng.gauss(low, high)
+    if low != int(low) or high != int(high) or high < low:
+        raise SpecError(f"sweep.random.{name}: randint takes two integers low <= high, both included (got {args})")
+    return lambda rng: rng.randint(int(low), int(high))
+
+
+def _random(spec: Any) -> list[dict[str, Any]]:
+    if not isinstance(spec, Mapping):
+        raise SpecError("sweep.random must be a mapping: {samples: N, seed: S, params: {NAME: {distribution: args}}}")
+    unknown = set(spec) - {"samples", "seed", "params"}
+    if unknown:
+        key = sorted(unknown)[0]
+        raise SpecError(f"sweep.random: unknown key `{key}`{did_you_mean(key, ['samples', 'seed', 'params'])}; "
+                        "use samples, seed and params")
+    samples = spec.get("samples")
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
+        raise SpecError(f"sweep.random.samples must be a positive integer (got {samples!r})")
+    seed = spec.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise SpecError(f"sweep.random.seed must be an integer (got {seed!r})")
+    params = spec.get("params")
+    if not isinstance(params, Mapping) or not params:
+        raise SpecError("sweep.random.params must map parameter names to distributions")
+    samplers = {name: _sampler(name, dist) for name, dist in params.items()}
+    rng = random.Random(seed)
+    return [{name: draw(rng) for name, draw in samplers.items()} for _ in range(samples)]
+
+
+def expand_sweep(sweep: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """All parameter combinations a sweep describes (``[{}]`` for no sweep)."""
+    if not sweep:
+        return [{}]
+    if not isinstance(sweep, Mapping):
+        raise SpecError("`sweep` must be a mapping with any of grid, zip, random")
+    unknown = set(sweep) - set(SWEEP_KINDS)
+    if unknown:
+        key = sorted(unknown)[0]
+        raise SpecError(f"sweep: unknown kind `{key}`{did_you_mean(key, SWEEP_KINDS)}; use grid, zip or random")
+    parts = [{"grid": _grid, "zip": _zip, "random": _random}[kind](sweep[kind]) for kind in SWEEP_KINDS if kind in sweep]
+    combos: list[dict[str, Any]] = [{}]
+    for part in parts:
+        clash = set(part[0]) & set(combos[0])
+        if clash:
+            raise SpecError(f"sweep: parameter `{sorted(clash)[0]}` appears in more than one sweep kind")
+        combos = [{**a, **b} for a in combos for b in part]
+    return combos

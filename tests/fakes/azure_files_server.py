@@ -1,0 +1,397 @@
+"""A fake Azure Files REST endpoint on 127.0.0.1, for the real azure-storage-file-share client.
+
+It speaks the part of the File service REST API that :class:`nbbatch.azure_share.AzureFileShare`
+uses — shares, directories (create, properties, list, delete), files (create, Put Range, Get
+Properties, ranged Get, rename, delete) — in memory, and answers errors the way the service does: a
+status code, an ``x-ms-error-code`` header and an XML ``<Error>`` body, so the SDK raises
+``ResourceNotFoundError`` / ``ResourceExistsError``. Signatures are not verified, but every request
+must carry a ``SharedKey`` ``Authorization`` header and an ``x-ms-version``.
+
+Start it with ``with FakeAzureFiles() as server: ...``; :attr:`FakeAzureFiles.endpoint` is the
+account URL (``http://127.0.0.1:PORT/devstoreaccount1``).
+"""
+
+from __future__ import annotations
+
+import email.utils
+import re
+import threading
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+from xml.sax.saxutils import escape
+
+ACCOUNT = "devstoreaccount1"
+# Not a real key: any base64 string signs requests; the fake does not check signatures.
+FAKE_KEY = "ZmFrZS1rZXktZm9yLW5iYmF0Y2gtdGVzdHMtb25seS0wMTIzNDU2Nzg5YWJjZGVm"
+
+
+@dataclass
+class _File:
+    data: bytearray
+    etag: str = field(default_factory=lambda: f'"0x{uuid.uuid4().hex[:16].upper()}"')
+    modified: str = field(default_factory=lambda: email.utils.formatdate(usegmt=True))
+
+    def touch(self) -> None:
+        self.etag = f'"0x{uuid.uuid4().hex[:16].upper()}"'
+        self.modified = email.utils.formatdate(usegmt=True)
+
+
+@dataclass
+class _Share:
+    dirs: set[str] = field(default_factory=lambda: {""})
+    files: dict[str, _File] = field(default_factory=dict)
+
+
+@dataclass
+class Request:
+    """One request the fake received (for assertions)."""
+
+    method: str
+    path: str
+    query: dict[str, str]
+    headers: dict[str, str]
+    body: bytes
+
+
+class FakeAzureFiles:
+    """An in-memory Azure Files account served over HTTP on 127.0.0.1 (an ephemeral port)."""
+
+    def __init__(self, account: str = ACCOUNT) -> None:
+        self.account = account
+        self.shares: dict[str, _Share] = {}
+        self.requests: list[Request] = []
+        self.lock = threading.RLock()
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # lifecycle -------------------------------------------------------------------------
+    def start(self) -> FakeAzureFiles:
+        fake = self
+
+        class Handler(_Handler):
+            server_state = fake
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name="fake-azure-files", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def __enter__(self) -> FakeAzureFiles:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None, "start() the fake first"
+        return int(self._server.server_address[1])
+
+    @property
+    def endpoint(self) -> str:
+        """The account URL the SDK is given (path-style, as for the storage emulator)."""
+        return f"http://127.0.0.1:{self.port}/{self.account}"
+
+    def connection_string(self, key: str = FAKE_KEY) -> str:
+        return (f"DefaultEndpointsProtocol=http;AccountName={self.account};AccountKey={key};"
+                f"FileEndpoint={self.endpoint}")
+
+    # direct access for tests ------------------------------------------------------------
+    def create_share(self, name: str) -> None:
+        with self.lock:
+            self.shares.setdefault(name, _Share())
+
+    def file_names(self, share: str) -> list[str]:
+        with self.lock:
+            return sorted(self.shares[share].files)
+
+    def file_bytes(self, share: str, path: str) -> bytes:
+        with self.lock:
+            return bytes(self.shares[share].files[path].data)
+
+
+class _Error(Exception):
+    def __init__(self, status: int, code: str, message: str = "", headers: dict[str, str] | None = None):
+        super().__init__(message or code)
+        self.status, self.code, self.message, self.headers = status, code, message or code, headers or {}
+
+
+_RANGE = re.compile(r"bytes=(\d+)-(\d*)")
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_state: FakeAzureFiles
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet test output
+        return None
+
+    # dispatch -----------------------------------------------------------------------------
+    def do_PUT(self) -> None:
+        self._dispatch()
+
+    def do_GET(self) -> None:
+        self._dispatch()
+
+    def do_HEAD(self) -> None:
+        self._dispatch()
+
+    def do_DELETE(self) -> None:
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        parts = urlsplit(self.path)
+        query = {k: v[0] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        fake = self.server_state
+        segments = [unquote(s) for s in parts.path.split("/") if s]
+        request = Request(self.command, parts.path, query, {k.lower(): v for k, v in self.headers.items()}, body)
+        with fake.lock:
+            fake.requests.append(request)
+            try:
+                self._check_auth(request)
+                if not segments or segments[0] != fake.account:
+                    raise _Error(400, "InvalidUri", f"expected /{fake.account}/... in {parts.path}")
+                if len(segments) < 2:
+                    raise _Error(400, "InvalidUri", "no share in the URL")
+                share_name, path = segments[1], "/".join(segments[2:])
+                status, headers, payload = self._handle(request, share_name, path)
+            except _Error as err:
+                status, headers = err.status, {"x-ms-error-code": err.code, **err.headers}
+                payload = (f'<?xml version="1.0" encoding="utf-8"?><Error><Code>{err.code}</Code>'
+                           f"<Message>{escape(err.message)}</Message></Error>").encode()
+                headers["Content-Type"] = "application/xml"
+        self._reply(status, headers, payload)
+
+    def _reply(self, status: int, headers: dict[str, str], payload: bytes) -> None:
+        self.send_response(status)
+        base = {"x-ms-request-id": str(uuid.uuid4()), "x-ms-version": self.headers.get("x-ms-version", ""),
+                "Date": email.utils.formatdate(usegmt=True)}
+        for key, value in {**base, **headers}.items():
+            self.send_header(key, value)
+        if "Content-Length" not in headers:
+            self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        if self.command != "HEAD" and payload:
+            self.wfile.write(payload)
+
+    @staticmethod
+    def _check_auth(request: Request) -> None:
+        auth = request.headers.get("authorization", "")
+        if not auth.startswith("SharedKey ") or ":" not in auth:
+            raise _Error(403, "AuthenticationFailed", "a SharedKey Authorization header is required")
+        if not request.headers.get("x-ms-version"):
+            raise _Error(400, "MissingRequiredHeader", "x-ms-version is required")
+
+    # operations ----------------------------------------------------------------------------
+    def _handle(self, request: Request, share_name: str, path: str) -> tuple[int, dict[str, str], bytes]:
+        fake = self.server_state
+        q = request.query
+        method = request.method
+        if q.get("restype") == "share" and not path:
+            if method == "PUT":
+                if share_name in fake.shares:
+                    raise _Error(409, "ShareAlreadyExists", f"share {share_name} exists")
+                fake.shares[share_name] = _Share()
+                return 201, _props(), b""
+            share = self._share(share_name)
+            if method in ("GET", "HEAD"):
+                return 200, _props(), b""
+            if method == "DELETE":
+                del fake.shares[share_name]
+                return 202, {}, b""
+        share = self._share(share_name)
+        if q.get("restype") == "directory":
+            if q.get("comp") == "list" and method == "GET":
+                return self._list(share, share_name, path, q)
+            if method == "PUT" and not q.get("comp"):
+                return self._create_directory(share, path)
+            if method in ("GET", "HEAD") and not q.get("comp"):
+                if path not in share.dirs:
+                    raise _Error(404, "ResourceNotFound", f"directory {path} does not exist")
+                return 200, _props(), b""
+            if method == "DELETE":
+                return self._delete_directory(share, path)
+        if q.get("comp") == "range" and method == "PUT":
+            return self._put_range(share, path, request)
+        if q.get("comp") == "rename" and method == "PUT":
+            return self._rename(share, share_name, path, request)
+        if not q.get("comp") and not q.get("restype"):
+            if method == "PUT" and request.headers.get("x-ms-type", "").lower() == "file":
+                return self._create_file(share, path, request)
+            if method == "HEAD":
+                return self._file_properties(share, path)
+            if method == "GET":
+                return self._download(share, path, request)
+            if method == "DELETE":
+                if path not in share.files:
+                    raise _Error(404, "ResourceNotFound", f"file {path} does not exist")
+                del share.files[path]
+                return 202, {}, b""
+        raise _Error(400, "UnsupportedHttpVerb", f"the fake does not implement {method} {request.path} {q}")
+
+    def _share(self, name: str) -> _Share:
+        try:
+            return self.server_state.shares[name]
+        except KeyError:
+            raise _Error(404, "ShareNotFound", f"share {name} does not exist") from None
+
+    @staticmethod
+    def _parent(path: str) -> str:
+        return path.rpartition("/")[0]
+
+    def _create_directory(self, share: _Share, path: str) -> tuple[int, dict[str, str], bytes]:
+        if path in share.dirs or path in share.files:
+            raise _Error(409, "ResourceAlreadyExists", f"{path} exists")
+        if self._parent(path) not in share.dirs:
+            raise _Error(404, "ParentNotFound", f"the parent of {path} does not exist")
+        share.dirs.add(path)
+        return 201, _props(), b""
+
+    def _delete_directory(self, share: _Share, path: str) -> tuple[int, dict[str, str], bytes]:
+        if path not in share.dirs or not path:
+            raise _Error(404, "ResourceNotFound", f"directory {path} does not exist")
+        prefix = path + "/"
+        if any(d.startswith(prefix) for d in share.dirs) or any(f.startswith(prefix) for f in share.files):
+            raise _Error(409, "DirectoryNotEmpty", f"directory {path} is not empty")
+        share.dirs.discard(path)
+        return 202, {}, b""
+
+    def _list(self, share: _Share, share_name: str, path: str, q: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+        if path not in share.dirs:
+            raise _Error(404, "ResourceNotFound", f"directory {path} does not exist")
+        prefix = path + "/" if path else ""
+        entries: list[tuple[str, str, int]] = []
+        for d in share.dirs:
+            if d and d.startswith(prefix) and "/" not in d[len(prefix):]:
+                entries.append((d[len(prefix):], "Directory", 0))
+        for f, item in share.files.items():
+            if f.startswith(prefix) and "/" not in f[len(prefix):]:
+                entries.append((f[len(prefix):], "File", len(item.data)))
+        entries = sorted(e for e in entries if e[0].startswith(q.get("prefix", "")))
+        start = int(q.get("marker") or 0)
+        limit = int(q.get("maxresults") or 5000)
+        page, rest = entries[start:start + limit], entries[start + limit:]
+        next_marker = str(start + limit) if rest else ""
+        items = []
+        for name, kind, size in page:
+            props = f"<Content-Length>{size}</Content-Length>" if kind == "File" else ""
+            items.append(f"<{kind}><Name>{escape(name)}</Name><Properties>{props}</Properties></{kind}>")
+        xml = (f'<?xml version="1.0" encoding="utf-8"?><EnumerationResults '
+               f'ServiceEndpoint="{escape(self.server_state.endpoint)}/" ShareName="{escape(share_name)}" '
+               f'DirectoryPath="{escape(path)}"><Entries>{"".join(items)}</Entries>'
+               f"<NextMarker>{next_marker}</NextMarker></EnumerationResults>")
+        return 200, {"Content-Type": "application/xml"}, xml.encode()
+
+    def _create_file(self, share: _Share, path: str, request: Request) -> tuple[int, dict[str, str], bytes]:
+        if self._parent(path) not in share.dirs:
+            raise _Error(404, "ParentNotFound", f"the parent of {path} does not exist")
+        if path in share.dirs:
+            raise _Error(409, "ResourceAlreadyExists", f"{path} is a directory")
+        size = int(request.headers.get("x-ms-content-length", "-1"))
+        if size < 0:
+            raise _Error(400, "MissingRequiredHeader", "x-ms-content-length is required")
+        share.files[path] = _File(bytearray(size))
+        return 201, _props(share.files[path]), b""
+
+    def _put_range(self, share: _Share, path: str, request: Request) -> tuple[int, dict[str, str], bytes]:
+        item = share.files.get(path)
+        if item is None:
+            raise _Error(404, "ResourceNotFound", f"file {path} does not exist")
+        match = _RANGE.fullmatch(request.headers.get("x-ms-range") or request.headers.get("range") or "")
+        if not match or not match.group(2):
+            raise _Error(400, "InvalidHeaderValue", "a range bytes=start-end is required")
+        start, end = int(match.group(1)), int(match.group(2))
+        if end >= len(item.data) or end < start:
+            raise _Error(416, "InvalidRange", f"range {start}-{end} is outside the file ({len(item.data)} bytes)")
+        if request.headers.get("x-ms-write", "update") == "clear":
+            item.data[start:end + 1] = bytes(end - start + 1)
+        else:
+            if len(request.body) != end - start + 1:
+                raise _Error(400, "InvalidHeaderValue", "the body length does not match the range")
+            item.data[start:end + 1] = request.body
+        item.touch()
+        return 201, _props(item), b""
+
+    def _rename(self, share: _Share, share_name: str, path: str, request: Request) -> tuple[int, dict[str, str], bytes]:
+        source_url = request.headers.get("x-ms-file-rename-source")
+        if not source_url:
+            raise _Error(400, "MissingRequiredHeader", "x-ms-file-rename-source is required")
+        source_parts = [unquote(s) for s in urlsplit(source_url).path.split("/") if s]
+        # The source may be a full URL (…/account/share/path) or a share-relative path.
+        if len(source_parts) >= 2 and source_parts[0] == self.server_state.account:
+            if source_parts[1] != share_name:
+                raise _Error(400, "InvalidHeaderValue", "rename across shares is not supported")
+            source = "/".join(source_parts[2:])
+        else:
+            source = "/".join(source_parts)
+        if source not in share.files:
+            raise _Error(404, "ResourceNotFound", f"rename source {source} does not exist")
+        if self._parent(path) not in share.dirs:
+            raise _Error(404, "ParentNotFound", f"the parent of {path} does not exist")
+        if path in share.dirs:
+            raise _Error(409, "ResourceAlreadyExists", f"{path} is a directory")
+        replace = request.headers.get("x-ms-file-rename-replace-if-exists", "false").lower() == "true"
+        if path in share.files and not replace:
+            raise _Error(409, "ResourceAlreadyExists", f"{path} exists")
+        share.files[path] = share.files.pop(source)
+        share.files[path].touch()
+        return 200, _props(share.files[path]), b""
+
+    def _file_properties(self, share: _Share, path: str) -> tuple[int, dict[str, str], bytes]:
+        item = share.files.get(path)
+        if item is None:
+            raise _Error(404, "ResourceNotFound", f"file {path} does not exist")
+        headers = _props(item)
+        headers.update({"Content-Length": str(len(item.data)), "x-ms-type": "File",
+                        "Content-Type": "application/octet-stream"})
+        return 200, headers, b""
+
+    def _download(self, share: _Share, path: str, request: Request) -> tuple[int, dict[str, str], bytes]:
+        item = share.files.get(path)
+        if item is None:
+            raise _Error(404, "ResourceNotFound", f"file {path} does not exist")
+        size = len(item.data)
+        headers = _props(item)
+        headers.update({"x-ms-type": "File", "Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"})
+        spec = request.headers.get("x-ms-range") or request.headers.get("range")
+        if not spec:
+            return 200, headers, bytes(item.data)
+        match = _RANGE.fullmatch(spec)
+        if not match:
+            raise _Error(400, "InvalidHeaderValue", f"bad range {spec}")
+        start = int(match.group(1))
+        end = int(match.group(2)) if match.group(2) else size - 1
+        if start >= size:
+            raise _Error(416, "InvalidRange", "the range is not satisfiable",
+                         {"Content-Range": f"bytes */{size}"})
+        end = min(end, size - 1)
+        headers["Content-Range"] = f"bytes {start}-{end}/{size}"
+        return 206, headers, bytes(item.data[start:end + 1])
+
+
+def _props(item: _File | None = None) -> dict[str, str]:
+    now = email.utils.formatdate(usegmt=True)
+    return {
+        "ETag": item.etag if item else f'"0x{uuid.uuid4().hex[:16].upper()}"',
+        "Last-Modified": item.modified if item else now,
+        "x-ms-request-server-encrypted": "true",
+        "x-ms-file-attributes": "Archive" if item else "Directory",
+        "x-ms-file-creation-time": "2024-01-01T00:00:00.0000000Z",
+        "x-ms-file-last-write-time": "2024-01-01T00:00:00.0000000Z",
+        "x-ms-file-change-time": "2024-01-01T00:00:00.0000000Z",
+        "x-ms-file-permission-key": "1234567890*1234567890",
+        "x-ms-file-id": "13835128424026341376",
+        "x-ms-file-parent-id": "0",
+    }

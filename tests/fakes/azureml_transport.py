@@ -1,0 +1,388 @@
+"""A fake Azure ML control plane behind azure-core's ``transport=`` hook.
+
+The real :class:`azure.ai.ml.MLClient` builds real HTTP requests; :class:`CannedTransport` hands
+them to :class:`FakeAzureML`, which routes them by method and URL to small handlers that keep state
+(computes, environments, code assets, datastores, jobs) and answer with the JSON bodies the
+service sends. Nothing leaves the process. Requests no handler knows are answered 404 and kept in
+:attr:`CannedTransport.unmatched`, so a test can assert that the SDK asked only for what was canned.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import requests
+from azure.core.credentials import AccessToken, AccessTokenInfo
+from azure.core.pipeline.transport import HttpTransport
+from azure.core.pipeline.transport._requests_basic import RequestsTransportResponse
+from azure.core.rest._requests_basic import RestRequestsTransportResponse
+from requests.structures import CaseInsensitiveDict
+from urllib3 import HTTPResponse
+
+ARM = "https://management.azure.com"
+PROVIDER = "providers/Microsoft.MachineLearningServices"
+
+Reply = tuple[int, Any, dict[str, str]]
+Handler = Callable[["Call"], Reply]
+
+
+class FakeCredential:
+    """A TokenCredential that hands out a constant token and counts the scopes asked for."""
+
+    def __init__(self) -> None:
+        self.scopes: list[str] = []
+
+    def get_token(self, *scopes: str, **kwargs: Any) -> AccessToken:
+        self.scopes.extend(scopes)
+        return AccessToken("fake-aad-token", int(time.time()) + 3600)
+
+    def get_token_info(self, *scopes: str, options: Any = None) -> AccessTokenInfo:
+        self.scopes.extend(scopes)
+        return AccessTokenInfo("fake-aad-token", int(time.time()) + 3600)
+
+
+@dataclass
+class Call:
+    """One request the SDK sent, as the handlers see it."""
+
+    method: str
+    url: str
+    path: str
+    query: dict[str, list[str]]
+    headers: dict[str, str]
+    body: bytes
+    match: re.Match[str] | None = None
+
+    def json(self) -> Any:
+        return json.loads(self.body) if self.body else None
+
+
+def _request_body(request: Any) -> bytes:
+    for attr in ("content", "data", "body"):
+        value = getattr(request, attr, None)
+        if value is None:
+            continue
+        if isinstance(value, str):
+            return value.encode()
+        if isinstance(value, (bytes, bytearray)):
+            return bytes(value)
+        if isinstance(value, (dict, list)):
+            return json.dumps(value).encode()
+    return b""
+
+
+class CannedTransport(HttpTransport):
+    """An azure-core transport that answers every request from a routing table, in process."""
+
+    def __init__(self) -> None:
+        self.routes: list[tuple[str, re.Pattern[str], Handler]] = []
+        self.calls: list[Call] = []
+        self.unmatched: list[Call] = []
+        self._lock = threading.Lock()
+
+    def route(self, method: str, pattern: str, handler: Handler) -> None:
+        """Answer ``method`` requests whose URL path matches ``pattern`` (a regex, anchored) with ``handler``."""
+        self.routes.append((method.upper(), re.compile(pattern + r"/?$"), handler))
+
+    # HttpTransport -------------------------------------------------------------------------
+    def open(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    def __enter__(self) -> CannedTransport:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        return None
+
+    def sleep(self, duration: float) -> None:  # LRO polling: no need to wait in tests
+        return None
+
+    def send(self, request: Any, **kwargs: Any) -> Any:
+        parts = urlsplit(request.url)
+        call = Call(
+            method=request.method.upper(),
+            url=request.url,
+            path=parts.path,
+            query=parse_qs(parts.query),
+            headers=dict(request.headers),
+            body=_request_body(request),
+        )
+        with self._lock:
+            self.calls.append(call)
+            for method, pattern, handler in self.routes:
+                match = pattern.match(call.path)
+                if method == call.method and match:
+                    call.match = match
+                    status, payload, headers = handler(call)
+                    break
+            else:
+                self.unmatched.append(call)
+                status, payload, headers = 404, _error("NotFound", f"no canned answer for {call.method} {call.path}"), {}
+        return _response(request, status, payload, headers)
+
+
+def _response(request: Any, status: int, payload: Any, headers: dict[str, str]) -> Any:
+    if isinstance(payload, bytes):
+        raw = payload
+    elif payload is None:
+        raw = b""
+    else:
+        raw = json.dumps(payload).encode()
+    internal = requests.Response()
+    internal.status_code = status
+    internal.headers = CaseInsensitiveDict({"Content-Type": "application/json; charset=utf-8", **headers})
+    internal._content = raw
+    internal.raw = HTTPResponse(body=io.BytesIO(raw), preload_content=False, status=status)
+    internal.reason = {200: "OK", 201: "Created", 202: "Accepted", 204: "No Content", 404: "Not Found"}.get(status, "")
+    internal.url = request.url
+    internal.encoding = "utf-8"
+    if type(request).__module__.startswith("azure.core.rest"):
+        return RestRequestsTransportResponse(request=request, internal_response=internal)
+    return RequestsTransportResponse(request, internal)
+
+
+def _error(code: str, message: str) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message}}
+
+
+def _not_found(what: str) -> Reply:
+    return 404, _error("UserError", f"{what} not found"), {"x-ms-error-code": "ResourceNotFound"}
+
+
+@dataclass
+class FakeAzureML:
+    """State and canned answers of one workspace's control plane (ARM + run history)."""
+
+    subscription: str = "00000000-0000-0000-0000-000000000000"
+    resource_group: str = "rg-nbbatch"
+    workspace: str = "ws-nbbatch"
+    location: str = "westeurope"
+    computes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    nodes: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    environments: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    codes: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    datastores: dict[str, dict[str, Any]] = field(default_factory=dict)
+    jobs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    cancelled: list[str] = field(default_factory=list)
+    compute_errors: list[dict[str, Any]] = field(default_factory=list)
+    code_uploaded: bool = True  # answer "this snapshot hash exists" so the SDK skips the blob upload
+    code_hashes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.transport = CannedTransport()
+        self.credential = FakeCredential()
+        self._install()
+
+    # helpers for tests -------------------------------------------------------------------------
+    @property
+    def ws_path(self) -> str:
+        return (f"/subscriptions/{self.subscription}/resourceGroups/{self.resource_group}/"
+                f"{PROVIDER}/workspaces/{self.workspace}")
+
+    def ml_client(self) -> Any:
+        """A real MLClient whose every request goes to this fake, failing at once (no retries)."""
+        from azure.ai.ml import MLClient
+
+        return MLClient(
+            self.credential, self.subscription, self.resource_group, self.workspace,
+            transport=self.transport, retry_total=0,
+        )
+
+    def set_job_status(self, name: str, status: str, error: str | None = None) -> None:
+        self.jobs[name]["properties"]["status"] = status
+        if error:
+            self.jobs[name]["properties"].setdefault("properties", {})["azureml.nbbatch.fake-error"] = error
+
+    def forget_code_snapshots(self) -> None:
+        """Make the service answer that no snapshot was uploaded yet (the SDK then uploads to blob storage)."""
+        self.code_uploaded = False
+
+    # routing ------------------------------------------------------------------------------------
+    def _install(self) -> None:
+        ws = re.escape(self.ws_path)
+        t = self.transport
+        t.route("GET", ws, self._get_workspace)
+        t.route("PUT", ws + r"/computes/(?P<name>[^/]+)", self._put_compute)
+        t.route("GET", ws + r"/computes/(?P<name>[^/]+)", self._get_compute)
+        t.route("PATCH", ws + r"/computes/(?P<name>[^/]+)", self._patch_compute)
+        t.route("DELETE", ws + r"/computes/(?P<name>[^/]+)", self._delete_compute)
+        t.route("POST", ws + r"/computes/(?P<name>[^/]+)/listNodes", self._list_nodes)
+        t.route("GET", r"/fake-operations/(?P<op>[^/]+)", self._get_operation)
+        t.route("GET", ws + r"/environments/(?P<name>[^/]+)/versions/(?P<version>[^/]+)", self._get_environment)
+        t.route("PUT", ws + r"/environments/(?P<name>[^/]+)/versions/(?P<version>[^/]+)", self._put_environment)
+        t.route("GET", ws + r"/codes/(?P<name>[^/]+)/versions", self._list_codes)
+        t.route("GET", ws + r"/codes/(?P<name>[^/]+)/versions/(?P<version>[^/]+)", self._get_code)
+        t.route("GET", ws + r"/datastores/(?P<name>[^/]+)", self._get_datastore)
+        t.route("PUT", ws + r"/datastores/(?P<name>[^/]+)", self._put_datastore)
+        t.route("PUT", ws + r"/jobs/(?P<name>[^/]+)", self._put_job)
+        t.route("GET", ws + r"/jobs/(?P<name>[^/]+)", self._get_job)
+        t.route("POST", ws + r"/jobs/(?P<name>[^/]+)/cancel", self._cancel_job)
+
+    # workspace ------------------------------------------------------------------------------
+    def _get_workspace(self, call: Call) -> Reply:
+        return 200, {
+            "id": self.ws_path, "name": self.workspace, "location": self.location,
+            "type": "Microsoft.MachineLearningServices/workspaces",
+            "properties": {
+                "friendlyName": self.workspace,
+                "discoveryUrl": f"https://{self.location}.api.azureml.ms/discovery",
+                "mlFlowTrackingUri": f"azureml://{self.location}.api.azureml.ms/mlflow/v1.0{self.ws_path}",
+                "workspaceId": "11111111-1111-1111-1111-111111111111",
+            },
+        }, {}
+
+    # computes --------------------------------------------------------------------------------
+    def _operation(self) -> dict[str, str]:
+        return {"Azure-AsyncOperation": f"{ARM}/fake-operations/{len(self.transport.calls)}?api-version=2023-08-01"}
+
+    def _get_operation(self, call: Call) -> Reply:
+        return 200, {"status": "Succeeded"}, {}
+
+    def _put_compute(self, call: Call) -> Reply:
+        name = call.match["name"]  # type: ignore[index]
+        body = call.json()
+        body.update({"id": f"{self.ws_path}/computes/{name}", "name": name,
+                     "type": "Microsoft.MachineLearningServices/workspaces/computes"})
+        props = body["properties"]
+        props["provisioningState"] = "Succeeded"
+        inner = props.setdefault("properties", {})
+        scale = inner.get("scaleSettings") or {}
+        inner.update({
+            "allocationState": "Steady",
+            "currentNodeCount": scale.get("minNodeCount", 0),
+            "targetNodeCount": scale.get("minNodeCount", 0),
+            "nodeStateCounts": {"idleNodeCount": scale.get("minNodeCount", 0), "runningNodeCount": 0,
+                                "preparingNodeCount": 0, "unusableNodeCount": 0, "leavingNodeCount": 0,
+                                "preemptedNodeCount": 0},
+            "errors": self.compute_errors or None,
+        })
+        created = name not in self.computes
+        self.computes[name] = body
+        return (201 if created else 200), body, self._operation()
+
+    def _get_compute(self, call: Call) -> Reply:
+        name = call.match["name"]  # type: ignore[index]
+        if name not in self.computes:
+            return _not_found(f"compute {name}")
+        body = self.computes[name]
+        body["properties"]["properties"]["errors"] = self.compute_errors or None
+        return 200, body, {}
+
+    def _patch_compute(self, call: Call) -> Reply:
+        name = call.match["name"]  # type: ignore[index]
+        if name not in self.computes:
+            return _not_found(f"compute {name}")
+        patch = call.json() or {}
+        scale = (patch.get("properties", {}).get("scaleSettings")) or {}
+        inner = self.computes[name]["properties"]["properties"]
+        inner.setdefault("scaleSettings", {}).update(scale)
+        return 200, self.computes[name], self._operation()
+
+    def _delete_compute(self, call: Call) -> Reply:
+        name = call.match["name"]  # type: ignore[index]
+        if name not in self.computes:
+            return 204, None, {}
+        del self.computes[name]
+        return 202, None, self._operation()
+
+    def _list_nodes(self, call: Call) -> Reply:
+        name = call.match["name"]  # type: ignore[index]
+        if name not in self.computes:
+            return _not_found(f"compute {name}")
+        return 200, {"nodes": self.nodes.get(name, []), "nextLink": None}, {}
+
+    # environments -------------------------------------------------------------------------
+    def _get_environment(self, call: Call) -> Reply:
+        key = (call.match["name"], call.match["version"])  # type: ignore[index]
+        if key not in self.environments:
+            return _not_found(f"environment {key}")
+        return 200, self.environments[key], {}
+
+    def _put_environment(self, call: Call) -> Reply:
+        name, version = call.match["name"], call.match["version"]  # type: ignore[index]
+        body = call.json()
+        body.update({"id": f"{self.ws_path}/environments/{name}/versions/{version}", "name": version,
+                     "type": "Microsoft.MachineLearningServices/workspaces/environments/versions"})
+        self.environments[(name, version)] = body
+        return 201, body, {}
+
+    # code ------------------------------------------------------------------------------------------
+    def _code_body(self, name: str, version: str) -> dict[str, Any]:
+        return {
+            "id": f"{self.ws_path}/codes/{name}/versions/{version}", "name": version,
+            "type": "Microsoft.MachineLearningServices/workspaces/codes/versions",
+            "properties": {"codeUri": f"https://fakeblob.blob.core.windows.net/azureml-blobstore/LocalUpload/{name}",
+                           "isAnonymous": True},
+        }
+
+    def _list_codes(self, call: Call) -> Reply:
+        # The SDK names an anonymous snapshot with a fresh uuid and asks whether any code asset has
+        # its content hash; answering with one lets it reuse that asset (no blob upload).
+        digest = (call.query.get("hash") or [""])[0]
+        self.code_hashes.append(digest)
+        if not self.code_uploaded or not digest:
+            return 200, {"value": []}, {}
+        key = (f"snapshot-{digest[:12]}", "1")
+        self.codes.setdefault(key, self._code_body(*key))
+        return 200, {"value": [self.codes[key]]}, {}
+
+    def _get_code(self, call: Call) -> Reply:
+        key = (call.match["name"], call.match["version"])  # type: ignore[index]
+        if key not in self.codes:
+            return _not_found(f"code {key}")
+        return 200, self.codes[key], {}
+
+    # datastores -------------------------------------------------------------------------
+    def _get_datastore(self, call: Call) -> Reply:
+        name = call.match["name"]  # type: ignore[index]
+        if name not in self.datastores:
+            return _not_found(f"datastore {name}")
+        return 200, self.datastores[name], {}
+
+    def _put_datastore(self, call: Call) -> Reply:
+        name = call.match["name"]  # type: ignore[index]
+        body = call.json()
+        body.update({"id": f"{self.ws_path}/datastores/{name}", "name": name,
+                     "type": "Microsoft.MachineLearningServices/workspaces/datastores"})
+        stored = json.loads(json.dumps(body))
+        stored["properties"]["credentials"] = {"credentialsType": "AccountKey"}  # the service never returns secrets
+        self.datastores[name] = stored
+        return 201, stored, {}
+
+    # jobs -----------------------------------------------------------------------------------------
+    def _put_job(self, call: Call) -> Reply:
+        name = call.match["name"]  # type: ignore[index]
+        body = call.json()
+        body.update({"id": f"{self.ws_path}/jobs/{name}", "name": name,
+                     "type": "Microsoft.MachineLearningServices/workspaces/jobs"})
+        props = body["properties"]
+        props["status"] = "NotStarted"
+        props["services"] = {"Studio": {"jobServiceType": "Studio",
+                                        "endpoint": f"https://ml.azure.com/runs/{name}?wsid={self.ws_path}"}}
+        self.jobs[name] = body
+        return 201, body, {}
+
+    def _get_job(self, call: Call) -> Reply:
+        name = call.match["name"]  # type: ignore[index]
+        if name not in self.jobs:
+            return _not_found(f"job {name}")
+        return 200, self.jobs[name], {}
+
+    def _cancel_job(self, call: Call) -> Reply:
+        name = call.match["name"]  # type: ignore[index]
+        if name not in self.jobs:
+            return _not_found(f"job {name}")
+        self.cancelled.append(name)
+        self.jobs[name]["properties"]["status"] = "CancelRequested"
+        return 202, None, {"Location": f"{ARM}/fake-operations/cancel-{name}?api-version=2023-08-01"}
