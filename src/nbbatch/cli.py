@@ -297,6 +297,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dest")
     p.add_argument("--share")
     p.set_defaults(func=cmd_fetch)
+
+    # compare | diff | check: arguments and handlers live in nbbatch.compare / nbbatch.diff
+    from .compare import add_check_arguments, add_compare_arguments, cli_check, cli_compare
+    from .diff import add_diff_arguments, cli_diff
+
+    p = sub.add_parser("compare", help="table of runs (parameters, metrics) from a share or any papermill outputs; "
+                                       "sort/filter/group, CSV/JSON, HTML report with plots")
+    add_compare_arguments(p)
+    p.set_defaults(func=cli_compare)
+    p = sub.add_parser("diff", help="diff two executed notebooks (parameters, metrics, sources, outputs) with nbdime")
+    add_diff_arguments(p)
+    p.set_defaults(func=cli_diff)
+    p = sub.add_parser("check", help="exit 1 when a metric moved beyond tolerance from a baseline (for CI)")
+    add_check_arguments(p)
+    p.set_defaults(func=cli_check)
     return parser
 
 

@@ -152,6 +152,11 @@ def _notebook_error(nb: Mapping[str, Any]) -> tuple[int | None, str, str] | None
     return None
 
 
+def _source(cell: Mapping[str, Any]) -> str:
+    source = cell.get("source") or ""
+    return "".join(source) if isinstance(source, list) else str(source)
+
+
 def _notebook_status(nb: Mapping[str, Any]) -> str:
     """``succeeded``, ``failed`` or ``incomplete`` (cells left pending or running) from the notebook."""
     papermill = (nb.get("metadata") or {}).get("papermill") or {}
@@ -166,7 +171,7 @@ def _notebook_status(nb: Mapping[str, Any]) -> str:
     if any(s in ("pending", "running") for s in cell_states):
         return "incomplete"
     if not papermill and any(c.get("execution_count") is None for c in nb.get("cells", [])
-                             if c.get("cell_type") == "code" and (c.get("source") or "").strip()):
+                             if c.get("cell_type") == "code" and _source(c).strip()):
         return "incomplete"
     return "succeeded"
 
@@ -209,9 +214,11 @@ def _row_from_notebook(nb: Mapping[str, Any], found: _Found) -> dict[str, Any]:
 
 
 def _row_from_record(record: RunRecord) -> dict[str, Any]:
+    notebook = posixpath.basename(str(record.notebook).replace("\\", "/")) if record.notebook else None
     row: dict[str, Any] = {
-        "framework": record.framework,
-        "notebook": posixpath.basename(str(record.notebook).replace("\\", "/")) if record.notebook else None,
+        # a run of a plain notebook (no framework) is known by its notebook, as in a papermill folder
+        "framework": record.framework or (Path(notebook).stem if notebook else None),
+        "notebook": notebook,
         "kernel": record.kernel,
         "status": record.status,
         "duration_s": record.duration_s,
@@ -225,8 +232,10 @@ def _row_from_record(record: RunRecord) -> dict[str, Any]:
     }
     _flatten(PARAM, record.parameters or {}, row)
     _flatten(METRIC, record.metrics or {}, row)
-    telemetry = {k: v for k, v in (record.telemetry or {}).items() if k not in ("gpu_ids", "unavailable")}
-    _flatten(TELEMETRY, telemetry, row)
+    if (record.telemetry or {}).get("samples"):  # nothing to show for runs without a GPU
+        telemetry = {k: v for k, v in record.telemetry.items()
+                     if k not in ("gpu_ids", "unavailable") and v is not None}
+        _flatten(TELEMETRY, telemetry, row)
     return row
 
 
@@ -340,20 +349,25 @@ def _frame(pd: Any, rows: list[dict[str, Any]], share: Share) -> pd.DataFrame:
 
 
 def collect_targets(targets: Sequence[str], share: str | os.PathLike[str] | Share | None = None) -> pd.DataFrame:
-    """What ``nbbatch compare`` reads: each target an existing folder/.ipynb or an experiment in the share.
+    """What ``nbbatch compare`` reads: each target an existing folder/.ipynb or an experiment.
 
-    Without ``share``, a target that exists as a path is read as a folder of executed notebooks and
-    any other target is an experiment of the project's share (``results/``). No targets: the whole share.
+    Without ``share``, a target that exists as a path is read as a folder of executed notebooks; any
+    other target is an experiment (name or YAML file) in the share it was submitted to from this
+    project (:func:`nbbatch.api.open_experiment_share`; default ``results/``). No targets: the
+    project's whole ``results/`` share.
     """
     pd = _pandas()
     if not targets:
         return collect(share if share is not None else _default_share())
     frames = []
     for target in targets:
-        if share is None and Path(target).exists():
+        if share is None and Path(target).exists() and not target.endswith((".yaml", ".yml")):
             frames.append(collect(target))
         else:
-            frames.append(collect(share if share is not None else _default_share(), [target]))
+            from .api import open_experiment_share
+
+            name, opened = open_experiment_share(target, share)
+            frames.append(collect(opened, [name]))
     if len(frames) == 1:
         return frames[0]
     combined = pd.concat(frames, ignore_index=True, sort=False)
@@ -460,14 +474,18 @@ def filter_runs(frame: pd.DataFrame, where: str | Iterable[str]) -> pd.DataFrame
 
 
 def sort_runs(frame: pd.DataFrame, keys: str | Sequence[str]) -> pd.DataFrame:
-    """Sort by columns (``"metric.accuracy"``; ``"-metric.accuracy"`` descending; several comma-separated)."""
+    """Sort by columns, comma-separated: ``"metric.accuracy"``; descending ``"-metric.accuracy"`` or
+    ``"metric.accuracy:desc"`` (on the command line ``--sort=-metric.accuracy`` or ``--sort accuracy:desc``)."""
     wanted = [k.strip() for k in (keys.split(",") if isinstance(keys, str) else keys) if k.strip()]
     if not wanted:
         return frame
     columns, ascending = [], []
     for key in wanted:
-        descending = key.startswith("-")
-        columns.append(resolve_column(frame, key.lstrip("-+")))
+        name, _, order = key.partition(":")
+        if order.strip().lower() not in ("", "asc", "desc"):
+            raise NbbatchError(f"sort key `{key}`: write NAME, -NAME, NAME:asc or NAME:desc")
+        descending = name.startswith("-") or order.strip().lower() == "desc"
+        columns.append(resolve_column(frame, name.lstrip("-+").strip()))
         ascending.append(not descending)
     return frame.sort_values(columns, ascending=ascending, na_position="last", kind="stable").reset_index(drop=True)
 
@@ -478,7 +496,8 @@ def _numeric_columns(frame: pd.DataFrame, prefixes: tuple[str, ...]) -> list[str
     for column in frame.columns:
         if str(column).startswith(prefixes) or column == "duration_s":
             series = frame[column]
-            if pd.api.types.is_bool_dtype(series):
+            present = series.dropna()
+            if pd.api.types.is_bool_dtype(series) or (len(present) and present.map(lambda v: isinstance(v, bool)).all()):
                 continue
             if pd.api.types.is_numeric_dtype(series) or pd.to_numeric(series, errors="coerce").notna().any():
                 if pd.to_numeric(series, errors="coerce").notna().sum() == series.notna().sum():
@@ -624,8 +643,9 @@ def runs_table(frame: pd.DataFrame, columns: Sequence[str] | None = None, title:
     for column in chosen:
         numeric = _pandas().api.types.is_numeric_dtype(frame[column]) and column != "gpu_ids"
         header = column.removeprefix(METRIC) if column.startswith(METRIC) else column
-        table.add_column(header, justify="right" if numeric else "left",
-                         overflow="fold", max_width=60 if column == "error" else None)
+        table.add_column(header, justify="right" if numeric else "left", overflow="fold",
+                         no_wrap=column in ("run_id", "framework", "status", "experiment"),
+                         max_width=60 if column == "error" else None)
     rows = frame if max_rows is None else frame.head(max_rows)
     for _, row in rows.iterrows():
         cells = []
@@ -639,17 +659,25 @@ def runs_table(frame: pd.DataFrame, columns: Sequence[str] | None = None, title:
     return table
 
 
-def print_table(frame: pd.DataFrame, console: Console | None = None, **options: Any) -> None:
-    """Print :func:`runs_table` to the terminal (or ``console``)."""
+def terminal() -> Console:
+    """A rich console: the terminal's width, or ``$COLUMNS`` (default 200) when output goes to a file or CI log."""
     from rich.console import Console
 
-    (console or Console()).print(runs_table(frame, **options))
+    console = Console()
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console = Console(width=200)
+    return console
+
+
+def print_table(frame: pd.DataFrame, console: Console | None = None, **options: Any) -> None:
+    """Print :func:`runs_table` to the terminal (or ``console``)."""
+    (console or terminal()).print(runs_table(frame, **options))
 
 
 # ---------------------------------------------------------------------------------------------
 # Plots
 # ---------------------------------------------------------------------------------------------
-def _figure(width: float = 7.0, height: float = 4.5) -> Figure:
+def _figure(width: float = 6.4, height: float = 4.2) -> Figure:
     # A bare Figure renders with the Agg canvas and touches no pyplot state (safe in a Jupyter session).
     from matplotlib.figure import Figure
 
@@ -720,7 +748,8 @@ def plot_metric_vs_param(frame: pd.DataFrame, metric: str | None = None, param: 
     """A metric against a swept parameter, one line per framework (mean over other parameters).
 
     ``param`` defaults to the first swept parameter (:func:`swept_parameters`), on a log axis when its
-    values span more than two decades. Returns None without a metric or a swept parameter.
+    values are positive and span a factor of 20 or more (learning rates, batch sizes). Returns None
+    without a metric or a swept parameter.
     """
     metric = resolve_column(frame, metric) if metric else default_metric(frame)
     if param:
@@ -743,7 +772,7 @@ def plot_metric_vs_param(frame: pd.DataFrame, metric: str | None = None, param: 
         ax.plot(list(points.index), list(points.values), marker="o", label=name)
     if not categorical:
         positive = numeric_x[numeric_x > 0]
-        if len(positive) == len(numeric_x) and positive.max() / positive.min() > 100:
+        if len(positive) == len(numeric_x) and positive.max() / positive.min() >= 20:
             ax.set_xscale("log")
     ax.set_xlabel(_label(param))
     ax.set_ylabel(_label(metric))
@@ -769,8 +798,9 @@ def load_telemetry(frame: pd.DataFrame, share: str | os.PathLike[str] | Share | 
         return {}
     opened = open_share(target)
     series: dict[str, list[dict[str, Any]]] = {}
+    several = frame["experiment"].nunique() > 1
     for _, row in frame[frame["telemetry_file"].notna()].iterrows():
-        label = f"{row['framework']}/{row['run_id']}" if isinstance(row.get("framework"), str) else str(row["run_id"])
+        label = f"{row['experiment']}/{row['run_id']}" if several else str(row["run_id"])
         try:
             samples = read_series(opened.read_bytes(f"{row['share_path']}/{row['telemetry_file']}"))
         except (OSError, ValueError, NbbatchError):
@@ -970,7 +1000,8 @@ def check(current: pd.DataFrame, baseline: pd.DataFrame, metrics: str | Sequence
     A metric passes when ``|current - baseline| <= max(tolerance, rel_tolerance * |baseline|)``
     (both default to 0: any change fails). ``direction``: ``both``; ``decrease`` (only drops fail,
     for accuracy-like metrics) or ``increase`` (only rises fail, for loss/time). ``key`` defaults to
-    :func:`default_check_key`; several runs with the same key are averaged.
+    :func:`default_check_key`; several runs with the same key are averaged. Baseline runs that did not
+    succeed are left out.
     """
     pd = _pandas()
     if direction not in ("both", "decrease", "increase"):
@@ -997,6 +1028,8 @@ def check(current: pd.DataFrame, baseline: pd.DataFrame, metrics: str | Sequence
         base_col = _metric_column(baseline, name, "baseline")
         label = cur_col.removeprefix(METRIC)
         base = baseline.assign(_k=keyed(baseline), _v=_numeric(baseline, base_col))
+        if "status" in base:  # a baseline run that did not succeed is no reference
+            base = base[base["status"].isna() | (base["status"] == "succeeded")]
         cur = current.assign(_k=keyed(current), _v=_numeric(current, cur_col))
         base_values = base.dropna(subset=["_v"]).groupby("_k")["_v"].mean().to_dict()
         base_display = {k: g.iloc[0] for k, g in base.groupby("_k")[keys]}
@@ -1066,7 +1099,8 @@ def add_compare_arguments(parser: argparse.ArgumentParser, share_option: bool = 
                         help="keep runs matching COND, e.g. param.LR=0.1, framework=pytorch,keras, "
                              "metric.accuracy>=0.9, status!=failed (repeatable: all must hold)")
     parser.add_argument("--sort", default=None, metavar="COLS",
-                        help="sort by columns, comma-separated; prefix - for descending (e.g. -metric.accuracy)")
+                        help="sort by columns, comma-separated; NAME:desc (or --sort=-NAME) for descending, "
+                             "e.g. --sort metric.accuracy:desc")
     parser.add_argument("--group-by", default=None, metavar="COLS",
                         help="one row per group (e.g. framework or param.LR) with counts and mean metrics")
     parser.add_argument("--agg", default="mean", choices=["mean", "median", "min", "max", "sum", "std"],
@@ -1086,9 +1120,7 @@ def add_compare_arguments(parser: argparse.ArgumentParser, share_option: bool = 
 
 def cli_compare(args: argparse.Namespace) -> int:
     """``nbbatch compare``: print the runs table; write CSV/JSON/report as asked."""
-    from rich.console import Console
-
-    console = Console()
+    console = terminal()
     frame = collect_targets(args.targets, getattr(args, "share", None))
     if args.where:
         frame = filter_runs(frame, args.where)
@@ -1139,9 +1171,7 @@ def add_check_arguments(parser: argparse.ArgumentParser, share_option: bool = Tr
 
 def cli_check(args: argparse.Namespace) -> int:
     """``nbbatch check``: print the check table; 0 when every metric is within tolerance, else 1."""
-    from rich.console import Console
-
-    console = Console()
+    console = terminal()
     share = getattr(args, "share", None)
     current = collect_targets([args.experiment], share)
     baseline = load_baseline(args.baseline, share)

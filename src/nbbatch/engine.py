@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from nbclient.util import run_sync
 from papermill.clientwrap import PapermillNotebookClient
 from papermill.engines import NBClientEngine, NotebookExecutionManager, papermill_engines
 
@@ -65,6 +66,9 @@ class _BatchClient(PapermillNotebookClient):
         await super().async_start_new_kernel(**kwargs)
         if self._on_kernel:
             self._on_kernel(self.km)
+
+    # nbclient binds its sync wrapper to the base coroutine; rebind it to ours.
+    start_new_kernel = run_sync(async_start_new_kernel)
 
 
 class NbbatchEngine(NBClientEngine):

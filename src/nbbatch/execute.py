@@ -36,7 +36,7 @@ def read_record(share: Share, experiment: str, run_id: str) -> RunRecord | None:
     path = f"{experiment}/{run_id}/{RUN_RECORD}"
     try:
         data = share.read_bytes(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         return None
     return RunRecord.from_json(data, source=f"{share.url}/{path}")
 

@@ -5,7 +5,7 @@ The executor wraps a run in a :class:`GpuSampler`::
     with GpuSampler(record.gpu_ids) as sampler:
         ...  # execute the notebook
     record.telemetry = sampler.summary()
-    sampler.write_series(run_folder / TELEMETRY_FILE)
+    share.write_bytes(f"{run_folder}/{TELEMETRY_FILE}", sampler.series_json())
 
 Without a GPU, without NVML (``pynvml`` from nvidia-ml-py) or with no GPU ids the sampler samples
 nothing and raises nothing: ``summary()`` says ``samples: 0`` and why. GPU ids are NVML indices
@@ -184,28 +184,29 @@ class GpuSampler:
             "samples": rows,
         }
 
+    def series_json(self) -> bytes:
+        """The series as JSON bytes (for ``share.write_bytes(f"{folder}/{TELEMETRY_FILE}", ...)``)."""
+        return (json.dumps(self.series(), indent=1) + "\n").encode()
+
     def write_series(self, path: str | os.PathLike[str]) -> Path:
-        """Write the series to ``path``: JSON, or CSV when the name ends in ``.csv``.
+        """Write the series to a local ``path``: JSON, or CSV when the name ends in ``.csv``.
 
         Also written when empty (so a reader can tell "sampled nothing" from "not sampled").
-        Returns the path; see :meth:`series_bytes` to write through a share instead.
         """
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
+        if target.suffix.lower() == ".csv":
+            buffer = io.StringIO()
+            writer = csv.DictWriter(buffer, fieldnames=SERIES_FIELDS, lineterminator="\n")
+            writer.writeheader()
+            writer.writerows(self.series()["samples"])
+            data = buffer.getvalue().encode()
+        else:
+            data = self.series_json()
         tmp = target.with_name(f".{target.name}.part")
-        tmp.write_bytes(self.series_bytes(csv_format=target.suffix.lower() == ".csv"))
+        tmp.write_bytes(data)
         os.replace(tmp, target)
         return target
-
-    def series_bytes(self, csv_format: bool = False) -> bytes:
-        """The series file's content (JSON, or CSV), for ``share.write_bytes(...)``."""
-        if not csv_format:
-            return (json.dumps(self.series(), indent=1) + "\n").encode()
-        buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=SERIES_FIELDS, lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(self.series()["samples"])
-        return buffer.getvalue().encode()
 
 
 def read_series(data: bytes | str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -17,6 +17,7 @@ import email.utils
 import re
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -63,6 +64,8 @@ class FakeAzureFiles:
         self.account = account
         self.shares: dict[str, _Share] = {}
         self.requests: list[Request] = []
+        # A test hook: return (status, error code) to fail a request the way the service would.
+        self.fault: Callable[[Request], tuple[int, str] | None] | None = None
         self.lock = threading.RLock()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -76,7 +79,7 @@ class FakeAzureFiles:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="fake-azure-files", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), name="fake-azure-files", daemon=True)
         self._thread.start()
         return self
 
@@ -161,6 +164,9 @@ class _Handler(BaseHTTPRequestHandler):
             fake.requests.append(request)
             try:
                 self._check_auth(request)
+                injected = fake.fault(request) if fake.fault else None
+                if injected:
+                    raise _Error(injected[0], injected[1], "injected by the test")
                 if not segments or segments[0] != fake.account:
                     raise _Error(400, "InvalidUri", f"expected /{fake.account}/... in {parts.path}")
                 if len(segments) < 2:

@@ -129,10 +129,10 @@ class CannedTransport(HttpTransport):
             else:
                 self.unmatched.append(call)
                 status, payload, headers = 404, _error("NotFound", f"no canned answer for {call.method} {call.path}"), {}
-        return _response(request, status, payload, headers)
+        return _response(request, status, payload, headers, stream=bool(kwargs.get("stream")))
 
 
-def _response(request: Any, status: int, payload: Any, headers: dict[str, str]) -> Any:
+def _response(request: Any, status: int, payload: Any, headers: dict[str, str], stream: bool = False) -> Any:
     if isinstance(payload, bytes):
         raw = payload
     elif payload is None:
@@ -148,7 +148,10 @@ def _response(request: Any, status: int, payload: Any, headers: dict[str, str]) 
     internal.url = request.url
     internal.encoding = "utf-8"
     if type(request).__module__.startswith("azure.core.rest"):
-        return RestRequestsTransportResponse(request=request, internal_response=internal)
+        response = RestRequestsTransportResponse(request=request, internal_response=internal)
+        if not stream:  # as azure-core's RequestsTransport does for non-streamed responses
+            response.read()
+        return response
     return RequestsTransportResponse(request, internal)
 
 
@@ -178,6 +181,11 @@ class FakeAzureML:
     compute_errors: list[dict[str, Any]] = field(default_factory=list)
     code_uploaded: bool = True  # answer "this snapshot hash exists" so the SDK skips the blob upload
     code_hashes: list[str] = field(default_factory=list)
+    # job name -> statuses its GETs walk through (the last one sticks), to let `wait` see progress
+    job_scripts: dict[str, list[str]] = field(default_factory=dict)
+    # job name -> (status, {log name: text}) steps of the run history's details (the last one sticks)
+    run_history: dict[str, list[tuple[str, dict[str, str]]]] = field(default_factory=dict)
+    log_texts: dict[tuple[str, str], str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.transport = CannedTransport()
@@ -213,6 +221,7 @@ class FakeAzureML:
         ws = re.escape(self.ws_path)
         t = self.transport
         t.route("GET", ws, self._get_workspace)
+        t.route("GET", r"/discovery", self._discovery)
         t.route("PUT", ws + r"/computes/(?P<name>[^/]+)", self._put_compute)
         t.route("GET", ws + r"/computes/(?P<name>[^/]+)", self._get_compute)
         t.route("PATCH", ws + r"/computes/(?P<name>[^/]+)", self._patch_compute)
@@ -228,6 +237,8 @@ class FakeAzureML:
         t.route("PUT", ws + r"/jobs/(?P<name>[^/]+)", self._put_job)
         t.route("GET", ws + r"/jobs/(?P<name>[^/]+)", self._get_job)
         t.route("POST", ws + r"/jobs/(?P<name>[^/]+)/cancel", self._cancel_job)
+        t.route("GET", r"/history/v1\.0" + ws + r"/runs/(?P<name>[^/]+)/details", self._run_details)
+        t.route("GET", r"/fake-logs/(?P<name>[^/]+)/(?P<file>.+)", self._log_file)
 
     # workspace ------------------------------------------------------------------------------
     def _get_workspace(self, call: Call) -> Reply:
@@ -241,6 +252,11 @@ class FakeAzureML:
                 "workspaceId": "11111111-1111-1111-1111-111111111111",
             },
         }, {}
+
+    def _discovery(self, call: Call) -> Reply:
+        base = f"https://{self.location}.api.azureml.ms"
+        return 200, {"api": base, "catalog": base, "experimentation": base, "history": base, "modelmanagement": base,
+                     "pipelines": base, "studiometadata": base}, {}
 
     # computes --------------------------------------------------------------------------------
     def _operation(self) -> dict[str, str]:
@@ -377,7 +393,28 @@ class FakeAzureML:
         name = call.match["name"]  # type: ignore[index]
         if name not in self.jobs:
             return _not_found(f"job {name}")
+        script = self.job_scripts.get(name)
+        if script:
+            self.jobs[name]["properties"]["status"] = script.pop(0) if len(script) > 1 else script[0]
         return 200, self.jobs[name], {}
+
+    # run history (log streaming) -------------------------------------------------------------------
+    def _run_details(self, call: Call) -> Reply:
+        name = call.match["name"]  # type: ignore[index]
+        if name not in self.jobs:
+            return _not_found(f"run {name}")
+        steps = self.run_history.get(name) or [(self.jobs[name]["properties"]["status"], {})]
+        status, logs = steps.pop(0) if len(steps) > 1 else steps[0]
+        files = {log: f"https://fakelogs.blob.core.windows.net/fake-logs/{name}/{log}?sig=fake" for log in logs}
+        self.log_texts.update({(name, log): text for log, text in logs.items()})
+        return 200, {"runId": name, "runUuid": "22222222-2222-2222-2222-222222222222", "status": status,
+                     "logFiles": files, "warnings": []}, {}
+
+    def _log_file(self, call: Call) -> Reply:
+        key = (call.match["name"], call.match["file"])  # type: ignore[index]
+        if key not in self.log_texts:
+            return _not_found(f"log {key}")
+        return 200, self.log_texts[key].encode(), {"Content-Type": "text/plain"}
 
     def _cancel_job(self, call: Call) -> Reply:
         name = call.match["name"]  # type: ignore[index]

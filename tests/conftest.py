@@ -1,0 +1,102 @@
+"""Shared fixtures: a throwaway project with tiny notebooks run in the test venv's `python3` kernel,
+and caches of frameworks (Keras, paddle…) pointed inside the test's temp dir, never the home dir."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def make_notebook(path: Path, cells: list[str], parameters: str | None = "A = 1\nB = 'x'", kernel: str = "python3",
+                  extra_parameter_cells: int = 0) -> Path:
+    """Write a notebook whose first cell (tagged `parameters`) is ``parameters``, then ``cells``."""
+    nb = nbformat.v4.new_notebook()
+    if parameters is not None:
+        for _ in range(1 + extra_parameter_cells):
+            cell = nbformat.v4.new_code_cell(parameters)
+            cell.metadata["tags"] = ["parameters"]
+            nb.cells.append(cell)
+    nb.cells.extend(nbformat.v4.new_code_cell(src) for src in cells)
+    nb.metadata["kernelspec"] = {"name": kernel, "display_name": kernel, "language": "python"}
+    nb.metadata["language_info"] = {"name": "python"}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path_factory, monkeypatch):
+    cache = tmp_path_factory.getbasetemp() / "caches"
+    for var, sub in (("KERAS_HOME", "keras"), ("MPLCONFIGDIR", "mpl"), ("XDG_CACHE_HOME", "xdg"),
+                     ("IPYTHONDIR", "ipython")):
+        (cache / sub).mkdir(parents=True, exist_ok=True)
+        monkeypatch.setenv(var, str(cache / sub))
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """An empty nbbatch project (its own frameworks/ and .nbbatch/) as the working directory."""
+    root = tmp_path / "proj"
+    (root / "frameworks").mkdir(parents=True)
+    (root / ".nbbatch").mkdir()
+    monkeypatch.chdir(root)
+    monkeypatch.delenv("NBBATCH_PROJECT", raising=False)
+    return root
+
+
+@pytest.fixture
+def write_experiment(project):
+    def write(text: str, name: str = "exp.yaml") -> Path:
+        path = project / name
+        path.write_text(text)
+        return path
+
+    return write
+
+
+@pytest.fixture(scope="session")
+def repo_project():
+    """The repository itself as the project (its frameworks/, notebooks/ and .nbbatch/envs)."""
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def pytorch_env():
+    """The real `pytorch` framework env of the repository, built once per test session."""
+    from nbbatch.envs import build_env
+    from nbbatch.frameworks import get_framework
+    from nbbatch.project import Project
+
+    project = Project(REPO)
+    status = build_env(get_framework("pytorch", project), project)
+    assert status.state == "ready"
+    return status
+
+
+def gpu_count() -> int:
+    from nbbatch.gpus import detect_gpus
+
+    return len(detect_gpus())
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU (NVML found none)")
+    has_gpu = None
+    for item in items:
+        if "gpu" in item.keywords:
+            if has_gpu is None:
+                has_gpu = gpu_count() > 0
+            if not has_gpu:
+                item.add_marker(skip_gpu)
+
+
+def chromium_path() -> str | None:
+    return shutil.which("chromium") or (os.path.exists("/usr/bin/chromium") and "/usr/bin/chromium") or None

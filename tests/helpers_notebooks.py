@@ -1,0 +1,177 @@
+"""Test helpers: small training-like notebooks executed for real with papermill in the ``python3`` kernel.
+
+The notebooks call ``nbbatch.record(...)`` like the framework notebooks do; :func:`make_run`
+executes one into a share layout (``<share>/<experiment>/<run id>/output.ipynb``) and writes its
+``run.json`` from :class:`nbbatch.runrecord.RunRecord`, the way the executor records a run.
+nbformat and papermill are imported when used, so :class:`FakeNvml` imports cheaply.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+from nbbatch.record import metrics_from_notebook
+from nbbatch.runrecord import OUTPUT_NOTEBOOK, RUN_RECORD, RunError, RunRecord, utc_now
+from nbbatch.runs import run_id_for
+
+KERNEL = "python3"
+
+PARAMETERS = """\
+EPOCHS = 2
+LR = 0.1
+SEED = 0
+SHIFT = 0.0
+FAIL = False
+"""
+
+BODY = """\
+import math, time
+import nbbatch
+t0 = time.perf_counter()
+# a stand-in for training: accuracy rises with epochs and peaks near LR=0.05 (log scale)
+base = {base!r}
+accuracy = min(0.999, base + 0.02 * EPOCHS - 0.05 * abs(math.log10(LR) - math.log10(0.05)) + SHIFT)
+train_seconds = {speed!r} * EPOCHS
+loss = 1.0 - accuracy
+print(f"epochs={{EPOCHS}} lr={{LR}} accuracy={{accuracy:.4f}}")
+"""
+
+RECORD = """\
+nbbatch.record(accuracy=accuracy, loss=loss, train_seconds=train_seconds)
+"""
+
+MAYBE_FAIL = """\
+if FAIL:
+    raise RuntimeError("diverged: loss is nan")
+nbbatch.record(finished=True)
+"""
+
+# two "frameworks": different base accuracy and speed, so plots and groups have something to show
+FRAMEWORKS = {"pytorch": (0.80, 1.5), "keras": (0.76, 2.5)}
+
+
+def training_notebook(folder: Path, framework: str) -> Path:
+    """Write ``<Framework>_CIFAR.ipynb`` (parameters cell tagged ``parameters``) and return its path."""
+    import nbformat
+
+    base, speed = FRAMEWORKS[framework]
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": KERNEL, "display_name": "Python 3", "language": "python"}
+    nb.cells = [
+        nbformat.v4.new_markdown_cell(f"# {framework} on a stand-in for CIFAR-10"),
+        nbformat.v4.new_code_cell(PARAMETERS, metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell(BODY.format(base=base, speed=speed)),
+        nbformat.v4.new_code_cell(RECORD),
+        nbformat.v4.new_code_cell(MAYBE_FAIL),
+    ]
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{framework.capitalize()}_CIFAR.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+def execute(notebook: Path, output: Path, parameters: dict[str, Any]) -> bool:
+    """Execute with papermill in the ``python3`` kernel; return whether it succeeded (output written either way)."""
+    import papermill
+    from papermill.exceptions import PapermillExecutionError
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        papermill.execute_notebook(
+            str(notebook), str(output), parameters=parameters, kernel_name=KERNEL,
+            progress_bar=False, log_output=False, cwd=str(notebook.parent),
+        )
+    except PapermillExecutionError:
+        return False
+    return True
+
+
+def make_run(share: Path, experiment: str, framework: str, parameters: dict[str, Any], notebooks: Path,
+             telemetry: dict[str, Any] | None = None, write_record: bool = True) -> Path:
+    """Execute one run into ``<share>/<experiment>/<run id>/`` and write its run.json; return the run folder."""
+    import nbformat
+
+    notebook = training_notebook(notebooks, framework)
+    run_id = run_id_for(framework, notebook.read_bytes(), parameters, "test-lock")
+    folder = share / experiment / run_id
+    started = utc_now()
+    ok = execute(notebook, folder / OUTPUT_NOTEBOOK, parameters)
+    nb = nbformat.read(folder / OUTPUT_NOTEBOOK, as_version=4)
+    if write_record:
+        error = None
+        if not ok:
+            for index, cell in enumerate(nb["cells"]):
+                for out in cell.get("outputs", []):
+                    if out.get("output_type") == "error":
+                        error = RunError(ename=out["ename"], evalue=out["evalue"], cell_index=index,
+                                         cell_source=cell["source"].splitlines()[0])
+        record = RunRecord(
+            run_id=run_id, experiment=experiment, notebook=str(notebook), kernel=KERNEL, framework=framework,
+            parameters=parameters, status="succeeded" if ok else "failed", attempts=1,
+            started_at=started, ended_at=utc_now(), duration_s=nb["metadata"]["papermill"]["duration"],
+            host=socket.gethostname(), gpu_ids=[], error=error, metrics=metrics_from_notebook(nb),
+            telemetry=telemetry or {},
+        )
+        (folder / RUN_RECORD).write_bytes(record.to_json())
+    return folder
+
+
+def build_share(root: Path) -> dict[str, Path]:
+    """A share and a plain papermill folder made of real executions (about ten kernels).
+
+    ``share/sweep``: pytorch and keras × LR 0.01, 0.1 (succeeded) plus keras LR 0.03 failing part-way
+    (after it recorded its metrics); ``share/drift``: pytorch × LR 0.01, 0.1 with accuracy 0.05 lower;
+    ``share/empty``: an experiment folder with nothing in it. ``plain``: papermill outputs without
+    run.json (two at the top, one failing in ``sub/``).
+    """
+    share, notebooks, plain = root / "share", root / "notebooks", root / "plain"
+    for framework in ("pytorch", "keras"):
+        for lr in (0.01, 0.1):
+            make_run(share, "sweep", framework, {"LR": lr, "EPOCHS": 2}, notebooks)
+    make_run(share, "sweep", "keras", {"LR": 0.03, "EPOCHS": 2, "FAIL": True}, notebooks)
+    for lr in (0.01, 0.1):
+        make_run(share, "drift", "pytorch", {"LR": lr, "EPOCHS": 2, "SHIFT": -0.05}, notebooks)
+    (share / "empty").mkdir(parents=True)
+    execute(training_notebook(notebooks, "pytorch"), plain / "pytorch_lr0.01.ipynb", {"LR": 0.01})
+    execute(training_notebook(notebooks, "keras"), plain / "keras_lr0.1.ipynb", {"LR": 0.1, "EPOCHS": 3})
+    execute(training_notebook(notebooks, "keras"), plain / "sub" / "keras_fail.ipynb", {"LR": 0.1, "FAIL": True})
+    return {"share": share, "plain": plain, "notebooks": notebooks}
+
+
+class FakeNvml:
+    """Stands in for ``pynvml`` on machines without a GPU: a GPU whose load ramps up, then down."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, gpus: int = 2):
+        self.gpus = gpus
+        self.calls = 0
+        self.initialised = False
+
+    def nvmlInit(self) -> None:  # noqa: N802 - pynvml's names
+        self.initialised = True
+
+    def nvmlShutdown(self) -> None:  # noqa: N802
+        self.initialised = False
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:  # noqa: N802
+        if index >= self.gpus:
+            raise self.NVMLError("Invalid Argument")
+        return index
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> Any:  # noqa: N802
+        from types import SimpleNamespace
+
+        self.calls += 1
+        return SimpleNamespace(gpu=min(100, 10 * self.calls + 5 * handle), memory=20)
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> Any:  # noqa: N802
+        from types import SimpleNamespace
+
+        return SimpleNamespace(used=(1024 + 256 * self.calls) * 2**20, total=16384 * 2**20, free=0)
+
+    def nvmlDeviceGetPowerUsage(self, handle: int) -> int:  # noqa: N802
+        return 70_000 + 1_000 * self.calls

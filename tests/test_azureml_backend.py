@@ -1,0 +1,513 @@
+"""The azureml backend: the real MLClient against canned service answers (azure-core transport), the
+entities it builds checked by the SDK's own YAML loaders, and the results share on a fake Azure Files server."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+
+import pytest
+
+pytest.importorskip("azure.ai.ml")
+pytest.importorskip("azure.storage.fileshare")
+
+from azure.ai.ml import load_compute, load_environment, load_job  # noqa: E402
+from azure.ai.ml.entities import Command, Environment  # noqa: E402
+from conftest import make_notebook  # noqa: E402
+from fakes.azure_files_server import ACCOUNT, FAKE_KEY, FakeAzureFiles  # noqa: E402
+from fakes.azureml_transport import FakeAzureML  # noqa: E402
+
+from nbbatch.azure_share import AzureFileShare  # noqa: E402
+from nbbatch.backends import SubmitOptions, get_backend  # noqa: E402
+from nbbatch.backends.azureml import (  # noqa: E402
+    JOB_FILE,
+    AzureMLBackend,
+    AzureMLCluster,
+    ClusterSettings,
+    build_code_snapshot,
+    cli_cluster,
+    framework_environment,
+    job_yaml,
+    map_job_status,
+)
+from nbbatch.errors import BackendError  # noqa: E402
+from nbbatch.execute import read_record, write_record  # noqa: E402
+from nbbatch.frameworks import get_framework  # noqa: E402
+from nbbatch.project import Project  # noqa: E402
+from nbbatch.runrecord import RunRecord  # noqa: E402
+from nbbatch.runs import Run  # noqa: E402
+
+pytestmark = [pytest.mark.azure, pytest.mark.timeout(120)]
+
+SHARE_URL = f"azfiles://{ACCOUNT}/results/nbbatch"
+DATASTORE = f"nbbatch_{ACCOUNT}_results"
+
+
+# --- fixtures ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def azproject(project):
+    fw = project / "frameworks" / "toy"
+    fw.mkdir(parents=True)
+    (fw / "framework.yaml").write_text("title: Toy\nnotebook: notebooks/Toy.ipynb\ngpu: true\n")
+    (fw / "requirements.txt").write_text("numpy==2.4.6\n")
+    make_notebook(project / "notebooks" / "Toy.ipynb", ["print(EPOCHS, LR)"], parameters="EPOCHS = 1\nLR = 0.1")
+    (project / "dockerfiles" / "toy").mkdir(parents=True)
+    (project / "dockerfiles" / "toy" / "Dockerfile").write_text("FROM python:3.11-slim\n")
+    return project
+
+
+def _run(root, run_id: str, lr: float, gpus: int = 1) -> Run:
+    return Run(run_id=run_id, experiment="cifar", notebook=str(root / "notebooks" / "Toy.ipynb"),
+               notebook_rel="notebooks/Toy.ipynb", kernel="nbbatch-toy", parameters={"EPOCHS": 1, "LR": lr},
+               framework="toy", gpus=gpus, timeout_s=900)
+
+
+@pytest.fixture
+def runs(azproject):
+    return [_run(azproject, f"toy-00000{i}", lr) for i, lr in enumerate((0.1, 0.01, 0.001))]
+
+
+@pytest.fixture
+def files(monkeypatch):
+    with FakeAzureFiles() as server:
+        monkeypatch.setenv("NBBATCH_AZFILES_ENDPOINT", server.endpoint)
+        monkeypatch.setenv("AZURE_STORAGE_KEY", FAKE_KEY)
+        yield server
+
+
+@pytest.fixture
+def share(files):
+    return AzureFileShare(SHARE_URL)
+
+
+@pytest.fixture
+def aml():
+    return FakeAzureML()
+
+
+@pytest.fixture
+def backend(aml):
+    return AzureMLBackend(ml_client=aml.ml_client(), compute="gpu-a100", vm_size="Standard_NC24ads_A100_v4",
+                          max_nodes=3, tier="low_priority", idle_time_before_scale_down=600, poll_seconds=0)
+
+
+@pytest.fixture
+def env_upload(monkeypatch):
+    """Stand in for the SDK's upload of a Docker build context to blob storage (outside the control plane)."""
+    import azure.ai.ml.operations._environment_operations as env_ops
+
+    uploads = []
+
+    def fake_upload(environment, operations, sas_uri=None, show_progress=True):
+        uploads.append(environment.build.path)
+        environment.build.path = f"https://fakeblob.blob.core.windows.net/azureml/LocalUpload/{environment.name}/"
+        return environment
+
+    monkeypatch.setattr(env_ops, "_check_and_upload_env_build_context", fake_upload)
+    return uploads
+
+
+def _options(**kw) -> SubmitOptions:
+    return SubmitOptions(wait=kw.pop("wait", False), **kw)
+
+
+def _queue(share, runs):
+    for run in runs:  # what nbbatch.api.submit does before calling the backend
+        write_record(share, RunRecord(run_id=run.run_id, experiment=run.experiment, notebook=run.notebook_rel,
+                                      kernel=run.kernel, framework=run.framework, status="queued", backend="azureml"))
+
+
+def _job_names(share, runs):
+    return {r.run_id: json.loads(share.read_bytes(f"{r.experiment}/{r.run_id}/{JOB_FILE}"))["job_name"] for r in runs}
+
+
+# --- entities round-trip through the SDK's own YAML loaders -----------------------------------
+
+
+def test_job_yaml_roundtrip(backend, runs, tmp_path):
+    code = build_code_snapshot(runs, tmp_path / "code")
+    job = backend.build_job(runs[0], "azureml:nbbatch-toy:abc", code, datastore=DATASTORE,
+                            share_url=SHARE_URL, share_prefix="nbbatch")
+    assert isinstance(job, Command)
+    text = job_yaml(job)
+    loaded = load_job(source=io.StringIO(text))
+    assert loaded._to_job()._to_dict() == job._to_job()._to_dict()
+    assert loaded.display_name == "toy-000000" and loaded.experiment_name == "cifar"
+    assert loaded.compute == "gpu-a100" and str(loaded.environment).endswith("nbbatch-toy:abc")
+    assert loaded.tags["run_id"] == "toy-000000" and loaded.tags["framework"] == "toy"
+    assert json.loads(loaded.tags["parameters"]) == {"EPOCHS": 1, "LR": 0.1}
+    share_out = loaded.outputs["share"]
+    assert share_out.mode == "rw_mount" and share_out.type == "uri_folder"
+    assert share_out.path == f"azureml://datastores/{DATASTORE}/paths/nbbatch/"
+    assert " run-one --spec " in loaded.command and "--share ${{outputs.share}}" in loaded.command
+    assert "--backend azureml" in loaded.command and "--gpus 0" in loaded.command
+    assert str(tmp_path) not in loaded.command  # the spec names notebooks by their project-relative path
+    spec = json.loads(loaded.command.split("--spec ", 1)[1].split(" --share", 1)[0].strip("'"))
+    assert Run.from_dict(spec) == Run.from_dict({**runs[0].to_dict(), "notebook": "notebooks/Toy.ipynb"})
+    assert job.name.startswith("toy-000000-")
+
+
+def test_direct_share_mode_passes_the_url(aml, runs, tmp_path):
+    backend = AzureMLBackend(ml_client=aml.ml_client(), share_mode="direct")
+    job = backend.build_job(runs[0], "azureml:e:1", tmp_path, datastore=DATASTORE, share_url=SHARE_URL)
+    assert f"--share {SHARE_URL}" in job.command and not job.outputs
+
+
+def test_compute_yaml_roundtrip():
+    compute = ClusterSettings("gpu-t4", "Standard_NC4as_T4_v3", 0, 4, "low_priority", 900).to_compute()
+    text = io.StringIO()
+    compute.dump(text)
+    loaded = load_compute(source=io.StringIO(text.getvalue()))
+    assert loaded._to_dict() == compute._to_dict()
+    assert (loaded.size, loaded.min_instances, loaded.max_instances, loaded.tier,
+            loaded.idle_time_before_scale_down) == ("Standard_NC4as_T4_v3", 0, 4, "low_priority", 900)
+
+
+def test_cluster_settings_validation():
+    with pytest.raises(BackendError, match="tier"):
+        ClusterSettings(tier="premium")
+    with pytest.raises(BackendError, match="min_nodes"):
+        ClusterSettings(min_nodes=3, max_nodes=2)
+    assert ClusterSettings(tier="LowPriority").tier == "low_priority"
+
+
+def test_environment_yaml_roundtrip(azproject):
+    framework = get_framework("toy", Project(azproject))
+    env = framework_environment(framework, azproject / "dockerfiles")
+    assert (env.name, env.version) == ("nbbatch-toy", framework.fingerprint())
+    text = io.StringIO()
+    env.dump(text)
+    loaded = load_environment(source=io.StringIO(text.getvalue()))
+    assert loaded._to_dict() == env._to_dict()
+    assert loaded.build.dockerfile_path == "Dockerfile"
+    (azproject / "frameworks/toy/requirements.txt").write_text("numpy==2.4.7\n")
+    changed = get_framework("toy", Project(azproject))
+    assert framework_environment(changed, azproject / "dockerfiles").version != env.version
+
+
+def test_missing_dockerfile_is_reported_before_submitting(aml, azproject, runs):
+    (azproject / "dockerfiles/toy/Dockerfile").unlink()
+    backend = AzureMLBackend(ml_client=aml.ml_client())
+    with pytest.raises(BackendError, match="Docker build context"):
+        backend.check(runs)
+    assert not aml.transport.calls
+    AzureMLBackend(ml_client=aml.ml_client(), environments={"toy": "azureml:pytorch:3"}).check(runs)
+
+
+def test_status_mapping():
+    expect = {
+        "NotStarted": "queued", "Queued": "queued", "Preparing": "queued", "Provisioning": "queued",
+        "Starting": "queued", "Running": "running", "Finalizing": "running", "Completed": "succeeded",
+        "Failed": "failed", "Canceled": "cancelled", "CancelRequested": "cancelled", "NotResponding": "running",
+        "Paused": "running",
+    }
+    for state, status in expect.items():
+        assert map_job_status(state)[0] == status, state
+    assert map_job_status("NotResponding")[1] and map_job_status("Paused")[1]
+    assert map_job_status("Running")[1] is None
+    assert map_job_status("CANCEL_REQUESTED")[0] == "cancelled"
+    assert map_job_status("Bogus") == ("queued", "unknown Azure ML job status 'Bogus'")
+
+
+def test_registry_and_settings(aml):
+    backend = get_backend("azureml", ml_client=aml.ml_client(), compute="gpu", max_nodes=5)
+    assert isinstance(backend, AzureMLBackend) and backend.cluster_settings.max_nodes == 5
+    with pytest.raises(BackendError, match="did you mean `vm_size`"):
+        get_backend("azureml", vm_sise="Standard_NC4as_T4_v3")
+
+
+# --- the control plane through the real MLClient ------------------------------------------
+
+
+def test_cluster_lifecycle(aml):
+    cluster = AzureMLCluster(aml.ml_client(), ClusterSettings("gpu-t4", "Standard_NC4as_T4_v3", 0, 2, "dedicated"))
+    assert not cluster.status().exists
+    status = cluster.create()
+    assert status.exists and status.vm_size == "Standard_NC4as_T4_v3" and status.max_nodes == 2
+    body = aml.computes["gpu-t4"]["properties"]
+    assert body["computeType"] == "AmlCompute" and body["properties"]["vmPriority"] == "Dedicated"
+    assert body["properties"]["scaleSettings"]["nodeIdleTimeBeforeScaleDown"] == "PT30M"
+    aml.nodes["gpu-t4"] = [
+        {"nodeId": "tvm-1", "privateIpAddress": "10.0.0.4", "port": 50000, "nodeState": "running", "runId": "job-a"},
+        {"nodeId": "tvm-2", "privateIpAddress": "10.0.0.5", "port": 50001, "nodeState": "idle"},
+        {"nodeId": "tvm-3", "privateIpAddress": "10.0.0.6", "port": 50002, "nodeState": "preparing"},
+    ]
+    aml.compute_errors = [{"error": {"code": "QuotaExceeded", "message": "NCasT4_v3 family quota is 0 cores"}}]
+    status = cluster.status()
+    assert status.nodes_by_state["running"] == 1 and status.nodes_by_state["idle"] == 1
+    assert {n["name"]: n["job"] for n in status.nodes}["tvm-1"] == "job-a"
+    assert any("QuotaExceeded" in e for e in status.errors)
+    assert "QuotaExceeded" in status.summary() and "tvm-1: running running job-a" in status.summary()
+    status = cluster.scale(max_nodes=6)
+    assert status.max_nodes == 6 and aml.computes["gpu-t4"]["properties"]["properties"]["scaleSettings"][
+        "maxNodeCount"] == 6
+    with pytest.raises(BackendError):
+        cluster.scale(min_nodes=7)
+    assert cluster.create().max_nodes == 6  # an existing cluster is kept as it is
+    assert cluster.delete() and "gpu-t4" not in aml.computes
+    assert not cluster.delete()
+    assert not aml.transport.unmatched
+
+
+def test_cli_cluster(aml, capsys, write_experiment):
+    client = aml.ml_client()
+    exp = write_experiment("experiment: e\nnotebooks: [nb.ipynb]\nbackend:\n  name: azureml\n  compute: from-spec\n"
+                           "  vm_size: Standard_NC4as_T4_v3\n  max_nodes: 3\nshare: azfiles://acct/share\n")
+
+    def ns(action, **kw):
+        return argparse.Namespace(action=action, experiment=str(exp), **kw)
+
+    assert cli_cluster(ns("create", no_wait=False), ml_client=client) == 0
+    assert "cluster from-spec: Standard_NC4as_T4_v3 × 0–3 nodes" in capsys.readouterr().out
+    assert cli_cluster(ns("scale", min_nodes=None, max_nodes=5), ml_client=client) == 0
+    assert cli_cluster(ns("status", json=True), ml_client=client) == 0
+    assert json.loads(capsys.readouterr().out.split("\n", 2)[-1])["max_nodes"] == 5
+    with pytest.raises(BackendError, match="--max-nodes"):
+        cli_cluster(ns("scale", min_nodes=None, max_nodes=None), ml_client=client)
+    assert cli_cluster(ns("delete"), ml_client=client) == 0
+    assert "deleted" in capsys.readouterr().out
+
+
+def _cluster_parser() -> argparse.ArgumentParser:
+    """The `nbbatch cluster` arguments as handed to the CLI's owner (kept in step with cli_cluster here)."""
+    parser = argparse.ArgumentParser(prog="nbbatch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("cluster", help="the azureml backend's compute cluster: create | status | scale | delete")
+    p.add_argument("action", choices=["create", "status", "scale", "delete"])
+    p.add_argument("--experiment", help="take cluster and workspace settings from this experiment file's backend:")
+    p.add_argument("--name", help="cluster name (default: the experiment's `compute`, else nbbatch-gpu)")
+    p.add_argument("--vm-size", dest="vm_size")
+    p.add_argument("--min-nodes", dest="min_nodes", type=int)
+    p.add_argument("--max-nodes", dest="max_nodes", type=int)
+    p.add_argument("--tier", choices=["dedicated", "low_priority"])
+    p.add_argument("--idle-seconds", dest="idle_time_before_scale_down", type=int)
+    p.add_argument("--subscription-id", dest="subscription_id")
+    p.add_argument("--resource-group", dest="resource_group")
+    p.add_argument("--workspace")
+    p.add_argument("--config", help="an Azure ML config.json")
+    p.add_argument("--no-wait", action="store_true")
+    p.add_argument("--json", action="store_true")
+    return parser
+
+
+def test_cluster_cli_arguments(aml, capsys):
+    client = aml.ml_client()
+    parse = _cluster_parser().parse_args
+    assert cli_cluster(parse(["cluster", "create", "--name", "gpu-t4", "--vm-size", "Standard_NC4as_T4_v3",
+                              "--max-nodes", "2", "--tier", "low_priority", "--idle-seconds", "300"]),
+                       ml_client=client) == 0
+    props = aml.computes["gpu-t4"]["properties"]["properties"]
+    assert props["vmPriority"] == "LowPriority" and props["scaleSettings"]["nodeIdleTimeBeforeScaleDown"] == "PT5M"
+    assert cli_cluster(parse(["cluster", "scale", "--name", "gpu-t4", "--min-nodes", "1"]), ml_client=client) == 0
+    assert props["scaleSettings"]["minNodeCount"] == 1 or aml.computes["gpu-t4"]["properties"]["properties"][
+        "scaleSettings"]["minNodeCount"] == 1
+    assert cli_cluster(parse(["cluster", "status", "--name", "gpu-t4", "--json"]), ml_client=client) == 0
+    assert cli_cluster(parse(["cluster", "delete", "--name", "gpu-t4", "--no-wait"]), ml_client=client) == 0
+    out = capsys.readouterr().out
+    assert "cluster gpu-t4: Standard_NC4as_T4_v3" in out and "deleted" in out
+    assert "gpu-t4" not in aml.computes
+
+
+def test_submit_statuses_cancel_resubmit(aml, backend, share, runs, files, env_upload):
+    _queue(share, runs)
+    updates = []
+    backend.submit(runs, share, _options(on_update=updates.append))
+    # cluster created, datastore registered, environment built once, one job per run
+    assert "gpu-a100" in aml.computes
+    assert aml.computes["gpu-a100"]["properties"]["properties"]["vmPriority"] == "LowPriority"
+    assert aml.datastores[DATASTORE]["properties"]["fileShareName"] == "results"
+    assert list(aml.environments) == [("nbbatch-toy", backend._environment_refs["toy"].rsplit(":", 1)[1])]
+    assert len(env_upload) == 1
+    assert len(aml.jobs) == 3 and len(updates) == 3
+    names = _job_names(share, runs)
+    for run in runs:
+        job = aml.jobs[names[run.run_id]]["properties"]
+        assert job["displayName"] == run.run_id and job["experimentName"] == "cifar"
+        assert job["computeId"].endswith("/computes/gpu-a100")
+        assert job["environmentId"].endswith("/environments/nbbatch-toy/versions/" + backend._environment_refs[
+            "toy"].rsplit(":", 1)[1])
+        assert job["outputs"]["share"]["uri"] == f"azureml://datastores/{DATASTORE}/paths/nbbatch/"
+        assert job["outputs"]["share"]["mode"] == "ReadWriteMount"
+        assert job["tags"]["run_id"] == run.run_id
+        assert read_record(share, "cifar", run.run_id).status == "queued"
+    assert len(set(aml.code_hashes)) == 1  # one snapshot, reused by every job
+    a, b, c = (names[r.run_id] for r in runs)
+
+    aml.set_job_status(a, "Running")
+    aml.set_job_status(b, "Preparing")
+    aml.set_job_status(c, "NotResponding")
+    backend.refresh("cifar", share)
+    records = {r.run_id: read_record(share, "cifar", r.run_id) for r in runs}
+    assert [records[r.run_id].status for r in runs] == ["running", "queued", "running"]
+    state_c = backend.job_state(share, "cifar", runs[2].run_id)
+    assert state_c.job_status == "NotResponding" and "not responding" in state_c.note
+
+    # the executor writes its own final record; a job that ends without one is mapped from the job state
+    done = read_record(share, "cifar", runs[0].run_id)
+    done.status, done.metrics = "succeeded", {"accuracy": 0.5}
+    write_record(share, done)
+    aml.set_job_status(a, "Completed")
+    aml.set_job_status(c, "Failed")
+    backend.refresh("cifar", share)
+    assert read_record(share, "cifar", runs[0].run_id).metrics == {"accuracy": 0.5}
+    failed = read_record(share, "cifar", runs[2].run_id)
+    assert failed.status == "failed" and failed.error.ename == "AzureMLJobFailed" and c in failed.error.evalue
+
+    assert backend.cancel("cifar", share) == [runs[1].run_id]  # only the unfinished one
+    assert aml.cancelled == [b]
+    assert read_record(share, "cifar", runs[1].run_id).status == "cancelled"
+    assert share.exists(f"cifar/{runs[1].run_id}/CANCEL")
+
+    # resubmitting skips the succeeded run and reuses cluster, datastore and environment
+    before = set(aml.jobs)
+    puts_before = [c.path for c in aml.transport.calls if c.method == "PUT"]
+    backend.submit(runs, share, _options())
+    new_jobs = set(aml.jobs) - before
+    assert len(new_jobs) == 2
+    assert {aml.jobs[j]["properties"]["displayName"] for j in new_jobs} == {runs[1].run_id, runs[2].run_id}
+    puts = [c.path for c in aml.transport.calls if c.method == "PUT"][len(puts_before):]
+    assert all("/jobs/" in p for p in puts), puts  # nothing but the two jobs was created again
+    assert len(env_upload) == 1
+
+    # a run whose job is still in flight is not submitted twice
+    backend.submit([runs[1]], share, _options())
+    assert len(aml.jobs) == 5
+
+    cluster = backend.cluster
+    assert cluster.delete() and "gpu-a100" not in aml.computes
+    assert not aml.transport.unmatched, [c.path for c in aml.transport.unmatched]
+
+
+def _existing_environment(aml, azproject) -> str:
+    version = get_framework("toy", Project(azproject)).fingerprint()
+    aml.environments[("nbbatch-toy", version)] = {
+        "id": f"{aml.ws_path}/environments/nbbatch-toy/versions/{version}",
+        "name": version, "properties": {"image": "myacr.azurecr.io/nbbatch-toy:1"}}
+    return version
+
+
+def test_submit_and_wait(aml, backend, share, runs, files, env_upload, azproject):
+    _existing_environment(aml, azproject)
+    run = runs[0]
+    _queue(share, [run])
+    original_create = backend.ml_client.jobs.create_or_update
+
+    def create(job):
+        created = original_create(job)
+        aml.job_scripts[created.name] = ["Queued", "Preparing", "Running", "Running", "Completed"]
+        return created
+
+    backend.ml_client.jobs.create_or_update = create
+    seen = []
+    backend.submit([run], share, _options(wait=True, on_update=lambda r: seen.append(r.status)))
+    assert seen[0] == "queued" and seen[-1] == "succeeded" and "running" in seen
+    assert read_record(share, "cifar", run.run_id).status == "succeeded"
+    assert env_upload == []  # the environment existed: reused, not rebuilt
+    assert not aml.transport.unmatched
+
+
+def test_share_must_be_azure_files(aml, runs, tmp_path):
+    from nbbatch.share import FileShare
+
+    backend = AzureMLBackend(ml_client=aml.ml_client())
+    with pytest.raises(BackendError, match="azfiles://"):
+        backend.submit(runs, FileShare(tmp_path), _options())
+
+
+def test_missing_datastore_without_key_says_how(aml, runs, files, monkeypatch, share):
+    monkeypatch.delenv("AZURE_STORAGE_KEY")
+    backend = AzureMLBackend(ml_client=aml.ml_client(), poll_seconds=0)
+    _queue(share, runs)  # the share object was opened with the key; the backend no longer sees it
+    with pytest.raises(BackendError, match="az ml datastore create"):
+        backend.submit(runs, share, _options())
+    assert not aml.jobs
+
+
+def test_stream_log_follows_the_job(aml, backend, share, runs, files, env_upload, monkeypatch):
+    import azure.ai.ml.operations._job_ops_helper as helper
+
+    monkeypatch.setattr(helper, "_wait_before_polling", lambda seconds: 0)
+    _queue(share, runs[:1])
+    backend.submit(runs[:1], share, _options())
+    (name,) = aml.jobs
+    aml.set_job_status(name, "Completed")
+    aml.run_history[name] = [
+        ("Running", {}),
+        ("Running", {"user_logs/std_log.txt": "epoch 1 loss 2.3\n"}),
+        ("Completed", {"user_logs/std_log.txt": "epoch 1 loss 2.3\nepoch 2 loss 1.9\n"}),
+    ]
+    assert backend.stream_log("cifar", share, runs[0].run_id, follow=False) is None
+    lines = list(backend.stream_log("cifar", share, runs[0].run_id, follow=True))
+    text = "".join(lines)
+    assert f"RunId: {name}" in text and "epoch 1 loss 2.3" in text and "epoch 2 loss 1.9" in text
+    assert "Execution Summary" in text
+    assert backend.stream_log("cifar", share, "never-submitted", follow=True) is None
+
+
+def test_compute_reports_nodes(aml, backend):
+    backend.cluster.create()
+    aml.nodes["gpu-a100"] = [{"nodeId": "n1", "nodeState": "running"}, {"nodeId": "n2", "nodeState": "idle"}]
+    compute = backend.compute()
+    assert compute.backend == "azureml" and compute.slots == 3
+    assert [(n["name"], n["state"]) for n in compute.nodes] == [("n1", "running"), ("n2", "idle")]
+    assert "Standard_NC24ads_A100_v4" in compute.details["summary"]
+
+
+def test_code_snapshot(runs, azproject, tmp_path):
+    code = build_code_snapshot(runs, tmp_path / "code")
+    assert (code / "src/nbbatch/cli.py").is_file() and (code / "src/nbbatch/backends/azureml.py").is_file()
+    assert (code / "notebooks/Toy.ipynb").read_bytes() == (azproject / "notebooks/Toy.ipynb").read_bytes()
+    assert (code / "frameworks/toy/framework.yaml").is_file()
+    assert not list(code.rglob("__pycache__"))
+
+
+# --- secrets ----------------------------------------------------------------------------------
+
+
+def test_storage_key_never_leaves_the_environment(aml, backend, share, runs, files, env_upload, tmp_path):
+    """The planted key signs requests (HMAC) but is written nowhere: not in files, job specs or their YAML."""
+    _queue(share, runs)
+    backend.submit(runs, share, _options())
+    names = _job_names(share, runs)
+    aml.set_job_status(names[runs[0].run_id], "Failed")
+    backend.refresh("cifar", share)
+    backend.cancel("cifar", share)
+    stored = b"".join(files.file_bytes("results", n) for n in files.file_names("results"))
+    assert stored and FAKE_KEY.encode() not in stored
+    for request in files.requests:  # the key is never sent, only signatures made with it
+        assert FAKE_KEY.encode() not in request.body and FAKE_KEY not in json.dumps(request.headers)
+    for call in aml.transport.calls:
+        if "/datastores/" in call.path and call.method == "PUT":
+            continue  # registering the datastore hands the key to the workspace's key vault, by design
+        assert FAKE_KEY.encode() not in call.body, call.path
+    for job in aml.jobs.values():
+        assert FAKE_KEY not in json.dumps(job)
+    code = build_code_snapshot(runs, tmp_path / "code")
+    dumped = job_yaml(backend.build_job(runs[0], "azureml:e:1", code, datastore=DATASTORE, share_url=SHARE_URL))
+    assert "run-one" in dumped and FAKE_KEY not in dumped
+    assert not any(FAKE_KEY.encode() in p.read_bytes() for p in code.rglob("*") if p.is_file())
+
+
+def test_secret_looking_env_is_refused(backend, runs, tmp_path):
+    import dataclasses
+
+    leaky = dataclasses.replace(runs[0], env={"WANDB_API_KEY": "abc", "KERAS_BACKEND": "jax"})
+    with pytest.raises(BackendError, match="WANDB_API_KEY"):
+        backend.build_job(leaky, "azureml:e:1", tmp_path, datastore=DATASTORE, share_url=SHARE_URL)
+    fine = dataclasses.replace(runs[0], env={"KERAS_BACKEND": "jax"})
+    assert "KERAS_BACKEND" in backend.build_job(fine, "azureml:e:1", tmp_path, datastore=DATASTORE,
+                                                share_url=SHARE_URL).command
+
+
+def test_environment_is_reused_when_it_exists(aml, backend, azproject):
+    from nbbatch.backends.azureml import ensure_environment
+
+    framework = get_framework("toy", Project(azproject))
+    _existing_environment(aml, azproject)
+
+    env = ensure_environment(backend.ml_client, framework_environment(framework, azproject / "dockerfiles"))
+    assert isinstance(env, Environment) and env.version == framework.fingerprint()
+    assert not [c for c in aml.transport.calls if c.method == "PUT"]

@@ -1,0 +1,100 @@
+"""The command line: every mistake is one paragraph and a non-zero exit, no traceback, nothing started."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import make_notebook
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def nbbatch(*args, cwd, check=False):
+    done = subprocess.run([sys.executable, "-m", "nbbatch", *args], cwd=cwd, capture_output=True, text=True)
+    if check:
+        assert done.returncode == 0, done.stderr
+    return done
+
+
+@pytest.fixture
+def tiny(project):
+    make_notebook(project / "nb.ipynb", ["nbbatch_value = A * 2", "import nbbatch; nbbatch.record(value=nbbatch_value)"],
+                  parameters="EPOCHS = 1\nA = 1\nLR = 0.1\nNAME = 'x'\nUSE = False")
+    fw = project / "frameworks" / "toy"
+    fw.mkdir()
+    (fw / "framework.yaml").write_text("title: Toy\nnotebook: nb.ipynb\n")
+    (fw / "requirements.txt").write_text("ipykernel\n")
+    return project
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("experiment: e\nnotebooks: [nb.ipynb]\nparameters: {EPCHS: 3}\n", "did you mean `EPOCHS`"),
+    ("experiment: e\nnotebooks: [nb.ipynb]\nparameters: {EPOCHS: 'three'}\n", "`EPOCHS` of nb.ipynb expects int"),
+    ("experiment: e\nnotebooks: [nb.ipynb]\nparameters: {USE: 1}\n", "expects bool"),
+    ("experiment: e\nnotebooks: [missing.ipynb]\n", "does not exist"),
+    ("experiment: e\nnotebooks: [{path: nb.ipynb, kernel: pyhton3}]\n", "does not exist (did you mean `python3`?)"),
+    ("experiment: e\nframeworks: [pytorhc]\n", "unknown framework `pytorhc`"),
+    ("experiment: e\nframeworks: [toy]\n", "nbbatch envs create toy"),
+    ("experiment: e\nnotebooks: [nb.ipynb]\nsweep: {grid: {A: []}}\n", "non-empty list"),
+    ("experiment: e\nnotebooks: [nb.ipynb]\ntimeout: -1\n", "positive number"),
+    ("experiment: e\nnotebooks: [nb.ipynb]\nbackend: lcoal\n", "did you mean `local`"),
+    ("experiment: e\nnotebooks: [nb.ipynb]\nresources: {gpus: 1}\n", "GPU"),
+    ("experiment: [unclosed\n", "not valid YAML"),
+    ("- a\n- b\n", "YAML mapping"),
+])
+def test_bad_input_is_one_clear_error_and_nothing_starts(tiny, spec, message):
+    (tiny / "exp.yaml").write_text(spec)
+    done = nbbatch("submit", "exp.yaml", cwd=tiny)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert message in done.stderr.replace("\n", " ")
+    assert "Traceback" not in done.stderr and done.stderr.startswith("nbbatch: error:")
+    assert not (tiny / "results" / "e").exists()
+
+
+def test_not_a_notebook_and_two_parameters_cells(tiny):
+    (tiny / "bad.ipynb").write_text("this is not json")
+    make_notebook(tiny / "two.ipynb", ["pass"], extra_parameter_cells=1)
+    for name, message in (("bad.ipynb", "is not a notebook"), ("two.ipynb", "2 cells tagged `parameters`")):
+        (tiny / "exp.yaml").write_text(f"experiment: e\nnotebooks: [{name}]\n")
+        done = nbbatch("submit", "exp.yaml", cwd=tiny)
+        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_submit_status_logs_and_plan(tiny):
+    (tiny / "exp.yaml").write_text("experiment: e\nnotebooks: [nb.ipynb]\nsweep: {zip: {A: [1, 2]}}\n")
+    plan = nbbatch("plan", "exp.yaml", "--json", cwd=tiny, check=True)
+    runs = json.loads(plan.stdout)
+    assert [r["parameters"]["A"] for r in runs] == [1, 2]
+    assert not (tiny / "results" / "e").exists()
+    done = nbbatch("submit", "exp.yaml", "-q", cwd=tiny, check=True)
+    assert "2 succeeded" in done.stdout
+    status = json.loads(nbbatch("status", "e", "--json", cwd=tiny, check=True).stdout)
+    assert sorted(r["metrics"]["value"] for r in status) == [2, 4]
+    ambiguous = nbbatch("logs", "e", "nb", cwd=tiny)
+    assert ambiguous.returncode == 2 and "matches 2 runs" in ambiguous.stderr
+    assert "=== succeeded" in nbbatch("logs", "e", runs[0]["run_id"][:8], cwd=tiny, check=True).stdout
+    full = nbbatch("logs", "e", runs[0]["run_id"], "-f", cwd=tiny, check=True)
+    assert "=== succeeded" in full.stdout
+    again = nbbatch("submit", "exp.yaml", "-q", cwd=tiny, check=True)
+    assert "skipped 2 run(s)" in again.stdout
+
+
+def test_run_is_papermill_style(tiny):
+    (tiny / "params.yaml").write_text("LR: 0.5\n")
+    done = nbbatch("run", "nb.ipynb", "out.ipynb", "-p", "A", "21", "-y", "USE: true", "-f", "params.yaml",
+                   "-r", "NAME", "7", "-k", "python3", cwd=tiny)
+    assert done.returncode == 0, done.stderr
+    out = json.loads((tiny / "out.ipynb").read_text())
+    assert out["metadata"]["papermill"]["parameters"] == {"A": 21, "USE": True, "LR": 0.5, "NAME": "7"}
+    make_notebook(tiny / "fail.ipynb", ["1/0"])
+    failed = nbbatch("run", "fail.ipynb", "fail-out.ipynb", cwd=tiny)
+    assert failed.returncode == 1 and "ZeroDivisionError" in failed.stderr
+    assert "papermill-error-cell-tag" in (tiny / "fail-out.ipynb").read_text()
+
+
+def test_envs_list_shows_missing(tiny):
+    done = nbbatch("envs", "list", cwd=tiny, check=True)
+    assert "toy" in done.stdout and "missing" in done.stdout

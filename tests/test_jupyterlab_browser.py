@@ -1,0 +1,242 @@
+"""The Jupyter front in a real browser: JupyterLab + Debian's Chromium driven by Playwright.
+
+The test copies the control notebook (notebooks/ExploringBatchAI.ipynb) into a temporary project,
+injects parameters that swap the framework runs for a tiny notebook executed in the ``python3``
+kernel (two runs, a few seconds each), starts JupyterLab on 127.0.0.1 with a token and Jupyter
+config/data/runtime/settings folders inside the temporary folder, runs every cell from the browser
+and checks that the widgets render: the cluster form, the progress bar, the log, and a jobs table
+that lists every run and reaches ``succeeded`` without a page reload. A screenshot is kept in
+``test-artifacts/``. Playwright only drives the system's Chromium; it never downloads a browser.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(240)]
+
+REPO = Path(__file__).resolve().parents[1]
+CHROMIUM = Path("/usr/bin/chromium")
+CONTROL_NOTEBOOK = REPO / "notebooks" / "ExploringBatchAI.ipynb"
+ARTIFACTS = REPO / "test-artifacts"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"]
+
+TINY_PARAMETERS = """\
+EPOCHS = 1
+LR = 0.01
+BATCHSIZE = 64
+MAX_SAMPLES = 300
+DATASET = "digits"
+SEED = 0
+SECONDS_PER_EPOCH = 3.0
+"""
+
+TINY_BODY = """\
+import time
+import nbbatch
+for epoch in range(EPOCHS):
+    print(f"epoch {epoch + 1}/{EPOCHS}: training on {MAX_SAMPLES} {DATASET} images, lr={LR}", flush=True)
+    time.sleep(SECONDS_PER_EPOCH)
+nbbatch.record(accuracy=0.9 - abs(LR - 0.05), train_seconds=SECONDS_PER_EPOCH * EPOCHS)
+"""
+
+
+def _missing() -> str | None:
+    if not CHROMIUM.exists():
+        return f"{CHROMIUM} is missing (apt-get install chromium)"
+    for module in ("jupyterlab", "playwright", "ipywidgets"):
+        try:
+            __import__(module)
+        except ImportError:
+            return f"{module} is not installed (pip install jupyterlab ipywidgets playwright)"
+    if not CONTROL_NOTEBOOK.exists():
+        return f"{CONTROL_NOTEBOOK.name} is missing"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _tiny_notebook(path: Path) -> None:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(TINY_PARAMETERS, metadata={"tags": ["parameters"]}),
+                nbformat.v4.new_code_cell(TINY_BODY)]
+    nbformat.write(nb, path)
+
+
+def _control_notebook(path: Path, experiment: str) -> None:
+    """The real control notebook with papermill's injected-parameters cell (not executed)."""
+    import nbformat
+    from papermill.iorw import load_notebook_node
+    from papermill.parameterize import parameterize_notebook
+
+    nb = load_notebook_node(str(CONTROL_NOTEBOOK))
+    nb = parameterize_notebook(nb, {"FRAMEWORKS": [], "NOTEBOOKS": ["Tiny.ipynb"], "LRS": [0.01, 0.1],
+                                    "EXPERIMENT": experiment, "MAX_PARALLEL": 2}, kernel_name="python3")
+    nbformat.write(nb, path)
+
+
+def _lab_settings(folder: Path) -> None:
+    """User settings for this server only: every cell in the DOM, no news or update checks."""
+    settings = {
+        "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+        "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false",
+                                                                            "checkForUpdates": False},
+    }
+    for name, value in settings.items():
+        target = folder / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(value))
+
+
+def _wait_for_server(url: str, process: subprocess.Popen, log: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"JupyterLab exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.3)
+    raise AssertionError(f"JupyterLab did not answer within {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=5)
+
+
+@pytest.fixture
+def lab(tmp_path: Path):
+    """A JupyterLab server on 127.0.0.1 serving a temporary project with the control notebook."""
+    reason = _missing()
+    if reason:
+        pytest.skip(reason)
+    root = tmp_path / "project"
+    root.mkdir()
+    (root / ".nbbatch").mkdir()  # marks the project root
+    _tiny_notebook(root / "Tiny.ipynb")
+    _control_notebook(root / "ExploringBatchAI.ipynb", "browser")
+    jupyter = tmp_path / "jupyter"
+    _lab_settings(jupyter / "lab-settings")
+    token = secrets.token_hex(16)
+    port = _free_port()
+    env = dict(os.environ)
+    env.update({
+        "JUPYTER_CONFIG_DIR": str(jupyter / "config"), "JUPYTER_DATA_DIR": str(jupyter / "data"),
+        "JUPYTER_RUNTIME_DIR": str(jupyter / "runtime"), "JUPYTERLAB_SETTINGS_DIR": str(jupyter / "lab-settings"),
+        "JUPYTERLAB_WORKSPACES_DIR": str(jupyter / "workspaces"), "IPYTHONDIR": str(jupyter / "ipython"),
+        "JUPYTER_PATH": os.pathsep.join(p for p in (str(REPO / ".nbbatch" / "jupyter"), env.get("JUPYTER_PATH")) if p),
+        "NBBATCH_PROJECT": str(root), "PYDEVD_DISABLE_FILE_VALIDATION": "1",
+    })
+    env.pop("NBBATCH_WIDGETS", None)
+    log = tmp_path / "jupyterlab.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
+             f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--ServerApp.open_browser=False",
+             "--LabApp.expose_app_in_browser=True", "--LabApp.extension_manager=readonly", "--ServerApp.port_retries=0",
+             *(["--allow-root"] if os.geteuid() == 0 else [])],
+            cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for_server(f"{base}/api/status?token={token}", process, log)
+        yield {"base": base, "token": token, "root": root, "log": log}
+    finally:
+        _stop(process)
+
+
+def test_control_notebook_widgets_render_and_refresh(lab) -> None:
+    from playwright.sync_api import sync_playwright
+
+    started = time.monotonic()
+    ARTIFACTS.mkdir(exist_ok=True)
+    seen: list[list[str]] = []  # the jobs table's statuses at each look
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto(f"{lab['base']}/lab/tree/ExploringBatchAI.ipynb?token={lab['token']}")
+            page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
+                                   " && window.jupyterapp.shell.currentWidget.sessionContext"
+                                   " && window.jupyterapp.shell.currentWidget.sessionContext.session"
+                                   " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel"
+                                   " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status"
+                                   " === 'idle'", timeout=60_000)
+            page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+
+            table_rows = page.locator(".nbbatch-jobs-table tr[data-run]")
+            form = page.locator(".nbbatch-cluster")
+            form.wait_for(timeout=30_000)
+            assert "runs per GPU" in form.inner_text()
+            page.locator(".nbbatch-submission .widget-progress, .nbbatch-submission progress, "
+                         ".nbbatch-submission .progress-bar").first.wait_for(timeout=30_000)
+            table_rows.first.wait_for(timeout=60_000)
+            reload_marker = page.evaluate("() => (window.__nbbatch_marker = Math.random())")
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline:
+                statuses = [s for s in table_rows.evaluate_all("rows => rows.map(r => r.dataset.status)")]
+                if not seen or seen[-1] != statuses:
+                    seen.append(statuses)
+                if len(statuses) == 2 and all(s == "succeeded" for s in statuses):
+                    break
+                page.wait_for_timeout(250)
+            # the same page all along: no reload happened
+            assert page.evaluate("() => window.__nbbatch_marker") == reload_marker
+            assert seen and seen[-1] == ["succeeded", "succeeded"], f"the jobs table never reached succeeded: {seen}"
+            assert any(s != "succeeded" for statuses in seen[:-1] for s in statuses), \
+                f"the table was never seen before the runs ended (no live refresh to observe): {seen}"
+            summary = page.locator(".nbbatch-jobs[data-state='final']").first
+            summary.wait_for(timeout=15_000)
+            text = summary.inner_text()
+            assert "Tiny.ipynb" in text and "LR=0.01" in text and "LR=0.1" in text and "accuracy=" in text
+            assert summary.locator("a", has_text="open").count() == 2
+            href = summary.locator("a", has_text="open").first.get_attribute("href") or ""
+            assert href.startswith("/lab/tree/results/browser/") and href.endswith("/output.ipynb")
+            log = page.locator(".nbbatch-job-log")
+            log.wait_for(timeout=30_000)
+            page.wait_for_function("() => [...document.querySelectorAll('.nbbatch-job-log')]"
+                                   ".some(e => e.innerText.includes('epoch 1/1') && e.innerText.includes('succeeded'))",
+                                   timeout=30_000)
+            page.wait_for_function("() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status"
+                                   " === 'idle'", timeout=60_000)
+            errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+            error_text = "\n".join(errors.all_inner_texts())
+            assert "Traceback" not in error_text, error_text
+            page.locator(".nbbatch-jobs-summary").first.scroll_into_view_if_needed()
+            page.wait_for_timeout(300)
+            page.screenshot(path=str(ARTIFACTS / "jupyterlab-widgets.png"))
+            page.locator(".nbbatch-jobs-summary").first.screenshot(path=str(ARTIFACTS / "jupyterlab-jobs-table.png"))
+        finally:
+            browser.close()
+    records = [json.loads(p.read_text()) for p in (lab["root"] / "results" / "browser").glob("*/run.json")]
+    assert sorted(r["status"] for r in records) == ["succeeded", "succeeded"]
+    (ARTIFACTS / "jupyterlab-statuses.json").write_text(json.dumps({"seen": seen,
+                                                                    "seconds": round(time.monotonic() - started, 1)}))
+    shutil.copy(lab["log"], ARTIFACTS / "jupyterlab.log")
