@@ -11,6 +11,7 @@ that lists every run and reaches ``succeeded`` without a page reload. A screensh
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -21,7 +22,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,7 +43,7 @@ BATCHSIZE = 64
 MAX_SAMPLES = 300
 DATASET = "digits"
 SEED = 0
-SECONDS_PER_EPOCH = 3.0
+SECONDS_PER_EPOCH = 2.0
 """
 
 TINY_BODY = """\
@@ -90,7 +93,27 @@ def _control_notebook(path: Path, experiment: str) -> None:
 
     nb = load_notebook_node(str(CONTROL_NOTEBOOK))
     nb = parameterize_notebook(nb, {"FRAMEWORKS": [], "NOTEBOOKS": ["Tiny.ipynb"], "LRS": [0.01, 0.1],
-                                    "EXPERIMENT": experiment, "MAX_PARALLEL": 2}, kernel_name="python3")
+                                    "EXPERIMENT": experiment, "EPOCHS": 3, "MAX_PARALLEL": 1}, kernel_name="python3")
+    nbformat.write(nb, path)
+
+
+CANCEL_CELLS = [
+    "from nbbatch import Experiment\n"
+    "from nbbatch.widgets import print_jobs_summary, setup_cluster, submit_all",
+    "experiment = Experiment.from_dict({'experiment': 'cancelling', 'notebooks': ['Tiny.ipynb'],\n"
+    "                                   'sweep': {'grid': {'LR': [0.01, 0.1]}}, 'parameters': {'EPOCHS': 60}})\n"
+    "submission = submit_all(experiment, setup_cluster('local', max_parallel=1))",
+    "summary = print_jobs_summary(submission)",
+]
+
+
+def _cancel_notebook(path: Path) -> None:
+    """The same calls as the control notebook, with long runs to cancel from the table's buttons."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(source) for source in CANCEL_CELLS]
     nbformat.write(nb, path)
 
 
@@ -132,17 +155,19 @@ def _stop(process: subprocess.Popen) -> None:
         process.wait(timeout=5)
 
 
-@pytest.fixture
-def lab(tmp_path: Path):
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory):
     """A JupyterLab server on 127.0.0.1 serving a temporary project with the control notebook."""
     reason = _missing()
     if reason:
         pytest.skip(reason)
+    tmp_path = tmp_path_factory.mktemp("lab")
     root = tmp_path / "project"
     root.mkdir()
     (root / ".nbbatch").mkdir()  # marks the project root
     _tiny_notebook(root / "Tiny.ipynb")
     _control_notebook(root / "ExploringBatchAI.ipynb", "browser")
+    _cancel_notebook(root / "Cancel.ipynb")
     jupyter = tmp_path / "jupyter"
     _lab_settings(jupyter / "lab-settings")
     token = secrets.token_hex(16)
@@ -170,73 +195,109 @@ def lab(tmp_path: Path):
         yield {"base": base, "token": token, "root": root, "log": log}
     finally:
         _stop(process)
+        ARTIFACTS.mkdir(exist_ok=True)
+        shutil.copy(log, ARTIFACTS / "jupyterlab.log")
 
 
-def test_control_notebook_widgets_render_and_refresh(lab) -> None:
+KERNEL_IDLE = ("() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
+               " const k = w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel;"
+               " return !!k && k.status === 'idle' && w.content && w.content.widgets.length > 0; }")
+
+
+@contextlib.contextmanager
+def _browser_page(lab: dict[str, Any], notebook: str) -> Iterator[Any]:
+    """A Chromium page showing ``notebook`` in JupyterLab, its kernel started and idle."""
     from playwright.sync_api import sync_playwright
 
-    started = time.monotonic()
-    ARTIFACTS.mkdir(exist_ok=True)
-    seen: list[list[str]] = []  # the jobs table's statuses at each look
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.goto(f"{lab['base']}/lab/tree/ExploringBatchAI.ipynb?token={lab['token']}")
-            page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
-                                   " && window.jupyterapp.shell.currentWidget.sessionContext"
-                                   " && window.jupyterapp.shell.currentWidget.sessionContext.session"
-                                   " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel"
-                                   " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status"
-                                   " === 'idle'", timeout=60_000)
-            page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
-
-            table_rows = page.locator(".nbbatch-jobs-table tr[data-run]")
-            form = page.locator(".nbbatch-cluster")
-            form.wait_for(timeout=30_000)
-            assert "runs per GPU" in form.inner_text()
-            page.locator(".nbbatch-submission .widget-progress, .nbbatch-submission progress, "
-                         ".nbbatch-submission .progress-bar").first.wait_for(timeout=30_000)
-            table_rows.first.wait_for(timeout=60_000)
-            reload_marker = page.evaluate("() => (window.__nbbatch_marker = Math.random())")
-            deadline = time.monotonic() + 90
-            while time.monotonic() < deadline:
-                statuses = [s for s in table_rows.evaluate_all("rows => rows.map(r => r.dataset.status)")]
-                if not seen or seen[-1] != statuses:
-                    seen.append(statuses)
-                if len(statuses) == 2 and all(s == "succeeded" for s in statuses):
-                    break
-                page.wait_for_timeout(250)
-            # the same page all along: no reload happened
-            assert page.evaluate("() => window.__nbbatch_marker") == reload_marker
-            assert seen and seen[-1] == ["succeeded", "succeeded"], f"the jobs table never reached succeeded: {seen}"
-            assert any(s != "succeeded" for statuses in seen[:-1] for s in statuses), \
-                f"the table was never seen before the runs ended (no live refresh to observe): {seen}"
-            summary = page.locator(".nbbatch-jobs[data-state='final']").first
-            summary.wait_for(timeout=15_000)
-            text = summary.inner_text()
-            assert "Tiny.ipynb" in text and "LR=0.01" in text and "LR=0.1" in text and "accuracy=" in text
-            assert summary.locator("a", has_text="open").count() == 2
-            href = summary.locator("a", has_text="open").first.get_attribute("href") or ""
-            assert href.startswith("/lab/tree/results/browser/") and href.endswith("/output.ipynb")
-            log = page.locator(".nbbatch-job-log")
-            log.wait_for(timeout=30_000)
-            page.wait_for_function("() => [...document.querySelectorAll('.nbbatch-job-log')]"
-                                   ".some(e => e.innerText.includes('epoch 1/1') && e.innerText.includes('succeeded'))",
-                                   timeout=30_000)
-            page.wait_for_function("() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status"
-                                   " === 'idle'", timeout=60_000)
-            errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
-            error_text = "\n".join(errors.all_inner_texts())
-            assert "Traceback" not in error_text, error_text
-            page.locator(".nbbatch-jobs-summary").first.scroll_into_view_if_needed()
-            page.wait_for_timeout(300)
-            page.screenshot(path=str(ARTIFACTS / "jupyterlab-widgets.png"))
-            page.locator(".nbbatch-jobs-summary").first.screenshot(path=str(ARTIFACTS / "jupyterlab-jobs-table.png"))
+            page.goto(f"{lab['base']}/lab/tree/{notebook}?token={lab['token']}")
+            page.wait_for_function(KERNEL_IDLE, timeout=60_000)
+            yield page
         finally:
             browser.close()
+
+
+def _run_all(page: Any) -> None:
+    # not awaited: the command's promise resolves only when every cell has run
+    page.evaluate("() => { void window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+
+
+def _statuses(table: Any) -> list[str]:
+    return table.locator("tr[data-run]").evaluate_all("rows => rows.map(r => r.dataset.status)")
+
+
+def test_control_notebook_widgets_render_and_refresh(lab: dict[str, Any]) -> None:
+    started = time.monotonic()
+    ARTIFACTS.mkdir(exist_ok=True)
+    seen: list[list[str]] = []  # the jobs table's statuses, each time they changed
+    with _browser_page(lab, "ExploringBatchAI.ipynb") as page:
+        marker = page.evaluate("() => (window.__nbbatch_marker = Math.random())")
+        _run_all(page)
+        form = page.locator(".nbbatch-cluster")
+        form.wait_for(timeout=60_000)
+        assert "runs per GPU" in form.inner_text() and "max parallel runs" in form.inner_text()
+        page.locator(".nbbatch-submission .widget-hprogress .progress-bar").first.wait_for(timeout=60_000)
+        table = page.locator(".nbbatch-jobs-table").first
+        table.wait_for(timeout=60_000)
+        cancel_seen = False
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            statuses = _statuses(table)
+            if not seen or seen[-1] != statuses:
+                seen.append(statuses)
+            if statuses and any(s in ("queued", "running") for s in statuses):
+                cancel_seen = cancel_seen or page.locator(".nbbatch-jobs-summary button",
+                                                          has_text="Cancel all").first.is_visible()
+            if statuses == ["succeeded", "succeeded"]:
+                break
+            page.wait_for_timeout(200)
+        assert page.evaluate("() => window.__nbbatch_marker") == marker, "the page was reloaded"
+        assert seen and seen[-1] == ["succeeded", "succeeded"], f"the jobs table never reached succeeded: {seen}"
+        assert any(s in ("queued", "running") for statuses in seen for s in statuses), \
+            f"the table was never seen before the runs ended (no live refresh observed): {seen}"
+        assert cancel_seen, "no Cancel all button while runs were active"
+        summary = page.locator(".nbbatch-jobs[data-state='final']").first
+        summary.wait_for(timeout=15_000)
+        text = summary.inner_text()
+        assert "Tiny.ipynb" in text and "LR=0.01" in text and "LR=0.1" in text and "accuracy=" in text
+        links = summary.locator("a", has_text="open")
+        assert links.count() == 2
+        href = links.first.get_attribute("href") or ""
+        assert href.startswith("/lab/tree/results/browser/") and href.endswith("/output.ipynb"), href
+        page.wait_for_function("() => [...document.querySelectorAll('.nbbatch-job-log')]"
+                               ".some(e => e.innerText.includes('epoch 3/3') && e.innerText.includes('succeeded'))",
+                               timeout=60_000)
+        page.wait_for_function(KERNEL_IDLE, timeout=60_000)
+        assert page.locator(".jp-Notebook .jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']",
+                            has_text="Traceback").count() == 0
+        page.locator(".nbbatch-submission").first.scroll_into_view_if_needed()
+        page.wait_for_timeout(300)
+        page.screenshot(path=str(ARTIFACTS / "jupyterlab-widgets.png"))
+        page.locator(".nbbatch-jobs-summary").first.screenshot(path=str(ARTIFACTS / "jupyterlab-jobs-table.png"))
     records = [json.loads(p.read_text()) for p in (lab["root"] / "results" / "browser").glob("*/run.json")]
     assert sorted(r["status"] for r in records) == ["succeeded", "succeeded"]
-    (ARTIFACTS / "jupyterlab-statuses.json").write_text(json.dumps({"seen": seen,
-                                                                    "seconds": round(time.monotonic() - started, 1)}))
-    shutil.copy(lab["log"], ARTIFACTS / "jupyterlab.log")
+    (ARTIFACTS / "jupyterlab-statuses.json").write_text(
+        json.dumps({"seen": seen, "seconds": round(time.monotonic() - started, 1)}, indent=1))
+
+
+def test_cancel_buttons_stop_runs(lab: dict[str, Any]) -> None:
+    with _browser_page(lab, "Cancel.ipynb") as page:
+        _run_all(page)
+        table = page.locator(".nbbatch-jobs-table").first
+        table.wait_for(timeout=60_000)
+        page.wait_for_function(KERNEL_IDLE, timeout=60_000)  # the buttons act while no cell runs
+        running = table.locator("tr[data-status='running']")
+        running.first.wait_for(timeout=60_000)
+        first = running.first.get_attribute("data-run")
+        page.locator(".nbbatch-jobs-summary button", has_text=f"Cancel {first}").click()
+        table.locator(f"tr[data-run='{first}'][data-status='cancelled']").wait_for(timeout=30_000)
+        page.locator(".nbbatch-jobs-summary button", has_text="Cancel all").click()
+        page.locator(".nbbatch-jobs[data-state='final']").first.wait_for(timeout=30_000)
+        assert _statuses(table) == ["cancelled", "cancelled"]
+        assert not page.locator(".nbbatch-jobs-summary button", has_text="Cancel all").is_visible()
+        page.locator(".nbbatch-jobs-summary").first.screenshot(path=str(ARTIFACTS / "jupyterlab-cancelled.png"))
+    records = [json.loads(p.read_text()) for p in (lab["root"] / "results" / "cancelling").glob("*/run.json")]
+    assert sorted(r["status"] for r in records) == ["cancelled", "cancelled"]

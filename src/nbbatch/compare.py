@@ -1123,7 +1123,10 @@ def cli_compare(args: argparse.Namespace) -> int:
     console = terminal()
     frame = collect_targets(args.targets, getattr(args, "share", None))
     if args.where:
+        total = len(frame)
         frame = filter_runs(frame, args.where)
+        if not len(frame):
+            console.print(f"[yellow]none of the {total} runs matches {' and '.join(args.where)}[/]")
     if args.sort:
         frame = sort_runs(frame, args.sort)
     shown = group_runs(frame, args.group_by, args.agg) if args.group_by else frame

@@ -1034,7 +1034,8 @@ class JobsSummaryModel:
         """The table as HTML: one ``<tr data-run=… data-status=…>`` per run, status in colour, notebook links."""
         rows = self.rows(now)
         head = "".join(f"<th style='text-align:left;padding:2px 8px'>{c}</th>" for c in self.COLUMNS)
-        cell = "<td style='padding:2px 8px;vertical-align:top'{extra}>{text}</td>"
+        cell = "<td style='padding:3px 8px;vertical-align:top{nowrap}'{extra}>{text}</td>"
+        nowrap = ";white-space:nowrap"
         body = []
         for row in rows:
             status = row["status"]
@@ -1042,17 +1043,19 @@ class JobsSummaryModel:
             error = html.escape(row["error"])
             status_html = f"<span class='nbbatch-status' style='{status_css(status)}'>{shown}</span>"
             if error:
-                status_html += f"<div style='font-size:90%;{status_css('failed')}'>{html.escape(row['error'][:160])}</div>"
+                status_html += (f"<div style='font-size:90%;white-space:normal;max-width:28em;{status_css('failed')}'>"
+                                f"{html.escape(row['error'][:160])}</div>")
             cells = [
-                cell.format(extra="", text=f"<code>{html.escape(row['run_id'])}</code>"),
-                cell.format(extra="", text=html.escape(str(row["framework"]))),
-                cell.format(extra=f" title='{html.escape(row['parameters_all'])}'", text=html.escape(row["parameters_shown"])),
-                cell.format(extra=f" title='{error}'" if error else "", text=status_html),
-                cell.format(extra="", text=str(row["attempts"])),
-                cell.format(extra="", text=html.escape(row["duration_text"])),
-                cell.format(extra="", text=html.escape(row["gpu_text"])),
-                cell.format(extra="", text=html.escape(row["metrics_shown"])),
-                cell.format(extra="", text=row["links"].html()),
+                cell.format(nowrap=nowrap, extra="", text=f"<code>{html.escape(row['run_id'])}</code>"),
+                cell.format(nowrap=nowrap, extra="", text=html.escape(str(row["framework"]))),
+                cell.format(nowrap="", extra=f" title='{html.escape(row['parameters_all'])}'",
+                            text=html.escape(row["parameters_shown"])),
+                cell.format(nowrap=nowrap, extra=f" title='{error}'" if error else "", text=status_html),
+                cell.format(nowrap=nowrap, extra="", text=str(row["attempts"])),
+                cell.format(nowrap=nowrap, extra="", text=html.escape(row["duration_text"])),
+                cell.format(nowrap=nowrap, extra="", text=html.escape(row["gpu_text"])),
+                cell.format(nowrap="", extra="", text=html.escape(row["metrics_shown"])),
+                cell.format(nowrap=nowrap, extra="", text=row["links"].html()),
             ]
             body.append(f"<tr data-run='{html.escape(row['run_id'])}' data-status='{html.escape(status)}' "
                         f"style='border-top:1px solid var(--jp-border-color2, #ddd)'>{''.join(cells)}</tr>")
@@ -1064,7 +1067,8 @@ class JobsSummaryModel:
         extra += "".join(f"<div class='nbbatch-problem' style='{status_css('failed')}'>{html.escape(p)}</div>"
                          for p in self.problems)
         state = "final" if self.all_final else "live"
-        return (f"<div class='nbbatch-jobs' data-experiment='{html.escape(self.experiment)}' data-state='{state}'>"
+        return (f"<div class='nbbatch-jobs' data-experiment='{html.escape(self.experiment)}' data-state='{state}' "
+                f"style='line-height:1.4'>"
                 f"<div style='font-weight:600;margin-bottom:4px'>{html.escape(self.headline())}</div>"
                 f"<table class='nbbatch-jobs-table' style='border-collapse:collapse;font-size:var(--jp-ui-font-size1, 13px)'>"
                 f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>{extra}</div>")

@@ -135,6 +135,7 @@ _RANGE = re.compile(r"bytes=(\d+)-(\d*)")
 class _Handler(BaseHTTPRequestHandler):
     server_state: FakeAzureFiles
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body go out as separate writes: avoid delayed-ACK stalls
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet test output
         return None

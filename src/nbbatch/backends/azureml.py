@@ -406,34 +406,52 @@ def _message(exc: BaseException) -> str:
 # --- environments -----------------------------------------------------------------------------
 
 
-def framework_environment(framework: Any, dockerfiles_dir: Path) -> Environment:
-    """The Azure ML environment of a framework: built from ``dockerfiles/<name>/``, versioned by its pins."""
+def framework_environment(framework: Any, dockerfiles_dir: Path, build_dir: Path | None = None) -> Environment:
+    """The Azure ML environment of a framework: built from ``dockerfiles/<name>/``, versioned by its pins.
+
+    With ``build_dir`` the Docker build context is staged there: the files of ``dockerfiles/<name>/``
+    plus the framework's folder as ``frameworks/<name>/``, so a Dockerfile can
+    ``COPY frameworks/<name>/requirements.txt`` and install the very pins the local environments use.
+    """
     context = Path(dockerfiles_dir) / framework.name
     if not (context / "Dockerfile").is_file():
         raise BackendError(
             f"framework `{framework.name}` has no Docker build context {context}/Dockerfile; the azureml backend "
             f"builds its image from there (or name an existing Azure ML environment under `environments:`)"
         )
+    path = context
+    if build_dir is not None:
+        shutil.copytree(context, build_dir, ignore=_IGNORE, dirs_exist_ok=True)
+        shutil.copytree(framework.folder, build_dir / "frameworks" / framework.name, ignore=_IGNORE,
+                        dirs_exist_ok=True)
+        path = build_dir
     return Environment(
         name=f"nbbatch-{framework.name}",
         version=framework.fingerprint(),
-        build=BuildContext(path=str(context), dockerfile_path="Dockerfile"),
+        build=BuildContext(path=str(path), dockerfile_path="Dockerfile"),
         description=f"nbbatch {framework.title} environment (kernel {framework.kernel_name})",
         tags={"nbbatch": "1", "framework": framework.name, "kernel": framework.kernel_name},
     )
 
 
-def ensure_environment(ml_client: MLClient, environment: Environment) -> Environment:
-    """Reuse the environment if its name and version exist in the workspace, else register it (Azure ML builds it)."""
+def ensure_environment(ml_client: MLClient, framework: Any, dockerfiles_dir: Path) -> Environment:
+    """The framework's environment: reused when its name and version (the pins) exist, else registered.
+
+    Registering uploads the staged build context; Azure ML builds the image on first use (a job waits
+    in Preparing meanwhile) and keeps it in the workspace's container registry.
+    """
+    wanted = framework_environment(framework, dockerfiles_dir)
     try:
-        return ml_client.environments.get(environment.name, version=environment.version)
+        return ml_client.environments.get(wanted.name, version=wanted.version)
     except ResourceNotFoundError:
         pass
-    try:
-        return ml_client.environments.create_or_update(environment)
-    except HttpResponseError as exc:
-        raise BackendError(f"cannot register environment {environment.name}:{environment.version}: "
-                           f"{_message(exc)}") from exc
+    with tempfile.TemporaryDirectory(prefix="nbbatch-image-") as tmp:
+        staged = framework_environment(framework, dockerfiles_dir, build_dir=Path(tmp) / "context")
+        try:
+            return ml_client.environments.create_or_update(staged)
+        except HttpResponseError as exc:
+            raise BackendError(f"cannot register environment {staged.name}:{staged.version}: "
+                               f"{_message(exc)}") from exc
 
 
 # --- datastores -------------------------------------------------------------------------------
@@ -464,9 +482,9 @@ def ensure_datastore(ml_client: MLClient, name: str, account: str, share: str) -
     key = os.environ.get(KEY_ENV)
     if not key:
         raise BackendError(
-            f"the workspace has no datastore `{name}` for the file share {account}/{share}. Register it once: "
-            f"az ml datastore create --name {name} --type azure_file --account-name {account} "
-            f"--file-share-name {share} (with --set credentials.account_key=...), or set {KEY_ENV} for this "
+            f"the workspace has no datastore `{name}` for the file share {account}/{share}. Register it once "
+            f"with `az ml datastore create --file <yaml>` (type: azure_file, name: {name}, account_name: {account}, "
+            f"file_share_name: {share}, credentials.account_key; see docs/azure.md), or set {KEY_ENV} for this "
             "command and nbbatch registers it (the key goes to the workspace's key vault only)"
         )
     ml_client.datastores.create_or_update(
@@ -504,6 +522,10 @@ def build_code_snapshot(runs: Sequence[Run], dest: Path, project_root: Path | No
     shutil.copytree(Path(nbbatch.__file__).parent, dest / "src" / "nbbatch", ignore=_IGNORE, dirs_exist_ok=True)
     frameworks = sorted({r.framework for r in runs if r.framework})
     for run in runs:
+        rel = Path(run.notebook_rel)
+        if rel.is_absolute() or ".." in rel.parts:
+            raise BackendError(f"notebook {run.notebook_rel} of run {run.run_id} is outside the project; the "
+                               "azureml backend ships the project's notebooks only: move it into the project")
         root = project_root or _project_root_of(run)
         source = run.resolve_notebook(root)
         if not source.is_file():
@@ -744,10 +766,11 @@ class AzureMLBackend:
 
         root = _project_root_of(run)
         framework = get_framework(run.framework, Project(root))
-        env = framework_environment(framework, self.dockerfiles or root / "dockerfiles")
+        dockerfiles = self.dockerfiles or root / "dockerfiles"
+        env = framework_environment(framework, dockerfiles)
         if not register:
             return f"azureml:{env.name}:{env.version}"
-        registered = ensure_environment(self.ml_client, env)
+        registered = ensure_environment(self.ml_client, framework, dockerfiles)
         ref = f"azureml:{registered.name}:{registered.version}"
         self._environment_refs[key] = ref
         return ref
