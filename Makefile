@@ -40,3 +40,19 @@ bench: envs  ## benchmarks/*.py, numbers go to docs/benchmarks.md
 
 clean:
 	rm -rf results .pytest_cache test-artifacts
+
+AZURE_VM ?= Standard_NC4as_T4_v3
+AZURE_SMOKE := .nbbatch/azure-smoke.yaml
+
+azure-smoke: setup  ## one tiny GPU run on a real Azure ML workspace (billed; see docs/azure.md)
+	@for v in AZURE_SUBSCRIPTION_ID AZURE_RESOURCE_GROUP AZUREML_WORKSPACE NBBATCH_AZURE_SHARE; do \
+	  if [ -z "$$(printenv $$v)" ]; then echo "azure-smoke: set $$v (see docs/azure.md)"; exit 2; fi; done
+	@mkdir -p .nbbatch
+	@printf '%s\n' '# written by make azure-smoke' 'experiment: azure-smoke' 'frameworks: [pytorch]' \
+	  'parameters: {DATASET: digits, EPOCHS: 1, GPU: true}' 'resources: {gpus: 1}' 'timeout: {run: 2700}' \
+	  'backend: {name: azureml, compute: nbbatch-smoke, vm_size: $(AZURE_VM), max_nodes: 1, idle_time_before_scale_down: 300}' \
+	  "share: $$NBBATCH_AZURE_SHARE" > $(AZURE_SMOKE)
+	$(NBBATCH) submit $(AZURE_SMOKE) --force; status=$$?; \
+	  $(NBBATCH) fetch azure-smoke results --share "$$NBBATCH_AZURE_SHARE"; \
+	  $(NBBATCH) cluster delete --experiment $(AZURE_SMOKE); \
+	  exit $$status

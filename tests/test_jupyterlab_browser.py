@@ -12,6 +12,7 @@ that lists every run and reaches ``succeeded`` without a page reload. A screensh
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import secrets
@@ -139,7 +140,7 @@ def _wait_for_server(url: str, process: subprocess.Popen, log: Path, timeout: fl
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
                     return
-        except OSError:
+        except (OSError, http.client.HTTPException):  # not up yet
             time.sleep(0.3)
     raise AssertionError(f"JupyterLab did not answer within {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
@@ -213,7 +214,8 @@ def _browser_page(lab: dict[str, Any], notebook: str) -> Iterator[Any]:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.goto(f"{lab['base']}/lab/tree/{notebook}?token={lab['token']}")
+            workspace = Path(notebook).stem.lower()  # a fresh workspace: no tab of another test restored
+            page.goto(f"{lab['base']}/lab/workspaces/{workspace}/tree/{notebook}?reset&token={lab['token']}")
             page.wait_for_function(KERNEL_IDLE, timeout=60_000)
             yield page
         finally:

@@ -40,14 +40,15 @@ def test_no_gpu_machine_detects_none_without_error(monkeypatch):
 
 
 FAKE = [GpuInfo(0, "Fake A", 1000), GpuInfo(1, "Fake B", 1000)]
-PRINT_DEVICES = "import os; print('DEVICES=' + os.environ['CUDA_VISIBLE_DEVICES'] + ';ALLOC=' + os.environ.get('TOY_ALLOC', 'unset'))"
+PRINT_DEVICES = ("import os; print('DEVICES=' + os.environ['CUDA_VISIBLE_DEVICES']"
+                 " + ';ALLOC=' + os.environ.get('TOY_ALLOC', 'unset'))")
 
 
 def _devices(project, result):
     seen = {}
     for record in result.records:
         log = (project / "results" / record.experiment / record.run_id / "log.txt").read_text()
-        line = next(l for l in log.splitlines() if l.startswith("DEVICES="))
+        line = next(x for x in log.splitlines() if x.startswith("DEVICES="))
         seen[record.run_id] = (line.split(";")[0].removeprefix("DEVICES="), line.split(";")[1], record.gpu_ids)
     return seen
 

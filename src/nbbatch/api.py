@@ -175,10 +175,9 @@ def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, 
         todo = order_longest_first(todo, share)
         for run in todo:
             previous = read_record(share, run.experiment, run.run_id)
-            record = new_record(run, spec.backend)
-            if previous:
-                record.attempts = 0  # a resubmission starts counting again; the old record is replaced
-            write_record(share, record)
+            if previous and not previous.final and previous.backend != "local" and not force:
+                continue  # still queued or running on a remote backend: its record stays, the backend skips it
+            write_record(share, new_record(run, spec.backend))
         _write_manifest(share, spec, the_plan)
         result.started = [r.run_id for r in todo]
         callback = progress if callable(progress) else None

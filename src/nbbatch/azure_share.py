@@ -263,6 +263,8 @@ class AzureFileShare:
                 return self._client.get_file_client(full).download_file().readall()
             except ResourceNotFoundError as exc:
                 raise FileNotFoundError(f"{self.url}/{path}") from exc
+            except ResourceExistsError as exc:  # ResourceTypeMismatch: the path is a folder
+                raise IsADirectoryError(f"{self.url}/{path}") from exc
             except ResourceModifiedError as exc:
                 if attempt + 1 == _READ_ATTEMPTS:
                     raise self._error("read", path, exc) from exc
@@ -279,6 +281,8 @@ class AzureFileShare:
                 return True
             try:
                 self._client.get_file_client(full).get_file_properties()
+                return True
+            except ResourceExistsError:  # ResourceTypeMismatch: a folder
                 return True
             except ResourceNotFoundError:
                 self._client.get_directory_client(full).get_directory_properties()
@@ -316,7 +320,7 @@ class AzureFileShare:
             try:
                 self._client.get_file_client(full).delete_file()
                 return
-            except ResourceNotFoundError:
+            except (ResourceNotFoundError, ResourceExistsError):  # absent, or a folder (ResourceTypeMismatch)
                 pass
             try:
                 entries = list(self._walk(full))

@@ -223,6 +223,16 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cluster(args: argparse.Namespace) -> int:
+    from .backends import get_backend  # noqa: F401 - a clear error when the azure extra is missing
+
+    try:
+        from .backends.azureml import cli_cluster
+    except ImportError as exc:
+        raise NbbatchError(f"`nbbatch cluster` needs the azure extra: pip install 'nbbatch[azure]' ({exc})") from exc
+    return int(cli_cluster(args) or 0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nbbatch", description="Run parameterized notebooks as a batch.")
     parser.add_argument("--version", action="version", version=f"nbbatch {_version()}")
@@ -291,6 +301,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="rebuild even if ready")
     p.add_argument("--parallel", type=int, help="builds at once (default: CPU count)")
     p.set_defaults(func=cmd_envs)
+
+    p = sub.add_parser("cluster", help="the azureml backend's compute cluster: create | status | scale | delete")
+    p.add_argument("action", choices=["create", "status", "scale", "delete"])
+    p.add_argument("--experiment", help="take cluster and workspace settings from this experiment file's backend:")
+    p.add_argument("--name", help="cluster name (default: the experiment's `compute`, else nbbatch-gpu)")
+    p.add_argument("--vm-size", dest="vm_size")
+    p.add_argument("--min-nodes", dest="min_nodes", type=int)
+    p.add_argument("--max-nodes", dest="max_nodes", type=int)
+    p.add_argument("--tier", choices=["dedicated", "low_priority"])
+    p.add_argument("--idle-seconds", dest="idle_time_before_scale_down", type=int)
+    p.add_argument("--subscription-id", dest="subscription_id")
+    p.add_argument("--resource-group", dest="resource_group")
+    p.add_argument("--workspace")
+    p.add_argument("--config", help="an Azure ML config.json")
+    p.add_argument("--no-wait", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_cluster)
 
     p = sub.add_parser("fetch", help="copy an experiment's executed notebooks and run records to a folder")
     p.add_argument("experiment")

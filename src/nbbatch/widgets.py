@@ -199,10 +199,10 @@ class NotebookLinks:
     download_url: str | None = None  # downloads it (``/files/...?download=1``)
 
     def html(self) -> str:
-        """``open · download`` links, or the path as text when no Jupyter server serves it."""
+        """``open · ⤓`` (download) links, or the file's name when no Jupyter server serves it."""
         if self.open_url:
             return (f'<a href="{html.escape(self.open_url)}" target="_blank" rel="noopener" title="open in JupyterLab">'
-                    f'open</a> · <a href="{html.escape(self.download_url or "")}" download>download</a>')
+                    f'open</a> · <a href="{html.escape(self.download_url or "")}" download title="download">⤓</a>')
         if self.path is not None:
             return f'<code title="{html.escape(str(self.path))}">{html.escape(self.path.name)}</code>'
         return ""
@@ -1033,8 +1033,8 @@ class JobsSummaryModel:
     def to_html(self, now: datetime | None = None) -> str:
         """The table as HTML: one ``<tr data-run=… data-status=…>`` per run, status in colour, notebook links."""
         rows = self.rows(now)
-        head = "".join(f"<th style='text-align:left;padding:2px 8px'>{c}</th>" for c in self.COLUMNS)
-        cell = "<td style='padding:3px 8px;vertical-align:top{nowrap}'{extra}>{text}</td>"
+        head = "".join(f"<th style='text-align:left;padding:2px 6px'>{c}</th>" for c in self.COLUMNS)
+        cell = "<td style='padding:2px 6px;vertical-align:top{nowrap}'{extra}>{text}</td>"
         nowrap = ";white-space:nowrap"
         body = []
         for row in rows:
@@ -1042,7 +1042,7 @@ class JobsSummaryModel:
             shown = html.escape(status + (f" {row['progress']}" if row["progress"] else ""))
             error = html.escape(row["error"])
             status_html = f"<span class='nbbatch-status' style='{status_css(status)}'>{shown}</span>"
-            if error:
+            if error and status in ("failed", "timed_out"):  # a cancel's reason stays in the tooltip
                 status_html += (f"<div style='font-size:90%;white-space:normal;max-width:28em;{status_css('failed')}'>"
                                 f"{html.escape(row['error'][:160])}</div>")
             cells = [
@@ -1068,7 +1068,7 @@ class JobsSummaryModel:
                          for p in self.problems)
         state = "final" if self.all_final else "live"
         return (f"<div class='nbbatch-jobs' data-experiment='{html.escape(self.experiment)}' data-state='{state}' "
-                f"style='line-height:1.4'>"
+                f"style='line-height:1.4;overflow-x:auto'>"
                 f"<div style='font-weight:600;margin-bottom:4px'>{html.escape(self.headline())}</div>"
                 f"<table class='nbbatch-jobs-table' style='border-collapse:collapse;font-size:var(--jp-ui-font-size1, 13px)'>"
                 f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>{extra}</div>")
