@@ -240,3 +240,20 @@ def test_collect_reads_what_submit_writes(project: Path, write_experiment) -> No
     assert set(frame["framework"]) == {"Pytorch_CIFAR"}  # no framework: known by its notebook
     grouped = compare.group_runs(frame, "param.FAIL").set_index("param.FAIL")
     assert grouped["failed"].to_dict() == {False: 0, True: 2}
+
+
+def test_wired_into_the_nbbatch_command(made: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """`nbbatch compare | check | diff` through nbbatch.cli.main: exit statuses as CI sees them."""
+    from nbbatch.cli import main
+
+    share = str(made["share"])
+    assert main(["compare", "sweep", "--share", share, "--group-by", "framework"]) == 0
+    assert main(["check", "drift", "--baseline", "sweep", "--share", share, "--metric", "accuracy",
+                 "--tolerance", "0.02"]) == 1
+    assert main(["check", "drift", "--baseline", "sweep", "--share", share, "--metric", "accuracy",
+                 "--tolerance", "0.06"]) == 0
+    assert main(["compare", "empty", "--share", share]) == 2  # a clear message, no traceback
+    assert "experiment `empty` has no runs" in capsys.readouterr().err
+    runs = sorted(p.name for p in (made["share"] / "drift").iterdir())
+    assert main(["diff", f"drift/{runs[0]}", f"drift/{runs[1]}", "--share", share]) == 0
+    assert "LR:" in capsys.readouterr().out

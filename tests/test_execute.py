@@ -198,3 +198,30 @@ def test_invalid_parameter_is_refused_before_anything_runs(project, write_experi
     with pytest.raises(ValidationError, match=r"`EPCHS` is not in nb.ipynb's parameters cell \(did you mean `EPOCHS`\?\)"):
         submit(exp, progress=False)
     assert not (project / "results" / "bad").exists()
+
+
+def test_ctrl_c_cancels_unfinished_runs_and_keeps_finished_ones(project, write_experiment):
+    import signal
+    import subprocess
+    import sys
+
+    make_notebook(project / "nb.ipynb", ["import time\nif A > 1: time.sleep(120)\nprint('done', A)"])
+    write_experiment("experiment: ctrlc\nnotebooks: [nb.ipynb]\nsweep: {grid: {A: [1, 2, 3, 4]}}\n"
+                     "resources: {max_parallel: 2}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "nbbatch", "submit", "exp.yaml", "-q"], cwd=project,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        try:
+            records = nbbatch.status("ctrlc")
+        except nbbatch.NbbatchError:
+            records = []
+        if any(r.status == "succeeded" for r in records) and any(r.status == "running" for r in records):
+            break
+        time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in out
+    statuses = {r.parameters["A"]: r.status for r in nbbatch.status("ctrlc")}
+    assert statuses[1] == "succeeded"
+    assert {statuses[a] for a in (2, 3, 4)} == {"cancelled"}

@@ -588,7 +588,6 @@ def read_table(path: str | os.PathLike[str]) -> pd.DataFrame:
 # ---------------------------------------------------------------------------------------------
 def display_columns(frame: pd.DataFrame) -> list[str]:
     """The columns worth showing: ids, status, the parameters that vary, the metrics, duration, errors."""
-    pd = _pandas()
     shown: list[str] = []
     if "experiment" in frame and frame["experiment"].nunique(dropna=False) > 1:
         shown.append("experiment")
@@ -604,7 +603,6 @@ def display_columns(frame: pd.DataFrame) -> list[str]:
         shown.append("gpu_ids")
     if "error" in frame and frame["error"].notna().any():
         shown.append("error")
-    del pd
     return shown
 
 

@@ -1430,6 +1430,8 @@ def wait_for_job(experiment: Any, run: str, share: str | Share | None = None, bl
             elif record is not None:
                 took = f" in {format_duration(record.duration_s)}" if record.duration_s else ""
                 print(f"{record.run_id}: {record.status}{took}")
+                if submission is not None:
+                    submission._printed.add(record.run_id)  # Submission.wait() need not say it again
         else:
             from .results import read_log
 
