@@ -86,31 +86,24 @@ def test_cell_timeout_gives_timed_out_with_partial_notebook(project, write_exper
     assert any(getattr(c, "outputs", None) and "started" in c.outputs[0].get("text", "") for c in _output(project, record).cells)
 
 
-def _kernel_pids() -> set[int]:
-    pids = set()
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(proc.info["cmdline"] or [])
-        if "ipykernel_launcher" in cmd:
-            pids.add(proc.pid)
-    return pids
+def _gone(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
 def test_run_timeout_kills_the_kernel_and_its_children(project, write_experiment):
     make_notebook(project / "nb.ipynb", [
-        "import subprocess, sys\nchild = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
-        "open('child.pid', 'w').write(str(child.pid))",
+        "import os, subprocess, sys\nchild = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        "open('pids', 'w').write(f'{os.getpid()} {child.pid}')",
         "import time; time.sleep(120)",
     ])
-    before = _kernel_pids()
     exp = write_experiment("experiment: runtimeout\nnotebooks: [nb.ipynb]\ntimeout: 3\n")
     (record,) = submit(exp, progress=False).records
     assert record.status == "timed_out" and "run timeout" in record.error.reason
-    child = int((project / "child.pid").read_text())
-    deadline = time.time() + 10
-    while time.time() < deadline and (psutil.pid_exists(child) or _kernel_pids() - before):
+    kernel, child = map(int, (project / "pids").read_text().split())
+    deadline = time.time() + 15
+    while time.time() < deadline and not (_gone(kernel) and _gone(child)):
         time.sleep(0.2)
-    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
-    assert not (_kernel_pids() - before)
+    assert _gone(kernel) and _gone(child)
     assert "nbbatch stopped this run" in _output(project, record).cells[0].source
 
 

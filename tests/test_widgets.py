@@ -307,41 +307,37 @@ def test_setup_cluster_names_unknown_backends() -> None:
         widgets.setup_cluster("azurml")
 
 
-class FakeAzureML:
-    """A backend with a cluster to provision, answering as the azureml backend's compute() would."""
-
-    provisioned: list[dict] = []
-
-    def __init__(self, **settings):
-        self.settings = settings
-
-    def compute(self) -> Compute:
-        state = "Succeeded" if self.provisioned else "NotFound"
-        return Compute("azureml", nodes=[{"name": "node-0", "state": "idle", "cpus": 4, "gpus": 1}] if self.provisioned
-                       else [], details={"provisioning_state": state, "vm_size": self.settings.get("vm_size")})
-
-    def ensure_compute(self) -> None:
-        self.provisioned.append(dict(self.settings))
-
-
-def test_azureml_form_edits_the_cluster_and_provisions_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_azureml_form_creates_resizes_and_deletes_the_cluster() -> None:
+    """The form against the real azureml backend and MLClient, answered by the fake control plane."""
     pytest.importorskip("ipywidgets")
-    from nbbatch import backends
+    pytest.importorskip("azure.ai.ml")
+    from fakes.azureml_transport import FakeAzureML
 
-    monkeypatch.setitem(backends._REGISTRY, "azureml", FakeAzureML)
-    monkeypatch.setattr(FakeAzureML, "provisioned", [])
-    cluster = Cluster("azureml", {key: default for key, (_label, default) in widgets.AZUREML_FIELDS.items()})
+    aml = FakeAzureML()
+    settings = {key: default for key, (_label, default) in widgets.AZUREML_FIELDS.items()}
+    settings.update(compute="gpu-t4", ml_client=aml.ml_client())
+    cluster = Cluster("azureml", settings)
     form = widgets.ClusterForm(cluster)
     assert set(form.fields) == set(widgets.AZUREML_FIELDS)
-    form.fields["max_nodes"].value = 4
-    form.fields["vm_size"].value = "Standard_NC6s_v3"
-    form.fields["tier"].value = "low_priority"
-    assert cluster.settings["max_nodes"] == 4 and cluster.settings["tier"] == "low_priority"
+    assert "ml_client" not in form.message.value  # only plain settings are shown
     form._refresh()
-    assert "NotFound" in form.state.value
+    assert "cluster gpu-t4: does not exist" in form.state.value
+    form.fields["max_nodes"].value = 3
+    form.fields["tier"].value = "low_priority"
+    assert cluster.settings["max_nodes"] == 3 and cluster.settings["tier"] == "low_priority"
     form._provision()
-    assert FakeAzureML.provisioned[0]["vm_size"] == "Standard_NC6s_v3"
-    assert "Succeeded" in form.state.value and "node-0" in form.state.value
+    props = aml.computes["gpu-t4"]["properties"]["properties"]
+    assert props["scaleSettings"]["maxNodeCount"] == 3 and props["vmPriority"] == "LowPriority"
+    assert props["vmSize"] == widgets.AZUREML_FIELDS["vm_size"][1]
+    assert "provisioning Succeeded" in form.state.value and not form.message.value
+    form.fields["max_nodes"].value = 5  # an existing cluster: resized
+    form._provision()
+    assert aml.computes["gpu-t4"]["properties"]["properties"]["scaleSettings"]["maxNodeCount"] == 5
+    form.fields["vm_size"].value = "Standard_NC6s_v3"  # cannot change on an existing cluster: said so
+    form._provision()
+    assert "only its node range changes" in form.message.value
+    assert cluster.delete() and "gpu-t4" not in aml.computes
+    assert not cluster.delete()
 
 
 def test_local_form_follows_runs_per_gpu_and_concurrency() -> None:

@@ -54,7 +54,7 @@ __all__ = [
 SHARED_PARAMETERS = ("EPOCHS", "N_CLASSES", "BATCHSIZE", "LR", "MOMENTUM", "GPU", "SEED", "DATASET", "DATA_DIR",
                      "MAX_SAMPLES")
 
-#: Azure ML form fields: setting name → (label, default). The keys are the ``azureml`` backend's settings.
+#: Azure ML form fields: setting name → (label, default); the keys and defaults of the ``azureml`` backend's settings.
 AZUREML_FIELDS: dict[str, tuple[str, Any]] = {
     "compute": ("cluster name", "nbbatch-gpu"),
     "vm_size": ("VM size", "Standard_NC4as_T4_v3"),
@@ -178,7 +178,10 @@ def _shown_metrics(metrics: dict[str, Any]) -> list[str]:
 
 
 def _text_table(header: Sequence[str], rows: Sequence[Sequence[str]], max_width: int = 48) -> str:
-    cells = [[c if len(c) <= max_width else c[: max_width - 1] + "…" for c in row] for row in rows]
+    """Columns padded to their widest cell; inner cells longer than ``max_width`` are cut (the first and last never)."""
+    last = len(header) - 1
+    cells = [[c if len(c) <= max_width or i in (0, last) else c[: max_width - 1] + "…" for i, c in enumerate(row)]
+             for row in rows]
     widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(header)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip(),
              "  ".join("-" * w for w in widths)]
@@ -371,40 +374,50 @@ class Cluster:
             changes["max_parallel"] = self.max_parallel
         return dataclasses.replace(experiment, **changes)
 
-    def provision(self) -> Compute:
-        """Create or resize the backend's cluster when it can (Azure ML); return its compute."""
+    def provision(self, wait: bool = True) -> Compute:
+        """Create the backend's cluster if missing and resize it to ``min_nodes``/``max_nodes``; return its compute.
+
+        Only backends that manage a cluster (``azureml``: its ``cluster`` with ``create``/``scale``)
+        have anything to do; for the others this is :meth:`compute`.
+        """
         backend = self.get_backend()
-        for hook in ("ensure_compute", "ensure_cluster", "provision", "create_cluster"):
-            method = getattr(backend, hook, None)
-            if callable(method):
-                method()
-                break
+        managed = getattr(backend, "cluster", None)
+        if managed is None or not callable(getattr(managed, "create", None)):
+            return backend.compute()
+        status = managed.create(wait=wait)
+        wanted = (self.settings.get("min_nodes"), self.settings.get("max_nodes"))
+        current = (getattr(status, "min_nodes", None), getattr(status, "max_nodes", None))
+        if getattr(status, "exists", False) and None not in wanted and current != wanted and hasattr(managed, "scale"):
+            managed.scale(*wanted, wait=wait)
         return backend.compute()
 
     def delete(self) -> bool:
-        """Delete the backend's cluster when it has one to delete (Azure ML); return whether it did."""
-        backend = self.get_backend()
-        for hook in ("delete_compute", "delete_cluster"):
-            method = getattr(backend, hook, None)
-            if callable(method):
-                method()
-                return True
-        return False
+        """Delete the backend's cluster (``azureml``); return whether there was one to delete."""
+        managed = getattr(self.get_backend(), "cluster", None)
+        if managed is None or not callable(getattr(managed, "delete", None)):
+            return False
+        return bool(managed.delete())
 
     def describe(self, compute: Compute | None = None) -> str:
-        """One paragraph of text: the backend, its compute and how many runs execute at once."""
+        """A few lines of text: the backend, its settings, its compute and how many runs execute at once."""
         lines = [f"backend: {self.backend}"]
         for key, value in self.settings.items():
-            if not _secret(key):
+            if _shown_setting(key, value):
                 lines.append(f"  {key}: {value}")
         if compute is not None:
-            gpus = ", ".join(f"{g.get('index', '?')}: {g.get('name', 'GPU')}" for g in compute.gpus) or "none"
-            lines.append(f"  GPUs: {gpus}")
-            for node in compute.nodes:
-                lines.append(f"  node {node.get('name', '?')}: {node.get('state', '')}, {node.get('cpus', '?')} CPUs, "
-                             f"{node.get('gpus', 0)} GPUs")
+            if compute.backend == "local" or compute.gpus:
+                gpus = ", ".join(f"{g.get('index', '?')}: {g.get('name', 'GPU')}" for g in compute.gpus) or "none"
+                lines.append(f"  GPUs: {gpus}")
+            summary = compute.details.get("summary")
+            if isinstance(summary, str):
+                lines.extend(f"  {line}" for line in summary.splitlines())
+            else:
+                for node in compute.nodes:
+                    lines.append(f"  node {node.get('name', '?')}: {node.get('state', '')}, "
+                                 f"{_blank(node.get('cpus'), '?')} CPUs, {_blank(node.get('gpus'), 0)} GPUs")
             for key, value in compute.details.items():
-                lines.append(f"  {key}: {value}")
+                if key != "summary" and not isinstance(value, (dict, list)):
+                    lines.append(f"  {key}: {value}")
             lines.append(f"  runs at once: {self.concurrency(compute)}")
         if self.runs_per_gpu is not None:
             lines.append(f"  runs per GPU: {self.runs_per_gpu}")
@@ -423,23 +436,36 @@ def _secret(key: str) -> bool:
     return any(h in key.upper() for h in ("KEY", "TOKEN", "SECRET", "PASSWORD", "CREDENTIAL", "SAS"))
 
 
+def _shown_setting(key: str, value: Any) -> bool:
+    """Settings worth showing: plain values (not clients or credentials), never secrets."""
+    return not _secret(key) and (value is None or isinstance(value, (str, int, float, bool)))
+
+
+def _blank(value: Any, default: Any = "") -> Any:
+    return default if value is None else value
+
+
 def compute_html(compute: Compute, cluster: Cluster | None = None) -> str:
-    """An HTML summary of a backend's compute: GPUs, nodes and backend details (provisioning state…)."""
+    """An HTML summary of a backend's compute: GPUs, nodes and backend details (an Azure ML cluster's state…)."""
     parts = []
     if compute.gpus:
         rows = "".join(f"<tr><td>{html.escape(str(g.get('index', '')))}</td><td>{html.escape(str(g.get('name', '')))}</td>"
-                       f"<td>{html.escape(str(g.get('memory_mb', '')))}</td></tr>" for g in compute.gpus)
+                       f"<td>{html.escape(str(_blank(g.get('memory_mb'))))}</td></tr>" for g in compute.gpus)
         parts.append(f"<table class='nbbatch-gpus'><tr><th>GPU</th><th>name</th><th>memory (MB)</th></tr>{rows}</table>")
-    else:
+    elif compute.backend == "local":
         parts.append("<div>no NVIDIA GPU found: runs use the CPU</div>")
-    if compute.nodes:
+    summary = compute.details.get("summary")
+    if isinstance(summary, str):
+        parts.append(f"<pre class='nbbatch-summary' style='margin:4px 0'>{html.escape(summary)}</pre>")
+    elif compute.nodes:
         rows = "".join(f"<tr><td>{html.escape(str(n.get('name', '')))}</td><td>{html.escape(str(n.get('state', '')))}</td>"
-                       f"<td>{html.escape(str(n.get('cpus', '')))}</td><td>{html.escape(str(n.get('gpus', '')))}</td></tr>"
-                       for n in compute.nodes)
+                       f"<td>{html.escape(str(_blank(n.get('cpus'))))}</td><td>{html.escape(str(_blank(n.get('gpus'))))}</td>"
+                       "</tr>" for n in compute.nodes)
         parts.append(f"<table class='nbbatch-nodes'><tr><th>node</th><th>state</th><th>CPUs</th><th>GPUs</th></tr>"
                      f"{rows}</table>")
-    if compute.details:
-        items = "".join(f"<li><b>{html.escape(str(k))}</b>: {html.escape(str(v))}</li>" for k, v in compute.details.items())
+    items = "".join(f"<li><b>{html.escape(str(k))}</b>: {html.escape(str(v))}</li>" for k, v in compute.details.items()
+                    if k != "summary" and not isinstance(v, (dict, list)))
+    if items:
         parts.append(f"<ul class='nbbatch-details'>{items}</ul>")
     if cluster is not None:
         parts.append(f"<div>runs at once: <b>{cluster.concurrency(compute)}</b></div>")
@@ -521,7 +547,7 @@ class ClusterForm:
                     self.fields[key] = w.BoundedIntText(value=int(value), min=0, max=1000, description=label, style=style)
                 else:
                     self.fields[key] = w.Text(value=str(value), description=label, style=style)
-            others = {k: v for k, v in cluster.settings.items() if k not in AZUREML_FIELDS and not _secret(k)}
+            others = {k: v for k, v in cluster.settings.items() if k not in AZUREML_FIELDS and _shown_setting(k, v)}
             if others:
                 self.message.value = "<br>".join(f"{html.escape(k)}: <code>{html.escape(str(v))}</code>"
                                                  for k, v in others.items())
@@ -532,8 +558,8 @@ class ClusterForm:
             if cluster.backend == "ray":
                 cluster.settings.setdefault("address", "auto")
             for key, value in cluster.settings.items():
-                if not _secret(key):
-                    self.fields[key] = w.Text(value=str(value), description=key, style=style)
+                if _shown_setting(key, value):
+                    self.fields[key] = w.Text(value="" if value is None else str(value), description=key, style=style)
             self.apply_button = w.Button(description="Connect", icon="plug", button_style="primary")
             self.apply_button.on_click(lambda _b: self._in_thread(self._refresh))
             controls = [*self.fields.values(), self.apply_button]
@@ -586,8 +612,8 @@ class ClusterForm:
         self.apply_button.disabled = True
         self.message.value = "<i>creating or resizing the cluster…</i>"
         try:
-            self.compute = self.cluster.provision()
-            self.message.value = ""
+            self.compute = self.cluster.provision(wait=False)
+            self.message.value = html.escape(_unchangeable(self.compute, self.cluster))
         except Exception as exc:  # noqa: BLE001
             self.message.value = f"<span style='{status_css('failed')}'>{html.escape(str(exc))}</span>"
         finally:
@@ -595,11 +621,27 @@ class ClusterForm:
         self._refresh()
 
 
+def _unchangeable(compute: Compute, cluster: Cluster) -> str:
+    """A note when an existing Azure ML cluster's VM size or tier differ from the form (only its nodes can change)."""
+    status = compute.details.get("cluster")
+    if not isinstance(status, dict) or not status.get("exists"):
+        return ""
+    differ = [f"{key} is {status[key]}" for key in ("vm_size", "tier")
+              if status.get(key) and cluster.settings.get(key) and str(status[key]).lower() != str(cluster.settings[key]).lower()]
+    if not differ:
+        return ""
+    return (f"cluster {status.get('name')} exists and its {' and its '.join(differ)}: only its node range changes; "
+            "delete it (cluster.delete()) or choose another cluster name to change the others")
+
+
 def _provisioning(compute: Compute) -> bool:
-    details = {str(k).lower(): str(v).lower() for k, v in compute.details.items()}
-    state = details.get("provisioning_state") or details.get("state") or ""
-    allocation = details.get("allocation_state") or ""
-    return state in ("creating", "updating", "resizing") or allocation == "resizing"
+    """Whether a cluster is still changing (being created, updated, resized or deleted)."""
+    details = dict(compute.details)
+    if isinstance(details.get("cluster"), dict):  # the azureml backend's ClusterStatus
+        details.update(details["cluster"])
+    state = str(details.get("provisioning_state") or "").lower()
+    allocation = str(details.get("allocation_state") or "").lower()
+    return state in ("creating", "updating", "deleting") or allocation == "resizing"
 
 
 # --------------------------------------------------------------------------------------------------
