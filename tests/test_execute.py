@@ -87,12 +87,16 @@ def test_cell_timeout_gives_timed_out_with_partial_notebook(project, write_exper
 
 
 def _gone(pid: int) -> bool:
-    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def test_run_timeout_kills_the_kernel_and_its_children(project, write_experiment):
     make_notebook(project / "nb.ipynb", [
-        "import os, subprocess, sys\nchild = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        "import os, subprocess, sys\nprint('started', flush=True)\n"
+        "child = subprocess.Popen(['sh', '-c', 'sleep 120 & echo $! > grandchild.pid; wait'])\n"
         "open('pids', 'w').write(f'{os.getpid()} {child.pid}')",
         "import time; time.sleep(120)",
     ])
@@ -100,11 +104,15 @@ def test_run_timeout_kills_the_kernel_and_its_children(project, write_experiment
     (record,) = submit(exp, progress=False).records
     assert record.status == "timed_out" and "run timeout" in record.error.reason
     kernel, child = map(int, (project / "pids").read_text().split())
+    grandchild = int((project / "grandchild.pid").read_text())  # a child of the kernel's child
     deadline = time.time() + 15
-    while time.time() < deadline and not (_gone(kernel) and _gone(child)):
+    while time.time() < deadline and not all(_gone(p) for p in (kernel, child, grandchild)):
         time.sleep(0.2)
-    assert _gone(kernel) and _gone(child)
-    assert "nbbatch stopped this run" in _output(project, record).cells[0].source
+    assert _gone(kernel) and _gone(child) and _gone(grandchild)
+    nb = _output(project, record)
+    assert "nbbatch stopped this run" in nb.cells[0].source
+    started = next(c for c in nb.cells if "print('started'" in c.source)
+    assert started.outputs[0].text == "started\n"  # the partial notebook keeps what ran before the timeout
 
 
 def test_cancel_stops_running_and_queued_runs(project, write_experiment):

@@ -147,8 +147,7 @@ def test_text_table_lists_every_run_and_its_error() -> None:
     text = model.to_text()
     lines = text.splitlines()
     assert lines[0] == "exp: 2 runs — 1 failed, 1 succeeded"
-    assert lines[1].split() == ["run", "framework", "parameters", "status", "attempt", "duration", "GPU", "metrics",
-                                "notebook"]
+    assert lines[1].split() == ["run", "framework", "parameters", "status", "try", "duration", "GPU", "metrics", "notebook"]
     assert "pytorch-1" in text and "accuracy=0.9" in text and "results/pytorch-1/output.ipynb" in text
     assert "pytorch-2: cell 4: RuntimeError: diverged: loss is nan" in text
 
@@ -340,6 +339,42 @@ def test_azureml_form_creates_resizes_and_deletes_the_cluster() -> None:
     assert not cluster.delete()
 
 
+class FakeRay:
+    """Answers compute() the way the ray backend does (nodes, GPUs, total/available resources)."""
+
+    def __init__(self, address: str = "auto", num_cpus: float = 1, **_settings):
+        self.address, self.num_cpus = address, num_cpus
+
+    def compute(self) -> Compute:
+        if self.address != "10.0.0.1:6379":
+            raise NbbatchError(f"cannot connect to the Ray cluster at `{self.address}`")
+        return Compute("ray", gpus=[{"index": 0, "name": "A100", "memory_mb": None, "node": "head"}],
+                       nodes=[{"name": "head", "state": "alive", "cpus": 8.0, "gpus": 1.0}], slots=8,
+                       details={"address": self.address, "total": {"CPU": 8.0, "GPU": 1.0, "memory": 8 * 2**30,
+                                                                    "node:10.0.0.1": 1.0}})
+
+
+def test_ray_form_connects_to_the_address_and_shows_the_resources(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("ipywidgets")
+    from nbbatch import backends
+
+    monkeypatch.setitem(backends._REGISTRY, "ray", FakeRay)
+    cluster = Cluster("ray", {"num_cpus": 2.0})
+    form = widgets.ClusterForm(cluster)
+    assert cluster.settings == {"num_cpus": 2.0, "address": "auto"}
+    assert type(form.fields["num_cpus"]).__name__ == "FloatText"
+    form._refresh()
+    assert "cannot connect to the Ray cluster at `auto`" in form.state.value
+    form.fields["address"].value = "10.0.0.1:6379"
+    form.apply_button.click()  # Connect: asks in a background thread
+    deadline = time.monotonic() + 5
+    while "head" not in form.state.value and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "A100" in form.state.value and "CPU 8, GPU 1, memory 8.0 GB" in form.state.value
+    assert "node:" not in form.state.value
+    assert cluster.settings["address"] == "10.0.0.1:6379"
+
+
 def test_local_form_follows_runs_per_gpu_and_concurrency() -> None:
     pytest.importorskip("ipywidgets")
     cluster = Cluster("local", runs_per_gpu=1, max_parallel=2)
@@ -398,6 +433,20 @@ def test_jobs_widget_shows_cancel_buttons_for_active_runs_and_they_cancel(projec
     model.replace_all([record("a", "cancelled"), record("b", "cancelled")])
     summary.render(model)
     assert summary.actions.layout.display == "none" and "data-state='final'" in summary.table.value
+
+
+def test_jobs_table_asks_the_backend_too_so_a_dead_driver_shows_as_failed(project: Path) -> None:
+    import socket
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    share = FileShare(project / "results")
+    write_record(share, record("a", "running", host=socket.gethostname(), pid=gone.pid, backend="local"))
+    summary = JobsSummary(JobsSummaryModel("exp"), share, backend_refresh_s=3600)
+    assert [r.status for r in summary.load()] == ["running"]  # the share alone
+    summary.backend_refresh_s = 0
+    records = summary.load()
+    assert [r.status for r in records] == ["failed"] and records[0].error.ename == "DriverDied"
 
 
 def test_job_log_keeps_the_tail_and_shows_the_status(project: Path) -> None:

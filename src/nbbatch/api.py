@@ -57,11 +57,27 @@ def _remember(project: Project, experiment: Experiment, share: Share) -> None:
     except ValueError:
         known = {}
     known[experiment.name] = {"share": share.url, "backend": experiment.backend,
-                              "backend_settings": experiment.backend_settings, "updated": utc_now()}
+                              "backend_settings": _storable_settings(experiment.backend_settings), "updated": utc_now()}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(known, indent=2, default=str))
     os.replace(tmp, path)
+
+
+def _storable_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """Backend settings safe to keep on disk: no secret-looking names, no Python objects (credentials, clients)."""
+    from .execute import SECRET_ENV_HINTS
+
+    kept = {}
+    for key, value in settings.items():
+        if any(hint in str(key).upper() for hint in SECRET_ENV_HINTS):
+            continue
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            continue
+        kept[key] = value
+    return kept
 
 
 def _lookup(experiment: str, project: Project) -> dict[str, Any]:
@@ -162,7 +178,11 @@ def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, 
             raise NbbatchError(f"--only {', '.join(only)} matches none of the {len(the_plan.runs)} planned runs")
     result = SubmitResult(spec.name, share.url, spec.backend, warnings=list(the_plan.warnings))
     _remember(project, spec, share)
-    with ExperimentLock(_lock_path(project, share, spec.name), spec.name):
+    with ExperimentLock(_lock_path(project, share, spec.name), spec.name) as lock:
+        if lock.recovered_from:
+            gone = lock.recovered_from
+            result.warnings.append(f"experiment `{spec.name}` was left locked by process {gone.get('pid')} on "
+                                   f"{gone.get('host')} (since {gone.get('since')}), which is gone; took the lock over")
         share.remove(f"{spec.name}/CANCEL")
         backend.refresh(spec.name, share)
         todo = []

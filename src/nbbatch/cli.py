@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -119,12 +120,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     from .results import status_rows, status_table
 
     name, _share = open_experiment_share(args.experiment, args.share)
-    records = status(args.experiment, share=args.share)
+    with warnings.catch_warnings(record=True) as caught:  # corrupt run records: one line each, with the path
+        warnings.simplefilter("always", UserWarning)
+        records = status(args.experiment, share=args.share)
+    problems = [w for w in caught if w.category is UserWarning]
+    for problem in problems:
+        print(f"nbbatch: warning: {problem.message}", file=sys.stderr)
     if args.json:
         print(json.dumps(status_rows(records), indent=2, default=str))
     else:
         _console().print(status_table(records, title=f"{name}"))
-    return 0 if all(r.status == "succeeded" for r in records) or not args.check else 1
+    return 0 if all(r.status == "succeeded" for r in records) and not problems or not args.check else 1
 
 
 def cmd_logs(args: argparse.Namespace) -> int:

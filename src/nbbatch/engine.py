@@ -1,8 +1,14 @@
-"""nbbatch's papermill engine: papermill's nbclient engine with three changes that matter in a batch.
+"""nbbatch's papermill engine: papermill's nbclient engine with the changes that matter in a batch.
 
 * Saves are atomic and coalesced (at most one every ``save_every`` seconds, plus the final one),
   instead of papermill's non-atomic rewrite before and after every cell.
-* The kernel is shut down immediately once the notebook is done (no graceful-shutdown wait).
+* The kernel is killed as soon as the notebook is done (no graceful-shutdown wait), and reaped
+  without jupyter_client's 0.1-s polling (see :mod:`nbbatch.kernels`).
+* A kernel is ready once one ``kernel_info`` round trip has been seen on both shell and IOPub,
+  without jupyter_client's fixed 0.2-s IOPub flush.
+* A kernel may be started ahead of its run (:class:`nbbatch.kernels.KernelPool`), with the run's own kernel,
+  environment and working directory, so that its start-up overlaps the runs before it. A kernel
+  only ever executes the one notebook it was started for.
 * The caller sees the kernel's process (to enforce run timeouts and cancel) and each cell's
   progress.
 
@@ -18,6 +24,8 @@ from typing import Any
 from nbclient.util import run_sync
 from papermill.clientwrap import PapermillNotebookClient
 from papermill.engines import NBClientEngine, NotebookExecutionManager, papermill_engines
+
+from .kernels import BatchKernelManager, PrestartedKernel, reap_kernel
 
 Saver = Callable[[Any], None]
 
@@ -56,19 +64,19 @@ class BatchExecutionManager(NotebookExecutionManager):
 
 
 class _BatchClient(PapermillNotebookClient):
-    """Reports the kernel manager as soon as the kernel has started."""
+    """Reports the kernel manager as soon as the kernel process exists (started here or before)."""
 
     def __init__(self, nb_man: Any, on_kernel: Callable[[Any], None] | None = None, **kwargs: Any):
         super().__init__(nb_man, **kwargs)
         self._on_kernel = on_kernel
 
-    async def async_start_new_kernel(self, **kwargs: Any) -> None:
-        await super().async_start_new_kernel(**kwargs)
+    async def async_start_new_kernel_client(self) -> Any:
         if self._on_kernel:
             self._on_kernel(self.km)
+        return await super().async_start_new_kernel_client()
 
     # nbclient binds its sync wrapper to the base coroutine; rebind it to ours.
-    start_new_kernel = run_sync(async_start_new_kernel)
+    start_new_kernel_client = run_sync(async_start_new_kernel_client)
 
 
 class NbbatchEngine(NBClientEngine):
@@ -96,21 +104,31 @@ class NbbatchEngine(NBClientEngine):
                                  execution_timeout: float | None = None, kernel_env: dict[str, str] | None = None,
                                  kernel_cwd: str | None = None, kernel_stderr: Any = None,
                                  on_kernel: Callable[[Any], None] | None = None,
-                                 **kwargs: Any) -> Any:
+                                 prestarted: PrestartedKernel | None = None, **kwargs: Any) -> Any:
+        """Execute in a new kernel, or in ``prestarted`` (a kernel started for this notebook) when it is usable."""
         kwargs.pop("input_path", None)
         kwargs.pop("startup_timeout", None)
         timeout = execution_timeout or kwargs.pop("timeout", None)
+        km = prestarted.claim(kernel_stderr, wait=start_timeout) if prestarted is not None else None
         client = _BatchClient(
-            nb_man, on_kernel=on_kernel, timeout=timeout, startup_timeout=start_timeout, kernel_name=kernel_name,
+            nb_man, km=km, on_kernel=on_kernel, timeout=timeout, startup_timeout=start_timeout, kernel_name=kernel_name,
             log_output=log_output, stdout_file=stdout_file, stderr_file=stderr_file, shutdown_kernel="immediate",
+            kernel_manager_class=BatchKernelManager,
             resources={"metadata": {"path": kernel_cwd}} if kernel_cwd else {}, **kwargs,
         )
+        client.owns_km = True  # also a prestarted kernel: nbclient shuts it down at the end, like its own
         start: dict[str, Any] = {}
         if kernel_env is not None:
             start["env"] = kernel_env
         if kernel_stderr is not None:  # the kernel process's own stdout/stderr (not its cells' output)
             start["stdout"] = start["stderr"] = kernel_stderr
-        return client.execute(**start)
+        try:
+            return client.execute(**start)
+        finally:
+            if km is not None:
+                if km.has_kernel:  # execute() failed before nbclient's own clean-up
+                    reap_kernel(km)
+                prestarted.release_output()  # type: ignore[union-attr]
 
 
 def _atomic_path_saver(path: str) -> Saver:

@@ -7,23 +7,28 @@ enforce run and cell timeouts, honour cancellation, and retry when the kernel di
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from .errors import ShareError
 from .runrecord import LOG_FILE, OUTPUT_NOTEBOOK, RUN_RECORD, RunError, RunRecord, utc_now
 from .runs import Run
 from .share import Share
 
 CANCEL_MARKER = "CANCEL"  # <experiment>/CANCEL cancels every run; <experiment>/<run>/CANCEL one run
-SECRET_ENV_HINTS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "CREDENTIAL", "CONNECTION_STRING", "SAS")
+SECRET_ENV_HINTS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "CONNECTION_STRING", "SAS")
+SHARE_FAILED = "the share could not be written"
 UpdateCallback = Callable[[RunRecord], None]
 
 
@@ -53,22 +58,37 @@ def new_record(run: Run, backend: str = "local") -> RunRecord:
 
 
 class _LogSink(io.TextIOBase):
-    """A text stream the kernel's stdout/stderr go to: a local file, synced to remote shares."""
+    """A text stream the kernel's stdout/stderr go to: a local file, synced to remote shares.
+
+    A write that fails (the share is full) never breaks the run's execution: the sink keeps the first
+    error in ``error`` and stops writing; the run is then failed with it.
+    """
 
     def __init__(self, path: Path):
         self.path = path
-        self._handle = open(path, "a", encoding="utf-8", errors="replace")
+        self.error: OSError | None = None
         self._lock = threading.Lock()
+        self._handle: Any = None
+        try:
+            self._handle = open(path, "a", encoding="utf-8", errors="replace")
+        except OSError as exc:
+            self.error = exc
 
     def write(self, text: str) -> int:  # type: ignore[override]
         with self._lock:
-            self._handle.write(text)
-            self._handle.flush()
+            if self._handle is not None and self.error is None:
+                try:
+                    self._handle.write(text)
+                    self._handle.flush()
+                except OSError as exc:
+                    self.error = exc
         return len(text)
 
     def close(self) -> None:
         with self._lock:
-            self._handle.close()
+            if self._handle is not None:
+                with contextlib.suppress(OSError):
+                    self._handle.close()
         super().close()
 
 
@@ -76,7 +96,7 @@ def _kernel_env(run: Run, gpu_ids: list[int] | None, shared_gpu: bool) -> dict[s
     env = dict(os.environ)
     # A run's kernel gets no credentials of the driver: they would be readable from the notebook.
     for name in list(env):
-        if any(h in name.upper() for h in SECRET_ENV_HINTS) and not name.startswith(("NBBATCH_", "JPY_")):
+        if any(h in name.upper() for h in SECRET_ENV_HINTS):
             del env[name]
     env.update(run.env)
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids or [])
@@ -85,6 +105,13 @@ def _kernel_env(run: Run, gpu_ids: list[int] | None, shared_gpu: bool) -> dict[s
     env.update({"NBBATCH_RUN_ID": run.run_id, "NBBATCH_EXPERIMENT": run.experiment,
                 "PYDEVD_DISABLE_FILE_VALIDATION": "1"})
     return env
+
+
+def kernel_launch(run: Run, gpu_ids: list[int] | None = None, shared_gpu: bool = False,
+                  project_root: Path | None = None) -> tuple[str, dict[str, str], str]:
+    """The kernel name, environment and working directory a run's kernel is started with."""
+    cwd = run.cwd or str(run.resolve_notebook(project_root).parent)
+    return run.kernel, _kernel_env(run, gpu_ids, shared_gpu), cwd
 
 
 def _error_from(exc: BaseException) -> RunError:
@@ -98,16 +125,99 @@ def _error_from(exc: BaseException) -> RunError:
     return RunError(ename=str(ename), evalue=str(evalue)[:2000], cell_index=cell_index, cell_source=snippet)
 
 
+def _kernel_pid(km: Any) -> int | None:
+    provisioner = getattr(km, "provisioner", None)
+    return getattr(provisioner, "pid", None) or getattr(getattr(provisioner, "process", None), "pid", None)
+
+
 def _kill_process_group(km: Any) -> None:
     """Kill the kernel and every process it started (it runs in its own session)."""
-    provisioner = getattr(km, "provisioner", None)
-    pid = getattr(provisioner, "pid", None) or getattr(getattr(provisioner, "process", None), "pid", None)
+    pid = _kernel_pid(km)
     if not pid:
         return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(os.getpgid(pid), signal.SIGKILL)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, signal.SIGKILL)
+
+
+_REAPER_SOURCE = """
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+groups = set()
+for line in sys.stdin:
+    op, _, pgid = line.strip().partition(" ")
+    if pgid.isdigit():
+        (groups.add if op == "+" else groups.discard)(int(pgid))
+for pgid in groups:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
+class _KernelReaper:
+    """Kills the process groups of this process's running kernels when this process dies, even by SIGKILL.
+
+    A kernel polls its parent and exits when it is gone (``JPY_PARENT_PID``), but the processes the
+    notebook started (data loaders, servers, ``subprocess``) would live on. One small helper process
+    per driver holds the kernels' process groups and reads a pipe from the driver: the pipe closes
+    when the driver dies however it dies, and the helper then kills the groups still registered.
+    """
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._owner: int | None = None
+        self._lock = threading.Lock()
+
+    def watch(self, km: Any) -> int | None:
+        pid = _kernel_pid(km)
+        try:
+            pgid = os.getpgid(pid) if pid else None
+        except OSError:
+            return None
+        if pgid and pgid != os.getpgid(0):  # never our own group
+            self._send(f"+ {pgid}\n")
+            return pgid
+        return None
+
+    def forget(self, pgid: int | None) -> None:
+        if pgid:
+            self._send(f"- {pgid}\n")
+
+    def _send(self, line: str) -> None:
+        if not hasattr(os, "killpg"):
+            return
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None or self._owner != os.getpid():
+                try:
+                    self._proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _REAPER_SOURCE],
+                                                  stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                                  stderr=subprocess.DEVNULL, start_new_session=True)
+                except OSError:
+                    self._proc = None
+                    return
+                self._owner = os.getpid()
+            try:
+                assert self._proc.stdin is not None
+                self._proc.stdin.write(line.encode())
+                self._proc.stdin.flush()
+            except OSError:
+                self._proc = None
+
+    def close(self) -> None:
+        with self._lock:
+            proc, self._proc = self._proc, None
+        if proc is not None and self._owner == os.getpid():
+            with contextlib.suppress(Exception):
+                assert proc.stdin is not None
+                proc.stdin.close()
+                proc.wait(timeout=2)
+
+
+_REAPER = _KernelReaper()
+atexit.register(_REAPER.close)
 
 
 class _Watchdog:
@@ -182,13 +292,18 @@ def _gpu_telemetry(gpu_ids: list[int]) -> Iterator[Any]:
 
 def execute_run(run: Run, share: Share, *, gpu_ids: list[int] | None = None, shared_gpu: bool = False,
                 cancel_event: threading.Event | None = None, on_update: UpdateCallback | None = None,
-                backend: str = "local", project_root: Path | None = None, save_every: float = 1.0) -> RunRecord:
-    """Execute ``run`` (retrying after kernel deaths up to ``run.retries``) and return its final record."""
+                backend: str = "local", project_root: Path | None = None, save_every: float = 1.0,
+                kernels: Any = None) -> RunRecord:
+    """Execute ``run`` (retrying after kernel deaths up to ``run.retries``) and return its final record.
+
+    ``kernels`` is an :class:`nbbatch.engine.KernelPool` that may hold a kernel started for this run.
+    """
     record = read_record(share, run.experiment, run.run_id) or new_record(run, backend)
     attempts_left = run.retries + 1
     while True:
         record = _attempt(run, share, record, gpu_ids or [], shared_gpu, cancel_event, on_update, backend,
-                          project_root, save_every)
+                          project_root, save_every, kernels)
+        kernels = None  # a retry starts a kernel of its own
         attempts_left -= 1
         died = record.status == "failed" and record.error is not None and record.error.reason == "kernel died"
         if not died or attempts_left <= 0:
@@ -197,7 +312,7 @@ def execute_run(run: Run, share: Share, *, gpu_ids: list[int] | None = None, sha
 
 def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shared_gpu: bool,
              cancel_event: threading.Event | None, on_update: UpdateCallback | None, backend: str,
-             project_root: Path | None, save_every: float) -> RunRecord:
+             project_root: Path | None, save_every: float, kernels: Any = None) -> RunRecord:
     from papermill.exceptions import PapermillExecutionError
     from papermill.execute import prepare_notebook_metadata, raise_for_execution_errors, remove_error_markers
     from papermill.iorw import load_notebook_node
@@ -228,7 +343,12 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
         work = Path(scratch.name)
     else:
         work = local
-        work.mkdir(parents=True, exist_ok=True)
+        try:
+            work.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ShareError(f"cannot create the run folder {work}: {exc.strerror or exc}") from exc
+        for stale in work.glob(".*.part"):  # left by a driver killed mid-write; this run's writer is us
+            stale.unlink(missing_ok=True)
     log_path = work / LOG_FILE
     if record.attempts == 1 and log_path.exists():
         log_path.unlink()
@@ -266,21 +386,26 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
         nb = remove_error_markers(nb)
         _set_kernelspec(nb, run.kernel)
 
+        kernel_group: list[int | None] = [None]
+
         def on_kernel(km: Any) -> None:
             watchdog.km = km
+            kernel_group[0] = _REAPER.watch(km)
             if watchdog.reason:
                 _kill_process_group(km)
 
+        kernel_name, kernel_env, kernel_cwd = kernel_launch(run, gpu_ids, shared_gpu, project_root)
+        prestarted = kernels.take(run.run_id, kernel_name, kernel_env, kernel_cwd) if kernels is not None else None
         with watchdog, _gpu_telemetry(gpu_ids) as sampler, open(log_path, "ab") as kernel_output:
             try:
                 nb = _engine.NbbatchEngine.execute_notebook(
-                    nb, run.kernel, saver=save_notebook, save_every=save_every, on_cell=on_cell,
+                    nb, kernel_name, saver=save_notebook, save_every=save_every, on_cell=on_cell,
                     stdout_file=log, stderr_file=log, start_timeout=120, execution_timeout=run.cell_timeout_s,
-                    kernel_env=_kernel_env(run, gpu_ids, shared_gpu),
-                    kernel_cwd=run.cwd or str(notebook_path.parent), on_kernel=on_kernel, input_path=str(notebook_path),
-                    kernel_stderr=kernel_output,
+                    kernel_env=kernel_env, kernel_cwd=kernel_cwd, on_kernel=on_kernel, input_path=str(notebook_path),
+                    kernel_stderr=kernel_output, prestarted=prestarted,
                 )
             finally:
+                _REAPER.forget(kernel_group[0])
                 if sampler is not None:
                     record.telemetry = sampler.summary()
                     with contextlib.suppress(Exception):
@@ -292,7 +417,7 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
         status, error = "failed", _error_from(exc)
     except Exception as exc:  # noqa: BLE001 - every failure becomes the run's recorded error
         status, error = _classify(exc, watchdog, run)
-        if error.reason == "nbbatch could not execute the notebook":
+        if error.reason == "nbbatch could not execute the notebook" and not isinstance(exc, ShareError):
             import traceback
 
             log.write(traceback.format_exc())
@@ -313,13 +438,25 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
         record.cells_total = len(nb.cells)
         record.cells_done = max((i + 1 for i, c in enumerate(nb.cells)
                                  if c.get("metadata", {}).get("papermill", {}).get("end_time")), default=0)
-        save_notebook(nb)
+        try:
+            save_notebook(nb)
+        except ShareError as exc:  # the previous (partial) notebook stays, and the run is not succeeded
+            status, error = "failed", RunError("ShareError", str(exc), reason=SHARE_FAILED)
+    if log.error is not None and status == "succeeded":
+        status, error = "failed", RunError("ShareError", f"cannot write {LOG_FILE} in the share: {log.error}",
+                                           reason=SHARE_FAILED)
+    record.status, record.error = status, error
     summary = error.summary() if error else "ok"
     log.write(f"=== {status} after {record.duration_s:.2f} s: {summary}\n")
     log.close()
     if local is None:
-        share.write_bytes(f"{folder}/{LOG_FILE}", log_path.read_bytes())
-        scratch.cleanup()
+        try:
+            share.write_bytes(f"{folder}/{LOG_FILE}", log_path.read_bytes())
+        except ShareError as exc:
+            if record.status == "succeeded":
+                record.status, record.error = "failed", RunError("ShareError", str(exc), reason=SHARE_FAILED)
+        finally:
+            scratch.cleanup()
     write_record(share, record)
     notify(record)
     return record
@@ -337,6 +474,9 @@ def _classify(exc: Exception, watchdog: _Watchdog, run: Run) -> tuple[str, RunEr
         return "timed_out", error
     if isinstance(exc, DeadKernelError):
         error.reason = "kernel died"
+        return "failed", error
+    if isinstance(exc, ShareError):
+        error.evalue, error.reason = str(exc), SHARE_FAILED
         return "failed", error
     if isinstance(exc, NoSuchKernel):
         error.reason = f"kernel `{run.kernel}` is not installed where the run executed"

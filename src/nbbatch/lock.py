@@ -30,8 +30,14 @@ class ExperimentLock:
         self.recovered_from: dict | None = None  # the stale holder, when one was found
 
     def __enter__(self) -> ExperimentLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            from .errors import ShareError
+
+            raise ShareError(f"cannot create the lock file {self.path} of experiment `{self.experiment}`: "
+                             f"{exc.strerror or exc}") from exc
         try:
             if fcntl is not None:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -48,14 +54,20 @@ class ExperimentLock:
             self.recovered_from = previous
         holder = {"pid": os.getpid(), "host": socket.gethostname(),
                   "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": _command()}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        try:  # naming the holder is best effort (a full disk must not stop the lock, which is the flock)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(holder).encode(), 0)
+        except OSError:
+            pass
         self._fd = fd
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._fd is not None:
-            os.ftruncate(self._fd, 0)
+            try:
+                os.ftruncate(self._fd, 0)
+            except OSError:
+                pass
             os.close(self._fd)
             self._fd = None
 
@@ -71,4 +83,9 @@ def _read_holder(fd: int) -> dict:
 def _command() -> str:
     import sys
 
-    return " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv))[:200]
+    argv = list(sys.argv) or ["python"]
+    if os.path.basename(argv[0]) == "__main__.py":  # python -m nbbatch
+        argv[0] = f"python -m {os.path.basename(os.path.dirname(argv[0]))}"
+    else:
+        argv[0] = os.path.basename(argv[0])
+    return " ".join(argv)[:200]

@@ -40,17 +40,47 @@ def _read(path: Path) -> tuple[bytes, dict[str, Any]]:
     if not path.exists():
         raise ValidationError(f"notebook {path} does not exist; check the path in the experiment (relative paths "
                               "are resolved from the experiment file's folder)")
-    content = path.read_bytes()
+    if not path.is_file():
+        raise ValidationError(f"{path} is not a notebook file (it is a folder or a special file)")
+    try:
+        content = path.read_bytes()
+    except OSError as exc:
+        raise ValidationError(f"cannot read the notebook {path}: {exc.strerror or exc}") from exc
     try:
         data = json.loads(content)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ValidationError(f"{path} is not a notebook: it is not JSON ({exc})") from exc
     if not isinstance(data, dict) or not isinstance(data.get("cells"), list) or "nbformat" not in data:
         raise ValidationError(f"{path} is not a notebook: it has no `cells`/`nbformat` (is it an .ipynb file?)")
-    if data.get("nbformat", 0) < 4:
+    version = data["nbformat"]
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ValidationError(f"{path} is not a notebook: its `nbformat` is {version!r}, not a version number")
+    if version < 4:
         raise ValidationError(f"{path} is nbformat {data.get('nbformat')}; convert it to nbformat 4 "
                               "(`jupyter nbconvert --to notebook --nbformat 4`)")
+    problem = _schema_problem(data)
+    if problem:
+        raise ValidationError(f"{path} is not a valid notebook: {problem}. Open and save it in Jupyter, or fix it by hand")
     return content, data
+
+
+def _schema_problem(data: dict[str, Any]) -> str | None:
+    """The first way the notebook breaks the nbformat schema (what papermill would trip on later), or None."""
+    import copy
+    import warnings
+
+    import nbformat
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. cells without ids in nbformat 4.5: nbformat fills them in
+            nbformat.validate(copy.deepcopy(data))
+    except nbformat.ValidationError as exc:
+        message = getattr(exc, "message", None) or str(exc)
+        return str(message).strip().splitlines()[0][:300]
+    except Exception as exc:  # noqa: BLE001 - nbformat's validator itself trips on some shapes (cells that are numbers)
+        return f"its structure is broken ({type(exc).__name__}: {str(exc)[:200]})"
+    return None
 
 
 def _source(cell: dict[str, Any]) -> str:
@@ -120,14 +150,76 @@ def _compatible(default: Any, value: Any) -> bool:
 
 
 def check_literal(name: str, value: Any) -> None:
-    """Parameters must be plain literals (numbers, strings, booleans, None, lists/dicts of them)."""
+    """Parameters must be plain literals papermill injects as they are: numbers, strings, booleans, None,
+    and lists or string-keyed dicts of those (what YAML and JSON hold). Anything else is refused, so the
+    notebook never receives a value other than the one given (papermill would turn a tuple, set, bytes or
+    object into its string)."""
     try:
-        ok = ast.literal_eval(repr(value)) == value
-    except (ValueError, SyntaxError, TypeError, RecursionError):
-        ok = False
-    if not ok:
-        raise ValidationError(f"parameter `{name}` = {value!r} is not a literal value; parameters must be numbers, "
-                              "strings, booleans, None, or lists/dicts of those")
+        problem = _not_literal(value, set())
+    except RecursionError:
+        problem = "nested too deeply"
+    if problem:
+        raise ValidationError(f"parameter `{name}` = {safe_repr(value)} is not a literal value ({problem}); parameters "
+                              "must be numbers, strings, booleans, None, or lists/dicts (with string keys) of those")
+
+
+def safe_repr(value: Any) -> str:
+    """A short repr for messages (huge or odd values included)."""
+    import reprlib
+
+    try:
+        return reprlib.repr(value)
+    except Exception:  # noqa: BLE001 - e.g. an int too large to print, an object whose __repr__ fails
+        return f"<{type(value).__name__}>"
+
+
+def _type_path(value: Any) -> str:
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _not_literal(value: Any, seen: set[int]) -> str | None:
+    import math
+
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        try:
+            repr(value)
+        except ValueError:
+            return "an integer too large to write out"
+        return None if type(value) is int else f"a {_type_path(value)}; convert it with int()"
+    if isinstance(value, float):
+        if type(value) is not float:
+            return f"a {_type_path(value)}; convert it with float()"
+        return None if math.isfinite(value) else "not a finite number"
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return "a string that is not valid Unicode text"
+        return None
+    if isinstance(value, (list, dict)):
+        if id(value) in seen:
+            return "it contains itself"
+        seen = seen | {id(value)}
+        if isinstance(value, dict):
+            bad = next((k for k in value if not isinstance(k, str)), None)
+            if bad is not None:
+                return f"dict key {safe_repr(bad)} is not a string"
+            items = list(value.values())
+        else:
+            items = value
+        for item in items:
+            problem = _not_literal(item, seen)
+            if problem:
+                return problem
+        return None
+    import datetime
+
+    if isinstance(value, (datetime.date, datetime.time)):
+        return f"a {_type_path(value)}; quote it in YAML to pass a string"
+    return f"a {_type_path(value)}" + ("; use a list" if isinstance(value, (tuple, set, frozenset)) else "")
 
 
 def validate_parameters(info: NotebookInfo, parameters: dict[str, Any]) -> list[str]:
@@ -150,6 +242,6 @@ def validate_parameters(info: NotebookInfo, parameters: dict[str, Any]) -> list[
         if declared.has_literal_default and not _compatible(declared.default, value):
             raise ValidationError(
                 f"parameter `{name}` of {info.path.name} expects {_type_name(declared.default)} "
-                f"(its default is {declared.default!r}) but was given {_type_name(value)} {value!r}"
+                f"(its default is {safe_repr(declared.default)}) but was given {_type_name(value)} {safe_repr(value)}"
             )
     return warnings

@@ -94,11 +94,14 @@ class RunRecord:
             raise ShareError(f"{source} lacks {', '.join(missing)}; delete it to rerun that run")
         if values.get("status", "queued") not in STATUSES:
             raise ShareError(f"{source} has an unknown status {values.get('status')!r} (known: {', '.join(STATUSES)})")
+        _check_types(values, _FIELD_TYPES, source, "")
         if isinstance(values.get("error"), dict):
-            try:
-                values["error"] = RunError(**values["error"])
-            except TypeError as exc:
-                raise ShareError(f"{source} has a malformed `error`: {exc}") from exc
+            error = values["error"]
+            _check_types(error, _ERROR_TYPES, source, "error.")
+            missing = [k for k in ("ename", "evalue") if k not in error]
+            if missing:
+                raise ShareError(f"{source} has a malformed `error` (it lacks {', '.join(missing)}); fix it or delete it")
+            values["error"] = RunError(**{k: v for k, v in error.items() if k in _ERROR_TYPES})
         try:
             return cls(**values)
         except TypeError as exc:  # pragma: no cover - defensive
@@ -114,3 +117,36 @@ class RunRecord:
                 "Fix it or delete it (the run is then treated as never run)."
             ) from exc
         return cls.from_dict(data, source)
+
+
+_STR, _OPT_STR, _INT, _OPT_INT = ("a string", str), ("a string or null", (str, type(None))), ("an integer", int), \
+    ("an integer or null", (int, type(None)))
+_OPT_NUM = ("a number or null", (int, float, type(None)))
+_DICT = ("a JSON object", dict)
+_FIELD_TYPES: dict[str, tuple[str, Any]] = {
+    "run_id": _STR, "experiment": _STR, "notebook": _STR, "kernel": _STR, "framework": _OPT_STR,
+    "parameters": _DICT, "status": _STR, "attempts": _INT, "queued_at": _OPT_STR, "started_at": _OPT_STR,
+    "ended_at": _OPT_STR, "duration_s": _OPT_NUM, "host": _OPT_STR, "pid": _OPT_INT, "backend": _STR,
+    "gpu_ids": ("a list of integers", list), "environment": _DICT, "error": ("a JSON object or null", (dict, type(None))),
+    "metrics": _DICT, "cells_done": _INT, "cells_total": _INT, "timeout_s": _OPT_NUM, "telemetry": _DICT,
+    "schema_version": _INT,
+}
+_ERROR_TYPES: dict[str, tuple[str, Any]] = {
+    "ename": _STR, "evalue": _STR, "cell_index": _OPT_INT, "cell_source": _OPT_STR, "reason": _OPT_STR,
+}
+
+
+def _check_types(values: dict[str, Any], types: dict[str, tuple[str, Any]], source: str, prefix: str) -> None:
+    """A hand-edited record with a wrong type is reported here (with its path), not as a crash in a table later."""
+    for name, value in values.items():
+        if name not in types:
+            continue
+        what, kinds = types[name]
+        ok = isinstance(value, kinds) and not (isinstance(value, bool) and kinds is not bool)
+        if ok and name == "gpu_ids":
+            ok = all(isinstance(g, int) and not isinstance(g, bool) for g in value)
+        if not ok:
+            import reprlib
+
+            raise ShareError(f"{source} has `{prefix}{name}` = {reprlib.repr(value)}, which must be {what}; "
+                             "fix it or delete it (the run is then treated as never run)")

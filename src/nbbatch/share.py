@@ -57,17 +57,19 @@ class FileShare:
 
     def write_bytes(self, path: str, data: bytes) -> None:
         target = self._abs(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+        tmp = None
         try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
             with os.fdopen(fd, "wb") as handle:
                 handle.write(data)
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(tmp, target)
         except OSError as exc:
-            with _suppress():
-                os.unlink(tmp)
+            if tmp is not None:
+                with _suppress():
+                    os.unlink(tmp)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise ShareError(
                     f"the share at {self.root} is out of space while writing `{path}`; "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,6 +84,7 @@ class Experiment:
                 raise SpecError(f"parameter name {name!r} is not a valid Python identifier")
         if not isinstance(self.env, Mapping):
             raise SpecError("`env` must map variable names to strings")
+        _string_keys(self.sweep, "sweep")  # sweep kinds, parameter names and distributions are all names
         combos = self.combinations()
         if not combos:
             raise SpecError(f"experiment `{self.name}`: the sweep is empty")
@@ -142,7 +144,7 @@ class Experiment:
             name=data.get("experiment") or default_name or "experiment",
             frameworks=list(frameworks),
             notebooks=[_notebook_entry(n, base) for n in _as_list(data.get("notebooks"), "notebooks")],
-            parameters=dict(data.get("parameters") or {}),
+            parameters=_mapping(data.get("parameters"), "`parameters` must map names to values, e.g. parameters: {EPOCHS: 5}"),
             sweep=dict(data.get("sweep") or {}) if isinstance(data.get("sweep") or {}, Mapping) else _bad_sweep(),
             gpus=resources.get("gpus", 0),
             runs_per_gpu=resources.get("runs_per_gpu", 1),
@@ -157,6 +159,22 @@ class Experiment:
                                                                                             Mapping) else data["env"],
             base_dir=base,
         )
+
+
+def _string_keys(value: Any, where: str) -> None:
+    if isinstance(value, Mapping):
+        for key, inner in value.items():
+            if not isinstance(key, str):
+                raise SpecError(f"{where}: key {reprlib.repr(key)} must be a name (a string)")
+            _string_keys(inner, f"{where}.{key}")
+
+
+def _mapping(value: Any, message: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise SpecError(message)
+    return dict(value)
 
 
 def _bad_sweep() -> dict[str, Any]:
@@ -180,13 +198,23 @@ def _as_list(value: Any, key: str) -> list[Any]:
 
 def _notebook_entry(item: Any, base: Path) -> NotebookEntry:
     if isinstance(item, str):
-        return NotebookEntry((base / item).resolve())
+        return NotebookEntry(_notebook_path(item, base))
     if isinstance(item, Mapping) and isinstance(item.get("path"), str):
         bad = [k for k in item if k not in ("path", "kernel", "label")]
         if bad:
             raise SpecError(f"unknown key `{bad[0]}` in a notebooks entry; use path, kernel, label")
-        return NotebookEntry((base / item["path"]).resolve(), item.get("kernel"), item.get("label"))
-    raise SpecError(f"each `notebooks` entry is a path or {{path: ..., kernel: ...}} (got {item!r})")
+        for key in ("kernel", "label"):
+            if item.get(key) is not None and (not isinstance(item[key], str) or not item[key].strip()):
+                raise SpecError(f"`{key}` of the notebooks entry {item['path']!r} must be a non-empty name "
+                                f"(got {reprlib.repr(item[key])})")
+        return NotebookEntry(_notebook_path(item["path"], base), item.get("kernel"), item.get("label"))
+    raise SpecError(f"each `notebooks` entry is a path or {{path: ..., kernel: ...}} (got {reprlib.repr(item)})")
+
+
+def _notebook_path(text: str, base: Path) -> Path:
+    if not text.strip() or "\0" in text:
+        raise SpecError(f"notebook path {reprlib.repr(text)} is not a file name")
+    return (base / text).resolve()
 
 
 def _all_frameworks() -> list[str]:
@@ -206,4 +234,8 @@ def load_experiment(path: str | os.PathLike[str]) -> Experiment:
         raise SpecError(f"{path} is not valid YAML: {exc}") from exc
     except UnicodeDecodeError as exc:
         raise SpecError(f"{path} is not a text file: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # e.g. an integer too long to read, nesting too deep
+        raise SpecError(f"{path} cannot be read as an experiment: {type(exc).__name__}: {str(exc)[:200]}") from exc
+    except OSError as exc:  # a folder, no permission
+        raise SpecError(f"cannot read the experiment file {path}: {exc.strerror or exc}") from exc
     return Experiment.from_dict(data, base_dir=path.resolve().parent, default_name=path.stem)

@@ -416,8 +416,8 @@ class Cluster:
                     lines.append(f"  node {node.get('name', '?')}: {node.get('state', '')}, "
                                  f"{_blank(node.get('cpus'), '?')} CPUs, {_blank(node.get('gpus'), 0)} GPUs")
             for key, value in compute.details.items():
-                if key != "summary" and not isinstance(value, (dict, list)):
-                    lines.append(f"  {key}: {value}")
+                if key != "summary" and not isinstance(value, list) and not (isinstance(value, dict) and key == "cluster"):
+                    lines.append(f"  {key}: {_detail_text(value)}")
             lines.append(f"  runs at once: {self.concurrency(compute)}")
         if self.runs_per_gpu is not None:
             lines.append(f"  runs per GPU: {self.runs_per_gpu}")
@@ -445,26 +445,46 @@ def _blank(value: Any, default: Any = "") -> Any:
     return default if value is None else value
 
 
+def _detail_text(value: Any) -> str:
+    """A detail as text; a resources mapping (Ray's ``total``/``available``) as ``CPU 4, GPU 1, memory 7.5 GB``."""
+    if not isinstance(value, dict):
+        return str(value)
+    parts = []
+    for key, amount in value.items():
+        if str(key).startswith("node:"):
+            continue
+        if "memory" in str(key) and isinstance(amount, (int, float)):
+            parts.append(f"{key} {amount / 2**30:.1f} GB")
+        else:
+            parts.append(f"{key} {format_metric(amount)}")
+    return ", ".join(parts)
+
+
+def _html_table(css_class: str, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    cell = "padding:1px 10px 1px 0;text-align:left"
+    head = "".join(f"<th style='{cell}'>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td style='{cell}'>{html.escape(str(_blank(v)))}</td>" for v in row) + "</tr>"
+                   for row in rows)
+    return f"<table class='{css_class}' style='border-collapse:collapse;line-height:1.4'><tr>{head}</tr>{body}</table>"
+
+
 def compute_html(compute: Compute, cluster: Cluster | None = None) -> str:
     """An HTML summary of a backend's compute: GPUs, nodes and backend details (an Azure ML cluster's state…)."""
     parts = []
     if compute.gpus:
-        rows = "".join(f"<tr><td>{html.escape(str(g.get('index', '')))}</td><td>{html.escape(str(g.get('name', '')))}</td>"
-                       f"<td>{html.escape(str(_blank(g.get('memory_mb'))))}</td></tr>" for g in compute.gpus)
-        parts.append(f"<table class='nbbatch-gpus'><tr><th>GPU</th><th>name</th><th>memory (MB)</th></tr>{rows}</table>")
+        parts.append(_html_table("nbbatch-gpus", ("GPU", "name", "memory (MB)"),
+                                 [(g.get("index"), g.get("name"), g.get("memory_mb")) for g in compute.gpus]))
     elif compute.backend == "local":
         parts.append("<div>no NVIDIA GPU found: runs use the CPU</div>")
     summary = compute.details.get("summary")
     if isinstance(summary, str):
         parts.append(f"<pre class='nbbatch-summary' style='margin:4px 0'>{html.escape(summary)}</pre>")
     elif compute.nodes:
-        rows = "".join(f"<tr><td>{html.escape(str(n.get('name', '')))}</td><td>{html.escape(str(n.get('state', '')))}</td>"
-                       f"<td>{html.escape(str(_blank(n.get('cpus'))))}</td><td>{html.escape(str(_blank(n.get('gpus'))))}</td>"
-                       "</tr>" for n in compute.nodes)
-        parts.append(f"<table class='nbbatch-nodes'><tr><th>node</th><th>state</th><th>CPUs</th><th>GPUs</th></tr>"
-                     f"{rows}</table>")
-    items = "".join(f"<li><b>{html.escape(str(k))}</b>: {html.escape(str(v))}</li>" for k, v in compute.details.items()
-                    if k != "summary" and not isinstance(v, (dict, list)))
+        parts.append(_html_table("nbbatch-nodes", ("node", "state", "CPUs", "GPUs"),
+                                 [(n.get("name"), n.get("state"), n.get("cpus"), n.get("gpus")) for n in compute.nodes]))
+    items = "".join(f"<li><b>{html.escape(str(k))}</b>: {html.escape(_detail_text(v))}</li>"
+                    for k, v in compute.details.items() if k != "summary" and not isinstance(v, list)
+                    and not (isinstance(v, dict) and k == "cluster"))
     if items:
         parts.append(f"<ul class='nbbatch-details'>{items}</ul>")
     if cluster is not None:
@@ -554,11 +574,19 @@ class ClusterForm:
             self.apply_button = w.Button(description="Create / resize cluster", icon="cloud", button_style="primary")
             self.apply_button.on_click(lambda _b: self._in_thread(self._provision))
             controls = [*self.fields.values(), self.apply_button]
-        else:  # ray and any registered backend: its settings as text fields
+        else:  # ray and any registered backend: its plain settings, each as a field of its type
             if cluster.backend == "ray":
                 cluster.settings.setdefault("address", "auto")
             for key, value in cluster.settings.items():
-                if _shown_setting(key, value):
+                if not _shown_setting(key, value):
+                    continue
+                if isinstance(value, bool):
+                    self.fields[key] = w.Checkbox(value=value, description=key, style=style)
+                elif isinstance(value, int):
+                    self.fields[key] = w.IntText(value=value, description=key, style=style)
+                elif isinstance(value, float):
+                    self.fields[key] = w.FloatText(value=value, description=key, style=style)
+                else:
                     self.fields[key] = w.Text(value="" if value is None else str(value), description=key, style=style)
             self.apply_button = w.Button(description="Connect", icon="plug", button_style="primary")
             self.apply_button.on_click(lambda _b: self._in_thread(self._refresh))
@@ -1051,7 +1079,7 @@ class JobsSummaryModel:
                          "gpu_text": "", "links": NotebookLinks(None)})
         return rows
 
-    COLUMNS = ("run", "framework", "parameters", "status", "attempt", "duration", "GPU", "metrics", "notebook")
+    COLUMNS = ("run", "framework", "parameters", "status", "try", "duration", "GPU", "metrics", "notebook")
 
     def to_text(self, now: datetime | None = None) -> str:
         """The table as plain text (what a terminal or papermill's output shows)."""
@@ -1096,7 +1124,7 @@ class JobsSummaryModel:
                 cell.format(nowrap=nowrap, extra="", text=str(row["attempts"])),
                 cell.format(nowrap=nowrap, extra="", text=html.escape(row["duration_text"])),
                 cell.format(nowrap=nowrap, extra="", text=html.escape(row["gpu_text"])),
-                cell.format(nowrap="", extra="", text=html.escape(row["metrics_shown"])),
+                cell.format(nowrap=";min-width:10em;max-width:18em", extra="", text=html.escape(row["metrics_shown"])),
                 cell.format(nowrap=nowrap, extra="", text=row["links"].html()),
             ]
             body.append(f"<tr data-run='{html.escape(row['run_id'])}' data-status='{html.escape(status)}' "
@@ -1227,20 +1255,33 @@ def _resolve(experiment: Any, share: str | Share | None) -> tuple[str, Share, Su
 class JobsSummary:
     """A jobs table: the model, its widget (in JupyterLab) and the thread refreshing it."""
 
-    def __init__(self, model: JobsSummaryModel, share: Share, submission: Submission | None = None):
+    def __init__(self, model: JobsSummaryModel, share: Share, submission: Submission | None = None,
+                 backend_refresh_s: float = 15.0):
         self.model, self.share, self.submission = model, share, submission
         self.widget: Any = None
         self.refresher: SummaryRefresher | None = None
+        self.backend_refresh_s = backend_refresh_s
+        self._backend_refreshed = time.monotonic()
         self._buttons: dict[str, Any] = {}
         self._lock = threading.Lock()
 
     def load(self) -> list[RunRecord]:
-        """The experiment's records from the share (corrupt ones become the model's problems)."""
+        """The experiment's records from the share (corrupt ones become the model's problems).
+
+        Every ``backend_refresh_s`` seconds the backend first brings them up to date with its own
+        view (:func:`nbbatch.api.status`), e.g. a job Azure ML failed to start, or a run whose
+        driver process died.
+        """
         from .results import load_records
 
         if self.submission is not None:
             self.model.expect(self.submission.model.run_ids)
         records, problems = load_records(self.share, self.model.experiment)
+        if records and not problems and time.monotonic() - self._backend_refreshed > self.backend_refresh_s:
+            from . import api
+
+            self._backend_refreshed = time.monotonic()
+            records = api.status(self.model.experiment, share=self.share, refresh=True)
         self.model.problems = problems
         if self.model.expected:
             wanted = set(self.model.expected)

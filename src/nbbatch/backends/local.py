@@ -8,18 +8,25 @@ Ctrl-C cancels: kernels are killed, runs are marked ``cancelled``, finished outp
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Iterator, Sequence
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-from ..errors import ValidationError
-from ..execute import CANCEL_MARKER, execute_run, read_record, write_record
+from ..errors import BackendError, ShareError, ValidationError, did_you_mean
+from ..execute import CANCEL_MARKER, SHARE_FAILED, execute_run, kernel_launch, read_record, write_record
 from ..gpus import GpuInfo, SlotPool, detect_gpus
 from ..runrecord import RunError, RunRecord, utc_now
 from ..runs import Run
 from ..share import Share
 from .base import Compute, SubmitOptions
+
+if TYPE_CHECKING:
+    from ..kernels import KernelPool
+
+
+PRESTART_DEFAULT = 2  # kernels started ahead of the next CPU runs, each only for its own run
 
 
 class LocalBackend:
@@ -27,9 +34,21 @@ class LocalBackend:
 
     name: ClassVar[str] = "local"
 
-    def __init__(self, gpus: list[GpuInfo] | None = None, max_parallel: int | None = None, **_settings: object):
+    def __init__(self, gpus: list[GpuInfo] | None = None, max_parallel: int | None = None,
+                 prestart: int | None = None, **unknown: object):
+        if unknown:  # named only, never echoed: a mistaken setting may hold a secret
+            bad = sorted(map(str, unknown))[0]
+            raise BackendError(f"unknown local backend setting `{bad}`{did_you_mean(bad, ['max_parallel', 'prestart'])}; "
+                               "the local backend takes only max_parallel and prestart (use resources: for gpus, "
+                               "runs_per_gpu, max_parallel)")
+        if max_parallel is not None and (isinstance(max_parallel, bool) or not isinstance(max_parallel, int)
+                                         or max_parallel < 1):
+            raise BackendError(f"local backend setting max_parallel must be an integer ≥ 1 (got {max_parallel!r})")
+        if prestart is not None and (isinstance(prestart, bool) or not isinstance(prestart, int) or prestart < 0):
+            raise BackendError(f"local backend setting prestart must be an integer ≥ 0 (got {prestart!r})")
         self._gpus = gpus
         self.max_parallel = max_parallel
+        self.prestart = prestart  # kernels started ahead of their CPU runs (None: PRESTART_DEFAULT)
 
     @property
     def gpus(self) -> list[GpuInfo]:
@@ -65,13 +84,23 @@ class LocalBackend:
         cancel = threading.Event()
         changed = threading.Condition()
         notify = options.on_update or (lambda _r: None)
+        share_failures: list[ShareError] = []  # the share cannot be written (full): start no more runs
+        from ..kernels import KernelPool  # imports jupyter_client: not at module import
+
+        kernels = KernelPool(PRESTART_DEFAULT if self.prestart is None else self.prestart)
 
         def worker(run: Run, gpu_ids: list[int]) -> None:
             try:
-                execute_run(run, share, gpu_ids=gpu_ids, shared_gpu=pool.shared(gpu_ids), cancel_event=cancel,
-                            on_update=notify)
-            except Exception as exc:  # noqa: BLE001 - a failure in one run never loses another's results
-                _mark(share, run, "failed", RunError(type(exc).__name__, str(exc), reason="nbbatch error"), notify)
+                try:
+                    execute_run(run, share, gpu_ids=gpu_ids, shared_gpu=pool.shared(gpu_ids), cancel_event=cancel,
+                                on_update=notify, kernels=kernels)
+                except ShareError as exc:
+                    share_failures.append(exc)
+                    _mark(share, run, "failed", RunError("ShareError", str(exc), reason=SHARE_FAILED), notify)
+                except Exception as exc:  # noqa: BLE001 - a failure in one run never loses another's results
+                    _mark(share, run, "failed", RunError(type(exc).__name__, str(exc), reason="nbbatch error"), notify)
+            except ShareError as exc:  # not even the failure could be recorded; resubmitting reruns the run
+                share_failures.append(exc)
             finally:
                 pool.release(gpu_ids)
                 with changed:
@@ -85,16 +114,25 @@ class LocalBackend:
         try:
             with changed:
                 while pending or active:
+                    if share_failures and pending:
+                        for run in pending:
+                            with contextlib.suppress(ShareError):
+                                _mark(share, run, "cancelled", RunError("ShareError", str(share_failures[0]),
+                                                                        reason="not started: " + SHARE_FAILED), notify)
+                        pending.clear()
+                        kernels.close()
                     if cancel.is_set() or experiment_cancelled():
                         cancel.set()
                         for run in pending:
                             _mark(share, run, "cancelled", RunError("cancelled", "", reason="cancelled before it started"),
                                   notify)
                         pending.clear()
+                        kernels.close()
                     started = False
                     for run in list(pending):
                         if share.exists(f"{run.experiment}/{run.run_id}/{CANCEL_MARKER}"):
                             pending.remove(run)
+                            kernels.discard(run.run_id)
                             _mark(share, run, "cancelled", RunError("cancelled", "", reason="cancelled before it started"),
                                   notify)
                             continue
@@ -113,6 +151,7 @@ class LocalBackend:
                         active[run.run_id] = thread
                         thread.start()
                         started = True
+                    _prestart(kernels, pending)
                     if not started:
                         changed.wait(timeout=0.5)
         except KeyboardInterrupt:
@@ -122,6 +161,10 @@ class LocalBackend:
             for thread in list(active.values()):
                 thread.join()
             raise
+        finally:
+            kernels.close()
+        if share_failures:
+            raise share_failures[0]
 
     def refresh(self, experiment: str, share: Share) -> None:
         """Local records are written as runs progress; a run left ``running`` by a dead driver is marked failed."""
@@ -157,6 +200,16 @@ class LocalBackend:
     def stream_log(self, experiment: str, share: Share, run_id: str, follow: bool = False) -> Iterator[str] | None:
         return None
 
+
+
+def _prestart(kernels: KernelPool, pending: list[Run]) -> None:
+    """Start the kernels of the next CPU runs to start (GPU runs learn their GPUs only when they start)."""
+    for run in [r for r in pending if not r.gpus][:kernels.size]:
+        if run.run_id not in kernels:
+            try:
+                kernels.prestart(run.run_id, *kernel_launch(run))
+            except Exception:  # noqa: BLE001 - the run then starts its kernel itself
+                return
 
 
 def _alive(pid: int) -> bool:

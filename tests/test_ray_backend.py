@@ -1,0 +1,409 @@
+"""The ray backend on a real two-node Ray cluster on loopback, both nodes declaring two fake GPUs.
+
+The module starts a head and a second node (``ray start``) in a temp dir of its own and stops every
+process they started by PID at the end (never a plain ``ray stop``, which would stop other Ray
+clusters of this user). Runs execute a tiny notebook in the test venv's ``python3`` kernel that prints
+its ``CUDA_VISIBLE_DEVICES`` and Ray node; the last test kills the second node's raylet mid-run.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before Ray is imported: with this, Ray binds its servers to loopback (127.0.0.1) rather than to
+# every interface; the driver (this process) and the head read it at import/start.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import json  # noqa: E402
+import re  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+ray = pytest.importorskip("ray")
+psutil = pytest.importorskip("psutil")
+
+from conftest import make_notebook  # noqa: E402
+
+from nbbatch import api  # noqa: E402
+from nbbatch.backends import get_backend  # noqa: E402
+from nbbatch.backends.ray import NAMESPACE, RayBackend, gpu_request, supervisor_name  # noqa: E402
+from nbbatch.errors import BackendError  # noqa: E402
+from nbbatch.execute import read_record, write_record  # noqa: E402
+from nbbatch.runrecord import RunRecord  # noqa: E402
+from nbbatch.share import FileShare  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+
+# `ray start` for a node that joins a cluster refuses to run while RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+# (a check meant for macOS/Windows). Keep the variable (so its servers bind loopback) and lift only
+# that check, in the CLI process alone.
+_RAY_CLI = """
+import sys, types
+import ray._private.ray_constants as constants
+import ray.scripts.scripts as scripts
+if sys.argv[1] == "--join":
+    del sys.argv[1]
+    patched = types.ModuleType("ray_constants")
+    patched.__dict__.update(constants.__dict__)
+    patched.ENABLE_RAY_CLUSTER = True
+    scripts.ray_constants = patched
+sys.argv[0] = "ray"
+scripts.main()
+"""
+
+NOTEBOOK_BODY = """\
+import os, time
+node = os.environ.get("NBBATCH_RAY_NODE_ID", "")
+print(f"CVD={os.environ.get('CUDA_VISIBLE_DEVICES')!r} NODE={node}", flush=True)
+time.sleep(HEAD_SLEEP if node == HEAD else SLEEP)
+"""
+LINE = re.compile(r"CVD='([^']*)' NODE=(\w+)")
+
+
+@dataclass
+class Cluster:
+    address: str
+    temp_dir: Path
+    head_id: str
+    worker_id: str
+    worker_raylet_socket: str
+    tags: tuple[str, ...]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray_cli(args: list[str], env: dict[str, str], join: bool = False) -> None:
+    cmd = [sys.executable, "-c", _RAY_CLI, *(["--join"] if join else []), *args]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    if done.returncode:
+        raise RuntimeError(f"`ray {' '.join(args)}` failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+
+
+def _cluster_processes(tags: tuple[str, ...]) -> list[psutil.Process]:
+    """Every process of the test's cluster: those naming its temp dir or port, and all their descendants."""
+    mine = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+    found: dict[int, psutil.Process] = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            cmdline = proc.info["cmdline"] or []
+            if proc.pid not in mine and any(tag in arg for tag in tags for arg in cmdline):
+                for p in (proc, *proc.children(recursive=True)):
+                    found[p.pid] = p
+        except psutil.Error:
+            continue
+    return [p for pid, p in found.items() if pid not in mine]
+
+
+def _stop(tags: tuple[str, ...]) -> None:
+    procs = _cluster_processes(tags)
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=5)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A Ray head and a second node on 127.0.0.1, each with 2 CPUs and 2 fake GPUs."""
+    temp_dir = Path(tempfile.mkdtemp(prefix="nbray-", dir="/tmp" if os.path.isdir("/tmp") else None))
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    tags = (str(temp_dir), f"--address={address}", f"--gcs-address={address}")
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    for var in ("IPYTHONDIR", "MPLCONFIGDIR", "XDG_CACHE_HOME", "JUPYTER_RUNTIME_DIR"):  # kernels write here
+        (temp_dir / "home" / var).mkdir(parents=True)
+        env[var] = str(temp_dir / "home" / var)
+    common = ["--node-ip-address=127.0.0.1", "--num-cpus=2", "--num-gpus=2", "--disable-usage-stats",
+              f"--object-store-memory={100 * 2**20}"]
+    started = time.monotonic()
+    try:
+        _ray_cli(["start", "--head", f"--port={port}", f"--temp-dir={temp_dir}", "--include-dashboard=false",
+                  f"--ray-client-server-port={_free_port()}", f"--dashboard-port={_free_port()}",
+                  f"--dashboard-agent-listen-port={_free_port()}", *common], env)
+        _ray_cli(["start", f"--address={address}", f"--dashboard-agent-listen-port={_free_port()}", *common], env,
+                 join=True)
+        ray.init(address=address, log_to_driver=False)
+        deadline = time.monotonic() + 60
+        while len([n for n in ray.nodes() if n["Alive"]]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        nodes = [n for n in ray.nodes() if n["Alive"]]
+        assert len(nodes) == 2, nodes
+        head = next(n for n in nodes if "node:__internal_head__" in n["Resources"])
+        worker = next(n for n in nodes if n is not head)
+        print(f"ray cluster up in {time.monotonic() - started:.1f} s")
+        yield Cluster(address, temp_dir, head["NodeID"], worker["NodeID"], worker["RayletSocketName"], tags)
+    finally:
+        ray.shutdown()
+        _stop(tags)
+        import shutil
+
+        if not os.environ.get("KEEP_RAY_TMP"):
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _experiment(name: str, share: Path, address: str, gpus: int = 0, seeds: int = 1, **extra) -> dict:
+    backend = {"name": "ray", "address": address, "linger_s": 5, "cancel_grace_s": 5, **extra.pop("backend", {})}
+    return {"experiment": name, "notebooks": [{"path": "probe.ipynb", "kernel": "python3"}],
+            "parameters": extra.pop("parameters", {}), "sweep": {"grid": {"SEED": list(range(seeds))}},
+            "resources": {"gpus": gpus, **extra.pop("resources", {})}, "backend": backend, "share": str(share), **extra}
+
+
+@pytest.fixture
+def probe(project):
+    make_notebook(project / "probe.ipynb", [NOTEBOOK_BODY], parameters="SEED = 0\nSLEEP = 2.0\nHEAD = ''\nHEAD_SLEEP = 0.5")
+    return project
+
+
+def _wait_final(share: Path, experiment: str, timeout: float = 120) -> list[RunRecord]:
+    from nbbatch.results import load_records
+
+    deadline = time.monotonic() + timeout
+    while True:
+        records, _ = load_records(FileShare(share), experiment)
+        if records and all(r.final for r in records):
+            return records
+        if time.monotonic() > deadline:
+            raise AssertionError(f"runs not final after {timeout} s: {[(r.run_id, r.status) for r in records]}")
+        time.sleep(0.5)
+
+
+def _placement(share: Path, record: RunRecord) -> tuple[str, str]:
+    """(CUDA_VISIBLE_DEVICES, Ray node id) the kernel printed (its last attempt)."""
+    found = LINE.findall((share / record.experiment / record.run_id / "log.txt").read_text())
+    assert found, f"{record.run_id} printed no CVD line"
+    return found[-1]
+
+
+def _overlap(a: RunRecord, b: RunRecord) -> bool:
+    return a.started_at < b.ended_at and b.started_at < a.ended_at
+
+
+def _run_one_processes(run_id: str) -> list[psutil.Process]:
+    out = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            cmdline = proc.info["cmdline"] or []
+            if "run-one" in cmdline and any(run_id in arg for arg in cmdline):
+                out.append(proc)
+        except psutil.Error:
+            continue
+    return out
+
+
+# --- without a cluster --------------------------------------------------------------------------
+
+
+def test_import_nbbatch_never_imports_ray():
+    code = ("import sys, nbbatch, nbbatch.backends, nbbatch.api, nbbatch.cli; "
+            "nbbatch.backends.get_backend; print('ray' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_gpu_request_fractions():
+    assert gpu_request(0, 1) == (0.0, False)
+    assert gpu_request(1, 1) == (1.0, False)
+    assert gpu_request(1, 2) == (0.5, True)
+    assert gpu_request(1, 3) == (0.3333, True)  # three fit on one GPU at Ray's 1e-4 granularity
+    assert gpu_request(2, 2) == (2.0, False)  # multi-GPU runs never share
+
+
+def test_unknown_setting_is_named():
+    with pytest.raises(BackendError, match="did you mean `num_cpus`"):
+        get_backend("ray", num_cpu=2)
+
+
+def _nodes(*addresses: str) -> list[dict]:
+    return [{"NodeID": f"{i:02d}" * 28, "Alive": True, "NodeManagerAddress": a,
+             "Resources": {"CPU": 4.0, "GPU": 2.0, **({"node:__internal_head__": 1.0} if i == 0 else {})}}
+            for i, a in enumerate(addresses)]
+
+
+def test_local_folder_share_refused_on_a_multi_host_cluster(probe, tmp_path, monkeypatch):
+    monkeypatch.setattr(RayBackend, "_alive_nodes", lambda self: _nodes("10.0.0.4", "10.0.0.5"))
+    monkeypatch.setattr(RayBackend, "_local_addresses", lambda self: {"127.0.0.1", "10.0.0.4"})
+    monkeypatch.setattr("nbbatch.backends.ray.filesystem_type", lambda path: "ext4")
+    share = tmp_path / "results"
+    with pytest.raises(BackendError) as caught:
+        RayBackend("10.0.0.4:6379").check_share(FileShare(share))
+    message = str(caught.value)
+    assert "shared_folder: true" in message and "azfiles://" in message and "10.0.0.5" in message
+    RayBackend("10.0.0.4:6379", shared_folder=True).check_share(FileShare(share))  # the user says it is mounted
+
+    class RemoteShare:
+        url = "azfiles://account/share"
+
+        def local_path(self, path):
+            return None
+
+    RayBackend("10.0.0.4:6379").check_share(RemoteShare())  # reachable from every node
+
+    # through submit: refused before any run record is written
+    with pytest.raises(BackendError, match="shared_folder"):
+        api.submit(_experiment("refused", share, "10.0.0.4:6379", seeds=2), progress=False)
+    assert not list(share.glob("refused/*/run.json"))
+
+    monkeypatch.setattr(RayBackend, "_alive_nodes", lambda self: _nodes("127.0.0.1", "127.0.0.1"))
+    RayBackend("127.0.0.1:6379").check_share(FileShare(share))  # all nodes on this machine: fine
+
+
+# --- on the cluster -----------------------------------------------------------------------------
+
+
+def test_compute_lists_the_nodes(cluster):
+    compute = RayBackend(cluster.address).compute()
+    assert compute.backend == "ray"
+    assert len(compute.nodes) == 2 and all(n["state"] == "alive" for n in compute.nodes)
+    assert sorted(n["gpus"] for n in compute.nodes) == [2, 2] and sum(n["cpus"] for n in compute.nodes) == 4
+    assert [n["head"] for n in compute.nodes].count(True) == 1
+    assert len(compute.gpus) == 4 and len({g["node"] for g in compute.gpus}) == 2
+    assert compute.slots == 4
+
+
+def test_gpu_runs_are_pinned_to_distinct_devices_and_resume_skips_them(cluster, probe, tmp_path):
+    share = tmp_path / "results"
+    started = time.monotonic()
+    result = api.submit(_experiment("pin", share, cluster.address, gpus=1, seeds=4), progress=False)
+    print(f"4 one-GPU runs on 2 nodes: {time.monotonic() - started:.1f} s")
+    assert result.ok, [(r.run_id, r.status, r.error) for r in result.records]
+    placements = {}
+    for record in result.records:
+        cvd, node = _placement(share, record)
+        assert record.backend == "ray" and len(record.gpu_ids) == 1
+        assert cvd == str(record.gpu_ids[0])
+        placements[record.run_id] = (node, cvd)
+    assert {node for node, _ in placements.values()} == {cluster.head_id, cluster.worker_id}
+    for a in result.records:
+        for b in result.records:
+            if a is not b and _overlap(a, b):
+                assert placements[a.run_id] != placements[b.run_id], "two concurrent runs got the same GPU"
+
+    # status, logs and resume work as on the local backend
+    assert {r.status for r in api.status("pin")} == {"succeeded"}
+    assert "CVD=" in "".join(api.logs("pin", result.records[0].run_id))
+    again = api.submit(_experiment("pin", share, cluster.address, gpus=1, seeds=4), progress=False)
+    assert sorted(again.skipped) == sorted(placements) and again.started == []
+
+
+def test_runs_per_gpu_share_a_device_and_cpu_runs_see_none(cluster, probe, tmp_path):
+    share = tmp_path / "results"
+    head_only = {"resources": {"node:__internal_head__": 0.01}}
+    started = time.monotonic()
+    api.submit(_experiment("halves", share, cluster.address, gpus=1, seeds=2, resources={"runs_per_gpu": 2},
+                           parameters={"SLEEP": 4.0}, backend=head_only), wait=False, progress=False)
+    api.submit(_experiment("cpu", share, cluster.address, gpus=0, seeds=2), wait=False, progress=False)
+    halves = _wait_final(share, "halves")
+    cpu = _wait_final(share, "cpu")
+    print(f"2 half-GPU runs + 2 CPU runs: {time.monotonic() - started:.1f} s")
+    assert {r.status for r in halves + cpu} == {"succeeded"}, [(r.run_id, r.status, r.error) for r in halves + cpu]
+    a, b = halves
+    assert _placement(share, a) == _placement(share, b), "runs_per_gpu: 2 runs should share one GPU of the head"
+    assert _overlap(a, b), "the two half-GPU runs should have run at the same time"
+    assert _placement(share, a)[1] == cluster.head_id
+    for record in cpu:
+        assert _placement(share, record)[0] == "" and record.gpu_ids == []
+
+
+def test_cancel_stops_running_and_queued_runs(cluster, probe, tmp_path):
+    share = tmp_path / "results"
+    # each run takes both GPUs of the head: one runs, the other waits in Ray's queue
+    exp = _experiment("cancel", share, cluster.address, gpus=2, seeds=2, parameters={"SLEEP": 300.0},
+                      backend={"resources": {"node:__internal_head__": 0.01}})
+    api.submit(exp, wait=False, progress=False)
+    deadline = time.monotonic() + 90
+    running = None
+    while running is None:
+        assert time.monotonic() < deadline, "no run started"
+        for run_dir in share.glob("cancel/*/log.txt"):
+            if "CVD=" in run_dir.read_text():
+                running = run_dir.parent.name
+        time.sleep(0.3)
+    followed: list[str] = []
+    follower = threading.Thread(target=lambda: followed.extend(api.logs("cancel", running, follow=True)), daemon=True)
+    follower.start()
+    started = time.monotonic()
+    asked = api.cancel("cancel")
+    assert running in asked and len(asked) == 2
+    records = _wait_final(share, "cancel", timeout=60)
+    print(f"cancel took {time.monotonic() - started:.1f} s")
+    assert {r.status for r in records} == {"cancelled"}, [(r.run_id, r.status, r.error) for r in records]
+    by_id = {r.run_id: r for r in records}
+    assert by_id[running].error.reason == "stopped by a cancel request"
+    assert (share / "cancel" / running / "output.ipynb").exists()  # partial output kept
+    follower.join(timeout=15)
+    assert not follower.is_alive() and "CVD=" in "".join(followed)
+    deadline = time.monotonic() + 15
+    while _run_one_processes(running) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _run_one_processes(running), "the cancelled run's process is still alive"
+
+
+def test_refresh_fails_a_run_whose_task_is_gone(cluster, tmp_path):
+    share = FileShare(tmp_path / "results")
+    record = RunRecord(run_id="nb-0000000001", experiment="lost", notebook="probe.ipynb", kernel="python3",
+                       status="running", attempts=1, queued_at="2020-01-01T00:00:00.000+00:00",
+                       started_at="2020-01-01T00:00:01.000+00:00", backend="ray")
+    write_record(share, record)
+    RayBackend(cluster.address).refresh("lost", share)
+    after = read_record(share, "lost", record.run_id)
+    assert after.status == "failed" and after.error.ename == "RayTaskLost" and "resubmit" in after.error.reason
+
+
+def test_node_death_mid_run_retries_on_the_head(cluster, probe, tmp_path):
+    """Kill the second node's raylet while a run executes there: it is retried on the head (or failed with why)."""
+    share = tmp_path / "results"
+    # two runs taking both GPUs of a node each: one per node; the head's finishes at once, the other sleeps
+    exp = _experiment("victim", share, cluster.address, gpus=2, seeds=2,
+                      parameters={"SLEEP": 300.0, "HEAD": cluster.head_id, "HEAD_SLEEP": 6.0})
+    api.submit(exp, wait=False, progress=False)
+    deadline = time.monotonic() + 90
+    victim = None
+    while victim is None:
+        assert time.monotonic() < deadline, "no run started on the second node"
+        for log in share.glob("victim/*/log.txt"):
+            if f"NODE={cluster.worker_id}" in log.read_text():
+                victim = log.parent.name
+        time.sleep(0.3)
+    supervisor = ray.get_actor(supervisor_name("victim", FileShare(share)), namespace=NAMESPACE)
+    assert ray.get(supervisor.node_id.remote()) == cluster.head_id  # it must outlive worker nodes
+    raylet = next(p for p in _cluster_processes(cluster.tags)
+                  if f"--raylet_socket_name={cluster.worker_raylet_socket}" in " ".join(p.cmdline()))
+    started = time.monotonic()
+    raylet.kill()
+    records = _wait_final(share, "victim", timeout=120)
+    print(f"node killed → runs final in {time.monotonic() - started:.1f} s")
+    by_id = {r.run_id: r for r in records}
+    lost = by_id[victim]
+    assert all(r.status not in ("running", "queued") for r in records)
+    if lost.status == "succeeded":  # retried by Ray on the head
+        assert lost.attempts == 2 and _placement(share, lost)[1] == cluster.head_id
+        assert f"NODE={cluster.worker_id}" in (share / "victim" / victim / "log.txt").read_text()
+    else:
+        assert lost.status == "failed" and "node" in lost.error.reason, lost.error
+    deadline = time.monotonic() + 15
+    while _run_one_processes(victim) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _run_one_processes(victim), "a run-one process outlived its task"
+    json.dumps(RayBackend(cluster.address).compute().nodes)  # what the setup_cluster widget shows, a node down
+
