@@ -27,6 +27,7 @@ from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+import yaml  # noqa: E402
 
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
@@ -229,6 +230,18 @@ def test_gpu_request_fractions():
     assert gpu_request(2, 2) == (2.0, False)  # multi-GPU runs never share
 
 
+def test_a_node_without_the_notebook_runs_the_submitters_copy(tmp_path):
+    from nbbatch.backends.ray import _with_notebook_here
+
+    run = {"run_id": "nb-1", "experiment": "e", "notebook": str(tmp_path / "gone" / "nb.ipynb"),
+           "notebook_rel": "notebooks/nb.ipynb"}
+    moved = _with_notebook_here(run, str(tmp_path / "no-project"), '{"cells": []}')
+    assert Path(moved["notebook"]).read_text() == '{"cells": []}' and moved["run_id"] == "nb-1"
+    (tmp_path / "proj" / "notebooks").mkdir(parents=True)
+    (tmp_path / "proj" / "notebooks" / "nb.ipynb").write_text("{}")
+    assert _with_notebook_here(run, str(tmp_path / "proj"), "{}") is run  # the node's project has it
+
+
 def test_unknown_setting_is_named():
     with pytest.raises(BackendError, match="did you mean `num_cpus`"):
         get_backend("ray", num_cpu=2)
@@ -312,7 +325,11 @@ def test_runs_per_gpu_share_a_device_and_cpu_runs_see_none(cluster, probe, tmp_p
     started = time.monotonic()
     api.submit(_experiment("halves", share, cluster.address, gpus=1, seeds=2, resources={"runs_per_gpu": 2},
                            parameters={"SLEEP": 4.0}, backend=head_only), wait=False, progress=False)
-    api.submit(_experiment("cpu", share, cluster.address, gpus=0, seeds=2), wait=False, progress=False)
+    # the CPU runs through the command line: `submit --no-wait` returns and its runs go on without it
+    (probe / "cpu.yaml").write_text(yaml.safe_dump(_experiment("cpu", share, cluster.address, gpus=0, seeds=2)))
+    cli = subprocess.run([sys.executable, "-m", "nbbatch.cli", "submit", "cpu.yaml", "--no-wait", "-q"], cwd=probe,
+                         capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0, cli.stderr
     halves = _wait_final(share, "halves")
     cpu = _wait_final(share, "cpu")
     print(f"2 half-GPU runs + 2 CPU runs: {time.monotonic() - started:.1f} s")

@@ -298,9 +298,9 @@ def run_notebook(input_path: str | os.PathLike[str], output_path: str | os.PathL
     """
     import sys
 
-    import papermill
+    import papermill  # noqa: F401 - before nbbatch.engine: papermill's entry-point scan imports it
 
-    from . import engine  # noqa: F401 - registers the nbbatch engine
+    from . import engine
     from .errors import ValidationError
     from .notebook import inspect_notebook, validate_parameters
 
@@ -319,9 +319,9 @@ def run_notebook(input_path: str | os.PathLike[str], output_path: str | os.PathL
 
         raise ValidationError(f"kernel `{kernel}` does not exist{did_you_mean(kernel, known)}; known kernels: "
                               f"{', '.join(sorted(known))}")
-    return papermill.execute_notebook(
-        str(input_path), str(output_path), parameters=parameters or {}, engine_name="nbbatch", kernel_name=kernel,
-        progress_bar=False, log_output=False, stdout_file=sys.stdout if log_output else None,
+    return engine.execute_notebook_file(  # papermill.execute_notebook, with atomic writes of the output
+        str(input_path), str(output_path), parameters=parameters or {}, kernel_name=kernel,
+        log_output=False, stdout_file=sys.stdout if log_output else None,
         stderr_file=sys.stderr if log_output else None, execution_timeout=cell_timeout,
         kernel_cwd=cwd or str(Path(input_path).resolve().parent),
     )

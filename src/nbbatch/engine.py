@@ -17,6 +17,8 @@ It is registered as papermill engine ``nbbatch`` (``papermill --engine nbbatch``
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,15 +33,20 @@ Saver = Callable[[Any], None]
 
 
 class BatchExecutionManager(NotebookExecutionManager):
-    """papermill's execution manager, saving through a callback no more often than ``save_every``."""
+    """papermill's execution manager, saving through a callback no more often than ``save_every``.
+
+    The first checkpoint is written ``save_every`` seconds after the start (a notebook done sooner is
+    written once, at the end); with ``final_save=False`` the caller writes the final notebook itself.
+    """
 
     def __init__(self, nb: Any, saver: Saver | None = None, save_every: float = 1.0,
-                 on_cell: Callable[[int, int], None] | None = None, **kwargs: Any):
+                 on_cell: Callable[[int, int], None] | None = None, final_save: bool = True, **kwargs: Any):
         super().__init__(nb, output_path=None, progress_bar=False, **kwargs)
         self.saver = saver
         self.save_every = save_every
         self.on_cell = on_cell
-        self._last_saved = 0.0
+        self.final_save = final_save
+        self._last_saved = time.monotonic()
 
     def save(self, force: bool = False, **kwargs: Any) -> None:  # type: ignore[override]
         now = time.monotonic()
@@ -60,7 +67,8 @@ class BatchExecutionManager(NotebookExecutionManager):
 
     def notebook_complete(self, **kwargs: Any) -> None:
         super().notebook_complete(**kwargs)
-        self.save(force=True)
+        if self.final_save:
+            self.save(force=True)
 
 
 class _BatchClient(PapermillNotebookClient):
@@ -86,10 +94,12 @@ class NbbatchEngine(NBClientEngine):
     def execute_notebook(cls, nb: Any, kernel_name: str, output_path: str | None = None, progress_bar: bool = False,
                          log_output: bool = False, autosave_cell_every: int = 30, saver: Saver | None = None,
                          save_every: float = 1.0, on_cell: Callable[[int, int], None] | None = None,
-                         **kwargs: Any) -> Any:
+                         final_save: bool = True, **kwargs: Any) -> Any:
+        """Execute ``nb``; ``final_save=False`` when the caller saves the returned notebook (also after a failure:
+        the notebook object passed in is the one executed, partial outputs included)."""
         if saver is None and output_path:  # plain `papermill --engine nbbatch`: save to the output path atomically
             saver = _atomic_path_saver(output_path)
-        nb_man = BatchExecutionManager(nb, saver=saver, save_every=save_every, on_cell=on_cell,
+        nb_man = BatchExecutionManager(nb, saver=saver, save_every=save_every, on_cell=on_cell, final_save=final_save,
                                        log_output=log_output, autosave_cell_every=autosave_cell_every)
         nb_man.notebook_start()
         try:
@@ -129,6 +139,46 @@ class NbbatchEngine(NBClientEngine):
                 if km.has_kernel:  # execute() failed before nbclient's own clean-up
                     reap_kernel(km)
                 prestarted.release_output()  # type: ignore[union-attr]
+
+
+def execute_notebook_file(input_path: str, output_path: str, parameters: dict[str, Any] | None = None,
+                          kernel_name: str | None = None, **kwargs: Any) -> Any:
+    """``papermill.execute_notebook(..., engine_name="nbbatch")`` with every write of ``output_path`` atomic.
+
+    papermill itself rewrites the output in place after the engine is done, and again to add its error
+    marker: a reader could see half a notebook. Here those writes go through the same temporary file and
+    rename as the checkpoints. ``kwargs`` are the engine's (``kernel_cwd``, ``stdout_file``, ``execution_timeout``…).
+    On a failing cell the output keeps papermill's error marker and PapermillExecutionError is raised.
+    """
+    from papermill.exceptions import PapermillExecutionError
+    from papermill.execute import prepare_notebook_metadata, raise_for_execution_errors, remove_error_markers
+    from papermill.iorw import load_notebook_node, local_file_io_cwd
+    from papermill.parameterize import add_builtin_parameters, parameterize_notebook, parameterize_path
+
+    path_parameters = add_builtin_parameters(parameters)
+    input_path = parameterize_path(str(input_path), path_parameters)
+    output_path = parameterize_path(str(output_path), path_parameters)
+    saver = _atomic_path_saver(output_path)
+    with local_file_io_cwd():
+        nb = load_notebook_node(input_path)
+        if parameters:
+            nb = parameterize_notebook(nb, parameters, kernel_name=kernel_name, engine_name="nbbatch")
+        nb = prepare_notebook_metadata(nb, input_path, output_path)
+        nb = remove_error_markers(nb)
+        kernel_name = papermill_engines.nb_kernel_name(engine_name="nbbatch", nb=nb, name=kernel_name)
+        try:
+            nb = NbbatchEngine.execute_notebook(nb, kernel_name, saver=saver, final_save=False, input_path=input_path,
+                                                **kwargs)
+            with tempfile.TemporaryDirectory(prefix="nbbatch-") as scratch:  # papermill's own (in-place) error write
+                raise_for_execution_errors(nb, os.path.join(scratch, "failed.ipynb"))
+        except PapermillExecutionError:
+            saver(nb)  # with papermill's error marker at the top
+            raise
+        except BaseException:
+            saver(nb)  # partial outputs, as far as the kernel got
+            raise
+        saver(nb)
+    return nb
 
 
 def _atomic_path_saver(path: str) -> Saver:

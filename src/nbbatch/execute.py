@@ -173,6 +173,8 @@ class _KernelReaper:
 
     def watch(self, km: Any) -> int | None:
         pid = _kernel_pid(km)
+        if not pid or not hasattr(os, "killpg"):  # no process groups (Windows)
+            return None
         try:
             pgid = os.getpgid(pid) if pid else None
         except OSError:
@@ -356,7 +358,7 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
     log.write(f"=== nbbatch run {run.run_id} attempt {record.attempts} on {record.host} "
               f"(kernel {run.kernel}, CUDA_VISIBLE_DEVICES={','.join(map(str, gpu_ids))}) at {record.started_at}\n")
 
-    last_record_write = [0.0]
+    last_record_write = [time.monotonic()]  # the "running" record was just written: the next one after 2 s
 
     def save_notebook(nb: Any) -> None:
         from .notebook_io import notebook_bytes
@@ -402,7 +404,7 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
                     nb, kernel_name, saver=save_notebook, save_every=save_every, on_cell=on_cell,
                     stdout_file=log, stderr_file=log, start_timeout=120, execution_timeout=run.cell_timeout_s,
                     kernel_env=kernel_env, kernel_cwd=kernel_cwd, on_kernel=on_kernel, input_path=str(notebook_path),
-                    kernel_stderr=kernel_output, prestarted=prestarted,
+                    kernel_stderr=kernel_output, prestarted=prestarted, final_save=False,  # saved below, once
                 )
             finally:
                 _REAPER.forget(kernel_group[0])

@@ -19,6 +19,9 @@ def write_notebook_atomic(nb: Any, path: str | os.PathLike[str]) -> None:
     target = Path(path)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
     try:
+        from .share import FILE_MODE
+
+        os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as handle:
             handle.write(notebook_bytes(nb))
         os.replace(tmp, target)

@@ -42,6 +42,15 @@ class Share(Protocol):
         """The path on this machine's file system, when the share is a local folder."""
 
 
+def _file_mode() -> int:
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+FILE_MODE = _file_mode()
+
+
 class FileShare:
     """A folder on a local or network file system (NFS, a mounted Azure Files share…)."""
 
@@ -61,6 +70,7 @@ class FileShare:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+            os.fchmod(fd, FILE_MODE)  # mkstemp makes 0600; results are meant to be read by others on the share
             with os.fdopen(fd, "wb") as handle:
                 handle.write(data)
                 handle.flush()

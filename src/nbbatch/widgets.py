@@ -78,8 +78,8 @@ def display_mode() -> str:
     """``"widgets"`` inside a Jupyter kernel driven by an interactive frontend, else ``"text"``.
 
     Text is used in a plain Python process, when ipywidgets is missing, and when the cell was sent
-    by a headless executor (papermill/nbclient send ``allow_stdin=False``; JupyterLab, Notebook and
-    VS Code send ``True``). ``NBBATCH_WIDGETS=0`` forces text, ``NBBATCH_WIDGETS=1`` forces widgets.
+    by a headless executor (papermill/nbclient send ``allow_stdin=False``, JupyterLab sends ``True``).
+    ``NBBATCH_WIDGETS=0`` forces text, ``NBBATCH_WIDGETS=1`` forces widgets (inside a kernel).
     """
     forced = os.environ.get("NBBATCH_WIDGETS", "").strip().lower()
     if forced in ("0", "no", "false", "off", "text"):
@@ -721,6 +721,7 @@ class SubmissionModel:
 
     @property
     def total(self) -> int:
+        """How many runs the submission covers (skipped ones included)."""
         return len(self.run_ids)
 
     def counts(self) -> dict[str, int]:
@@ -735,6 +736,7 @@ class SubmissionModel:
 
     @property
     def finished_count(self) -> int:
+        """Runs that are final (skipped ones count as succeeded)."""
         counts = self.counts()
         return sum(n for s, n in counts.items() if s not in ("queued", "running"))
 

@@ -98,6 +98,7 @@ class RayTaskSpec:
     resources: dict[str, float] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     runtime_env: dict[str, Any] | None = None
+    notebook_source: str | None = None  # the notebook, for nodes that do not have it at its path
 
     @property
     def run_id(self) -> str:
@@ -275,17 +276,22 @@ class RayBackend:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # for zero-CPU actors
 
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=False)
-        if self.runtime_env:
-            options["runtime_env"] = {k: v for k, v in self.runtime_env.items() if k in ("env_vars", "py_executable")}
+        env_vars = {**self.env, **dict((self.runtime_env or {}).get("env_vars") or {})}
+        if env_vars:  # e.g. the share's credentials: the supervisor writes run records too
+            options["runtime_env"] = {"env_vars": env_vars}
         return ray.remote(RunSupervisor).options(**options).remote(experiment, share.url, self.linger_s)
 
     def task_spec(self, run: Run, share: Share, options: SubmitOptions, project: str | None) -> RayTaskSpec:
         """How one run asks Ray for resources and what its task executes."""
         num_gpus, shared = gpu_request(run.gpus, options.runs_per_gpu)
         max_retries = self.max_retries if self.max_retries is not None else run.retries + 1
+        source = None
+        with contextlib.suppress(OSError):
+            source = Path(run.notebook).read_text(encoding="utf-8")
         return RayTaskSpec(run=run.to_dict(), share=share.url, project=project, num_gpus=num_gpus,
                            num_cpus=self.num_cpus, shared_gpu=shared, max_retries=max_retries,
-                           resources=dict(self.resources), env=dict(self.env), runtime_env=self.runtime_env)
+                           resources=dict(self.resources), env=dict(self.env), runtime_env=self.runtime_env,
+                           notebook_source=source)
 
     # --- the Backend protocol ---------------------------------------------------------------------
 
@@ -304,6 +310,8 @@ class RayBackend:
         self.check(runs)
         project = self.project or _project_root(runs[0])
         specs = [self.task_spec(run, share, options, project).to_dict() for run in runs]
+        for run in runs:  # an explicit (re)submission overrides a cancel left over from before
+            share.remove(f"{experiment}/{run.run_id}/{CANCEL_MARKER}")
         deadline = time.monotonic() + 60
         while True:  # a supervisor that is just leaving refuses: start a new one
             supervisor = self._supervisor(experiment, share, create=True)
@@ -660,12 +668,13 @@ def execute_on_node(spec: dict[str, Any]) -> dict[str, Any]:
                     "output": f"Ray gave GPU ids {raw!r}, which are not indices; start the node with "
                               "CUDA_VISIBLE_DEVICES holding GPU indices"}
     devices = ",".join(str(g) for g in gpu_ids)
+    project = spec.get("project")
+    run = _with_notebook_here(run, project, spec.get("notebook_source"))
     env = dict(os.environ)
     env.update(spec.get("env") or {})
     env.update({"CUDA_VISIBLE_DEVICES": devices, NODE_ID_ENV: node_id})
     cmd = [sys.executable, "-m", "nbbatch.cli", "run-one", "--spec", json.dumps(run), "--share", spec["share"],
            "--gpus", devices, "--backend", "ray"]
-    project = spec.get("project")
     cwd = None
     if project:
         cmd += ["--project", project]
@@ -677,6 +686,19 @@ def execute_on_node(spec: dict[str, Any]) -> dict[str, Any]:
     output, _ = proc.communicate()
     return {"exit_code": proc.returncode, "output": output.decode("utf-8", "replace")[-_OUTPUT_TAIL:],
             "node_id": node_id, "gpu_ids": gpu_ids}
+
+
+def _with_notebook_here(run: dict[str, Any], project: str | None, source: str | None) -> dict[str, Any]:
+    """The run, pointed at a copy of its notebook when this node has it neither at its path nor in the project."""
+    if source is None or Path(run["notebook"]).exists() or (project and (Path(project) / run["notebook_rel"]).exists()):
+        return run
+    import tempfile
+
+    folder = Path(tempfile.gettempdir()) / "nbbatch-notebooks" / run["experiment"] / run["run_id"]
+    copy = folder / Path(run["notebook_rel"]).name
+    folder.mkdir(parents=True, exist_ok=True)
+    copy.write_text(source, encoding="utf-8")
+    return {**run, "notebook": str(copy)}
 
 
 # --- helpers --------------------------------------------------------------------------------------
