@@ -9,8 +9,8 @@ Alternating each round, in this process:
   * nbbatch: ``nbbatch.run_notebook(...)`` (engine ``nbbatch``): the output is written to a temporary file
     and renamed over the target, at most once a second while cells run, and once at the end.
 
-Then, untimed, each runner executes the notebook once more while a reader process reads the output
-file as fast as it can: a read that is not a whole notebook (invalid JSON) is a torn read, what a user
+Then, untimed, each runner executes the notebook once more, each cell sleeping a little so that
+checkpoints happen, while a reader process reads the output file as fast as it can: a read that is not a whole notebook (invalid JSON) is a torn read, what a user
 or a status command would see mid-write. Prints a markdown table: medians, the ratio, saves per run,
 and torn reads.
 """
@@ -46,11 +46,12 @@ print(whole, torn)
 """
 
 
-def make_notebook(path: Path, cells: int, kernel: str) -> Path:
+def make_notebook(path: Path, cells: int, kernel: str, sleep: float = 0.0) -> Path:
     nb = nbformat.v4.new_notebook()
     params = nbformat.v4.new_code_cell("N = 1000")
     params.metadata["tags"] = ["parameters"]
-    nb.cells = [params] + [nbformat.v4.new_code_cell(f"x{i} = sum(range(N))\nprint('cell {i}:', x{i})")
+    pause = f"\nimport time; time.sleep({sleep})" if sleep else ""
+    nb.cells = [params] + [nbformat.v4.new_code_cell(f"x{i} = sum(range(N))\nprint('cell {i}:', x{i}){pause}")
                            for i in range(cells - 1)]
     nb.metadata["kernelspec"] = {"name": kernel, "display_name": kernel, "language": "python"}
     nb.metadata["language_info"] = {"name": "python"}
@@ -109,6 +110,8 @@ def main() -> None:
     parser.add_argument("--cells", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--kernel", default="python3")
+    parser.add_argument("--read-check-sleep", type=float, default=0.05,
+                        help="seconds each cell sleeps in the (untimed) torn-read check, so that checkpoints happen")
     args = parser.parse_args()
     print(describe(f"A {args.cells}-cell notebook end to end: papermill default engine vs nbbatch, {args.rounds} rounds"),
           flush=True)
@@ -137,12 +140,13 @@ def main() -> None:
                 executed = nbformat.read(out, as_version=4)
                 assert all(c.outputs for c in executed.cells if "print(" in c.source), f"{name}: missing outputs"
             print(f"round {rnd}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()), file=sys.stderr, flush=True)
-        reads = {name: torn_reads(RUNNERS[name], src, root / f"read_{name}.ipynb", args.kernel) for name in names}
+        slow = make_notebook(root / "many_cells_slow.ipynb", args.cells, args.kernel, args.read_check_sleep)
+        reads = {name: torn_reads(RUNNERS[name], slow, root / f"read_{name}.ipynb", args.kernel) for name in names}
 
     pm, nbb = median(times["papermill"]), median(times["nbbatch"])
     print(f"\nmedians over {args.rounds} rounds\n")
     print("| runner | end to end | min – max | output writes per run | how it writes | reads of the output while "
-          "running: whole / torn | speed vs papermill |")
+          f"running (cells sleeping {args.read_check_sleep:g} s): whole / torn | speed vs papermill |")
     print("|---|---|---|---|---|---|---|")
     how = {"papermill": "in place (truncate + write), before and after each cell",
            "nbbatch": "temporary file + rename, ≤ 1 per second + final"}

@@ -24,10 +24,20 @@ from collections.abc import Callable
 from typing import Any
 
 from nbclient.util import run_sync
-from papermill.clientwrap import PapermillNotebookClient
-from papermill.engines import NBClientEngine, NotebookExecutionManager, papermill_engines
 
-from .kernels import BatchKernelManager, PrestartedKernel, reap_kernel
+
+def __getattr__(name: str) -> object:
+    # Imported before papermill, this module imports papermill, whose entry-point scan asks this (half
+    # imported) module for NbbatchEngine: hand it a stand-in, replaced by the register() call at the end.
+    if name == "NbbatchEngine":
+        return type("NbbatchEngine", (), {"__doc__": "stand-in while nbbatch.engine is importing"})
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+from papermill.clientwrap import PapermillNotebookClient  # noqa: E402 - after the stand-in
+from papermill.engines import NBClientEngine, NotebookExecutionManager, papermill_engines  # noqa: E402
+
+from .kernels import BatchKernelManager, PrestartedKernel, reap_kernel  # noqa: E402
 
 Saver = Callable[[Any], None]
 

@@ -1,0 +1,92 @@
+"""The ``framework_envs`` session fixture: framework environments built once per test session.
+
+tests/conftest.py imports it (``from conftest_frameworks import framework_envs  # noqa: F401``).
+The first test that asks for it builds, two at a time, the environments of every framework that the
+session's collected tests name in a ``framework`` parameter (``@pytest.mark.parametrize("framework",
+...)``), then makes their kernels visible to jupyter_client. Environments that are already built from
+their current pins are reused (``build_env`` is idempotent). A failed build fails only the tests of that
+framework, with the path of its build log.
+
+``NBBATCH_TEST_FRAMEWORKS=pytorch,jax-flax`` limits the slow notebook tests to those frameworks.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from nbbatch.envs import build_env, env_status
+from nbbatch.errors import NbbatchError
+from nbbatch.frameworks import Framework, list_frameworks
+from nbbatch.project import Project
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILD_PARALLEL = 2  # the test machines have two cores, and pip is CPU-bound
+
+
+def selected_frameworks(all_names: Iterable[str]) -> list[str]:
+    """The frameworks the slow notebook tests cover: all, or those in NBBATCH_TEST_FRAMEWORKS."""
+    names = sorted(all_names)
+    wanted = [n.strip() for n in os.environ.get("NBBATCH_TEST_FRAMEWORKS", "").split(",") if n.strip()]
+    return [n for n in names if n in wanted] if wanted else names
+
+
+@dataclass
+class FrameworkEnvs:
+    """Built environments by framework name; ``kernel(name)`` fails the test if its build failed."""
+
+    project: Project
+    frameworks: dict[str, Framework]
+    errors: dict[str, str] = field(default_factory=dict)
+
+    def build(self, names: Iterable[str]) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        todo = [n for n in dict.fromkeys(names) if n in self.frameworks and n not in self.errors]
+
+        def one(name: str) -> None:
+            try:
+                build_env(self.frameworks[name], self.project)
+            except NbbatchError as exc:
+                self.errors[name] = str(exc)
+
+        with ThreadPoolExecutor(max_workers=BUILD_PARALLEL) as pool:
+            list(pool.map(one, todo))
+
+    def framework(self, name: str) -> Framework:
+        if name not in self.frameworks:
+            pytest.fail(f"no framework `{name}` in {self.project.frameworks_dir}")
+        if name in self.errors:
+            pytest.fail(self.errors[name])
+        status = env_status(self.frameworks[name], self.project)
+        if status.state != "ready":
+            self.build([name])
+            if name in self.errors:
+                pytest.fail(self.errors[name])
+        return self.frameworks[name]
+
+    def kernel(self, name: str) -> str:
+        return self.framework(name).kernel_name
+
+
+@pytest.fixture(scope="session")
+def framework_envs(request) -> FrameworkEnvs:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("NBBATCH_FRAMEWORKS_DIR", raising=False)
+        project = Project(ROOT)
+        frameworks = list_frameworks(project)
+    envs = FrameworkEnvs(project, frameworks)
+    needed = []
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if callspec and "framework_envs" in getattr(item, "fixturenames", ()):
+            name = callspec.params.get("framework")
+            if isinstance(name, str):
+                needed.append(name)
+    envs.build(needed)
+    project.activate_kernels()  # JUPYTER_PATH for this process and the kernels it starts
+    return envs

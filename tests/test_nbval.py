@@ -1,0 +1,51 @@
+"""nbval over every framework notebook, on a quick copy (slow: needs the framework environments).
+
+How CI passes a small ``MAX_SAMPLES`` to nbval: it doesn't go through the notebook. The parameters
+cell must stay literal, so this test writes a copy of each notebook parameterized the way papermill
+would (``papermill.parameterize.parameterize_notebook`` adds an ``injected-parameters`` cell with
+``MAX_SAMPLES=200, EPOCHS=1``) and runs ``pytest --nbval-lax`` on that copy in the framework's kernel.
+Under ``--nbval-lax`` every cell must run without error, and the cells tagged ``nbval-check-output``
+(silent sanity checks of the data and the results) must produce exactly their stored output — none,
+since notebooks are committed without outputs. By hand, for one notebook:
+
+    python -m pytest tests/test_nbval.py -m slow -k pytorch
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from conftest_frameworks import selected_frameworks
+from papermill.parameterize import parameterize_notebook
+
+ROOT = Path(__file__).resolve().parents[1]
+FRAMEWORKS = selected_frameworks(p.name for p in (ROOT / "frameworks").iterdir() if (p / "framework.yaml").exists())
+QUICK = {"MAX_SAMPLES": 200, "EPOCHS": 1}
+
+
+def quick_copy(notebook: Path, folder: Path) -> Path:
+    """``notebook`` with QUICK injected after its parameters cell, as papermill would run it."""
+    nb = nbformat.read(notebook, as_version=4)
+    nb = parameterize_notebook(nb, QUICK)
+    out = folder / notebook.name
+    nbformat.write(nb, out)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_nbval_lax_passes_on_a_quick_copy(framework, framework_envs, tmp_path):
+    fw = framework_envs.framework(framework)
+    copy = quick_copy(fw.notebook, tmp_path)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")  # not the repository's configuration
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--nbval-lax", str(copy), "--nbval-kernel-name", fw.kernel_name,
+         "-p", "no:cacheprovider", "-q", "-c", str(tmp_path / "pytest.ini"), "--rootdir", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900,
+    )
+    assert done.returncode == 0, f"nbval failed on {fw.notebook.name}:\n{done.stdout[-6000:]}\n{done.stderr[-2000:]}"
+    assert " passed" in done.stdout

@@ -1,0 +1,74 @@
+"""Every framework notebook, executed by papermill in its own kernel at its defaults, learns the digits.
+
+Slow: needs the framework environments (built once per session by the ``framework_envs`` fixture
+of tests/conftest_frameworks.py). The defaults train on scikit-learn's bundled digits, so no data is
+downloaded; each notebook records its metrics with ``nbbatch.record``, read back here from the
+executed notebook.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import nbformat
+import papermill
+import pytest
+from conftest_frameworks import selected_frameworks
+
+from nbbatch.record import metrics_from_notebook
+
+ROOT = Path(__file__).resolve().parents[1]
+FRAMEWORKS = selected_frameworks(p.name for p in (ROOT / "frameworks").iterdir() if (p / "framework.yaml").exists())
+MIN_ACCURACY = 0.9
+
+
+def kernel_environment(monkeypatch, home: Path) -> None:
+    """Keep what frameworks write at import (``~/.keras``, caches) out of the user's home."""
+    monkeypatch.setenv("KERAS_HOME", str(home / "keras"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home / "cache"))
+    monkeypatch.setenv("MPLCONFIGDIR", str(home / "matplotlib"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_notebook_reaches_accuracy_on_digits(framework, framework_envs, tmp_path, monkeypatch, record_property):
+    fw = framework_envs.framework(framework)
+    kernel_environment(monkeypatch, tmp_path)
+    output = tmp_path / f"{fw.notebook.stem}.out.ipynb"
+    start = time.perf_counter()
+    try:
+        papermill.execute_notebook(
+            str(fw.notebook), str(output), kernel_name=fw.kernel_name, cwd=str(tmp_path),
+            progress_bar=False, log_output=False,
+        )
+    except papermill.PapermillExecutionError as exc:
+        pytest.fail(f"{fw.notebook.name} failed in cell {exc.exec_count}: {exc.ename}: {exc.evalue}")
+    seconds = time.perf_counter() - start
+    metrics = metrics_from_notebook(nbformat.read(output, as_version=4))
+    record_property("notebook_seconds", round(seconds, 1))
+    record_property("metrics", metrics)
+    assert {"accuracy", "train_seconds", "images_per_second", "framework", "framework_version", "device"} <= set(metrics)
+    assert metrics["device"] == "cpu"
+    assert metrics["accuracy"] >= MIN_ACCURACY, (
+        f"{fw.notebook.name} reached only {metrics['accuracy']:.3f} test accuracy on digits "
+        f"(train {metrics['train_seconds']:.1f} s, notebook {seconds:.0f} s)"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_gpu_true_without_a_gpu_fails_loudly(framework, framework_envs, tmp_path, monkeypatch):
+    """Where the environment has no GPU, GPU=True stops with a clear error instead of using the CPU."""
+    fw = framework_envs.framework(framework)
+    kernel_environment(monkeypatch, tmp_path)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU visible, also on a machine that has one
+    output = tmp_path / "gpu.out.ipynb"
+    with pytest.raises(papermill.PapermillExecutionError) as failed:
+        papermill.execute_notebook(
+            str(fw.notebook), str(output), kernel_name=fw.kernel_name, cwd=str(tmp_path),
+            parameters={"GPU": True, "MAX_SAMPLES": 64, "EPOCHS": 1}, progress_bar=False, log_output=False,
+        )
+    assert failed.value.ename == "RuntimeError"
+    assert "GPU=True" in failed.value.evalue
+    assert not metrics_from_notebook(nbformat.read(output, as_version=4)), "no metrics may be recorded"
