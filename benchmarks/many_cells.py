@@ -10,9 +10,9 @@ Alternating each round, in this process:
     and renamed over the target, at most once a second while cells run, and once at the end.
 
 Then, untimed, each runner executes the notebook once more, each cell sleeping a little so that
-checkpoints happen, while a reader process reads the output file as fast as it can: a read that is not a whole notebook (invalid JSON) is a torn read, what a user
-or a status command would see mid-write. Prints a markdown table: medians, the ratio, saves per run,
-and torn reads.
+checkpoints happen, while a reader process reads the output file as fast as it can: a read that is
+not a whole notebook (invalid JSON) is a torn read, what a user or a status command would see
+mid-write. Prints a markdown table: medians, the ratio, saves per run, and torn reads.
 """
 
 from __future__ import annotations

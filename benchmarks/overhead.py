@@ -96,7 +96,7 @@ def nbbatch_batch(paths: list[Path], share: Path, kernel: str, tag: str, max_par
         result = nbbatch.submit(spec, progress=False, force=True)
     assert result.ok, [r.error for r in result.records if r.error]
     ends = sorted(datetime.fromisoformat(r.ended_at) for r in result.records)
-    m.per_notebook = [(b - a).total_seconds() for a, b in zip([started, *ends], ends)]
+    m.per_notebook = [(b - a).total_seconds() for a, b in zip([started, *ends], ends, strict=False)]
     return m
 
 

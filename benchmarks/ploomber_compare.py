@@ -116,7 +116,8 @@ def main() -> None:
     print("| runner | wall for N | per notebook | vs papermill loop | vs ploomber |")
     print("|---|---|---|---|---|")
     print(f"| papermill loop (one process) | {pm:.2f} s | {pm / args.n:.3f} s | 1.00× | {plo / pm:.2f}× |")
-    print(f"| ploomber `Parallel()` ({usable_cores()} processes) | {plo:.2f} s | {plo / args.n:.3f} s | {pm / plo:.2f}× | 1.00× |")
+    print(f"| ploomber `Parallel()` ({usable_cores()} processes) | {plo:.2f} s | {plo / args.n:.3f} s | "
+          f"{pm / plo:.2f}× | 1.00× |")
     print(f"| nbbatch local backend (defaults) | {nbb:.2f} s | {nbb / args.n:.3f} s | {pm / nbb:.2f}× | {plo / nbb:.2f}× |")
     print("\nper round (s): " + "; ".join(f"{k}: " + ", ".join(f"{x:.1f}" for x in v) for k, v in walls.items()))
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from conftest_frameworks import selected_frameworks
+from papermill.iorw import load_notebook_node
 from papermill.parameterize import parameterize_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,8 +30,7 @@ QUICK = {"MAX_SAMPLES": 200, "EPOCHS": 1}
 
 def quick_copy(notebook: Path, folder: Path) -> Path:
     """``notebook`` with QUICK injected after its parameters cell, as papermill would run it."""
-    nb = nbformat.read(notebook, as_version=4)
-    nb = parameterize_notebook(nb, QUICK)
+    nb = parameterize_notebook(load_notebook_node(str(notebook)), QUICK)  # papermill's own reader and injector
     out = folder / notebook.name
     nbformat.write(nb, out)
     return out

@@ -318,6 +318,12 @@ def test_gpu_runs_are_pinned_to_distinct_devices_and_resume_skips_them(cluster, 
     again = api.submit(_experiment("pin", share, cluster.address, gpus=1, seeds=4), progress=False)
     assert sorted(again.skipped) == sorted(placements) and again.started == []
 
+    # the experiment's supervisor actor leaves once idle (linger_s: 5)
+    deadline = time.monotonic() + 30
+    while supervisor_name("pin", FileShare(share)) in {a["name"] for a in ray.util.list_named_actors(True)}:
+        assert time.monotonic() < deadline, "the idle supervisor did not leave"
+        time.sleep(0.5)
+
 
 def test_runs_per_gpu_share_a_device_and_cpu_runs_see_none(cluster, probe, tmp_path):
     share = tmp_path / "results"

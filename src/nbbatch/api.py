@@ -151,7 +151,10 @@ def prepare(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], bu
     the_plan = plan(spec, project, check_kernels=local_kernels)
     if hasattr(backend, "check"):
         backend.check(the_plan.runs)
-    return the_plan, backend, open_share(spec.share)
+    share = open_share(spec.share)
+    if hasattr(backend, "check_share"):  # e.g. a local-only folder on a multi-node Ray cluster
+        backend.check_share(share)
+    return the_plan, backend, share
 
 
 def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, force: bool = False,

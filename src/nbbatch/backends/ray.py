@@ -348,7 +348,7 @@ class RayBackend:
                         pending.discard(run_id)
                 if pending and time.monotonic() - last_check > 10:
                     last_check = time.monotonic()
-                    if not self._sweep(supervisor):  # the supervisor is gone: nothing will finish these runs
+                    if self._sweep(supervisor) is None:  # the supervisor is gone: nothing will finish these runs
                         self.refresh(experiment, share, fresh_s=0)
                         continue
                 if pending:
