@@ -19,10 +19,12 @@ ipykernel (and their dependencies), pyyaml, torch. Takes about 2-3 minutes on an
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 from gpu_notebooks import find_gpus, isolate, torch_version, use_gpus, write_notebook
@@ -43,13 +45,26 @@ def batch(notebook: Path, share: Path, backend: str, tag: str, runs_per_gpu: int
     failed = [(r.run_id, r.error.summary() if r.error else r.status) for r in result.records if r.status != "succeeded"]
     if failed:
         raise SystemExit(f"{tag}: runs failed: {failed[:3]} (see {share}/gpushare-{tag}/<run>/log.txt)")
-    trained = []
+    trained, phases = [], []
     for record in result.records:
         out = (share / record.experiment / record.run_id / "output.ipynb").read_text()
         found = re.search(r"(\d+) steps in ([0-9.]+) s", out)
         if found:
             trained.append(float(found.group(2)))
-    return {"wall": wall, "durations": [r.duration_s for r in result.records], "train": trained}
+        phases.append(_phases(json.loads(out), record))
+    return {"wall": wall, "durations": [r.duration_s for r in result.records], "train": trained, "phases": phases}
+
+
+def _phases(nb: dict, record) -> tuple[float, float, float]:
+    """(run start to first cell: kernel start-up; the setup cell: torch import, CUDA context, model; the loop cell)."""
+    def at(text: str) -> datetime:
+        return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+    cells = [c for c in nb["cells"] if c.get("metadata", {}).get("papermill", {}).get("start_time")]
+    started = at(record.started_at)
+    first = at(cells[0]["metadata"]["papermill"]["start_time"])
+    spans = [c["metadata"]["papermill"].get("duration") or 0.0 for c in cells]
+    return (first - started).total_seconds(), spans[-2], spans[-1]
 
 
 def main() -> None:
@@ -87,13 +102,13 @@ def main() -> None:
 
     seq = results[1]["wall"]
     print(f"| {RUNS} notebooks on GPU {gpu.index} | wall | notebooks / min | throughput vs sequential | "
-          "median run (kernel start to saved) | median training loop |")
-    print("|---|---|---|---|---|---|")
+          "median run | of which: kernel start-up | setup cell (import torch, CUDA, model) | training loop |")
+    print("|---|---|---|---|---|---|---|---|")
     for k, r in results.items():
         label = "sequential (runs_per_gpu 1)" if k == 1 else f"runs_per_gpu {k}"
-        train = f"{median(r['train']):.2f} s" if r["train"] else "–"
+        start_up, setup, loop = (median([p[i] for p in r["phases"]]) for i in range(3))
         print(f"| {label} | {r['wall']:.1f} s | {RUNS / r['wall'] * 60:.1f} | {seq / r['wall']:.2f}× | "
-              f"{median(r['durations']):.2f} s | {train} |")
+              f"{median(r['durations']):.2f} s | {start_up:.2f} s | {setup:.2f} s | {loop:.2f} s |")
     best = max(seq / results[k]["wall"] for k in shares) if shares else 1.0
     print(f"\nbest throughput ratio {best:.2f}× (target ≥ 3×)")
 

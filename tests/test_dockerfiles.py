@@ -113,8 +113,10 @@ def test_installs_exactly_the_frameworks_requirements(case):
         installed_files.add(target)
     installs = [cmd for cmd in re.split(r"&&|;", run) if re.search(r"\bpip\b.*\binstall\b", cmd)]
     assert installs, "nothing is installed"
-    requirement_files = {tok for cmd in installs for flag, tok in zip(shlex.split(cmd), shlex.split(cmd)[1:])
-                         if flag == "-r"}
+    requirement_files = set()
+    for cmd in installs:
+        tokens = shlex.split(cmd)
+        requirement_files |= {tok for flag, tok in zip(tokens, tokens[1:], strict=False) if flag == "-r"}
     assert requirement_files, "the pins are not installed with -r"
     assert requirement_files <= installed_files, f"installs {requirement_files - installed_files}, not the pins"
     # No other pinned package sneaks in beside the file: only the setup requirements and ipykernel.

@@ -39,6 +39,7 @@ from nbbatch.backends import get_backend  # noqa: E402
 from nbbatch.backends.ray import NAMESPACE, RayBackend, gpu_request, supervisor_name  # noqa: E402
 from nbbatch.errors import BackendError  # noqa: E402
 from nbbatch.execute import read_record, write_record  # noqa: E402
+from nbbatch.results import load_records  # noqa: E402
 from nbbatch.runrecord import RunRecord  # noqa: E402
 from nbbatch.share import FileShare  # noqa: E402
 
@@ -330,7 +331,14 @@ def test_runs_per_gpu_share_a_device_and_cpu_runs_see_none(cluster, probe, tmp_p
     head_only = {"resources": {"node:__internal_head__": 0.01}}
     started = time.monotonic()
     api.submit(_experiment("halves", share, cluster.address, gpus=1, seeds=2, resources={"runs_per_gpu": 2},
-                           parameters={"SLEEP": 4.0}, backend=head_only), wait=False, progress=False)
+                           parameters={"SLEEP": 8.0}, backend=head_only), wait=False, progress=False)
+    # both half-GPU runs hold the head's CPUs before the CPU runs arrive, so a loaded machine cannot serialise them
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        records = load_records(FileShare(share), "halves")[0]
+        if len(records) == 2 and all(r.status in ("running", "succeeded") for r in records):
+            break
+        time.sleep(0.3)
     # the CPU runs through the command line: `submit --no-wait` returns and its runs go on without it
     (probe / "cpu.yaml").write_text(yaml.safe_dump(_experiment("cpu", share, cluster.address, gpus=0, seeds=2)))
     cli = subprocess.run([sys.executable, "-m", "nbbatch.cli", "submit", "cpu.yaml", "--no-wait", "-q"], cwd=probe,
