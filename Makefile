@@ -35,8 +35,11 @@ lint: setup
 data: setup  ## download real CIFAR-10 (python pickle batches) into ./data, checksum checked
 	$(BIN)/python -m nbbatch.data data
 
-bench: envs  ## benchmarks/*.py, numbers go to docs/benchmarks.md
+bench: setup  ## the CPU benchmarks (benchmarks/*.py; GPU ones: see docs/benchmarks.md), numbers go to docs/benchmarks.md
 	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/many_cells.py
+	$(BIN)/python benchmarks/memory.py
+	$(BIN)/python benchmarks/makespan.py --simulate
 
 clean:
 	rm -rf results .pytest_cache test-artifacts

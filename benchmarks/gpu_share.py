@@ -1,6 +1,6 @@
 """9 small GPU notebooks on one GPU: one after another vs. several at a time (``runs_per_gpu``).
 
-    python benchmarks/gpu_share.py [--steps 1500] [--shares 3,4] [--gpu 0]
+    python benchmarks/gpu_share.py [--steps 1500] [--shares 3,5,9] [--gpu 0]
     python benchmarks/gpu_share.py --simulate        # no GPU: sleeps on a fake GPU (checks the script only)
 
 Each notebook trains a tiny CNN (two conv blocks, two dense layers) on one synthetic CIFAR-sized batch
@@ -13,7 +13,7 @@ ipykernel). All runs ask for one GPU; the local backend is given only GPU ``--gp
 A warm-up notebook runs first (file caches, CUDA's caches). Prints a markdown table: wall time for
 the 9, throughput (notebooks per minute), the ratio to sequential, and the median run and training
 times. Needs: nbbatch (installed, or this repo's src, found on its own), papermill, nbclient, nbformat, jupyter_client,
-ipykernel (and their dependencies), pyyaml, torch. Takes about 2-3 minutes on an H100 with the defaults.
+ipykernel (and their dependencies), pyyaml, torch. Takes about 3 minutes on an H100 or H200 with the defaults.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _phases(nb: dict, record) -> tuple[float, float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=1500, help="training steps per notebook (default 1500)")
-    parser.add_argument("--shares", default="3,4", help="runs_per_gpu values to compare with 1 (default 3,4)")
+    parser.add_argument("--shares", default="3,5,9", help="runs_per_gpu values to compare with 1 (default 3,5,9)")
     parser.add_argument("--gpu", type=int, default=0, help="the GPU to use (NVML index)")
     parser.add_argument("--simulate", action="store_true", help="no GPU: notebooks sleep on a fake GPU")
     args = parser.parse_args()
