@@ -81,7 +81,12 @@ def main() -> None:
         after = sampler.sample()
         gc.collect()  # event loops and zmq contexts of finished runs close when collected
         collected = sampler.sample()
-        assert result.ok and len(result.records) == args.runs, [r.error for r in result.records if r.error][:3]
+        failed = [r for r in result.records if r.status != "succeeded"]
+        for record in failed[:3]:
+            log = root / "share" / "memory" / record.run_id / "log.txt"
+            print(f"run {record.run_id} {record.status}: {record.error}\n{log.read_text()[-2000:] if log.exists() else ''}")
+        if failed or len(result.records) != args.runs:
+            raise SystemExit(f"{len(failed)} of {len(result.records)} runs did not succeed")
 
     samples = sampler.samples
     half = start + wall / 2

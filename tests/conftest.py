@@ -14,6 +14,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from conftest_frameworks import framework_envs  # noqa: E402, F401 - the session fixture of the notebook tests
+
 
 def make_notebook(path: Path, cells: list[str], parameters: str | None = "A = 1\nB = 'x'", kernel: str = "python3",
                   extra_parameter_cells: int = 0) -> Path:

@@ -28,16 +28,10 @@ PARAMETER_NAMES = ["EPOCHS", "N_CLASSES", "BATCHSIZE", "LR", "MOMENTUM", "GPU", 
 
 
 @pytest.fixture(scope="module")
-def frameworks(monkeypatch_module):
-    return list_frameworks(Project(ROOT))
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    # The project's own frameworks/, whatever the environment points elsewhere.
-    with pytest.MonkeyPatch.context() as patch:
+def frameworks():
+    with pytest.MonkeyPatch.context() as patch:  # the repository's own frameworks/, whatever the environment says
         patch.delenv("NBBATCH_FRAMEWORKS_DIR", raising=False)
-        yield patch
+        return list_frameworks(Project(ROOT))
 
 
 def _read(name: str) -> nbformat.NotebookNode:

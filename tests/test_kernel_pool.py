@@ -41,7 +41,6 @@ def test_prestarted_kernels_serve_only_their_own_run(project, write_experiment):
         "import os, logging\nprint(os.environ['NBBATCH_RUN_ID'], os.getpid(), os.getcwd())\n"
         "get_ipython().kernel.log.warning('kernel-process-output %s', A)",
     ])
-    (project / "work").mkdir()
     exp = write_experiment("experiment: pool\nnotebooks: [nb.ipynb]\nsweep: {grid: {A: [1, 2, 3, 4, 5]}}\n"
                            "resources: {max_parallel: 1}\nbackend: {name: local, prestart: 2}\n")
     result = submit(exp, progress=False)

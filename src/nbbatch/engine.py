@@ -12,7 +12,9 @@
 * The caller sees the kernel's process (to enforce run timeouts and cancel) and each cell's
   progress.
 
-It is registered as papermill engine ``nbbatch`` (``papermill --engine nbbatch`` works too).
+It is registered as papermill engine ``nbbatch`` (``papermill --engine nbbatch`` works too, though
+papermill then writes the final notebook itself, in place; :func:`execute_notebook_file`, behind
+``nbbatch run``, keeps that write atomic as well).
 """
 
 from __future__ import annotations

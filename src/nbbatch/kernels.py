@@ -202,8 +202,9 @@ class PrestartedKernel:
     def claim(self, kernel_output: BinaryIO | None, wait: float = 120.0) -> BatchKernelManager | None:
         """The started kernel's manager, its process output now going to ``kernel_output``; None if it
         could not start or has died (the run then starts a kernel of its own)."""
+        launched = self._launched.wait(wait)
         process = getattr(self.km.provisioner, "process", None)
-        if not self._launched.wait(wait) or self.error is not None or process is None or process.poll() is not None:
+        if not launched or self.error is not None or process is None or process.poll() is not None:
             self.discard()
             return None
         assert self._output is not None
