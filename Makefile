@@ -41,6 +41,12 @@ bench: setup  ## the CPU benchmarks (benchmarks/*.py; GPU ones: see docs/benchma
 	$(BIN)/python benchmarks/memory.py
 	$(BIN)/python benchmarks/makespan.py --simulate
 
+# One GPU image per framework: dockerfiles/<name>/Dockerfile, tagged with framework.yaml's `image:` (needs a Docker engine).
+FRAMEWORK_NAMES := $(patsubst frameworks/%/framework.yaml,%,$(wildcard frameworks/*/framework.yaml))
+images: $(addprefix image-,$(FRAMEWORK_NAMES))
+image-%:
+	docker build -f dockerfiles/$*/Dockerfile -t $$(sed -n 's/^image: *//p' frameworks/$*/framework.yaml) .
+
 clean:
 	rm -rf results .pytest_cache test-artifacts
 

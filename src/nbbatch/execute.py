@@ -298,7 +298,7 @@ def execute_run(run: Run, share: Share, *, gpu_ids: list[int] | None = None, sha
                 kernels: Any = None) -> RunRecord:
     """Execute ``run`` (retrying after kernel deaths up to ``run.retries``) and return its final record.
 
-    ``kernels`` is an :class:`nbbatch.engine.KernelPool` that may hold a kernel started for this run.
+    ``kernels`` is an :class:`nbbatch.kernels.KernelPool` that may hold a kernel started for this run.
     """
     record = read_record(share, run.experiment, run.run_id) or new_record(run, backend)
     attempts_left = run.retries + 1
