@@ -274,25 +274,10 @@ def test_cli_cluster(aml, capsys, write_experiment):
 
 
 def _cluster_parser() -> argparse.ArgumentParser:
-    """The `nbbatch cluster` arguments as handed to the CLI's owner (kept in step with cli_cluster here)."""
-    parser = argparse.ArgumentParser(prog="nbbatch")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("cluster", help="the azureml backend's compute cluster: create | status | scale | delete")
-    p.add_argument("action", choices=["create", "status", "scale", "delete"])
-    p.add_argument("--experiment", help="take cluster and workspace settings from this experiment file's backend:")
-    p.add_argument("--name", help="cluster name (default: the experiment's `compute`, else nbbatch-gpu)")
-    p.add_argument("--vm-size", dest="vm_size")
-    p.add_argument("--min-nodes", dest="min_nodes", type=int)
-    p.add_argument("--max-nodes", dest="max_nodes", type=int)
-    p.add_argument("--tier", choices=["dedicated", "low_priority"])
-    p.add_argument("--idle-seconds", dest="idle_time_before_scale_down", type=int)
-    p.add_argument("--subscription-id", dest="subscription_id")
-    p.add_argument("--resource-group", dest="resource_group")
-    p.add_argument("--workspace")
-    p.add_argument("--config", help="an Azure ML config.json")
-    p.add_argument("--no-wait", action="store_true")
-    p.add_argument("--json", action="store_true")
-    return parser
+    """The real `nbbatch` parser: its `cluster` subcommand feeds cli_cluster."""
+    from nbbatch.cli import build_parser
+
+    return build_parser()
 
 
 def test_cluster_cli_arguments(aml, capsys):

@@ -50,6 +50,23 @@ def write_record(share: Share, record: RunRecord) -> None:
     share.write_bytes(f"{record.experiment}/{record.run_id}/{RUN_RECORD}", record.to_json())
 
 
+def write_cancel_markers(share: Share, experiment: str, run_ids: list[str] | None = None) -> list[str]:
+    """Ask unfinished runs to stop (all of the experiment's when ``run_ids`` is None); return the ids asked.
+
+    Whoever executes a run (any backend) watches these markers and kills its kernel.
+    """
+    asked = []
+    for run_id in list(run_ids) if run_ids else share.list(experiment):
+        record = read_record(share, experiment, run_id)
+        if record is None or record.final:
+            continue
+        share.write_bytes(f"{experiment}/{run_id}/{CANCEL_MARKER}", utc_now().encode())
+        asked.append(run_id)
+    if not run_ids:
+        share.write_bytes(f"{experiment}/{CANCEL_MARKER}", utc_now().encode())
+    return asked
+
+
 def new_record(run: Run, backend: str = "local") -> RunRecord:
     """A ``queued`` record for a run that is about to be scheduled."""
     return RunRecord(run_id=run.run_id, experiment=run.experiment, notebook=run.notebook_rel, kernel=run.kernel,

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from ..errors import BackendError, ShareError, ValidationError, did_you_mean
-from ..execute import CANCEL_MARKER, SHARE_FAILED, execute_run, kernel_launch, read_record, write_record
+from ..execute import CANCEL_MARKER, SHARE_FAILED, execute_run, kernel_launch, read_record, write_cancel_markers, write_record
 from ..gpus import GpuInfo, SlotPool, detect_gpus
 from ..runrecord import RunError, RunRecord, utc_now
 from ..runs import Run
@@ -185,17 +185,7 @@ class LocalBackend:
                     write_record(share, record)
 
     def cancel(self, experiment: str, share: Share, run_ids: Sequence[str] | None = None) -> list[str]:
-        targets = list(run_ids) if run_ids else [r for r in share.list(experiment)]
-        asked = []
-        for run_id in targets:
-            record = read_record(share, experiment, run_id)
-            if record is None or record.final:
-                continue
-            share.write_bytes(f"{experiment}/{run_id}/{CANCEL_MARKER}", utc_now().encode())
-            asked.append(run_id)
-        if not run_ids:
-            share.write_bytes(f"{experiment}/{CANCEL_MARKER}", utc_now().encode())
-        return asked
+        return write_cancel_markers(share, experiment, run_ids)
 
     def stream_log(self, experiment: str, share: Share, run_id: str, follow: bool = False) -> Iterator[str] | None:
         return None

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ..errors import BackendError, ValidationError
-from ..execute import CANCEL_MARKER, new_record, read_record, write_record
+from ..execute import CANCEL_MARKER, new_record, read_record, write_cancel_markers, write_record
 from ..runrecord import RunError, RunRecord, utc_now
 from ..runs import Run
 from ..share import Share, open_share
@@ -406,16 +406,7 @@ class RayBackend:
         Queued runs' tasks are cancelled at once; a running run gets ``cancel_grace_s`` seconds to stop
         itself before its task is killed (``ray.cancel(force=True)``).
         """
-        targets = list(run_ids) if run_ids else list(share.list(experiment))
-        asked = []
-        for run_id in targets:
-            record = read_record(share, experiment, run_id)
-            if record is None or record.final:
-                continue
-            share.write_bytes(f"{experiment}/{run_id}/{CANCEL_MARKER}", utc_now().encode())
-            asked.append(run_id)
-        if not run_ids:
-            share.write_bytes(f"{experiment}/{CANCEL_MARKER}", utc_now().encode())
+        asked = write_cancel_markers(share, experiment, run_ids)
         if asked:
             try:
                 supervisor = self._supervisor(experiment, share)
