@@ -11,6 +11,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 setup: $(BIN)/python  ## the driver venv with nbbatch and every extra
+	$(BIN)/pip install --disable-pip-version-check -q --upgrade pip
 	$(BIN)/pip install --disable-pip-version-check -q -e '.[all,test]'
 
 envs: setup  ## one venv + Jupyter kernel per framework (rebuilt only when pins change)
