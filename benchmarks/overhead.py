@@ -7,8 +7,8 @@ each round (so that a machine getting busier or quieter affects every runner ali
 
   * papermill: ``papermill.execute_notebook`` in a loop in this process (the baseline);
   * nbbatch 1 at a time, no prestart: ``max_parallel: 1``, ``prestart: 0`` (each kernel started when its run starts);
-  * nbbatch 1 at a time: ``max_parallel: 1`` with the local backend's default kernel prestart;
-  * nbbatch parallel: the default parallelism (one run per core) and prestart.
+  * nbbatch 1 at a time: ``max_parallel: 1`` with ``prestart: 2`` (two kernels started ahead);
+  * nbbatch parallel: the default parallelism (one run per core) and ``prestart: 2``.
 
 Per notebook, papermill's figures are per call; nbbatch's are the gaps between consecutive run
 completions (the first from the submit), i.e. what each notebook adds to the batch. CPU is the
@@ -137,9 +137,9 @@ def main() -> None:
                 elif runner == "seq0":
                     m = nbbatch_batch(paths, root / "share", args.kernel, f"seq0-{rnd}", max_parallel=1, prestart=0)
                 elif runner == "seq":
-                    m = nbbatch_batch(paths, root / "share", args.kernel, f"seq-{rnd}", max_parallel=1)
+                    m = nbbatch_batch(paths, root / "share", args.kernel, f"seq-{rnd}", max_parallel=1, prestart=2)
                 else:
-                    m = nbbatch_batch(paths, root / "share", args.kernel, f"par-{rnd}")
+                    m = nbbatch_batch(paths, root / "share", args.kernel, f"par-{rnd}", prestart=2)
                 results[runner].append(m)
                 line.append(f"{runner} {m.wall:.1f}s")
             print(f"round {rnd}: " + ", ".join(line), file=sys.stderr, flush=True)

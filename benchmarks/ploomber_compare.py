@@ -6,7 +6,7 @@ All three run the same notebooks (those of ``overhead.py``) in the same kernel: 
 ``nbbatch-bench`` made for the run, starting ipykernel in this interpreter. Alternating each round:
 
   * papermill: ``papermill.execute_notebook`` in a loop in this process;
-  * nbbatch: ``nbbatch.submit`` with the local backend's defaults (one run per core, kernels prestarted);
+  * nbbatch: ``nbbatch.submit`` with the local backend's defaults (one run per core) and ``prestart: 2``;
   * ploomber: a DAG of one ``NotebookRunner`` per notebook (ploomber's defaults: papermill executor,
     static analysis of the parameters cell) built with ``ploomber.executors.Parallel()`` (one process
     per core), timed around ``dag.build(force=True)`` in a separate interpreter: ``--ploomber-python``
@@ -102,7 +102,7 @@ def main() -> None:
                 if runner == "papermill":
                     walls[runner].append(papermill_loop(paths, root, kernel).wall)
                 elif runner == "nbbatch":
-                    walls[runner].append(nbbatch_batch(paths, root / "share", kernel, f"par-{rnd}").wall)
+                    walls[runner].append(nbbatch_batch(paths, root / "share", kernel, f"par-{rnd}", prestart=2).wall)
                 else:
                     result = ploomber_build(args.ploomber_python, nb_folder, kernel, root / "ploomber")
                     assert result["ran"] == args.n, result

@@ -221,7 +221,11 @@ def test_ctrl_c_cancels_unfinished_runs_and_keeps_finished_ones(project, write_e
             break
         time.sleep(0.3)
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=60)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
     assert proc.returncode == 130 and "interrupted" in out
     statuses = {r.parameters["A"]: r.status for r in nbbatch.status("ctrlc")}
     assert statuses[1] == "succeeded"

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from ..kernels import KernelPool
 
 
-PRESTART_DEFAULT = 2  # kernels started ahead of the next CPU runs, each only for its own run
+PRESTART_DEFAULT = 0  # kernels started ahead of the next CPU runs (opt-in: `backend: {name: local, prestart: 2}`)
 
 
 class LocalBackend:
