@@ -158,18 +158,29 @@ def test_readers_never_see_partial_files(share_env):
     seen: list[bytes] = []
     stop = threading.Event()
 
+    errors: list[BaseException] = []
+    first_read = threading.Event()
+
     def read_loop() -> None:
-        while not stop.is_set():
-            seen.append(reader.read_bytes("exp/r/output.ipynb"))
+        try:
+            while not stop.is_set():
+                seen.append(reader.read_bytes("exp/r/output.ipynb"))
+                first_read.set()
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+        finally:
+            first_read.set()
 
     thread = threading.Thread(target=read_loop)
     thread.start()
+    first_read.wait(30)  # the reader is reading before the first rewrite starts
     try:
         for version in versions[1:]:
             writer.write_bytes("exp/r/output.ipynb", version)
     finally:
         stop.set()
         thread.join()
+    assert not errors, f"the reader failed: {errors[0]!r}"
     assert seen, "the reader never ran"
     assert all(s in versions for s in seen), "a reader saw a partial or mixed file"
     assert reader.read_bytes("exp/r/output.ipynb") == versions[-1]

@@ -209,8 +209,10 @@ def test_ctrl_c_cancels_unfinished_runs_and_keeps_finished_ones(project, write_e
     make_notebook(project / "nb.ipynb", ["import time\nif A > 1: time.sleep(120)\nprint('done', A)"])
     write_experiment("experiment: ctrlc\nnotebooks: [nb.ipynb]\nsweep: {grid: {A: [1, 2, 3, 4]}}\n"
                      "resources: {max_parallel: 2}\n")
+    # restore SIGINT's default: a test runner started in the background inherits it ignored
     proc = subprocess.Popen([sys.executable, "-m", "nbbatch", "submit", "exp.yaml", "-q"], cwd=project,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 90
     while time.time() < deadline:
         try:

@@ -94,6 +94,14 @@ def _ray_cli(args: list[str], env: dict[str, str], join: bool = False) -> None:
         raise RuntimeError(f"`ray {' '.join(args)}` failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
 
 
+def _cmdline(proc: psutil.Process) -> list[str]:
+    """A process's command line, or nothing when it has just exited."""
+    try:
+        return proc.cmdline()
+    except psutil.Error:
+        return []
+
+
 def _cluster_processes(tags: tuple[str, ...]) -> list[psutil.Process]:
     """Every process of the test's cluster: those naming its temp dir or port, and all their descendants."""
     mine = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
@@ -419,7 +427,7 @@ def test_node_death_mid_run_retries_on_the_head(cluster, probe, tmp_path):
     supervisor = ray.get_actor(supervisor_name("victim", FileShare(share)), namespace=NAMESPACE)
     assert ray.get(supervisor.node_id.remote()) == cluster.head_id  # it must outlive worker nodes
     raylet = next(p for p in _cluster_processes(cluster.tags)
-                  if f"--raylet_socket_name={cluster.worker_raylet_socket}" in " ".join(p.cmdline()))
+                  if f"--raylet_socket_name={cluster.worker_raylet_socket}" in " ".join(_cmdline(p)))
     started = time.monotonic()
     raylet.kill()
     records = _wait_final(share, "victim", timeout=120)
