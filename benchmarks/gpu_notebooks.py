@@ -93,7 +93,7 @@ def write_notebook(path: Path, simulate: bool, kernel: str = "python3") -> Path:
 
 def find_gpus(simulate: int = 0) -> list:
     """This machine's GPUs: NVML (nvidia-ml-py) if installed, else ``nvidia-smi``; ``simulate`` fake ones."""
-    from nbbatch.gpus import GpuInfo, detect_gpus
+    from nbbatch.execute.gpus import GpuInfo, detect_gpus
 
     if simulate:
         return [GpuInfo(i, "simulated GPU", 0) for i in range(simulate)]
@@ -161,8 +161,8 @@ def write_data(folder: Path, train_images: int, test_images: int) -> Path:
 
 def register_kernels(folder: Path, names: list[str]) -> None:
     """Kernel specs ``nbbatch-<name>`` running this Python with each framework's kernel variables."""
-    from nbbatch.frameworks import list_frameworks
-    from nbbatch.project import Project
+    from nbbatch.spec.frameworks import list_frameworks
+    from nbbatch.spec.project import Project
 
     frameworks = list_frameworks(Project(ROOT))
     for name in names:
@@ -183,9 +183,9 @@ def run_notebook(name: str, parameters: dict, out_dir: Path) -> dict:
     import nbformat
     import papermill
 
-    from nbbatch.frameworks import list_frameworks
-    from nbbatch.project import Project
     from nbbatch.record import metrics_from_notebook
+    from nbbatch.spec.frameworks import list_frameworks
+    from nbbatch.spec.project import Project
 
     fw = list_frameworks(Project(ROOT))[name]
     output = out_dir / f"{fw.notebook.stem}.gpu.ipynb"

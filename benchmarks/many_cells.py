@@ -65,10 +65,10 @@ class SaveCounter:
     def __init__(self) -> None:
         import papermill.engines
 
-        import nbbatch.notebook_io
+        import nbbatch.store.notebook_io
 
         self.count = 0
-        for module, name in ((papermill.engines, "write_ipynb"), (nbbatch.notebook_io, "write_notebook_atomic")):
+        for module, name in ((papermill.engines, "write_ipynb"), (nbbatch.store.notebook_io, "write_notebook_atomic")):
             original = getattr(module, name)
 
             def counted(*args, _original=original, **kwargs):
@@ -118,7 +118,7 @@ def main() -> None:
     import papermill  # noqa: F401
 
     import nbbatch.api  # noqa: F401
-    import nbbatch.engine  # noqa: F401
+    import nbbatch.execute.engine  # noqa: F401
 
     counter = SaveCounter()
     with tempfile.TemporaryDirectory() as tmp:

@@ -58,7 +58,7 @@ def main() -> None:
           flush=True)
     import nbbatch
     import nbbatch.api  # noqa: F401 - what a driver imports, before the baseline
-    import nbbatch.engine  # noqa: F401
+    import nbbatch.execute.engine  # noqa: F401
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -73,9 +73,9 @@ def repo_project():
 @pytest.fixture(scope="session")
 def pytorch_env():
     """The real `pytorch` framework env of the repository, built once per test session."""
-    from nbbatch.envs import build_env
-    from nbbatch.frameworks import get_framework
-    from nbbatch.project import Project
+    from nbbatch.execute.envs import build_env
+    from nbbatch.spec.frameworks import get_framework
+    from nbbatch.spec.project import Project
 
     project = Project(REPO)
     status = build_env(get_framework("pytorch", project), project)
@@ -84,7 +84,7 @@ def pytorch_env():
 
 
 def gpu_count() -> int:
-    from nbbatch.gpus import detect_gpus
+    from nbbatch.execute.gpus import detect_gpus
 
     return len(detect_gpus())
 

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from nbbatch.envs import build_env, env_status
 from nbbatch.errors import NbbatchError
-from nbbatch.frameworks import Framework, list_frameworks
-from nbbatch.project import Project
+from nbbatch.execute.envs import build_env, env_status
+from nbbatch.spec.frameworks import Framework, list_frameworks
+from nbbatch.spec.project import Project
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD_PARALLEL = 2  # the test machines have two cores, and pip is CPU-bound

@@ -17,9 +17,9 @@ from azure.core.exceptions import ResourceExistsError, ResourceNotFoundError  # 
 from azure.storage.fileshare import ShareClient, ShareServiceClient  # noqa: E402
 from fakes.azure_files_server import ACCOUNT, FAKE_KEY, FakeAzureFiles  # noqa: E402
 
-from nbbatch.azure_share import AzureFileShare, parse_azfiles_url  # noqa: E402
 from nbbatch.errors import ShareError  # noqa: E402
-from nbbatch.share import Share, open_share  # noqa: E402
+from nbbatch.store.azfiles import AzureFileShare, parse_azfiles_url  # noqa: E402
+from nbbatch.store.share import Share, open_share  # noqa: E402
 
 pytestmark = pytest.mark.azure
 
@@ -72,7 +72,7 @@ def test_open_share_registers_scheme(share):
 
 
 def test_import_nbbatch_stays_free_of_azure():
-    code = ("import sys, nbbatch, nbbatch.share, nbbatch.backends, nbbatch.runs, nbbatch.runrecord; "
+    code = ("import sys, nbbatch, nbbatch.store.share, nbbatch.backends, nbbatch.plan.runs, nbbatch.store.runrecord; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'azure'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -292,7 +292,7 @@ def test_unreachable_endpoint(monkeypatch):
 
 
 def test_fetch_from_azure_share(share, tmp_path):
-    from nbbatch.fetch import fetch
+    from nbbatch.store.fetch import fetch
 
     share.write_bytes("exp/r1/output.ipynb", b'{"cells": []}')
     share.write_bytes("exp/r1/run.json", b'{"run_id": "r1"}')
@@ -304,8 +304,8 @@ def test_fetch_from_azure_share(share, tmp_path):
 
 
 def test_run_record_roundtrip(share):
-    from nbbatch.execute import read_record, write_record
-    from nbbatch.runrecord import RunRecord
+    from nbbatch.store.records import read_record, write_record
+    from nbbatch.store.runrecord import RunRecord
 
     record = RunRecord(run_id="r1", experiment="exp", notebook="nb.ipynb", kernel="python3", status="succeeded",
                        metrics={"accuracy": 0.9})

@@ -19,7 +19,6 @@ from conftest import make_notebook  # noqa: E402
 from fakes.azure_files_server import ACCOUNT, FAKE_KEY, FakeAzureFiles  # noqa: E402
 from fakes.azureml_transport import FakeAzureML  # noqa: E402
 
-from nbbatch.azure_share import AzureFileShare  # noqa: E402
 from nbbatch.backends import SubmitOptions, get_backend  # noqa: E402
 from nbbatch.backends.azureml import (  # noqa: E402
     JOB_FILE,
@@ -33,11 +32,12 @@ from nbbatch.backends.azureml import (  # noqa: E402
     map_job_status,
 )
 from nbbatch.errors import BackendError  # noqa: E402
-from nbbatch.execute import read_record, write_record  # noqa: E402
-from nbbatch.frameworks import get_framework  # noqa: E402
-from nbbatch.project import Project  # noqa: E402
-from nbbatch.runrecord import RunRecord  # noqa: E402
-from nbbatch.runs import Run  # noqa: E402
+from nbbatch.plan.runs import Run  # noqa: E402
+from nbbatch.spec.frameworks import get_framework  # noqa: E402
+from nbbatch.spec.project import Project  # noqa: E402
+from nbbatch.store.azfiles import AzureFileShare  # noqa: E402
+from nbbatch.store.records import read_record, write_record  # noqa: E402
+from nbbatch.store.runrecord import RunRecord  # noqa: E402
 
 pytestmark = [pytest.mark.azure, pytest.mark.timeout(120)]
 
@@ -275,7 +275,7 @@ def test_cli_cluster(aml, capsys, write_experiment):
 
 def _cluster_parser() -> argparse.ArgumentParser:
     """The real `nbbatch` parser: its `cluster` subcommand feeds cli_cluster."""
-    from nbbatch.cli import build_parser
+    from nbbatch.ui.cli import build_parser
 
     return build_parser()
 
@@ -396,7 +396,7 @@ def test_submit_and_wait(aml, backend, share, runs, files, env_upload, azproject
 
 
 def test_share_must_be_azure_files(aml, runs, tmp_path):
-    from nbbatch.share import FileShare
+    from nbbatch.store.share import FileShare
 
     backend = AzureMLBackend(ml_client=aml.ml_client())
     with pytest.raises(BackendError, match="azfiles://"):

@@ -1,7 +1,7 @@
 """Bad input: every malformed experiment, notebook or parameter is one clear error before anything runs.
 
 Most cases are property-based (hypothesis) at the Python API level (``Experiment.from_dict`` + ``plan``);
-a sample goes through the command line in-process (``nbbatch.cli.main``) and two through a real
+a sample goes through the command line in-process (``nbbatch.ui.cli.main``) and two through a real
 ``nbbatch`` process. Huge outputs are run for real and measured."""
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from conftest import make_notebook
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nbbatch import cli
 from nbbatch.api import submit
 from nbbatch.errors import NbbatchError, ValidationError
-from nbbatch.project import Project
-from nbbatch.runs import plan
-from nbbatch.spec import Experiment, NotebookEntry
+from nbbatch.plan.runs import plan
+from nbbatch.spec.experiment import Experiment, NotebookEntry
+from nbbatch.spec.project import Project
+from nbbatch.ui import cli
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,4 +1,4 @@
-"""nbbatch.compare on notebooks executed for real with papermill (see helpers_notebooks.build_share)."""
+"""nbbatch.results.compare on notebooks executed for real with papermill (see helpers_notebooks.build_share)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers_notebooks import build_share  # noqa: E402
 
-from nbbatch import compare  # noqa: E402
 from nbbatch.errors import NbbatchError  # noqa: E402
+from nbbatch.results import compare  # noqa: E402
 
 pytest.importorskip("pandas")
 pytest.importorskip("matplotlib")
@@ -243,8 +243,8 @@ def test_collect_reads_what_submit_writes(project: Path, write_experiment) -> No
 
 
 def test_wired_into_the_nbbatch_command(made: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
-    """`nbbatch compare | check | diff` through nbbatch.cli.main: exit statuses as CI sees them."""
-    from nbbatch.cli import main
+    """`nbbatch compare | check | diff` through nbbatch.ui.cli.main: exit statuses as CI sees them."""
+    from nbbatch.ui.cli import main
 
     share = str(made["share"])
     assert main(["compare", "sweep", "--share", share, "--group-by", "framework"]) == 0

@@ -1,4 +1,4 @@
-"""nbbatch.diff on notebooks executed for real with papermill."""
+"""nbbatch.results.diff on notebooks executed for real with papermill."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers_notebooks import make_run  # noqa: E402
 
-from nbbatch import diff  # noqa: E402
 from nbbatch.errors import NbbatchError  # noqa: E402
+from nbbatch.results import diff  # noqa: E402
 
 pytest.importorskip("nbdime")
 

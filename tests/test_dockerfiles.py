@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from nbbatch.frameworks import Framework, list_frameworks
-from nbbatch.project import Project
+from nbbatch.spec.frameworks import Framework, list_frameworks
+from nbbatch.spec.project import Project
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILES = ROOT / "dockerfiles"

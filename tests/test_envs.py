@@ -11,10 +11,10 @@ import pytest
 from conftest import make_notebook
 
 from nbbatch.api import submit
-from nbbatch.envs import build_env, env_status, remove_env
 from nbbatch.errors import EnvironmentNotReady
-from nbbatch.frameworks import get_framework
-from nbbatch.gpus import GpuInfo
+from nbbatch.execute.envs import build_env, env_status, remove_env
+from nbbatch.execute.gpus import GpuInfo
+from nbbatch.spec.frameworks import get_framework
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from nbbatch.frameworks import list_frameworks
-from nbbatch.project import Project
+from nbbatch.spec.frameworks import list_frameworks
+from nbbatch.spec.project import Project
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPECTED = {

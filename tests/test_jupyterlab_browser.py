@@ -94,9 +94,9 @@ def _tiny_notebook(path: Path) -> None:
 
 def _framework_ready(name: str) -> bool:
     """Whether this checkout has ``name``'s environment built (`nbbatch envs create <name>`)."""
-    from nbbatch.envs import env_status
-    from nbbatch.frameworks import get_framework
-    from nbbatch.project import Project
+    from nbbatch.execute.envs import env_status
+    from nbbatch.spec.frameworks import get_framework
+    from nbbatch.spec.project import Project
 
     try:
         return env_status(get_framework(name, Project(REPO)), Project(REPO)).state == "ready"
@@ -117,7 +117,7 @@ def _control_notebook(path: Path, parameters: dict[str, Any]) -> None:
 
 CANCEL_CELLS = [
     "from nbbatch import Experiment\n"
-    "from nbbatch.widgets import print_jobs_summary, setup_cluster, submit_all",
+    "from nbbatch.ui.widgets import print_jobs_summary, setup_cluster, submit_all",
     "experiment = Experiment.from_dict({'experiment': 'cancelling', 'notebooks': ['Tiny.ipynb'],\n"
     "                                   'sweep': {'grid': {'LR': [0.01, 0.1]}}, 'parameters': {'EPOCHS': 60}})\n"
     "submission = submit_all(experiment, setup_cluster('local', max_parallel=1))",

@@ -8,7 +8,7 @@ from conftest import make_notebook
 from nbbatch.api import submit
 from nbbatch.backends import get_backend
 from nbbatch.errors import ValidationError
-from nbbatch.gpus import GpuInfo, SlotPool, detect_gpus
+from nbbatch.execute.gpus import GpuInfo, SlotPool, detect_gpus
 
 
 def test_one_run_per_gpu_by_default():

@@ -38,10 +38,13 @@ from nbbatch import api  # noqa: E402
 from nbbatch.backends import get_backend  # noqa: E402
 from nbbatch.backends.ray import NAMESPACE, RayBackend, gpu_request, supervisor_name  # noqa: E402
 from nbbatch.errors import BackendError  # noqa: E402
-from nbbatch.execute import read_record, write_record  # noqa: E402
-from nbbatch.results import load_records  # noqa: E402
-from nbbatch.runrecord import RunRecord  # noqa: E402
-from nbbatch.share import FileShare  # noqa: E402
+from nbbatch.store.records import (  # noqa: E402
+    load_records,  # noqa: E402
+    read_record,
+    write_record,
+)
+from nbbatch.store.runrecord import RunRecord  # noqa: E402
+from nbbatch.store.share import FileShare  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
@@ -186,7 +189,7 @@ def probe(project):
 
 
 def _wait_final(share: Path, experiment: str, timeout: float = 120) -> list[RunRecord]:
-    from nbbatch.results import load_records
+    from nbbatch.store.records import load_records
 
     deadline = time.monotonic() + timeout
     while True:
@@ -225,7 +228,7 @@ def _run_one_processes(run_id: str) -> list[psutil.Process]:
 
 
 def test_import_nbbatch_never_imports_ray():
-    code = ("import sys, nbbatch, nbbatch.backends, nbbatch.api, nbbatch.cli; "
+    code = ("import sys, nbbatch, nbbatch.backends, nbbatch.api, nbbatch.ui.cli; "
             "nbbatch.backends.get_backend; print('ray' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -349,7 +352,7 @@ def test_runs_per_gpu_share_a_device_and_cpu_runs_see_none(cluster, probe, tmp_p
         time.sleep(0.3)
     # the CPU runs through the command line: `submit --no-wait` returns and its runs go on without it
     (probe / "cpu.yaml").write_text(yaml.safe_dump(_experiment("cpu", share, cluster.address, gpus=0, seeds=2)))
-    cli = subprocess.run([sys.executable, "-m", "nbbatch.cli", "submit", "cpu.yaml", "--no-wait", "-q"], cwd=probe,
+    cli = subprocess.run([sys.executable, "-m", "nbbatch.ui.cli", "submit", "cpu.yaml", "--no-wait", "-q"], cwd=probe,
                          capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0, cli.stderr
     halves = _wait_final(share, "halves")

@@ -19,13 +19,14 @@ from conftest import make_notebook
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nbbatch import cli
 from nbbatch.api import submit
 from nbbatch.errors import LockedError
-from nbbatch.lock import ExperimentLock
-from nbbatch.results import load_records, status_rows, status_table
-from nbbatch.runrecord import RunRecord
-from nbbatch.share import FileShare
+from nbbatch.results.status import status_rows, status_table
+from nbbatch.store.lock import ExperimentLock
+from nbbatch.store.records import load_records
+from nbbatch.store.runrecord import RunRecord
+from nbbatch.store.share import FileShare
+from nbbatch.ui import cli
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -143,7 +144,7 @@ def test_sigkilled_submit_loses_nothing_and_leaks_no_process(project, write_expe
 def test_stale_lock_of_a_killed_process_is_detected_and_taken_over(tmp_path):
     path = tmp_path / ".lock"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom pathlib import Path\nfrom nbbatch.lock import ExperimentLock\n"
+        [sys.executable, "-c", "import sys, time\nfrom pathlib import Path\nfrom nbbatch.store.lock import ExperimentLock\n"
          f"with ExperimentLock(Path({str(path)!r}), 'exp'):\n    print('held', flush=True)\n    time.sleep(120)"],
         stdout=subprocess.PIPE, text=True)
     try:

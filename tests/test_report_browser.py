@@ -18,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers_notebooks import FakeNvml, make_run  # noqa: E402
 
-from nbbatch import compare, diff  # noqa: E402
-from nbbatch.runrecord import RunRecord  # noqa: E402
-from nbbatch.telemetry import TELEMETRY_FILE, GpuSampler  # noqa: E402
+from nbbatch.execute.telemetry import TELEMETRY_FILE, GpuSampler  # noqa: E402
+from nbbatch.results import compare, diff  # noqa: E402
+from nbbatch.store.runrecord import RunRecord  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"

@@ -13,10 +13,11 @@ import nbformat
 import pytest
 from conftest import make_notebook
 
-from nbbatch import backends, cli
+from nbbatch import backends
 from nbbatch.api import submit
 from nbbatch.backends.local import LocalBackend
 from nbbatch.errors import BackendError
+from nbbatch.ui import cli
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -71,7 +72,7 @@ def test_planted_credentials_land_nowhere(project, planted, monkeypatch, capsys)
     assert {"NBBATCH_TEST_VISIBLE", "RUN_SETTING", "NBBATCH_RUN_ID"} <= names
     assert not names & set(SECRET_ENV), "a credential variable reached the kernel"
 
-    compare = pytest.importorskip("nbbatch.compare")
+    compare = pytest.importorskip("nbbatch.results.compare")
     pytest.importorskip("pandas")
     pytest.importorskip("matplotlib")
     compare.write_report(compare.collect(project / "results", "sec"), project / "report" / "report.html")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from nbbatch.errors import SpecError
-from nbbatch.spec import Experiment
-from nbbatch.sweep import expand_sweep
+from nbbatch.spec.experiment import Experiment
+from nbbatch.spec.sweep import expand_sweep
 
 
 def test_grid_is_the_product():

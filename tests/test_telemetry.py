@@ -1,4 +1,4 @@
-"""nbbatch.telemetry.GpuSampler: silent without a GPU, samples with one (or with a stand-in NVML)."""
+"""nbbatch.execute.telemetry.GpuSampler: silent without a GPU, samples with one (or with a stand-in NVML)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers_notebooks import FakeNvml  # noqa: E402
 
-from nbbatch.telemetry import TELEMETRY_FILE, GpuSampler, read_series  # noqa: E402
+from nbbatch.execute.telemetry import TELEMETRY_FILE, GpuSampler, read_series  # noqa: E402
 
 
 def _sampler_threads() -> list[threading.Thread]:

@@ -20,11 +20,11 @@ import pytest
 from nbbatch import widgets
 from nbbatch.backends.base import Compute
 from nbbatch.errors import NbbatchError, SpecError
-from nbbatch.execute import write_record
-from nbbatch.runrecord import RunError, RunRecord
-from nbbatch.share import FileShare
-from nbbatch.spec import Experiment
-from nbbatch.widgets import (
+from nbbatch.spec.experiment import Experiment
+from nbbatch.store.records import write_record
+from nbbatch.store.runrecord import RunError, RunRecord
+from nbbatch.store.share import FileShare
+from nbbatch.ui.widgets import (
     Cluster,
     JobsSummary,
     JobsSummaryModel,

@@ -10,16 +10,16 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .record import record
+from nbbatch.record import record
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Experiment": "nbbatch.spec",
-    "load_experiment": "nbbatch.spec",
-    "Run": "nbbatch.runs",
-    "plan": "nbbatch.runs",
-    "RunRecord": "nbbatch.runrecord",
+    "Experiment": "nbbatch.spec.experiment",
+    "load_experiment": "nbbatch.spec.experiment",
+    "Run": "nbbatch.plan.runs",
+    "plan": "nbbatch.plan.runs",
+    "RunRecord": "nbbatch.store.runrecord",
     "submit": "nbbatch.api",
     "status": "nbbatch.api",
     "cancel": "nbbatch.api",

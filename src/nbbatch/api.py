@@ -12,16 +12,19 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .errors import NbbatchError
-from .project import Project, find_project
-from .runrecord import RunRecord, utc_now
-from .runs import Plan, Run, plan
-from .share import Share, open_share
-from .spec import Experiment, load_experiment
+from nbbatch.errors import NbbatchError
+from nbbatch.plan.runs import Plan, plan
+from nbbatch.spec.experiment import Experiment, load_experiment
+from nbbatch.spec.project import Project, find_project
+from nbbatch.store.known import lookup, remember
+from nbbatch.store.layout import experiment_paths
+from nbbatch.store.runrecord import RunRecord, Status, utc_now
+from nbbatch.store.share import Share, open_share
 
-REGISTRY_FILE = "experiments.json"  # in .nbbatch/: experiment name → share and backend, for status/logs/cancel
+if TYPE_CHECKING:
+    from nbbatch.backends.base import Backend
 
 
 @dataclass
@@ -39,7 +42,7 @@ class SubmitResult:
     @property
     def ok(self) -> bool:
         """Whether every run of the experiment has succeeded."""
-        return bool(self.records) and all(r.status == "succeeded" for r in self.records)
+        return bool(self.records) and all(r.status == Status.SUCCEEDED for r in self.records)
 
 
 def _as_experiment(experiment: Experiment | str | os.PathLike[str] | dict[str, Any]) -> Experiment:
@@ -48,44 +51,6 @@ def _as_experiment(experiment: Experiment | str | os.PathLike[str] | dict[str, A
     if isinstance(experiment, dict):
         return Experiment.from_dict(experiment)
     return load_experiment(experiment)
-
-
-def _remember(project: Project, experiment: Experiment, share: Share) -> None:
-    path = project.state_dir / REGISTRY_FILE
-    try:
-        known = json.loads(path.read_text()) if path.exists() else {}
-    except ValueError:
-        known = {}
-    known[experiment.name] = {"share": share.url, "backend": experiment.backend,
-                              "backend_settings": _storable_settings(experiment.backend_settings), "updated": utc_now()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(known, indent=2, default=str))
-    os.replace(tmp, path)
-
-
-def _storable_settings(settings: dict[str, Any]) -> dict[str, Any]:
-    """Backend settings safe to keep on disk: no secret-looking names, no Python objects (credentials, clients)."""
-    from .execute import SECRET_ENV_HINTS
-
-    kept = {}
-    for key, value in settings.items():
-        if any(hint in str(key).upper() for hint in SECRET_ENV_HINTS):
-            continue
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError):
-            continue
-        kept[key] = value
-    return kept
-
-
-def _lookup(experiment: str, project: Project) -> dict[str, Any]:
-    path = project.state_dir / REGISTRY_FILE
-    try:
-        return json.loads(path.read_text()).get(experiment, {}) if path.exists() else {}
-    except ValueError:
-        return {}
 
 
 def open_experiment_share(experiment: str, share: str | Share | None = None,
@@ -99,61 +64,42 @@ def open_experiment_share(experiment: str, share: str | Share | None = None,
         return spec.name, open_share(share or spec.share)
     if share:
         return experiment, open_share(share)
-    known = _lookup(experiment, project)
+    known = lookup(project, experiment)
     return experiment, open_share(known.get("share") or project.results_dir)
 
 
 def _lock_path(project: Project, share: Share, experiment: str) -> Path:
-    local = share.local_path(experiment)
+    local = share.local_path(experiment_paths(experiment).lock)
     if local is not None:
-        return local / ".lock"
+        return local
     return project.state_dir / "locks" / f"{experiment}.lock"
 
 
-def _past_duration(share: Share, run: Run, by_framework: dict[str, float]) -> float:
-    from .execute import read_record
+def known_backend(name: str, project: Project) -> Backend:
+    """The backend experiment ``name`` was submitted to from this project (``local`` when unknown)."""
+    from nbbatch.backends import get_backend
 
-    try:
-        record = read_record(share, run.experiment, run.run_id)
-    except NbbatchError:
-        record = None
-    if record and record.duration_s:
-        return record.duration_s
-    return by_framework.get(run.framework or run.notebook_rel, float("inf"))
-
-
-def order_longest_first(runs: list[Run], share: Share) -> list[Run]:
-    """Runs ordered by past duration, longest (or never seen) first: shortens the makespan."""
-    from .results import load_records
-
-    records, _ = load_records(share, runs[0].experiment) if runs else ([], [])
-    by_framework: dict[str, list[float]] = {}
-    for rec in records:
-        if rec.duration_s and rec.status == "succeeded":
-            by_framework.setdefault(rec.framework or rec.notebook, []).append(rec.duration_s)
-    means = {k: sum(v) / len(v) for k, v in by_framework.items()}
-    return sorted(runs, key=lambda r: -_past_duration(share, r, means))
+    known = lookup(project, name)
+    return get_backend(known.get("backend", "local"), **known.get("backend_settings", {}))
 
 
 def prepare(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], build_envs: bool = False,
-            progress: bool = True) -> tuple[Plan, Any, Share]:
+            progress: bool = True) -> tuple[Plan, Backend, Share]:
     """Load, (optionally build envs,) plan and validate: everything submit does before it starts runs."""
-    from .backends import get_backend
+    from nbbatch.backends import get_backend
 
     spec = _as_experiment(experiment)
     project = find_project(spec.base_dir)
     backend = get_backend(spec.backend, **spec.backend_settings)
-    local_kernels = getattr(backend, "uses_local_kernels", True)
+    local_kernels = backend.capabilities.local_kernels
     if build_envs and spec.frameworks and local_kernels:
-        from .envs import build_envs as build
+        from nbbatch.execute.envs import build_envs as build
 
         build(spec.frameworks, project, progress=progress)
     the_plan = plan(spec, project, check_kernels=local_kernels)
-    if hasattr(backend, "check"):
-        backend.check(the_plan.runs)
+    backend.check(the_plan.runs)
     share = open_share(spec.share)
-    if hasattr(backend, "check_share"):  # e.g. a local-only folder on a multi-node Ray cluster
-        backend.check_share(share)
+    backend.check_share(share)  # e.g. a local-only folder on a multi-node Ray cluster
     return the_plan, backend, share
 
 
@@ -166,10 +112,9 @@ def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, 
     ``progress`` is True for a live terminal table, False for none, or a callback receiving each
     :class:`RunRecord` as it changes (what the Jupyter widgets use). ``only`` restricts to run ids/prefixes.
     """
-    from .backends import SubmitOptions
-    from .execute import new_record, read_record, write_record
-    from .lock import ExperimentLock
-    from .results import load_records
+    from nbbatch.backends import SubmitOptions
+    from nbbatch.store.lock import ExperimentLock
+    from nbbatch.store.records import clear_cancel, load_records
 
     the_plan, backend, share = prepare(experiment, build_envs=build_envs, progress=progress is True)
     spec = the_plan.experiment
@@ -180,41 +125,31 @@ def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, 
         if not runs:
             raise NbbatchError(f"--only {', '.join(only)} matches none of the {len(the_plan.runs)} planned runs")
     result = SubmitResult(spec.name, share.url, spec.backend, warnings=list(the_plan.warnings))
-    _remember(project, spec, share)
+    remember(project, spec.name, share.url, spec.backend, backend.storable_settings(spec.backend_settings))
     with ExperimentLock(_lock_path(project, share, spec.name), spec.name) as lock:
         if lock.recovered_from:
             gone = lock.recovered_from
             result.warnings.append(f"experiment `{spec.name}` was left locked by process {gone.get('pid')} on "
                                    f"{gone.get('host')} (since {gone.get('since')}), which is gone; took the lock over")
-        share.remove(f"{spec.name}/CANCEL")
+        clear_cancel(share, spec.name)
         backend.refresh(spec.name, share)
-        todo = []
-        for run in runs:
-            record = read_record(share, run.experiment, run.run_id)
-            if record and record.status == "succeeded" and not force:
-                result.skipped.append(run.run_id)
-                continue
-            todo.append(run)
-        todo = order_longest_first(todo, share)
-        for run in todo:
-            previous = read_record(share, run.experiment, run.run_id)
-            if previous and not previous.final and previous.backend != "local" and not force:
-                continue  # still queued or running on a remote backend: its record stays, the backend skips it
-            write_record(share, new_record(run, spec.backend))
+        outcome = backend.triage(runs, share, force=force)
+        result.skipped = outcome.skipped
+        result.started = [*outcome.started, *outcome.in_flight]
         _write_manifest(share, spec, the_plan)
-        result.started = [r.run_id for r in todo]
-        callback = progress if callable(progress) else None
-        options = SubmitOptions(runs_per_gpu=spec.runs_per_gpu, max_parallel=spec.max_parallel, wait=wait,
-                                on_update=callback, extra=dict(spec.backend_settings))
-        if todo:
-            if progress is True:
-                from .progress import live_progress
+        options = SubmitOptions(runs_per_gpu=spec.runs_per_gpu, max_parallel=spec.max_parallel, wait=wait, force=force,
+                                on_update=progress if callable(progress) else None)
+        todo = [r for r in runs if r.run_id in set(outcome.started)]
+        if todo and progress is True:
+            from nbbatch.ui.progress import live_progress
 
-                with live_progress(share, spec.name, [r.run_id for r in runs]) as on_update:
-                    options.on_update = on_update
-                    backend.submit(todo, share, options)
-            else:
-                backend.submit(todo, share, options)
+            with live_progress(share, spec.name, [r.run_id for r in runs]) as on_update:
+                options.on_update = on_update
+                backend.launch(todo, share, options)
+        elif todo:
+            backend.launch(todo, share, options)
+        if outcome.in_flight and wait and backend.capabilities.detached:
+            backend.wait(spec.name, share, outcome.in_flight, options.on_update)
     records, problems = load_records(share, spec.name)
     wanted = {r.run_id for r in runs}
     result.records = [r for r in records if r.run_id in wanted]
@@ -229,20 +164,18 @@ def _write_manifest(share: Share, spec: Experiment, the_plan: Plan) -> None:
         "parameters": spec.parameters, "sweep": spec.sweep,
         "runs": [r.run_id for r in the_plan.runs],
     }
-    share.write_bytes(f"{spec.name}/experiment.json", json.dumps(manifest, indent=2, default=str).encode())
+    share.write_bytes(experiment_paths(spec.name).manifest, json.dumps(manifest, indent=2, default=str).encode())
 
 
 def status(experiment: str, share: str | Share | None = None, refresh: bool = True) -> list[RunRecord]:
     """The run records of an experiment (a name known to this project, or an experiment file)."""
-    from .backends import get_backend
-    from .results import load_records
+    from nbbatch.store.records import load_records
 
     project = find_project()
     name, the_share = open_experiment_share(experiment, share, project)
-    known = _lookup(name, project)
     if refresh:
         try:
-            get_backend(known.get("backend", "local"), **known.get("backend_settings", {})).refresh(name, the_share)
+            known_backend(name, project).refresh(name, the_share)
         except NbbatchError:
             pass
     records, problems = load_records(the_share, name)
@@ -259,16 +192,14 @@ def status(experiment: str, share: str | Share | None = None, refresh: bool = Tr
 def logs(experiment: str, run: str, follow: bool = False, tail: int | None = None,
          share: str | Share | None = None) -> Iterator[str]:
     """A run's log (``log.txt``): the whole text, its tail, or followed until the run ends."""
-    from .backends import get_backend
-    from .results import follow_log, read_log, resolve_run_id
+    from nbbatch.results.status import follow_log, read_log, resolve_run_id
 
     project = find_project()
     name, the_share = open_experiment_share(experiment, share, project)
     run_id = resolve_run_id(the_share, name, run)
-    known = _lookup(name, project)
-    if known.get("backend", "local") != "local":
-        streamed = get_backend(known["backend"], **known.get("backend_settings", {})).stream_log(
-            name, the_share, run_id, follow)
+    backend = known_backend(name, project)
+    if backend.capabilities.log_stream:
+        streamed = backend.stream_log(name, the_share, run_id, follow)
         if streamed is not None:
             yield from streamed
             return
@@ -280,15 +211,12 @@ def logs(experiment: str, run: str, follow: bool = False, tail: int | None = Non
 
 def cancel(experiment: str, runs: list[str] | None = None, share: str | Share | None = None) -> list[str]:
     """Ask runs to stop (all unfinished ones by default); they end as ``cancelled`` with their partial output."""
-    from .backends import get_backend
-    from .results import resolve_run_id
+    from nbbatch.results.status import resolve_run_id
 
     project = find_project()
     name, the_share = open_experiment_share(experiment, share, project)
     ids = [resolve_run_id(the_share, name, r) for r in runs] if runs else None
-    known = _lookup(name, project)
-    backend = get_backend(known.get("backend", "local"), **known.get("backend_settings", {}))
-    return backend.cancel(name, the_share, ids)
+    return known_backend(name, project).cancel(name, the_share, ids)
 
 
 def run_notebook(input_path: str | os.PathLike[str], output_path: str | os.PathLike[str],
@@ -301,11 +229,11 @@ def run_notebook(input_path: str | os.PathLike[str], output_path: str | os.PathL
     """
     import sys
 
-    import papermill  # noqa: F401 - before nbbatch.engine: papermill's entry-point scan imports it
+    import papermill  # noqa: F401 - before nbbatch.execute.engine: papermill's entry-point scan imports it
 
-    from . import engine
-    from .errors import ValidationError
-    from .notebook import inspect_notebook, validate_parameters
+    from nbbatch.errors import ValidationError
+    from nbbatch.execute import engine
+    from nbbatch.plan.notebook import inspect_notebook, validate_parameters
 
     find_project().activate_kernels()
     info = inspect_notebook(input_path)
@@ -318,7 +246,7 @@ def run_notebook(input_path: str | os.PathLike[str], output_path: str | os.PathL
 
     known = KernelSpecManager().find_kernel_specs()
     if kernel not in known:
-        from .errors import did_you_mean
+        from nbbatch.errors import did_you_mean
 
         raise ValidationError(f"kernel `{kernel}` does not exist{did_you_mean(kernel, known)}; known kernels: "
                               f"{', '.join(sorted(known))}")

@@ -1,6 +1,6 @@
 """A fake Azure Files REST endpoint on 127.0.0.1, for the real azure-storage-file-share client.
 
-It speaks the part of the File service REST API that :class:`nbbatch.azure_share.AzureFileShare`
+It speaks the part of the File service REST API that :class:`nbbatch.store.azfiles.AzureFileShare`
 uses — shares, directories (create, properties, list, delete), files (create, Put Range, Get
 Properties, ranged Get, rename, delete) — in memory, and answers errors the way the service does: a
 status code, an ``x-ms-error-code`` header and an XML ``<Error>`` body, so the SDK raises

@@ -1,16 +1,21 @@
 """Backends registered by name, like papermill's engines: ``local`` (default), ``azureml``, ``ray``.
 
-Backends other than ``local`` load on first use, so their SDKs are optional extras.
+A backend is a :class:`~nbbatch.backends.base.Backend` subclass in one module (or small package),
+registered with :func:`register_backend` or through the ``nbbatch.backends`` entry-point group
+(``name = "package.module:Class"``). Backends other than ``local`` load on first use, so their SDKs
+are optional extras.
 """
 
 from __future__ import annotations
 
 import importlib
+from importlib.metadata import entry_points
 from typing import Any
 
-from ..errors import BackendError, did_you_mean
-from .base import Backend, Compute, SubmitOptions
+from nbbatch.backends.base import Backend, Capabilities, Compute, Setting, SubmitOptions, SubmitOutcome
+from nbbatch.errors import BackendError, did_you_mean
 
+ENTRY_POINT_GROUP = "nbbatch.backends"
 _BUILTIN = {
     "local": "nbbatch.backends.local:LocalBackend",
     "azureml": "nbbatch.backends.azureml:AzureMLBackend",
@@ -21,27 +26,42 @@ _REGISTRY: dict[str, Any] = {}
 
 
 def register_backend(name: str, factory: Any) -> None:
-    """Register a backend class (or factory taking the spec's backend settings) under ``name``."""
+    """Register a backend class (or a factory taking the spec's backend settings) under ``name``."""
     _REGISTRY[name] = factory
 
 
+def _entry_points() -> dict[str, Any]:
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
 def backend_names() -> list[str]:
-    return sorted({*_BUILTIN, *_REGISTRY})
+    """Every backend that can be named in an experiment's ``backend:``."""
+    return sorted({*_BUILTIN, *_REGISTRY, *_entry_points()})
+
+
+def backend_class(name: str) -> Any:
+    """The class (or factory) registered as ``name``, loaded on first use."""
+    if name not in _REGISTRY:
+        plugins = _entry_points()
+        if name in plugins:
+            _REGISTRY[name] = plugins[name].load()
+        elif name in _BUILTIN:
+            module, _, attr = _BUILTIN[name].partition(":")
+            try:
+                _REGISTRY[name] = getattr(importlib.import_module(module), attr)
+            except ImportError as exc:
+                extra = _EXTRAS.get(name, name)
+                raise BackendError(f"the `{name}` backend needs its extra: pip install 'nbbatch[{extra}]' ({exc})") from exc
+        else:
+            raise BackendError(f"unknown backend `{name}`{did_you_mean(name, backend_names())}; "
+                               f"known backends: {', '.join(backend_names())}")
+    return _REGISTRY[name]
 
 
 def get_backend(name: str = "local", **settings: Any) -> Backend:
     """An instance of the backend called ``name``, configured with the spec's backend settings."""
-    if name not in _REGISTRY:
-        if name not in _BUILTIN:
-            raise BackendError(f"unknown backend `{name}`{did_you_mean(name, backend_names())}; "
-                               f"known backends: {', '.join(backend_names())}")
-        module, _, attr = _BUILTIN[name].partition(":")
-        try:
-            _REGISTRY[name] = getattr(importlib.import_module(module), attr)
-        except ImportError as exc:
-            extra = _EXTRAS.get(name, name)
-            raise BackendError(f"the `{name}` backend needs its extra: pip install 'nbbatch[{extra}]' ({exc})") from exc
-    return _REGISTRY[name](**settings)
+    return backend_class(name)(**settings)
 
 
-__all__ = ["Backend", "Compute", "SubmitOptions", "get_backend", "register_backend", "backend_names"]
+__all__ = ["Backend", "Capabilities", "Compute", "Setting", "SubmitOptions", "SubmitOutcome", "backend_class",
+           "backend_names", "get_backend", "register_backend"]

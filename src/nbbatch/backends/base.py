@@ -1,19 +1,41 @@
-"""The backend protocol: where runs execute.
+"""The backend base class: where runs execute, and the lifecycle every backend shares.
 
-A backend only decides *where* ``nbbatch run-one`` (:func:`nbbatch.execute.execute_run`) runs;
-the execution itself and the share layout are the same everywhere. Status is read from the share's
-run records, which a backend may refresh with what it knows (:meth:`Backend.refresh`).
+A backend only decides *where* ``nbbatch run-one`` (:func:`nbbatch.execute.attempt.execute_run`) runs;
+the execution itself and the share layout are the same everywhere. :class:`Backend` owns what is the
+same for all of them, in the manner of jupyter-scheduler's ``ExecutionManager``:
+
+* settings validation, from the declarative :attr:`Backend.SETTINGS` table (unknown names get
+  "did you mean", values are checked before anything starts, secrets are never echoed);
+* :meth:`Backend.submit`: skip runs that already succeeded (unless forced) or are still in flight
+  (:meth:`~Backend.triage`), then order the rest longest-first, write their ``queued`` records,
+  :meth:`~Backend.start` them and :meth:`~Backend.wait` until final when asked (:meth:`~Backend.launch`);
+* :meth:`Backend.finalize`: the one way a backend ends a run's record;
+* :meth:`Backend.refresh`: bring records up to date with the backend's own view (:meth:`~Backend.sync`)
+  and fail runs whose execution is gone (:meth:`~Backend.lost_runs`);
+* :attr:`Backend.capabilities`: what the backend can do, so front ends ask instead of branching on names.
+
+A subclass implements :meth:`~Backend.compute` and :meth:`~Backend.start`, and overrides the hooks it needs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import contextlib
+import reprlib
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from datetime import datetime
+from typing import Any, ClassVar
 
-from ..runrecord import RunRecord
-from ..runs import Run
-from ..share import Share
+from nbbatch.errors import BackendError, NbbatchError, did_you_mean
+from nbbatch.plan.runs import Run
+from nbbatch.redact import is_secret_name
+from nbbatch.store.records import load_records, new_record, read_record, read_record_or_none, write_cancel_markers, write_record
+from nbbatch.store.runrecord import RunError, RunRecord, Status, utc_now
+from nbbatch.store.share import Share
+
+UpdateCallback = Callable[[RunRecord], None]
 
 
 @dataclass
@@ -33,31 +55,290 @@ class SubmitOptions:
 
     runs_per_gpu: int = 1
     max_parallel: int | None = None  # None: as many as the compute allows
-    wait: bool = True  # block until every run is final (remote backends may return at once)
-    on_update: Callable[[RunRecord], None] | None = None  # called on every status change
-    extra: dict[str, Any] = field(default_factory=dict)  # backend-specific settings from the spec
+    wait: bool = True  # block until every run is final (detached backends may return at once)
+    force: bool = False  # rerun runs that already succeeded, restart runs still in flight
+    on_update: UpdateCallback | None = None  # called on every status change
 
 
-class Backend(Protocol):
-    """What every backend implements. Register it with :func:`nbbatch.backends.register_backend`."""
+@dataclass
+class SubmitOutcome:
+    """What :meth:`Backend.submit` did with the runs it was given."""
+
+    started: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # already succeeded
+    in_flight: list[str] = field(default_factory=list)  # still queued or running in the backend: left alone
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do. Front ends (CLI, widgets) ask these instead of branching on a backend's name."""
+
+    cancel: bool = True  # stops running runs (their partial output is kept)
+    log_stream: bool = False  # streams logs of its own (image build, node setup) beyond the share's log.txt
+    gpus: bool = True  # gives runs GPUs
+    multi_node: bool = False  # runs on several machines
+    local_kernels: bool = True  # runs use this machine's kernels: their framework environments must be ready here
+    detached: bool = False  # runs outlive the submitting process (``submit --no-wait`` returns at once)
+    gpu_slots: bool = False  # places runs on this machine's GPU slots: runs_per_gpu and max_parallel are its knobs
+    managed_cluster: bool = False  # has a cluster nbbatch creates, resizes and deletes (``backend.cluster``)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One backend setting: what it accepts, its default, and how a form shows it."""
+
+    default: Any = None
+    kinds: tuple[type, ...] = ()  # accepted types (empty: anything); bool is never taken for a number
+    minimum: float | None = None
+    choices: tuple[Any, ...] = ()  # the only values allowed
+    suggestions: tuple[Any, ...] = ()  # values a form offers (others are allowed)
+    label: str | None = None  # shown in a form (settings without one are not in the form)
+    python_only: bool = False  # an object for Python callers and tests (a client, a credential): never stored or shown
+
+    def problem(self, value: Any) -> str | None:
+        """What is wrong with ``value`` (None: it is fine)."""
+        if value is None:
+            return None
+        if self.kinds:
+            number = all(k in (int, float) for k in self.kinds)
+            if not isinstance(value, self.kinds) or (number and isinstance(value, bool)):
+                names = " or ".join({"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
+                                     "dict": "a mapping", "list": "a list"}.get(k.__name__, k.__name__)
+                                    for k in self.kinds)
+                if float in self.kinds:
+                    names = "a number"
+                return names + (f" ≥ {self.minimum:g}" if self.minimum is not None else "")
+        if self.minimum is not None and value < self.minimum:
+            what = "an integer" if self.kinds == (int,) else "a number"
+            return f"{what} ≥ {self.minimum:g}"
+        if self.choices and value not in self.choices:
+            return " or ".join(f"`{c}`" for c in self.choices)
+        return None
+
+
+class Backend(ABC):
+    """Where runs execute. Register a subclass with :func:`nbbatch.backends.register_backend`."""
 
     name: ClassVar[str]
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    SETTINGS: ClassVar[Mapping[str, Setting]] = {}
+    settings_hint: ClassVar[str] = ""  # added to the unknown-setting error (e.g. where else a key belongs)
+    poll_s: float | None = None  # how often :meth:`wait` reads the records (None: by the share's kind)
+    heartbeat_s: ClassVar[float] = 10.0  # how often :meth:`wait` calls :meth:`heartbeat`
 
+    def __init__(self, **settings: Any) -> None:
+        self.settings = self.validate_settings(settings)
+
+    # --- settings ------------------------------------------------------------------------------------
+
+    @classmethod
+    def validate_settings(cls, settings: Mapping[str, Any]) -> dict[str, Any]:
+        """The settings with defaults filled in; a :class:`BackendError` names the first mistake.
+
+        Values are never echoed for secret-looking names: a mistaken setting may hold a key.
+        """
+        unknown = sorted(str(k) for k in settings if k not in cls.SETTINGS)
+        if unknown:
+            bad = unknown[0]
+            known = [k for k, s in cls.SETTINGS.items() if not s.python_only]
+            hint = f"; {cls.settings_hint}" if cls.settings_hint else ""
+            raise BackendError(f"unknown {cls.name} backend setting `{bad}`{did_you_mean(bad, known)}; "
+                               f"known: {', '.join(known) or '(none)'}{hint}")
+        for key, value in settings.items():
+            problem = cls.SETTINGS[key].problem(value)
+            if problem:
+                shown = "a value" if is_secret_name(key) else reprlib.repr(value)
+                raise BackendError(f"{cls.name} backend setting `{key}` must be {problem} (got {shown})")
+        return {**{k: s.default for k, s in cls.SETTINGS.items()}, **settings}
+
+    @classmethod
+    def form_settings(cls) -> dict[str, Setting]:
+        """The settings a form (``setup_cluster``) shows, by name."""
+        return {k: s for k, s in cls.SETTINGS.items() if s.label and not s.python_only}
+
+    @classmethod
+    def storable_settings(cls, settings: Mapping[str, Any]) -> dict[str, Any]:
+        """Settings safe to keep on disk: no secret-looking names, no Python objects (credentials, clients)."""
+        import json
+
+        kept = {}
+        for key, value in settings.items():
+            setting = cls.SETTINGS.get(key)
+            if is_secret_name(key) or (setting is not None and setting.python_only):
+                continue
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError):
+                continue
+            kept[key] = value
+        return kept
+
+    # --- what each backend implements ---------------------------------------------------------------
+
+    @abstractmethod
     def compute(self) -> Compute:
         """The GPUs/nodes this backend can use."""
 
-    def submit(self, runs: Sequence[Run], share: Share, options: SubmitOptions) -> None:
-        """Start ``runs``; each writes ``output.ipynb``, ``run.json`` and ``log.txt`` to the share.
+    @abstractmethod
+    def start(self, runs: Sequence[Run], share: Share, options: SubmitOptions) -> None:
+        """Start ``runs`` (their ``queued`` records are written); each writes its files to the share.
 
-        Runs already queued in the share as ``queued`` records. With ``options.wait`` the call
-        returns when every run is final.
+        A backend that is not :attr:`Capabilities.detached` returns when every run is final.
         """
 
-    def refresh(self, experiment: str, share: Share) -> None:
-        """Bring the share's run records up to date with the backend's own view (e.g. job states)."""
+    def check(self, runs: Sequence[Run]) -> None:
+        """Refuse runs this backend cannot place, before anything starts (raise a :class:`NbbatchError`)."""
+        return None
+
+    def check_share(self, share: Share) -> None:
+        """Refuse a share the backend's runs cannot reach, before anything starts."""
+        return None
+
+    def in_flight(self, share: Share, record: RunRecord) -> bool:
+        """Whether an unfinished run is still queued or running in this backend (so it is not started twice)."""
+        return False
+
+    def sync(self, experiment: str, share: Share, run_ids: Sequence[str] | None = None) -> None:
+        """Bring run records up to date with the backend's own view of its runs (e.g. job states)."""
+        return None
+
+    def lost_runs(self, experiment: str, share: Share, records: Sequence[RunRecord]) -> dict[str, RunError]:
+        """Of this backend's unfinished runs, those whose execution is gone, with why (they are marked failed)."""
+        return {}
+
+    def heartbeat(self, experiment: str, share: Share, pending: Sequence[str]) -> None:
+        """Called every :attr:`heartbeat_s` while :meth:`wait` waits (e.g. to notice a lost supervisor)."""
+        return None
+
+    def interrupted(self, experiment: str, share: Share, pending: Sequence[str]) -> None:
+        """Ctrl-C while :meth:`wait` waits: by default the runs go on in the backend (only the waiting stops)."""
+        return None
 
     def cancel(self, experiment: str, share: Share, run_ids: Sequence[str] | None = None) -> list[str]:
         """Cancel runs (all unfinished ones when ``run_ids`` is None); return the ids asked to stop."""
+        return write_cancel_markers(share, experiment, list(run_ids) if run_ids else None)
 
     def stream_log(self, experiment: str, share: Share, run_id: str, follow: bool = False) -> Iterator[str] | None:
         """Stream a run's log from the backend; ``None`` means: read ``log.txt`` from the share."""
+        return None
+
+    # --- the lifecycle every backend shares ---------------------------------------------------------
+
+    def submit(self, runs: Sequence[Run], share: Share, options: SubmitOptions) -> SubmitOutcome:
+        """Start the runs that need it (:meth:`triage`), and wait for them with ``options.wait`` (:meth:`launch`)."""
+        outcome = self.triage(runs, share, force=options.force)
+        started = set(outcome.started)
+        self.launch([r for r in runs if r.run_id in started], share, options)
+        return outcome
+
+    def triage(self, runs: Sequence[Run], share: Share, force: bool = False) -> SubmitOutcome:
+        """Which runs to start: not those that already succeeded (unless ``force``), nor those still in flight."""
+        outcome = SubmitOutcome()
+        for run in runs:
+            record = read_record_or_none(share, run.experiment, run.run_id)
+            if record is not None and record.status == Status.SUCCEEDED and not force:
+                outcome.skipped.append(run.run_id)
+            elif record is not None and not record.final and not force and self.in_flight(share, record):
+                outcome.in_flight.append(run.run_id)
+            else:
+                outcome.started.append(run.run_id)
+        return outcome
+
+    def launch(self, runs: Sequence[Run], share: Share, options: SubmitOptions) -> None:
+        """Start ``runs`` longest-first with fresh ``queued`` records; with ``options.wait``, return when all are final."""
+        if not runs:
+            return
+        self.check_share(share)
+        self.check(runs)
+        todo = order_longest_first(runs, share)
+        notify = options.on_update or (lambda _r: None)
+        for run in todo:
+            record = new_record(run, self.name)
+            write_record(share, record)
+            notify(record)
+        self.start(todo, share, options)
+        if options.wait and self.capabilities.detached:
+            self.wait(todo[0].experiment, share, [r.run_id for r in todo], options.on_update)
+
+    def finalize(self, share: Share, run: Run | RunRecord, status: Status, error: RunError | None = None,
+                 notify: UpdateCallback | None = None) -> RunRecord:
+        """End a run's record with ``status`` and ``error`` (its duration filled in when it had started)."""
+        record = read_record_or_none(share, run.experiment, run.run_id)
+        if record is None:
+            record = new_record(run, self.name) if isinstance(run, Run) else run
+        record.status, record.error, record.ended_at = status, error, utc_now()
+        if record.started_at and record.duration_s is None:
+            with contextlib.suppress(ValueError):
+                record.duration_s = round((datetime.fromisoformat(record.ended_at)
+                                           - datetime.fromisoformat(record.started_at)).total_seconds(), 3)
+        write_record(share, record)
+        if notify is not None:
+            notify(record)
+        return record
+
+    def refresh(self, experiment: str, share: Share) -> None:
+        """Bring the share's records up to date: the backend's own view first, then fail runs that are lost."""
+        self.sync(experiment, share)
+        records, _problems = load_records(share, experiment)
+        open_runs = [r for r in records if not r.final and r.backend == self.name]
+        if open_runs:
+            for run_id, error in self.lost_runs(experiment, share, open_runs).items():
+                current = read_record_or_none(share, experiment, run_id)
+                if current is not None and not current.final:
+                    self.finalize(share, current, Status.FAILED, error)
+
+    def wait(self, experiment: str, share: Share, run_ids: Sequence[str],
+             on_update: UpdateCallback | None = None) -> None:
+        """Poll until every run in ``run_ids`` is final, reporting each change through ``on_update``."""
+        notify = on_update or (lambda _r: None)
+        poll = self.poll_s if self.poll_s is not None else (0.5 if share.local_path("") is not None else 2.0)
+        seen: dict[str, tuple[Any, ...]] = {}
+        pending = list(run_ids)
+        last_beat = time.monotonic()
+        try:
+            while pending:
+                self.sync(experiment, share, pending)
+                for run_id in list(pending):
+                    record = read_record(share, experiment, run_id)
+                    if record is None:
+                        continue
+                    key = (record.status, record.attempts, record.cells_done, record.ended_at)
+                    if seen.get(run_id) != key:
+                        seen[run_id] = key
+                        notify(record)
+                    if record.final:
+                        pending.remove(run_id)
+                if pending and time.monotonic() - last_beat > self.heartbeat_s:
+                    last_beat = time.monotonic()
+                    self.heartbeat(experiment, share, pending)
+                    continue
+                if pending:
+                    time.sleep(poll)
+        except KeyboardInterrupt:
+            self.interrupted(experiment, share, pending)
+            raise
+
+
+def order_longest_first(runs: Sequence[Run], share: Share) -> list[Run]:
+    """Runs ordered by past duration, longest (or never seen) first: shortens the makespan."""
+    if not runs:
+        return []
+    records, _ = load_records(share, runs[0].experiment)
+    by_id = {r.run_id: r for r in records}
+    by_framework: dict[str, list[float]] = {}
+    for rec in records:
+        if rec.duration_s and rec.status == Status.SUCCEEDED:
+            by_framework.setdefault(rec.framework or rec.notebook, []).append(rec.duration_s)
+    means = {k: sum(v) / len(v) for k, v in by_framework.items()}
+
+    def past(run: Run) -> float:
+        record = by_id.get(run.run_id)
+        if record and record.duration_s:
+            return record.duration_s
+        return means.get(run.framework or run.notebook_rel, float("inf"))
+
+    return sorted(runs, key=lambda r: -past(r))
+
+
+__all__ = ["Backend", "Capabilities", "Compute", "NbbatchError", "Setting", "SubmitOptions", "SubmitOutcome",
+           "order_longest_first"]

@@ -2,7 +2,7 @@
 
 Each run executes in a worker thread of this process (papermill is imported once; the kernels are
 separate processes). Runs start longest-first by their past durations, GPU runs get
-``CUDA_VISIBLE_DEVICES`` from a :class:`~nbbatch.gpus.SlotPool`, CPU runs get it empty.
+``CUDA_VISIBLE_DEVICES`` from a :class:`~nbbatch.execute.gpus.SlotPool`, CPU runs get it empty.
 Ctrl-C cancels: kernels are killed, runs are marked ``cancelled``, finished output stays.
 """
 
@@ -10,45 +10,45 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
-from ..errors import BackendError, ShareError, ValidationError, did_you_mean
-from ..execute import CANCEL_MARKER, SHARE_FAILED, execute_run, kernel_launch, read_record, write_cancel_markers, write_record
-from ..gpus import GpuInfo, SlotPool, detect_gpus
-from ..runrecord import RunError, RunRecord, utc_now
-from ..runs import Run
-from ..share import Share
-from .base import Compute, SubmitOptions
+from nbbatch.backends.base import Backend, Capabilities, Compute, Setting, SubmitOptions
+from nbbatch.errors import ShareError, ValidationError
+from nbbatch.execute.attempt import SHARE_FAILED, execute_run, kernel_launch
+from nbbatch.execute.gpus import GpuInfo, SlotPool, detect_gpus
+from nbbatch.plan.runs import Run
+from nbbatch.store.records import cancel_requested
+from nbbatch.store.runrecord import ErrorKind, RunError, RunRecord, Status
+from nbbatch.store.share import Share
 
 if TYPE_CHECKING:
-    from ..kernels import KernelPool
+    from nbbatch.execute.kernels import KernelPool
 
 
 PRESTART_DEFAULT = 0  # kernels started ahead of the next CPU runs (opt-in: `backend: {name: local, prestart: 2}`)
 
 
-class LocalBackend:
+class LocalBackend(Backend):
     """Execute runs on this machine's CPUs and GPUs."""
 
     name: ClassVar[str] = "local"
+    capabilities: ClassVar[Capabilities] = Capabilities(gpu_slots=True)
+    SETTINGS: ClassVar[dict[str, Setting]] = {
+        "max_parallel": Setting(None, (int,), minimum=1),
+        "prestart": Setting(None, (int,), minimum=0),  # kernels started ahead of their CPU runs
+    }
+    settings_hint: ClassVar[str] = "use resources: for gpus, runs_per_gpu, max_parallel"
 
     def __init__(self, gpus: list[GpuInfo] | None = None, max_parallel: int | None = None,
                  prestart: int | None = None, **unknown: object):
-        if unknown:  # named only, never echoed: a mistaken setting may hold a secret
-            bad = sorted(map(str, unknown))[0]
-            raise BackendError(f"unknown local backend setting `{bad}`{did_you_mean(bad, ['max_parallel', 'prestart'])}; "
-                               "the local backend takes only max_parallel and prestart (use resources: for gpus, "
-                               "runs_per_gpu, max_parallel)")
-        if max_parallel is not None and (isinstance(max_parallel, bool) or not isinstance(max_parallel, int)
-                                         or max_parallel < 1):
-            raise BackendError(f"local backend setting max_parallel must be an integer ≥ 1 (got {max_parallel!r})")
-        if prestart is not None and (isinstance(prestart, bool) or not isinstance(prestart, int) or prestart < 0):
-            raise BackendError(f"local backend setting prestart must be an integer ≥ 0 (got {prestart!r})")
+        """``gpus`` replaces NVML's list (for tests); the rest are the experiment's ``backend:`` settings."""
+        super().__init__(max_parallel=max_parallel, prestart=prestart, **unknown)
         self._gpus = gpus
         self.max_parallel = max_parallel
-        self.prestart = prestart  # kernels started ahead of their CPU runs (None: PRESTART_DEFAULT)
+        self.prestart = prestart  # None: PRESTART_DEFAULT
 
     @property
     def gpus(self) -> list[GpuInfo]:
@@ -73,8 +73,8 @@ class LocalBackend:
             raise ValidationError(f"runs ask for {need} GPU(s) each but this machine has {have}; "
                                   "set resources.gpus to 0 to run on the CPU, or use another backend")
 
-    def submit(self, runs: Sequence[Run], share: Share, options: SubmitOptions) -> None:
-        self.check(runs)
+    def start(self, runs: Sequence[Run], share: Share, options: SubmitOptions) -> None:
+        """Run every run in worker threads of this process, on GPU slots; return when all are final."""
         pool = SlotPool([g.index for g in self.gpus], options.runs_per_gpu)
         cpu_parallel = options.max_parallel or self.max_parallel or (os.cpu_count() or 1)
         gpu_parallel = options.max_parallel or self.max_parallel or max(pool.capacity, 1)
@@ -85,9 +85,15 @@ class LocalBackend:
         changed = threading.Condition()
         notify = options.on_update or (lambda _r: None)
         share_failures: list[ShareError] = []  # the share cannot be written (full): start no more runs
-        from ..kernels import KernelPool  # imports jupyter_client: not at module import
+        from nbbatch.execute.kernels import KernelPool  # imports jupyter_client: not at module import
 
         kernels = KernelPool(PRESTART_DEFAULT if self.prestart is None else self.prestart)
+
+        def cancel_pending(reason: str) -> None:
+            for run in pending:
+                self.finalize(share, run, Status.CANCELLED, RunError("cancelled", "", reason=reason,
+                                                                     kind=ErrorKind.CANCELLED), notify)
+            pending.clear()
 
         def worker(run: Run, gpu_ids: list[int]) -> None:
             try:
@@ -96,9 +102,11 @@ class LocalBackend:
                                 on_update=notify, kernels=kernels)
                 except ShareError as exc:
                     share_failures.append(exc)
-                    _mark(share, run, "failed", RunError("ShareError", str(exc), reason=SHARE_FAILED), notify)
+                    self.finalize(share, run, Status.FAILED, RunError("ShareError", str(exc), reason=SHARE_FAILED,
+                                                                      kind=ErrorKind.SHARE), notify)
                 except Exception as exc:  # noqa: BLE001 - a failure in one run never loses another's results
-                    _mark(share, run, "failed", RunError(type(exc).__name__, str(exc), reason="nbbatch error"), notify)
+                    self.finalize(share, run, Status.FAILED, RunError(type(exc).__name__, str(exc), reason="nbbatch error",
+                                                                      kind=ErrorKind.INTERNAL), notify)
             except ShareError as exc:  # not even the failure could be recorded; resubmitting reruns the run
                 share_failures.append(exc)
             finally:
@@ -108,33 +116,28 @@ class LocalBackend:
                     gpu_runs.discard(run.run_id)
                     changed.notify_all()
 
-        def experiment_cancelled() -> bool:
-            return share.exists(f"{runs[0].experiment}/{CANCEL_MARKER}") if runs else False
-
         try:
             with changed:
                 while pending or active:
                     if share_failures and pending:
                         for run in pending:
                             with contextlib.suppress(ShareError):
-                                _mark(share, run, "cancelled", RunError("ShareError", str(share_failures[0]),
-                                                                        reason="not started: " + SHARE_FAILED), notify)
+                                self.finalize(share, run, Status.CANCELLED, RunError(
+                                    "ShareError", str(share_failures[0]), reason="not started: " + SHARE_FAILED,
+                                    kind=ErrorKind.SHARE), notify)
                         pending.clear()
                         kernels.close()
-                    if cancel.is_set() or experiment_cancelled():
+                    if cancel.is_set() or (runs and cancel_requested(share, runs[0].experiment)):
                         cancel.set()
-                        for run in pending:
-                            _mark(share, run, "cancelled", RunError("cancelled", "", reason="cancelled before it started"),
-                                  notify)
-                        pending.clear()
+                        cancel_pending("cancelled before it started")
                         kernels.close()
                     started = False
                     for run in list(pending):
-                        if share.exists(f"{run.experiment}/{run.run_id}/{CANCEL_MARKER}"):
+                        if cancel_requested(share, run.experiment, run.run_id):
                             pending.remove(run)
                             kernels.discard(run.run_id)
-                            _mark(share, run, "cancelled", RunError("cancelled", "", reason="cancelled before it started"),
-                                  notify)
+                            self.finalize(share, run, Status.CANCELLED, RunError(
+                                "cancelled", "", reason="cancelled before it started", kind=ErrorKind.CANCELLED), notify)
                             continue
                         running_gpu = sum(1 for r in active if r in gpu_runs)
                         running_cpu = len(active) - running_gpu
@@ -156,8 +159,7 @@ class LocalBackend:
                         changed.wait(timeout=0.5)
         except KeyboardInterrupt:
             cancel.set()
-            for run in pending:
-                _mark(share, run, "cancelled", RunError("cancelled", "", reason="interrupted before it started"), notify)
+            cancel_pending("interrupted before it started")
             for thread in list(active.values()):
                 thread.join()
             raise
@@ -166,30 +168,12 @@ class LocalBackend:
         if share_failures:
             raise share_failures[0]
 
-    def refresh(self, experiment: str, share: Share) -> None:
-        """Local records are written as runs progress; a run left ``running`` by a dead driver is marked failed."""
-        import socket
-
+    def lost_runs(self, experiment: str, share: Share, records: Sequence[RunRecord]) -> dict[str, RunError]:
+        """Runs left ``running`` or ``queued`` by a submitting process of this machine that is gone."""
         host = socket.gethostname()
-        for run_id in share.list(experiment):
-            try:
-                record = read_record(share, experiment, run_id)
-            except Exception:  # noqa: BLE001 - corrupt records are reported by status, not here
-                continue
-            if record and record.status in ("running", "queued") and record.host == host and record.backend == "local":
-                if record.pid and not _alive(record.pid):
-                    record.status = "failed"
-                    record.ended_at = utc_now()
-                    record.error = RunError("DriverDied", f"process {record.pid} that ran it is gone",
-                                            reason="the submitting process died; resubmit to rerun")
-                    write_record(share, record)
-
-    def cancel(self, experiment: str, share: Share, run_ids: Sequence[str] | None = None) -> list[str]:
-        return write_cancel_markers(share, experiment, run_ids)
-
-    def stream_log(self, experiment: str, share: Share, run_id: str, follow: bool = False) -> Iterator[str] | None:
-        return None
-
+        return {r.run_id: RunError("DriverDied", f"process {r.pid} that ran it is gone",
+                                   reason="the submitting process died; resubmit to rerun", kind=ErrorKind.INFRA)
+                for r in records if r.host == host and r.pid and not _alive(r.pid)}
 
 
 def _prestart(kernels: KernelPool, pending: list[Run]) -> None:
@@ -210,13 +194,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _mark(share: Share, run: Run, status: str, error: RunError, notify) -> RunRecord:
-    from ..execute import new_record
-
-    record = read_record(share, run.experiment, run.run_id) or new_record(run)
-    record.status, record.error, record.ended_at = status, error, utc_now()
-    write_record(share, record)
-    notify(record)
-    return record

@@ -7,8 +7,8 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 
-from .runrecord import RunRecord
-from .share import Share
+from nbbatch.store.runrecord import RunRecord
+from nbbatch.store.share import Share
 
 
 @contextlib.contextmanager
@@ -18,8 +18,8 @@ def live_progress(share: Share, experiment: str, run_ids: list[str]) -> Iterator
     from rich.live import Live
     from rich.text import Text
 
-    from .execute import read_record
-    from .results import status_table, summary_counts
+    from nbbatch.results.status import status_table, summary_counts
+    from nbbatch.store.records import read_record
 
     records: dict[str, RunRecord] = {}
     for run_id in run_ids:

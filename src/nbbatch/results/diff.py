@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from .errors import NbbatchError, did_you_mean
-from .record import METRICS_MIME, metrics_from_notebook
-from .runrecord import OUTPUT_NOTEBOOK
-from .share import Share, open_share
+from nbbatch.errors import NbbatchError, did_you_mean
+from nbbatch.record import METRICS_MIME, metrics_from_notebook
+from nbbatch.store.layout import OUTPUT_NOTEBOOK
+from nbbatch.store.share import Share, open_share
 
 # papermill's notebook-level metadata that changes with every execution
 _VOLATILE_PAPERMILL = ("start_time", "end_time", "duration", "input_path", "output_path",
@@ -87,7 +87,7 @@ def load_run_notebook(ref: str | os.PathLike[str], share: str | os.PathLike[str]
     clean = text.strip("/")
     experiment, sep, run = clean.rpartition("/")
     if share is None:
-        from .api import open_experiment_share
+        from nbbatch.api import open_experiment_share
 
         # the share this experiment was submitted to from this project (default: results/)
         opened = open_experiment_share(experiment or clean)[1]
@@ -219,9 +219,9 @@ class NotebookDiff:
 
         import jinja2
 
-        from . import __version__
+        from nbbatch import __version__
 
-        template = importlib.resources.files("nbbatch").joinpath("templates/diff.html.j2").read_text("utf-8")
+        template = importlib.resources.files("nbbatch.results").joinpath("templates/diff.html.j2").read_text("utf-8")
         environment = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
         pa, pb = self.a.parameters, self.b.parameters
         return environment.from_string(template).render(

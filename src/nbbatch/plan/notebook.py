@@ -10,7 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from .errors import ValidationError, did_you_mean
+from nbbatch.errors import ValidationError, did_you_mean
 
 PARAMETERS_TAG = "parameters"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .share import Share
+from nbbatch.store.share import Share
 
 
 def fetch(share: Share, experiment: str, dest: Path, names: tuple[str, ...] | None = None) -> list[Path]:

@@ -19,7 +19,7 @@ def write_notebook_atomic(nb: Any, path: str | os.PathLike[str]) -> None:
     target = Path(path)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
     try:
-        from .share import FILE_MODE
+        from nbbatch.store.share import FILE_MODE
 
         os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as handle:

@@ -12,7 +12,7 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import SpecError, did_you_mean
+from nbbatch.errors import SpecError, did_you_mean
 
 DISTRIBUTIONS = ("uniform", "loguniform", "normal", "randint", "choice")
 SWEEP_KINDS = ("grid", "zip", "random")

@@ -1,7 +1,7 @@
 """The Ray backend: each run is a Ray task that executes ``nbbatch run-one`` on whichever node Ray picks.
 
 A run asks Ray for ``num_gpus`` = its GPUs (``1/runs_per_gpu`` when several runs share one GPU) and
-``num_cpus`` (setting, default 1). On the node, the task starts ``python -m nbbatch.cli run-one`` as a
+``num_cpus`` (setting, default 1). On the node, the task starts ``python -m nbbatch run-one`` as a
 subprocess with ``CUDA_VISIBLE_DEVICES`` set from :func:`ray.get_gpu_ids` (empty for CPU runs); the
 notebook runs in that node's framework kernel, found through the project's Jupyter path, so the
 framework environments need no Ray. Outputs go to the share, which every node must see.
@@ -51,12 +51,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..errors import BackendError, ValidationError
-from ..execute import CANCEL_MARKER, new_record, read_record, write_cancel_markers, write_record
-from ..runrecord import RunError, RunRecord, utc_now
-from ..runs import Run
-from ..share import Share, open_share
-from .base import Compute, SubmitOptions
+from nbbatch.backends.base import Compute, SubmitOptions
+from nbbatch.errors import BackendError, ValidationError
+from nbbatch.plan.runs import Run
+from nbbatch.store.layout import CANCEL_MARKER
+from nbbatch.store.records import new_record, read_record, write_cancel_markers, write_record
+from nbbatch.store.runrecord import RunError, RunRecord, utc_now
+from nbbatch.store.share import Share, open_share
 
 NAMESPACE = "nbbatch"
 NODE_ID_ENV = "NBBATCH_RAY_NODE_ID"  # set for the run (and its kernel): the Ray node it executes on
@@ -120,7 +121,7 @@ class RayBackend:
                  autoscaling: bool = False, cancel_grace_s: float = 15.0, linger_s: float = 60.0,
                  poll_s: float | None = None, **unknown: Any):
         if unknown:
-            from ..errors import did_you_mean
+            from nbbatch.errors import did_you_mean
 
             key = sorted(unknown)[0]
             raise BackendError(f"unknown ray backend setting `{key}`{did_you_mean(key, _SETTINGS)}; "
@@ -664,7 +665,7 @@ def execute_on_node(spec: dict[str, Any]) -> dict[str, Any]:
     env = dict(os.environ)
     env.update(spec.get("env") or {})
     env.update({"CUDA_VISIBLE_DEVICES": devices, NODE_ID_ENV: node_id})
-    cmd = [sys.executable, "-m", "nbbatch.cli", "run-one", "--spec", json.dumps(run), "--share", spec["share"],
+    cmd = [sys.executable, "-m", "nbbatch", "run-one", "--spec", json.dumps(run), "--share", spec["share"],
            "--gpus", devices, "--backend", "ray"]
     cwd = None
     if project:
@@ -723,7 +724,7 @@ def _client_mode(ray: Any) -> bool:
 
 
 def _project_root(run: Run) -> str | None:
-    from ..project import find_project
+    from nbbatch.spec.project import find_project
 
     with contextlib.suppress(Exception):
         return str(find_project(Path(run.notebook).parent).root)

@@ -86,11 +86,11 @@ def plan(experiment: Any, project: Any = None, check_kernels: bool = True) -> Pl
     Raises a :class:`~nbbatch.errors.NbbatchError` describing the first problem; nothing runs.
     ``check_kernels=False`` skips local kernel/env checks (for backends that run elsewhere).
     """
-    from .envs import require_ready
-    from .errors import ValidationError, did_you_mean
-    from .frameworks import get_framework
-    from .notebook import inspect_notebook, validate_parameters
-    from .project import find_project
+    from nbbatch.errors import ValidationError, did_you_mean
+    from nbbatch.execute.envs import require_ready
+    from nbbatch.plan.notebook import inspect_notebook, validate_parameters
+    from nbbatch.spec.frameworks import get_framework
+    from nbbatch.spec.project import find_project
 
     project = project or find_project(experiment.base_dir)
     project.activate_kernels()

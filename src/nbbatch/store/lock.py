@@ -12,7 +12,7 @@ import socket
 import time
 from pathlib import Path
 
-from .errors import LockedError
+from nbbatch.errors import LockedError
 
 try:
     import fcntl
@@ -34,7 +34,7 @@ class ExperimentLock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
-            from .errors import ShareError
+            from nbbatch.errors import ShareError
 
             raise ShareError(f"cannot create the lock file {self.path} of experiment `{self.experiment}`: "
                              f"{exc.strerror or exc}") from exc

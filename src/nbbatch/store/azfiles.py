@@ -1,8 +1,8 @@
 """Azure File shares as nbbatch shares: ``azfiles://<account>/<share>[/<prefix>]``.
 
-Importing this module registers the ``azfiles`` scheme with :func:`nbbatch.share.register_share`
-(:func:`nbbatch.share.open_share` imports it on first use, so ``import nbbatch`` stays free of the
-Azure SDKs). The share behaves like :class:`nbbatch.share.FileShare`: a file is uploaded under a
+Importing this module registers the ``azfiles`` scheme with :func:`nbbatch.store.share.register_share`
+(:func:`nbbatch.store.share.open_share` imports it on first use, so ``import nbbatch`` stays free of the
+Azure SDKs). The share behaves like :class:`nbbatch.store.share.FileShare`: a file is uploaded under a
 hidden temporary name and then renamed over its target (the File service's rename), so a reader
 sees the old file or the new one, never half of one.
 
@@ -39,8 +39,8 @@ from azure.core.exceptions import (
 )
 from azure.storage.fileshare import ShareClient
 
-from .errors import ShareError
-from .share import Share, register_share
+from nbbatch.errors import ShareError
+from nbbatch.store.share import Share, register_share
 
 SCHEME = "azfiles"
 ENDPOINT_ENV = "NBBATCH_AZFILES_ENDPOINT"
@@ -110,7 +110,7 @@ def _resolve_credential(account: str, endpoint: str) -> tuple[Any, bool]:
 
 
 class AzureFileShare:
-    """An Azure File share (or a folder in one) implementing :class:`nbbatch.share.Share`."""
+    """An Azure File share (or a folder in one) implementing :class:`nbbatch.store.share.Share`."""
 
     def __init__(
         self,

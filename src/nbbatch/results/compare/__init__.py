@@ -32,10 +32,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from .errors import NbbatchError, did_you_mean
-from .record import metrics_from_notebook
-from .runrecord import LOG_FILE, OUTPUT_NOTEBOOK, RUN_RECORD, RunRecord
-from .share import Share, open_share
+from nbbatch.errors import NbbatchError, did_you_mean
+from nbbatch.record import metrics_from_notebook
+from nbbatch.store.runrecord import RunRecord
+from nbbatch.store.layout import LOG_FILE, OUTPUT_NOTEBOOK, RUN_RECORD
+from nbbatch.store.share import Share, open_share
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -291,7 +292,7 @@ def collect(share_or_path: str | os.PathLike[str] | Share,
             experiments: str | Sequence[str] | None = None) -> pd.DataFrame:
     """One row per run of ``experiments`` in a share, or of every run under a folder.
 
-    ``share_or_path`` is a share (URL, folder or :class:`~nbbatch.share.Share`), any folder of
+    ``share_or_path`` is a share (URL, folder or :class:`~nbbatch.store.share.Share`), any folder of
     papermill outputs (searched a few levels deep), or one executed ``.ipynb``. ``experiments``
     names folders in it; ``None`` takes everything below. Columns: see the module docstring
     (``param.*`` and ``metric.*`` come from whatever the runs have). Raises :class:`NbbatchError`
@@ -364,7 +365,7 @@ def collect_targets(targets: Sequence[str], share: str | os.PathLike[str] | Shar
         if share is None and Path(target).exists() and not target.endswith((".yaml", ".yml")):
             frames.append(collect(target))
         else:
-            from .api import open_experiment_share
+            from nbbatch.api import open_experiment_share
 
             name, opened = open_experiment_share(target, share)
             frames.append(collect(opened, [name]))
@@ -377,7 +378,7 @@ def collect_targets(targets: Sequence[str], share: str | os.PathLike[str] | Shar
 
 
 def _default_share() -> str:
-    from .project import find_project
+    from nbbatch.spec.project import find_project
 
     return str(find_project().results_dir)
 
@@ -782,12 +783,12 @@ def plot_metric_vs_param(frame: pd.DataFrame, metric: str | None = None, param: 
 
 def load_telemetry(frame: pd.DataFrame, share: str | os.PathLike[str] | Share | None = None
                    ) -> dict[str, list[dict[str, Any]]]:
-    """The telemetry series of the runs that have one: ``{run label: samples}`` (see :mod:`nbbatch.telemetry`).
+    """The telemetry series of the runs that have one: ``{run label: samples}`` (see :mod:`nbbatch.execute.telemetry`).
 
     Reads ``<run folder>/telemetry.json`` (or ``.csv``) through ``share`` (default: the share
     :func:`collect` read). Unreadable series are skipped.
     """
-    from .telemetry import read_series
+    from nbbatch.execute.telemetry import read_series
 
     if "telemetry_file" not in frame or frame["telemetry_file"].isna().all():
         return {}
@@ -868,8 +869,8 @@ def render_report(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, m
 
     import jinja2
 
-    from . import __version__
-    from .runrecord import utc_now
+    from nbbatch import __version__
+    from nbbatch.store.runrecord import utc_now
 
     report_dir = Path(report_path).resolve().parent
     figures = []
@@ -901,7 +902,7 @@ def render_report(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, m
     ]
     counts = frame["status"].value_counts(dropna=False) if len(frame) else {}
     experiments = sorted({str(e) for e in frame.get("experiment", [])})
-    template_text = importlib.resources.files("nbbatch").joinpath("templates/report.html.j2").read_text("utf-8")
+    template_text = importlib.resources.files("nbbatch.results").joinpath("templates/report.html.j2").read_text("utf-8")
     environment = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     return environment.from_string(template_text).render(
         title=title or f"nbbatch report: {', '.join(experiments) or 'runs'}",

@@ -10,7 +10,7 @@ jupyter_client's kernel manager and client with three changes, and a pool of ker
   ever executes the one notebook it was started for.
 
 No papermill here: the local backend imports this module without importing papermill (papermill's
-entry-point scan imports ``nbbatch.engine``).
+entry-point scan imports ``nbbatch.execute.engine``).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class ReadyKernelClient(AsyncKernelClient):
 class BatchKernelManager(AsyncKernelManager):
     """jupyter_client's async kernel manager with a non-sleeping client and a quick reap after a kill."""
 
-    client_class = DottedObjectName("nbbatch.kernels.ReadyKernelClient")
+    client_class = DottedObjectName("nbbatch.execute.kernels.ReadyKernelClient")
     client_factory = Type(klass=ReadyKernelClient)
 
     async def _async_wait(self, pollinterval: float = 0.1) -> None:

@@ -6,37 +6,22 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from .errors import NbbatchError, ShareError, did_you_mean
-from .runrecord import FINAL_STATUSES, LOG_FILE, RUN_RECORD, RunRecord
-from .share import Share
+from nbbatch.errors import NbbatchError, did_you_mean
+from nbbatch.store.layout import run_paths
+from nbbatch.store.records import read_record, run_ids
+from nbbatch.store.runrecord import RunRecord, Status
+from nbbatch.store.share import Share
 
-STATUS_STYLE = {"queued": "dim", "running": "bold blue", "succeeded": "green", "failed": "bold red",
-                "cancelled": "yellow", "timed_out": "magenta"}
+# One colour per status, for every view (terminal tables, widgets, the HTML report).
+STATUS_STYLE = {Status.QUEUED: "dim", Status.RUNNING: "bold blue", Status.SUCCEEDED: "green", Status.FAILED: "bold red",
+                Status.CANCELLED: "yellow", Status.TIMED_OUT: "magenta"}
 KEY_METRICS = ("accuracy", "train_seconds", "images_per_second")
-
-
-def load_records(share: Share, experiment: str, strict: bool = False) -> tuple[list[RunRecord], list[str]]:
-    """Every run record of an experiment, and the problems found (corrupt records, with their paths)."""
-    records, problems = [], []
-    for run_id in share.list(experiment):
-        path = f"{experiment}/{run_id}/{RUN_RECORD}"
-        try:
-            data = share.read_bytes(path)
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            continue
-        try:
-            records.append(RunRecord.from_json(data, source=f"{share.url}/{path}"))
-        except ShareError as exc:
-            if strict:
-                raise
-            problems.append(str(exc))
-    return records, problems
 
 
 def resolve_run_id(share: Share, experiment: str, ref: str) -> str:
     """A full run id from an id or a unique prefix of one."""
-    ids = [r for r in share.list(experiment) if share.exists(f"{experiment}/{r}/{RUN_RECORD}")
-           or share.exists(f"{experiment}/{r}/{LOG_FILE}")]
+    ids = [r for r in run_ids(share, experiment) if share.exists(run_paths(experiment, r).record)
+           or share.exists(run_paths(experiment, r).log)]
     if ref in ids:
         return ref
     matches = [r for r in ids if r.startswith(ref)]
@@ -100,7 +85,7 @@ def summary_counts(records: list[RunRecord]) -> dict[str, int]:
 
 def read_log(share: Share, experiment: str, run_id: str, tail: int | None = None) -> str:
     try:
-        text = share.read_bytes(f"{experiment}/{run_id}/{LOG_FILE}").decode("utf-8", "replace")
+        text = share.read_bytes(run_paths(experiment, run_id).log).decode("utf-8", "replace")
     except FileNotFoundError:
         return ""
     if tail:
@@ -111,10 +96,9 @@ def read_log(share: Share, experiment: str, run_id: str, tail: int | None = None
 def follow_log(share: Share, experiment: str, run_id: str, poll: float = 0.5,
                timeout: float | None = None) -> Iterator[str]:
     """Yield the log as it grows until the run is final (``logs -f``)."""
-    from .execute import read_record
-
     offset = 0
-    local = share.local_path(f"{experiment}/{run_id}/{LOG_FILE}")
+    log_path = run_paths(experiment, run_id).log
+    local = share.local_path(log_path)
     started = time.monotonic()
     final = False
     while True:
@@ -127,7 +111,7 @@ def follow_log(share: Share, experiment: str, run_id: str, poll: float = 0.5,
                 chunk = b""
         else:
             try:
-                data = share.read_bytes(f"{experiment}/{run_id}/{LOG_FILE}")
+                data = share.read_bytes(log_path)
             except FileNotFoundError:
                 data = b""
             chunk = data[offset:]
@@ -138,7 +122,7 @@ def follow_log(share: Share, experiment: str, run_id: str, poll: float = 0.5,
         if final:
             return
         record = read_record(share, experiment, run_id)
-        if record is not None and record.status in FINAL_STATUSES:
+        if record is not None and record.final:
             final = True  # read once more: the last lines were written just before the record
             continue
         if timeout is not None and time.monotonic() - started > timeout:

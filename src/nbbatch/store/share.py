@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from .errors import ShareError
+from nbbatch.errors import ShareError
 
 
 @runtime_checkable
@@ -152,7 +152,7 @@ def open_share(url: str | os.PathLike[str] | Share) -> Share:
 
 def _load_builtin_scheme(scheme: str) -> None:
     # Importing the module registers its scheme; kept lazy so `import nbbatch` stays light.
-    builtin = {"azfiles": "nbbatch.azure_share"}
+    builtin = {"azfiles": "nbbatch.store.azfiles"}
     if scheme in builtin:
         import importlib
 

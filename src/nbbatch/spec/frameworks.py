@@ -12,8 +12,8 @@ from typing import Any
 
 import yaml
 
-from .errors import ValidationError, did_you_mean
-from .project import Project, find_project
+from nbbatch.errors import ValidationError, did_you_mean
+from nbbatch.spec.project import Project, find_project
 
 FRAMEWORK_FILE = "framework.yaml"
 _KNOWN_KEYS = {

@@ -56,14 +56,14 @@ from azure.ai.ml.entities import (
 )
 from azure.core.exceptions import AzureError, HttpResponseError, ResourceNotFoundError
 
-from ..errors import BackendError, did_you_mean
-from ..runrecord import FINAL_STATUSES, RunError, RunRecord, utc_now
-from ..runs import Run
-from ..share import Share
-from .base import Compute, SubmitOptions
+from nbbatch.backends.base import Compute, SubmitOptions
+from nbbatch.errors import BackendError, did_you_mean
+from nbbatch.plan.runs import Run
+from nbbatch.store.runrecord import FINAL_STATUSES, RunError, RunRecord, utc_now
+from nbbatch.store.share import Share
 
 if TYPE_CHECKING:
-    from ..azure_share import AzureFilesLocation
+    from nbbatch.store.azfiles import AzureFilesLocation
 
 __all__ = [
     "AzureMLBackend",
@@ -83,11 +83,11 @@ __all__ = [
 ]
 
 JOB_FILE = "azureml.json"
-CANCEL_MARKER = "CANCEL"  # the executor's marker (nbbatch.execute.CANCEL_MARKER), checked between cells
+CANCEL_MARKER = "CANCEL"  # the executor's marker (nbbatch.store.layout.CANCEL_MARKER), checked between cells
 KEY_ENV = "AZURE_STORAGE_KEY"
 DEFAULT_CLUSTER = "nbbatch-gpu"
 DEFAULT_VM_SIZE = "Standard_NC4as_T4_v3"
-DEFAULT_LAUNCHER = 'PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" python -m nbbatch.cli'
+DEFAULT_LAUNCHER = 'PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" python -m nbbatch'
 
 # --- job states -------------------------------------------------------------------------------
 
@@ -504,7 +504,7 @@ def _project_root_of(run: Run) -> Path:
     notebook, rel = Path(run.notebook), Path(run.notebook_rel)
     if notebook.is_absolute() and not rel.is_absolute() and notebook.parts[-len(rel.parts):] == rel.parts:
         return notebook.parents[len(rel.parts) - 1]
-    from ..project import find_project
+    from nbbatch.spec.project import find_project
 
     return find_project().root
 
@@ -534,8 +534,8 @@ def build_code_snapshot(runs: Sequence[Run], dest: Path, project_root: Path | No
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, target)
     if frameworks:
-        from ..frameworks import list_frameworks
-        from ..project import Project
+        from nbbatch.spec.frameworks import list_frameworks
+        from nbbatch.spec.project import Project
 
         root = project_root or _project_root_of(runs[0])
         known = list_frameworks(Project(root))
@@ -649,7 +649,7 @@ class AzureMLBackend:
 
     def submit(self, runs: Sequence[Run], share: Share, options: SubmitOptions) -> None:
         """Submit one command job per run (skipping succeeded runs and runs whose job is still active)."""
-        from ..execute import new_record, read_record, write_record
+        from nbbatch.store.records import new_record, read_record, write_record
 
         location = _azure_files_location(share)
         force = bool(options.extra.get("force", False))
@@ -711,7 +711,7 @@ class AzureMLBackend:
         share_prefix: str = "",
     ) -> Command:
         """The command job of one run (what :meth:`submit` sends; also handy to inspect or dump as YAML)."""
-        from ..execute import SECRET_ENV_HINTS
+        from nbbatch.redact import SECRET_NAME_HINTS as SECRET_ENV_HINTS
 
         secret = sorted(k for k in run.env if any(h in k.upper() for h in SECRET_ENV_HINTS))
         if secret:
@@ -761,8 +761,8 @@ class AzureMLBackend:
                                "no image for it; set `environments: {'*': azureml:<name>:<version>}` in `backend:`")
         if key in self._environment_refs:
             return self._environment_refs[key]
-        from ..frameworks import get_framework
-        from ..project import Project
+        from nbbatch.spec.frameworks import get_framework
+        from nbbatch.spec.project import Project
 
         root = _project_root_of(run)
         framework = get_framework(run.framework, Project(root))
@@ -800,7 +800,7 @@ class AzureMLBackend:
         self._refresh(experiment, share, None)
 
     def _refresh(self, experiment: str, share: Share, run_ids: Sequence[str] | None) -> list[RunRecord]:
-        from ..execute import read_record, write_record
+        from nbbatch.store.records import read_record, write_record
 
         changed: list[RunRecord] = []
         for run_id in run_ids if run_ids is not None else share.list(experiment):
@@ -823,7 +823,7 @@ class AzureMLBackend:
 
     def wait(self, experiment: str, share: Share, run_ids: Sequence[str], options: SubmitOptions) -> None:
         """Poll until every run in ``run_ids`` is final, reporting changes through ``options.on_update``."""
-        from ..execute import read_record
+        from nbbatch.store.records import read_record
 
         seen: dict[str, tuple[str, int]] = {}
         while True:
@@ -846,7 +846,7 @@ class AzureMLBackend:
 
     def cancel(self, experiment: str, share: Share, run_ids: Sequence[str] | None = None) -> list[str]:
         """Cancel the jobs of unfinished runs (all when ``run_ids`` is None); return the run ids asked to stop."""
-        from ..execute import read_record, write_record
+        from nbbatch.store.records import read_record, write_record
 
         targets = list(run_ids) if run_ids else share.list(experiment)
         asked: list[str] = []
@@ -911,7 +911,7 @@ def _job_name(run_id: str) -> str:
 
 
 def _azure_files_location(share: Share) -> AzureFilesLocation:
-    from ..azure_share import AzureFileShare, parse_azfiles_url
+    from nbbatch.store.azfiles import AzureFileShare, parse_azfiles_url
 
     if isinstance(share, AzureFileShare):
         return share.location
@@ -1001,7 +1001,7 @@ def _redirected_stdout(thread: threading.Thread, sink: queue.Queue[str | None]) 
 def _settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     settings: dict[str, Any] = {}
     if getattr(args, "experiment", None):
-        from ..spec import load_experiment
+        from nbbatch.spec.experiment import load_experiment
 
         spec = load_experiment(args.experiment)
         if spec.backend != "azureml":

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import NbbatchError
+from nbbatch.errors import NbbatchError
 
 
 def _typed(value: str) -> Any:
@@ -74,7 +74,7 @@ def _console():
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from .api import submit
+    from nbbatch.api import submit
 
     result = submit(args.experiment, force=args.force, build_envs=args.build_envs, wait=not args.no_wait,
                     progress=not args.quiet, only=args.only)
@@ -94,7 +94,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .api import prepare
+    from nbbatch.api import prepare
 
     the_plan, _backend, share = prepare(args.experiment)
     if args.json:
@@ -116,8 +116,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .api import open_experiment_share, status
-    from .results import status_rows, status_table
+    from nbbatch.api import open_experiment_share, status
+    from nbbatch.results.status import status_rows, status_table
 
     name, _share = open_experiment_share(args.experiment, args.share)
     with warnings.catch_warnings(record=True) as caught:  # corrupt run records: one line each, with the path
@@ -134,7 +134,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    from .api import logs
+    from nbbatch.api import logs
 
     for chunk in logs(args.experiment, args.run, follow=args.follow, tail=args.tail, share=args.share):
         sys.stdout.write(chunk)
@@ -143,7 +143,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from .api import cancel
+    from nbbatch.api import cancel
 
     asked = cancel(args.experiment, args.runs or None, share=args.share)
     print(f"asked {len(asked)} run(s) to stop: {', '.join(asked)}" if asked else "no unfinished runs to cancel")
@@ -153,7 +153,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from papermill.exceptions import PapermillExecutionError
 
-    from .api import run_notebook
+    from nbbatch.api import run_notebook
 
     try:
         run_notebook(args.input, args.output, _parameters(args), kernel=args.kernel, cwd=args.cwd,
@@ -166,10 +166,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_run_one(args: argparse.Namespace) -> int:
-    from .execute import execute_run
-    from .project import find_project
-    from .runs import Run
-    from .share import open_share
+    from nbbatch.execute.attempt import execute_run
+    from nbbatch.plan.runs import Run
+    from nbbatch.spec.project import find_project
+    from nbbatch.store.share import open_share
 
     text = Path(args.spec_file).read_text() if args.spec_file else args.spec
     if not text:
@@ -188,8 +188,8 @@ def cmd_run_one(args: argparse.Namespace) -> int:
 
 
 def cmd_envs(args: argparse.Namespace) -> int:
-    from .envs import build_envs, list_envs, remove_env
-    from .frameworks import get_framework, list_frameworks
+    from nbbatch.execute.envs import build_envs, list_envs, remove_env
+    from nbbatch.spec.frameworks import get_framework, list_frameworks
 
     if args.action == "list":
         from rich.table import Table
@@ -220,8 +220,8 @@ def cmd_envs(args: argparse.Namespace) -> int:
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
-    from .api import open_experiment_share
-    from .fetch import fetch
+    from nbbatch.api import open_experiment_share
+    from nbbatch.store.fetch import fetch
 
     name, share = open_experiment_share(args.experiment, args.share)
     copied = fetch(share, name, Path(args.dest))
@@ -230,10 +230,10 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
-    from .backends import get_backend  # noqa: F401 - a clear error when the azure extra is missing
+    from nbbatch.backends import get_backend  # noqa: F401 - a clear error when the azure extra is missing
 
     try:
-        from .backends.azureml import cli_cluster
+        from nbbatch.backends.azureml import cli_cluster
     except ImportError as exc:
         raise NbbatchError(f"`nbbatch cluster` needs the azure extra: pip install 'nbbatch[azure]' ({exc})") from exc
     return int(cli_cluster(args) or 0)
@@ -331,9 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--share")
     p.set_defaults(func=cmd_fetch)
 
-    # compare | diff | check: arguments and handlers live in nbbatch.compare / nbbatch.diff
-    from .compare import add_check_arguments, add_compare_arguments, cli_check, cli_compare
-    from .diff import add_diff_arguments, cli_diff
+    # compare | diff | check: arguments and handlers live in nbbatch.results.compare / nbbatch.results.diff
+    from nbbatch.results.compare import add_check_arguments, add_compare_arguments, cli_check, cli_compare
+    from nbbatch.results.diff import add_diff_arguments, cli_diff
 
     p = sub.add_parser("compare", help="table of runs (parameters, metrics) from a share or any papermill outputs; "
                                        "sort/filter/group, CSV/JSON, HTML report with plots")
@@ -349,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from . import __version__
+    from nbbatch import __version__
 
     return __version__
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import yaml
 
-from .errors import SpecError, did_you_mean
-from .sweep import expand_sweep
+from nbbatch.errors import SpecError, did_you_mean
+from nbbatch.spec.sweep import expand_sweep
 
 _TOP_KEYS = ("experiment", "frameworks", "notebooks", "parameters", "sweep", "resources", "timeout",
              "cell_timeout", "retries", "backend", "share", "env")
@@ -218,7 +218,7 @@ def _notebook_path(text: str, base: Path) -> Path:
 
 
 def _all_frameworks() -> list[str]:
-    from .frameworks import list_frameworks
+    from nbbatch.spec.frameworks import list_frameworks
 
     return list(list_frameworks())
 

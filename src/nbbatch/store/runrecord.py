@@ -6,17 +6,51 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from enum import Enum
 from typing import Any
 
-from .errors import ShareError
+from nbbatch.errors import ShareError
 
 SCHEMA_VERSION = 1
-STATUSES = ("queued", "running", "succeeded", "failed", "cancelled", "timed_out")
-FINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled", "timed_out"})
 
-OUTPUT_NOTEBOOK = "output.ipynb"
-RUN_RECORD = "run.json"
-LOG_FILE = "log.txt"
+
+class Status(str, Enum):
+    """Where a run stands. A ``str``: ``record.status == "succeeded"`` and JSON hold the plain value."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def final(self) -> bool:
+        """Whether a run in this status has ended."""
+        return self in FINAL_STATUSES
+
+
+STATUSES = tuple(s.value for s in Status)
+FINAL_STATUSES = frozenset({Status.SUCCEEDED, Status.FAILED, Status.CANCELLED, Status.TIMED_OUT})
+
+
+class ErrorKind(str, Enum):
+    """Why a run did not succeed, as a value code can branch on (the error's text is for people)."""
+
+    CELL_ERROR = "cell_error"  # an exception in a cell: never retried
+    KERNEL_DIED = "kernel_died"  # the kernel process died (OOM kill, segfault): retried
+    TIMEOUT = "timeout"  # the run or a cell ran past its timeout
+    CANCELLED = "cancelled"  # a cancel request, Ctrl-C, or cancelled in the backend
+    NO_KERNEL = "no_kernel"  # the run's kernel is not installed where it executed
+    SHARE = "share"  # the share could not be written
+    INFRA = "infra"  # outside the notebook: a lost node, task or job, a dead driver
+    INTERNAL = "internal"  # nbbatch itself could not execute the notebook
+
+    def __str__(self) -> str:
+        return self.value
 
 
 def utc_now() -> str:
@@ -32,7 +66,13 @@ class RunError:
     evalue: str
     cell_index: int | None = None
     cell_source: str | None = None  # the first lines of the failing cell
-    reason: str | None = None  # for failures outside a cell: kernel death, timeout, cancel
+    reason: str | None = None  # for failures outside a cell: kernel death, timeout, cancel (for people)
+    kind: ErrorKind | None = None  # what kind of failure (for code)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "kind" and value is not None:
+            value = ErrorKind(value)
+        object.__setattr__(self, name, value)
 
     def summary(self) -> str:
         where = f"cell {self.cell_index}: " if self.cell_index is not None else ""
@@ -50,7 +90,7 @@ class RunRecord:
     kernel: str
     framework: str | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
-    status: str = "queued"
+    status: Status = Status.QUEUED
     attempts: int = 0
     queued_at: str | None = None
     started_at: str | None = None
@@ -68,6 +108,11 @@ class RunRecord:
     timeout_s: float | None = None
     telemetry: dict[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "status":  # a status is always a Status, also when code sets the plain text
+            value = Status(value)
+        object.__setattr__(self, name, value)
 
     @property
     def final(self) -> bool:
@@ -101,6 +146,8 @@ class RunRecord:
             missing = [k for k in ("ename", "evalue") if k not in error]
             if missing:
                 raise ShareError(f"{source} has a malformed `error` (it lacks {', '.join(missing)}); fix it or delete it")
+            if error.get("kind") is not None and error["kind"] not in {k.value for k in ErrorKind}:
+                error = {**error, "kind": None}  # a kind from a newer nbbatch: keep the text, drop the kind
             values["error"] = RunError(**{k: v for k, v in error.items() if k in _ERROR_TYPES})
         try:
             return cls(**values)
@@ -133,6 +180,7 @@ _FIELD_TYPES: dict[str, tuple[str, Any]] = {
 }
 _ERROR_TYPES: dict[str, tuple[str, Any]] = {
     "ename": _STR, "evalue": _STR, "cell_index": _OPT_INT, "cell_source": _OPT_STR, "reason": _OPT_STR,
+    "kind": _OPT_STR,
 }
 
 

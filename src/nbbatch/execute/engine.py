@@ -3,10 +3,10 @@
 * Saves are atomic and coalesced (at most one every ``save_every`` seconds, plus the final one),
   instead of papermill's non-atomic rewrite before and after every cell.
 * The kernel is killed as soon as the notebook is done (no graceful-shutdown wait), and reaped
-  without jupyter_client's 0.1-s polling (see :mod:`nbbatch.kernels`).
+  without jupyter_client's 0.1-s polling (see :mod:`nbbatch.execute.kernels`).
 * A kernel is ready once one ``kernel_info`` round trip has been seen on both shell and IOPub,
   without jupyter_client's fixed 0.2-s IOPub flush.
-* A kernel may be started ahead of its run (:class:`nbbatch.kernels.KernelPool`), with the run's own kernel,
+* A kernel may be started ahead of its run (:class:`nbbatch.execute.kernels.KernelPool`), with the run's own kernel,
   environment and working directory, so that its start-up overlaps the runs before it. A kernel
   only ever executes the one notebook it was started for.
 * The caller sees the kernel's process (to enforce run timeouts and cancel) and each cell's
@@ -32,14 +32,14 @@ def __getattr__(name: str) -> object:
     # Imported before papermill, this module imports papermill, whose entry-point scan asks this (half
     # imported) module for NbbatchEngine: hand it a stand-in, replaced by the register() call at the end.
     if name == "NbbatchEngine":
-        return type("NbbatchEngine", (), {"__doc__": "stand-in while nbbatch.engine is importing"})
+        return type("NbbatchEngine", (), {"__doc__": "stand-in while nbbatch.execute.engine is importing"})
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 from papermill.clientwrap import PapermillNotebookClient  # noqa: E402 - after the stand-in
 from papermill.engines import NBClientEngine, NotebookExecutionManager, papermill_engines  # noqa: E402
 
-from .kernels import BatchKernelManager, PrestartedKernel, reap_kernel  # noqa: E402
+from nbbatch.execute.kernels import BatchKernelManager, PrestartedKernel, reap_kernel  # noqa: E402
 
 Saver = Callable[[Any], None]
 
@@ -194,7 +194,7 @@ def execute_notebook_file(input_path: str, output_path: str, parameters: dict[st
 
 
 def _atomic_path_saver(path: str) -> Saver:
-    from .notebook_io import write_notebook_atomic
+    from nbbatch.store.notebook_io import write_notebook_atomic
 
     return lambda nb: write_notebook_atomic(nb, path)
 

@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import nbbatch
-
-from .errors import EnvironmentNotReady, NbbatchError
-from .frameworks import Framework, get_framework, list_frameworks
-from .project import Project, find_project
+from nbbatch.errors import EnvironmentNotReady, NbbatchError
+from nbbatch.spec.frameworks import Framework, get_framework, list_frameworks
+from nbbatch.spec.project import Project, find_project
 
 MARKER = "nbbatch-env.json"
 KERNEL_REQUIREMENTS = ("ipykernel>=6.25",)

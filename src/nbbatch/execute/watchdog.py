@@ -1,0 +1,145 @@
+"""Watching a running kernel: the run's timeout and cancel markers, and a reaper for when the driver dies.
+
+:class:`Watchdog` kills a run's kernel (and every process it started) when the run times out or is
+cancelled; :data:`REAPER` kills the kernels of this process when this process dies, however it dies.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from nbbatch.execute.kernels import kill_kernel_group
+from nbbatch.plan.runs import Run
+from nbbatch.store.layout import run_paths
+from nbbatch.store.runrecord import Status
+from nbbatch.store.share import Share
+
+
+def kernel_pid(km: Any) -> int | None:
+    """The process id of a kernel manager's kernel (None before it started)."""
+    provisioner = getattr(km, "provisioner", None)
+    return getattr(provisioner, "pid", None) or getattr(getattr(provisioner, "process", None), "pid", None)
+
+
+_REAPER_SOURCE = """
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+groups = set()
+for line in sys.stdin:
+    op, _, pgid = line.strip().partition(" ")
+    if pgid.isdigit():
+        (groups.add if op == "+" else groups.discard)(int(pgid))
+for pgid in groups:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
+class KernelReaper:
+    """Kills the process groups of this process's running kernels when this process dies, even by SIGKILL.
+
+    A kernel polls its parent and exits when it is gone (``JPY_PARENT_PID``), but the processes the
+    notebook started (data loaders, servers, ``subprocess``) would live on. One small helper process
+    per driver holds the kernels' process groups and reads a pipe from the driver: the pipe closes
+    when the driver dies however it dies, and the helper then kills the groups still registered.
+    """
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._owner: int | None = None
+        self._lock = threading.Lock()
+
+    def watch(self, km: Any) -> int | None:
+        pid = kernel_pid(km)
+        if not pid or not hasattr(os, "killpg"):  # no process groups (Windows)
+            return None
+        try:
+            pgid = os.getpgid(pid) if pid else None
+        except OSError:
+            return None
+        if pgid and pgid != os.getpgid(0):  # never our own group
+            self._send(f"+ {pgid}\n")
+            return pgid
+        return None
+
+    def forget(self, pgid: int | None) -> None:
+        if pgid:
+            self._send(f"- {pgid}\n")
+
+    def _send(self, line: str) -> None:
+        if not hasattr(os, "killpg"):
+            return
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None or self._owner != os.getpid():
+                try:
+                    self._proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _REAPER_SOURCE],
+                                                  stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                                  stderr=subprocess.DEVNULL, start_new_session=True)
+                except OSError:
+                    self._proc = None
+                    return
+                self._owner = os.getpid()
+            try:
+                assert self._proc.stdin is not None
+                self._proc.stdin.write(line.encode())
+                self._proc.stdin.flush()
+            except OSError:
+                self._proc = None
+
+    def close(self) -> None:
+        with self._lock:
+            proc, self._proc = self._proc, None
+        if proc is not None and self._owner == os.getpid():
+            with contextlib.suppress(Exception):
+                assert proc.stdin is not None
+                proc.stdin.close()
+                proc.wait(timeout=2)
+
+
+REAPER = KernelReaper()
+atexit.register(REAPER.close)
+
+
+class Watchdog:
+    """Stops the kernel when the run times out or is cancelled (by event or by marker in the share)."""
+
+    def __init__(self, run: Run, share: Share, deadline: float | None, cancel_event: threading.Event | None):
+        self.run, self.share, self.deadline, self.cancel_event = run, share, deadline, cancel_event
+        self.reason: Status | None = None  # TIMED_OUT or CANCELLED once it has stopped the kernel
+        self.km: Any = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"watchdog-{run.run_id}", daemon=True)
+        self._markers = run_paths(run.experiment, run.run_id).cancel_markers
+        self._poll = 0.25 if share.local_path("") is not None else 2.0
+
+    def __enter__(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def cancelled(self) -> bool:
+        if self.cancel_event is not None and self.cancel_event.is_set():
+            return True
+        return any(self.share.exists(m) for m in self._markers)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._poll):
+            if self.reason is None:
+                if self.deadline is not None and time.monotonic() > self.deadline:
+                    self.reason = Status.TIMED_OUT
+                elif self.cancelled():
+                    self.reason = Status.CANCELLED
+            if self.reason and self.km is not None:
+                kill_kernel_group(self.km)

@@ -1,0 +1,107 @@
+"""The share layout: the one place that composes paths inside a share.
+
+::
+
+    <experiment>/experiment.json         the manifest of the last submission
+    <experiment>/CANCEL                  cancels every run of the experiment
+    <experiment>/.lock                   the driver's lock (folder shares)
+    <experiment>/<run id>/output.ipynb   the executed notebook (also when it failed)
+    <experiment>/<run id>/run.json       the run record
+    <experiment>/<run id>/log.txt        the kernel's stdout/stderr as it ran
+    <experiment>/<run id>/telemetry.json GPU samples
+    <experiment>/<run id>/CANCEL         cancels this run
+    <experiment>/<run id>/<backend file> what a backend keeps about the run (e.g. azureml.json)
+
+Paths are ``/``-separated and relative to the share's root; every other module asks here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+OUTPUT_NOTEBOOK = "output.ipynb"
+RUN_RECORD = "run.json"
+LOG_FILE = "log.txt"
+TELEMETRY_FILE = "telemetry.json"
+CANCEL_MARKER = "CANCEL"
+MANIFEST = "experiment.json"
+LOCK_FILE = ".lock"
+
+
+@dataclass(frozen=True)
+class ExperimentPaths:
+    """Where an experiment's files are in a share."""
+
+    experiment: str
+
+    @property
+    def folder(self) -> str:
+        return self.experiment
+
+    @property
+    def cancel(self) -> str:
+        """The marker that cancels every run of the experiment."""
+        return f"{self.experiment}/{CANCEL_MARKER}"
+
+    @property
+    def manifest(self) -> str:
+        return f"{self.experiment}/{MANIFEST}"
+
+    @property
+    def lock(self) -> str:
+        return f"{self.experiment}/{LOCK_FILE}"
+
+    def run(self, run_id: str) -> RunPaths:
+        return RunPaths(self.experiment, run_id)
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Where one run's files are in a share."""
+
+    experiment: str
+    run_id: str
+
+    @property
+    def folder(self) -> str:
+        return f"{self.experiment}/{self.run_id}"
+
+    def file(self, name: str) -> str:
+        """A file in the run's folder (a backend's own file, or one of the names below)."""
+        return f"{self.folder}/{name}"
+
+    @property
+    def notebook(self) -> str:
+        return self.file(OUTPUT_NOTEBOOK)
+
+    @property
+    def record(self) -> str:
+        return self.file(RUN_RECORD)
+
+    @property
+    def log(self) -> str:
+        return self.file(LOG_FILE)
+
+    @property
+    def telemetry(self) -> str:
+        return self.file(TELEMETRY_FILE)
+
+    @property
+    def cancel(self) -> str:
+        """The marker that cancels this run."""
+        return self.file(CANCEL_MARKER)
+
+    @property
+    def cancel_markers(self) -> tuple[str, str]:
+        """Both markers that stop this run: the experiment's and its own."""
+        return ExperimentPaths(self.experiment).cancel, self.cancel
+
+
+def run_paths(experiment: str, run_id: str) -> RunPaths:
+    """The paths of run ``run_id`` of ``experiment``."""
+    return RunPaths(experiment, run_id)
+
+
+def experiment_paths(experiment: str) -> ExperimentPaths:
+    """The paths of ``experiment``."""
+    return ExperimentPaths(experiment)

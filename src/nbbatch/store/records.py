@@ -1,0 +1,95 @@
+"""Run records in a share: read, write, list, and the cancel markers every executor watches."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from nbbatch.errors import ShareError
+from nbbatch.store.layout import experiment_paths, run_paths
+from nbbatch.store.runrecord import RunRecord, Status, utc_now
+from nbbatch.store.share import Share
+
+if TYPE_CHECKING:
+    from nbbatch.plan.runs import Run
+
+
+def read_record(share: Share, experiment: str, run_id: str) -> RunRecord | None:
+    """The run's ``run.json``, or None when it has none yet (a corrupt one raises ShareError)."""
+    path = run_paths(experiment, run_id).record
+    try:
+        data = share.read_bytes(path)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+    return RunRecord.from_json(data, source=f"{share.url}/{path}")
+
+
+def read_record_or_none(share: Share, experiment: str, run_id: str) -> RunRecord | None:
+    """Like :func:`read_record`, but a corrupt record reads as None (it is about to be replaced)."""
+    try:
+        return read_record(share, experiment, run_id)
+    except ShareError:
+        return None
+
+
+def write_record(share: Share, record: RunRecord) -> None:
+    """Write a run's ``run.json`` atomically."""
+    share.write_bytes(run_paths(record.experiment, record.run_id).record, record.to_json())
+
+
+def new_record(run: Run, backend: str = "local") -> RunRecord:
+    """A ``queued`` record for a run that is about to be scheduled."""
+    return RunRecord(run_id=run.run_id, experiment=run.experiment, notebook=run.notebook_rel, kernel=run.kernel,
+                     framework=run.framework, parameters=dict(run.parameters), status=Status.QUEUED,
+                     queued_at=utc_now(), backend=backend, timeout_s=run.timeout_s)
+
+
+def run_ids(share: Share, experiment: str) -> list[str]:
+    """The names of the run folders of an experiment (sorted)."""
+    return share.list(experiment_paths(experiment).folder)
+
+
+def load_records(share: Share, experiment: str, strict: bool = False) -> tuple[list[RunRecord], list[str]]:
+    """Every run record of an experiment, and the problems found (corrupt records, with their paths)."""
+    records, problems = [], []
+    for run_id in run_ids(share, experiment):
+        path = run_paths(experiment, run_id).record
+        try:
+            data = share.read_bytes(path)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            continue
+        try:
+            records.append(RunRecord.from_json(data, source=f"{share.url}/{path}"))
+        except ShareError as exc:
+            if strict:
+                raise
+            problems.append(str(exc))
+    return records, problems
+
+
+def write_cancel_markers(share: Share, experiment: str, ids: list[str] | None = None) -> list[str]:
+    """Ask unfinished runs to stop (all of the experiment's when ``ids`` is None); return the ids asked.
+
+    Whoever executes a run (any backend) watches these markers and kills its kernel.
+    """
+    asked = []
+    for run_id in list(ids) if ids else run_ids(share, experiment):
+        record = read_record(share, experiment, run_id)
+        if record is None or record.final:
+            continue
+        share.write_bytes(run_paths(experiment, run_id).cancel, utc_now().encode())
+        asked.append(run_id)
+    if not ids:
+        share.write_bytes(experiment_paths(experiment).cancel, utc_now().encode())
+    return asked
+
+
+def cancel_requested(share: Share, experiment: str, run_id: str | None = None) -> bool:
+    """Whether the experiment (or, with ``run_id``, that run) has been asked to stop."""
+    if run_id is None:
+        return share.exists(experiment_paths(experiment).cancel)
+    return any(share.exists(marker) for marker in run_paths(experiment, run_id).cancel_markers)
+
+
+def clear_cancel(share: Share, experiment: str, run_id: str | None = None) -> None:
+    """Remove the experiment's cancel marker (or, with ``run_id``, that run's)."""
+    share.remove(experiment_paths(experiment).cancel if run_id is None else run_paths(experiment, run_id).cancel)

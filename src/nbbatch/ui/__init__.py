@@ -1,0 +1,1 @@
+"""Front ends: the ``nbbatch`` command line, terminal progress, and the Jupyter widgets."""
