@@ -19,20 +19,26 @@ A subclass implements :meth:`~Backend.compute` and :meth:`~Backend.start`, and o
 
 from __future__ import annotations
 
-import contextlib
 import reprlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any, ClassVar
 
 from nbbatch.errors import BackendError, NbbatchError, did_you_mean
 from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret_name
-from nbbatch.store.records import load_records, new_record, read_record, read_record_or_none, write_cancel_markers, write_record
-from nbbatch.store.runrecord import RunError, RunRecord, Status, utc_now
+from nbbatch.store.records import (
+    finalize_record,
+    load_records,
+    new_record,
+    read_record,
+    read_record_or_none,
+    write_cancel_markers,
+    write_record,
+)
+from nbbatch.store.runrecord import RunError, RunRecord, Status
 from nbbatch.store.share import Share
 
 UpdateCallback = Callable[[RunRecord], None]
@@ -235,7 +241,7 @@ class Backend(ABC):
         """Which runs to start: not those that already succeeded (unless ``force``), nor those still in flight."""
         outcome = SubmitOutcome()
         for run in runs:
-            record = read_record_or_none(share, run.experiment, run.run_id)
+            record = read_record(share, run.experiment, run.run_id)  # a corrupt record stops here, naming its path
             if record is not None and record.status == Status.SUCCEEDED and not force:
                 outcome.skipped.append(run.run_id)
             elif record is not None and not record.final and not force and self.in_flight(share, record):
@@ -262,16 +268,8 @@ class Backend(ABC):
 
     def finalize(self, share: Share, run: Run | RunRecord, status: Status, error: RunError | None = None,
                  notify: UpdateCallback | None = None) -> RunRecord:
-        """End a run's record with ``status`` and ``error`` (its duration filled in when it had started)."""
-        record = read_record_or_none(share, run.experiment, run.run_id)
-        if record is None:
-            record = new_record(run, self.name) if isinstance(run, Run) else run
-        record.status, record.error, record.ended_at = status, error, utc_now()
-        if record.started_at and record.duration_s is None:
-            with contextlib.suppress(ValueError):
-                record.duration_s = round((datetime.fromisoformat(record.ended_at)
-                                           - datetime.fromisoformat(record.started_at)).total_seconds(), 3)
-        write_record(share, record)
+        """End a run's record with ``status`` and ``error`` (see :func:`~nbbatch.store.records.finalize_record`)."""
+        record = finalize_record(share, run, status, error, self.name)
         if notify is not None:
             notify(record)
         return record

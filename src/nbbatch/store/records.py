@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+from datetime import datetime
 from typing import TYPE_CHECKING
 
 from nbbatch.errors import ShareError
 from nbbatch.store.layout import experiment_paths, run_paths
-from nbbatch.store.runrecord import RunRecord, Status, utc_now
+from nbbatch.store.runrecord import RunError, RunRecord, Status, utc_now
 from nbbatch.store.share import Share
 
 if TYPE_CHECKING:
@@ -93,3 +95,22 @@ def cancel_requested(share: Share, experiment: str, run_id: str | None = None) -
 def clear_cancel(share: Share, experiment: str, run_id: str | None = None) -> None:
     """Remove the experiment's cancel marker (or, with ``run_id``, that run's)."""
     share.remove(experiment_paths(experiment).cancel if run_id is None else run_paths(experiment, run_id).cancel)
+
+
+def finalize_record(share: Share, run: Run | RunRecord, status: Status, error: RunError | None = None,
+                    backend: str = "local") -> RunRecord:
+    """End a run's record with ``status`` and ``error``, its duration filled in when it had started.
+
+    The one way a run is ended from outside its executor (a run cancelled before it started, a lost
+    task, a dead driver); :meth:`nbbatch.backends.base.Backend.finalize` and remote helpers call it.
+    """
+    record = read_record_or_none(share, run.experiment, run.run_id)
+    if record is None:
+        record = run if isinstance(run, RunRecord) else new_record(run, backend)
+    record.status, record.error, record.ended_at = status, error, utc_now()
+    if record.started_at and record.duration_s is None:
+        with contextlib.suppress(ValueError):
+            record.duration_s = round((datetime.fromisoformat(record.ended_at)
+                                       - datetime.fromisoformat(record.started_at)).total_seconds(), 3)
+    write_record(share, record)
+    return record
