@@ -444,7 +444,7 @@ def test_compute_reports_nodes(aml, backend):
 
 def test_code_snapshot(runs, azproject, tmp_path):
     code = build_code_snapshot(runs, tmp_path / "code")
-    assert (code / "src/nbbatch/cli.py").is_file() and (code / "src/nbbatch/backends/azureml.py").is_file()
+    assert (code / "src/nbbatch/ui/cli.py").is_file() and (code / "src/nbbatch/backends/azureml/backend.py").is_file()
     assert (code / "notebooks/Toy.ipynb").read_bytes() == (azproject / "notebooks/Toy.ipynb").read_bytes()
     assert (code / "frameworks/toy/framework.yaml").is_file()
     assert not list(code.rglob("__pycache__"))

@@ -16,6 +16,7 @@ from helpers_notebooks import build_share  # noqa: E402
 
 from nbbatch.errors import NbbatchError  # noqa: E402
 from nbbatch.results import compare  # noqa: E402
+from nbbatch.ui import results_commands  # noqa: E402
 
 pytest.importorskip("pandas")
 pytest.importorskip("matplotlib")
@@ -167,7 +168,7 @@ def test_check_cli_exit_status(made: dict[str, Path], tmp_path: Path, capsys: py
     baseline_csv = compare.write_table(compare.collect(share, ["sweep"]), tmp_path / "baseline.csv")
 
     def run(*argv: str) -> int:
-        return compare.cli_check(_parse(compare.add_check_arguments, list(argv)))
+        return results_commands.cli_check(_parse(results_commands.add_check_arguments, list(argv)))
 
     assert run("sweep", "--baseline", str(baseline_csv), "--share", share, "--metric", "accuracy",
                "--tolerance", "0.02", "--where", "status=succeeded") == 0
@@ -188,19 +189,19 @@ def test_check_cli_exit_status(made: dict[str, Path], tmp_path: Path, capsys: py
 
 def test_compare_cli_table_exports_and_report(made: dict[str, Path], tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
-    args = _parse(compare.add_compare_arguments, [
+    args = _parse(results_commands.add_compare_arguments, [
         "sweep", "--share", str(made["share"]), "--where", "status=succeeded", "--sort", "accuracy:desc",
         "--csv", str(tmp_path / "t.csv"), "--json", str(tmp_path / "t.json"), "--report", str(tmp_path / "r.html"),
     ])
-    assert compare.cli_compare(args) == 0
+    assert results_commands.cli_compare(args) == 0
     out = capsys.readouterr().out
     assert "4 runs" in out and "accuracy" in out and "pytorch" in out
     assert len(compare.read_table(tmp_path / "t.csv")) == 4
     html = (tmp_path / "r.html").read_text()
     assert html.count("data:image/png;base64,") == 2  # no telemetry series in this share
-    grouped = _parse(compare.add_compare_arguments, ["sweep", "--share", str(made["share"]), "--group-by",
+    grouped = _parse(results_commands.add_compare_arguments, ["sweep", "--share", str(made["share"]), "--group-by",
                                                      "framework", "--json", str(tmp_path / "g.json")])
-    assert compare.cli_compare(grouped) == 0
+    assert results_commands.cli_compare(grouped) == 0
     assert {r["framework"]: r["runs"] for r in json.loads((tmp_path / "g.json").read_text())} == \
         {"keras": 3, "pytorch": 2}
 

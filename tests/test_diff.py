@@ -14,6 +14,7 @@ from helpers_notebooks import make_run  # noqa: E402
 
 from nbbatch.errors import NbbatchError  # noqa: E402
 from nbbatch.results import diff  # noqa: E402
+from nbbatch.ui import results_commands  # noqa: E402
 
 pytest.importorskip("nbdime")
 
@@ -95,10 +96,10 @@ def test_bad_references_say_what_exists(runs: dict[str, Path]) -> None:
 
 def test_cli(runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser()
-    diff.add_diff_arguments(parser)
+    results_commands.add_diff_arguments(parser)
     args = parser.parse_args([_ref(runs["low"]), _ref(runs["fail"]), "--share", str(runs["share"]),
                               "--html", str(tmp_path / "d.html"), "--no-color"])
-    assert diff.cli_diff(args) == 0
+    assert results_commands.cli_diff(args) == 0
     out = capsys.readouterr().out
     assert "nbbatch diff" in out and "FAIL" in out and "wrote" in out
     assert (tmp_path / "d.html").is_file()

@@ -243,7 +243,7 @@ def test_gpu_request_fractions():
 
 
 def test_a_node_without_the_notebook_runs_the_submitters_copy(tmp_path):
-    from nbbatch.backends.ray import _with_notebook_here
+    from nbbatch.backends.ray.node import _with_notebook_here
 
     run = {"run_id": "nb-1", "experiment": "e", "notebook": str(tmp_path / "gone" / "nb.ipynb"),
            "notebook_rel": "notebooks/nb.ipynb"}
@@ -268,7 +268,7 @@ def _nodes(*addresses: str) -> list[dict]:
 def test_local_folder_share_refused_on_a_multi_host_cluster(probe, tmp_path, monkeypatch):
     monkeypatch.setattr(RayBackend, "_alive_nodes", lambda self: _nodes("10.0.0.4", "10.0.0.5"))
     monkeypatch.setattr(RayBackend, "_local_addresses", lambda self: {"127.0.0.1", "10.0.0.4"})
-    monkeypatch.setattr("nbbatch.backends.ray.filesystem_type", lambda path: "ext4")
+    monkeypatch.setattr("nbbatch.backends.ray.backend.filesystem_type", lambda path: "ext4")
     share = tmp_path / "results"
     with pytest.raises(BackendError) as caught:
         RayBackend("10.0.0.4:6379").check_share(FileShare(share))

@@ -42,7 +42,7 @@ def test_fixed_parameters_then_sweep():
     assert exp.combinations() == [{"EPOCHS": 1, "LR": 0.1}, {"EPOCHS": 1, "LR": 0.2}]
 
 
-@pytest.mark.parametrize("data, message", [
+MALFORMED = [  # (experiment, what the error says)
     ({"experiment": "e", "frameworks": ["x"], "swep": {}}, "did you mean `sweep`"),
     ({"experiment": "e"}, "runs nothing"),
     ({"experiment": "bad name!", "frameworks": ["x"]}, "experiment name"),
@@ -62,7 +62,10 @@ def test_fixed_parameters_then_sweep():
     ({"experiment": "e", "frameworks": ["x"], "sweep": {"grid": {"A": [1]}, "zip": {"A": [2]}}}, "more than one"),
     ({"experiment": "e", "frameworks": ["x"], "parameters": {"not valid": 1}}, "identifier"),
     ("just a string", "YAML mapping"),
-])
+]
+
+
+@pytest.mark.parametrize("data, message", MALFORMED)
 def test_malformed_specs_name_the_mistake(data, message):
     with pytest.raises(SpecError, match=message):
         Experiment.from_dict(data)

@@ -19,6 +19,7 @@ import pytest
 
 from nbbatch import widgets
 from nbbatch.backends.base import Compute
+from nbbatch.backends.ray import RayBackend
 from nbbatch.errors import NbbatchError, SpecError
 from nbbatch.spec.experiment import Experiment
 from nbbatch.store.records import write_record
@@ -33,6 +34,10 @@ from nbbatch.ui.widgets import (
     SummaryRefresher,
     format_duration,
 )
+from nbbatch.ui.widgets import display as widget_display
+from nbbatch.ui.widgets import jobs as widget_jobs
+from nbbatch.ui.widgets import links as widget_links
+from nbbatch.ui.widgets import submission as widget_submission
 
 
 def record(run_id: str, status: str = "queued", **fields) -> RunRecord:
@@ -49,8 +54,8 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("NBBATCH_PROJECT", str(tmp_path))
     monkeypatch.delenv("NBBATCH_WIDGETS", raising=False)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(widgets, "_SUBMISSIONS", {})
-    monkeypatch.setattr(widgets, "_REFRESHERS", {})
+    monkeypatch.setattr(widget_submission, "_SUBMISSIONS", {})
+    monkeypatch.setattr(widget_jobs, "_REFRESHERS", {})
     return tmp_path
 
 
@@ -82,8 +87,8 @@ def test_a_headless_executor_means_text_and_an_interactive_frontend_means_widget
         def get_parent(self, channel: str = "shell") -> dict:
             return self.parent
 
-    assert widgets._frontend_is_interactive(Kernel(True))
-    assert not widgets._frontend_is_interactive(Kernel(False))  # papermill / nbclient
+    assert widget_display._frontend_is_interactive(Kernel(True))
+    assert not widget_display._frontend_is_interactive(Kernel(False))  # papermill / nbclient
 
 
 # --------------------------------------------------------------------------------------------------
@@ -265,10 +270,10 @@ def test_submission_model_reports_a_failed_submission() -> None:
 def test_overrides_match_the_shared_parameters_without_case(tmp_path: Path) -> None:
     spec = Experiment(name="exp", frameworks=["pytorch"], parameters={"LR": 0.1}, sweep={"grid": {"SEED": [0, 1]}},
                       base_dir=tmp_path)
-    changed = widgets._apply_overrides(spec, {"epochs": 10, "lr": 0.5, "CUSTOM": True})
+    changed = widget_submission._apply_overrides(spec, {"epochs": 10, "lr": 0.5, "CUSTOM": True})
     assert changed.parameters == {"LR": 0.5, "EPOCHS": 10, "CUSTOM": True}
     with pytest.raises(SpecError, match="`seed` is swept"):
-        widgets._apply_overrides(spec, {"seed": 3})
+        widget_submission._apply_overrides(spec, {"seed": 3})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -312,12 +317,15 @@ def test_azureml_form_creates_resizes_and_deletes_the_cluster() -> None:
     pytest.importorskip("azure.ai.ml")
     from fakes.azureml_transport import FakeAzureML
 
+    from nbbatch.backends.azureml import AzureMLBackend
+
     aml = FakeAzureML()
-    settings = {key: default for key, (_label, default) in widgets.AZUREML_FIELDS.items()}
+    fields = AzureMLBackend.form_settings()
+    settings = {key: setting.default for key, setting in fields.items()}
     settings.update(compute="gpu-t4", ml_client=aml.ml_client())
     cluster = Cluster("azureml", settings)
     form = widgets.ClusterForm(cluster)
-    assert set(form.fields) == set(widgets.AZUREML_FIELDS)
+    assert set(form.fields) == set(fields)
     assert "ml_client" not in form.message.value  # only plain settings are shown
     form._refresh()
     assert "cluster gpu-t4: does not exist" in form.state.value
@@ -327,7 +335,7 @@ def test_azureml_form_creates_resizes_and_deletes_the_cluster() -> None:
     form._provision()
     props = aml.computes["gpu-t4"]["properties"]["properties"]
     assert props["scaleSettings"]["maxNodeCount"] == 3 and props["vmPriority"] == "LowPriority"
-    assert props["vmSize"] == widgets.AZUREML_FIELDS["vm_size"][1]
+    assert props["vmSize"] == fields["vm_size"].default
     assert "provisioning Succeeded" in form.state.value and not form.message.value
     form.fields["max_nodes"].value = 5  # an existing cluster: resized
     form._provision()
@@ -339,7 +347,7 @@ def test_azureml_form_creates_resizes_and_deletes_the_cluster() -> None:
     assert not cluster.delete()
 
 
-class FakeRay:
+class FakeRay(RayBackend):
     """Answers compute() the way the ray backend does (nodes, GPUs, total/available resources)."""
 
     def __init__(self, address: str = "auto", num_cpus: float = 1, **_settings):
@@ -402,12 +410,12 @@ def test_links_point_at_the_jupyter_server_that_serves_the_file(tmp_path: Path,
     (runtime / "jpserver-2.json").write_text(json.dumps({"pid": os.getpid(), "root_dir": str(root), "base_url": "/"}))
     (runtime / "jpserver-3.json").write_text(json.dumps({"pid": 2**22 + 7, "root_dir": str(root / "results")}))
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(runtime))
-    monkeypatch.setitem(widgets._SERVERS_CACHE, "at", 0.0)
-    links = widgets._notebook_links_for(FileShare(root / "results"), "exp", "run 1")
+    monkeypatch.setitem(widget_links._SERVERS_CACHE, "at", 0.0)
+    links = widget_links.notebook_links_for(FileShare(root / "results"), "exp", "run 1")
     assert links.open_url == "/lab/tree/results/exp/run%201/output.ipynb"  # the deepest live server's root
     assert links.download_url == "/files/results/exp/run%201/output.ipynb?download=1"
     assert 'href="/lab/tree/results/exp/run%201/output.ipynb"' in links.html()
-    assert widgets._notebook_links_for(FileShare(root / "results"), "exp", "missing").html() == ""
+    assert widget_links.notebook_links_for(FileShare(root / "results"), "exp", "missing").html() == ""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -467,8 +475,8 @@ def test_job_log_keeps_the_tail_and_shows_the_status(project: Path) -> None:
 def test_live_summary_refreshes_until_final_then_stops(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("ipywidgets")
     shown: list = []
-    monkeypatch.setattr(widgets, "display_mode", lambda: "widgets")
-    monkeypatch.setattr(widgets, "_display", shown.append)
+    monkeypatch.setattr(widget_display, "display_mode", lambda: "widgets")
+    monkeypatch.setattr(widget_display, "show", shown.append)
     share = FileShare(project / "results")
     write_record(share, record("a", "running"))
     write_record(share, record("b", "queued"))
@@ -534,8 +542,8 @@ def test_text_mode_flow_submits_waits_and_prints_tables(project: Path, capsys: p
 
 def test_widget_mode_progress_bar_fills_as_runs_finish(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("ipywidgets")
-    monkeypatch.setattr(widgets, "display_mode", lambda: "widgets")
-    monkeypatch.setattr(widgets, "_display", lambda obj: None)
+    monkeypatch.setattr(widget_display, "display_mode", lambda: "widgets")
+    monkeypatch.setattr(widget_display, "show", lambda obj: None)
     tiny_notebook(project)
     spec = Experiment.from_dict({"experiment": "bar", "notebooks": ["Tiny.ipynb"],
                                  "sweep": {"grid": {"LR": [0.01, 0.1]}}}, base_dir=project)

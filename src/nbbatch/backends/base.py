@@ -309,7 +309,6 @@ class Backend(ABC):
                 if pending and time.monotonic() - last_beat > self.heartbeat_s:
                     last_beat = time.monotonic()
                     self.heartbeat(experiment, share, pending)
-                    continue
                 if pending:
                     time.sleep(poll)
         except KeyboardInterrupt:

@@ -33,7 +33,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-TELEMETRY_FILE = "telemetry.json"
+from nbbatch.store.layout import TELEMETRY_FILE
+
+__all__ = ["TELEMETRY_FILE", "GpuSampler", "read_series"]
+
 SERIES_FIELDS = ("t", "gpu", "util_pct", "memory_mb", "power_w")
 _SCHEMA_VERSION = 1
 _MIN_INTERVAL_S = 0.1

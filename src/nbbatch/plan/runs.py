@@ -12,7 +12,11 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nbbatch.spec.experiment import Experiment
+    from nbbatch.spec.project import Project
 
 
 def _slug(text: str) -> str:
@@ -69,7 +73,7 @@ class Run:
 class Plan:
     """The validated runs of an experiment, and the warnings found while planning."""
 
-    experiment: Any  # nbbatch.spec.Experiment
+    experiment: Experiment
     runs: list[Run]
     warnings: list[str] = field(default_factory=list)
 
@@ -80,7 +84,7 @@ def _known_kernels() -> dict[str, str]:
     return KernelSpecManager().find_kernel_specs()
 
 
-def plan(experiment: Any, project: Any = None, check_kernels: bool = True) -> Plan:
+def plan(experiment: Experiment, project: Project | None = None, check_kernels: bool = True) -> Plan:
     """Turn an experiment into runs, checking every notebook, kernel, env and parameter first.
 
     Raises a :class:`~nbbatch.errors.NbbatchError` describing the first problem; nothing runs.
@@ -105,7 +109,7 @@ def plan(experiment: Any, project: Any = None, check_kernels: bool = True) -> Pl
         except ValueError:
             return path.name
 
-    targets: list[tuple[str, Path, str, str | None, str, dict[str, str], dict[str, str]]] = []
+    targets: list[tuple[str, Path, str, str | None, str, dict[str, str]]] = []
     for name in experiment.frameworks:
         framework = get_framework(name, project)
         if check_kernels:
@@ -115,16 +119,16 @@ def plan(experiment: Any, project: Any = None, check_kernels: bool = True) -> Pl
                                   "gpu: false) but the experiment asks for resources.gpus: "
                                   f"{experiment.gpus}; set gpus: 0 or drop `{name}`")
         targets.append((name, framework.notebook, framework.kernel_name, name, framework.fingerprint(),
-                        dict(framework.shared_gpu_env), {}))
+                        dict(framework.shared_gpu_env)))
     for entry in experiment.notebooks:
         info = inspect_notebook(entry.path)
         kernel = entry.kernel or info.kernel
         if not kernel:
             raise ValidationError(f"{entry.path.name} names no kernel in its metadata; give one with "
                                   f"`kernel:` in the experiment (known kernels: {', '.join(sorted(kernels))})")
-        targets.append((entry.label or entry.path.stem, entry.path, kernel, None, kernel, {}, {}))
+        targets.append((entry.label or entry.path.stem, entry.path, kernel, None, kernel, {}))
 
-    for label, notebook, kernel, framework_name, env_lock, shared_env, _ in targets:
+    for label, notebook, kernel, framework_name, env_lock, shared_env in targets:
         info = inspect_notebook(notebook)
         if check_kernels and kernel not in kernels:
             raise ValidationError(f"kernel `{kernel}` (for {notebook.name}) does not exist{did_you_mean(kernel, kernels)}; "

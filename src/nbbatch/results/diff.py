@@ -15,7 +15,6 @@ nbdime comes with the ``compare`` extra.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import difflib
 import io
@@ -31,13 +30,14 @@ from typing import Any, TextIO
 
 from nbbatch.errors import NbbatchError, did_you_mean
 from nbbatch.record import METRICS_MIME, metrics_from_notebook
-from nbbatch.store.layout import OUTPUT_NOTEBOOK
+from nbbatch.results.compare.collect import cell_source, share_location
+from nbbatch.store.layout import OUTPUT_NOTEBOOK, run_paths
+from nbbatch.store.records import run_ids
 from nbbatch.store.share import Share, open_share
 
 # papermill's notebook-level metadata that changes with every execution
 _VOLATILE_PAPERMILL = ("start_time", "end_time", "duration", "input_path", "output_path",
                        "environment_variables", "version", "exception")
-_UNSET = object()
 
 
 @dataclass
@@ -94,11 +94,11 @@ def load_run_notebook(ref: str | os.PathLike[str], share: str | os.PathLike[str]
     else:
         opened = open_share(share)
     if clean.endswith(".ipynb") and opened.exists(clean) and not opened.list(clean):
-        return RunNotebook(text, _where(opened, clean), _read_notebook(opened.read_bytes(clean), clean))
+        return RunNotebook(text, share_location(opened, clean), _read_notebook(opened.read_bytes(clean), clean))
     if not sep or not experiment:
         raise NbbatchError(f"`{text}` is neither a notebook file nor `<experiment>/<run id>` in the share "
                            f"{opened.url}")
-    runs = opened.list(experiment)
+    runs = run_ids(opened, experiment)
     if not runs:
         experiments = opened.list("")
         raise NbbatchError(f"no experiment `{experiment}` in the share {opened.url}"
@@ -111,17 +111,12 @@ def load_run_notebook(ref: str | os.PathLike[str], share: str | os.PathLike[str]
     if len(matches) > 1:
         raise NbbatchError(f"`{run}` matches several runs in `{experiment}`: {', '.join(matches[:10])}; "
                            "give more of the run id")
-    target = f"{experiment}/{matches[0]}/{OUTPUT_NOTEBOOK}"
-    if not opened.exists(target):
-        raise NbbatchError(f"run `{experiment}/{matches[0]}` has no {OUTPUT_NOTEBOOK} yet (queued, or it never "
+    paths = run_paths(experiment, matches[0])
+    if not opened.exists(paths.notebook):
+        raise NbbatchError(f"run `{paths.folder}` has no {OUTPUT_NOTEBOOK} yet (queued, or it never "
                            "started): `nbbatch status` tells")
-    return RunNotebook(f"{experiment}/{matches[0]}", _where(opened, target),
-                       _read_notebook(opened.read_bytes(target), target))
-
-
-def _where(share: Share, path: str) -> str:
-    local = share.local_path(path)
-    return str(local) if local is not None else f"{share.url.rstrip('/')}/{path}"
+    return RunNotebook(paths.folder, share_location(opened, paths.notebook),
+                       _read_notebook(opened.read_bytes(paths.notebook), paths.notebook))
 
 
 def normalise(notebook: Mapping[str, Any], details: bool = False) -> dict[str, Any]:
@@ -215,16 +210,12 @@ class NotebookDiff:
     # -- HTML ------------------------------------------------------------------------------------
     def to_html(self, title: str | None = None) -> str:
         """One self-contained HTML page: parameter and metric tables, then the changed cells side by side."""
-        import importlib.resources
-
-        import jinja2
-
         from nbbatch import __version__
+        from nbbatch.results.render import render_template
 
-        template = importlib.resources.files("nbbatch.results").joinpath("templates/diff.html.j2").read_text("utf-8")
-        environment = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
         pa, pb = self.a.parameters, self.b.parameters
-        return environment.from_string(template).render(
+        return render_template(
+            "diff.html.j2",
             title=title or f"{self.a.label} vs. {self.b.label}",
             version=__version__,
             a=self.a, b=self.b,
@@ -303,13 +294,8 @@ def diff_runs(ref_a: str | os.PathLike[str], ref_b: str | os.PathLike[str],
 
 
 # ---------------------------------------------------------------------------------------------
-# HTML rendering of the cells diff
+# The cells diff as data for templates/diff.html.j2
 # ---------------------------------------------------------------------------------------------
-def _source(cell: Mapping[str, Any]) -> str:
-    source = cell.get("source") or ""
-    return "".join(source) if isinstance(source, list) else str(source)
-
-
 def _text(value: Any) -> str:
     return "".join(value) if isinstance(value, list) else str(value)
 
@@ -346,7 +332,7 @@ def _source_lines(a: str, b: str) -> list[dict[str, str]]:
 
 
 def _cell_view(cell: Mapping[str, Any]) -> dict[str, Any]:
-    return {"type": cell.get("cell_type", "code"), "source": _source(cell),
+    return {"type": cell.get("cell_type", "code"), "source": cell_source(cell),
             "outputs": [_render_output(o) for o in cell.get("outputs", []) or []]}
 
 
@@ -382,7 +368,7 @@ def _cell_blocks(base: Mapping[str, Any], diff: Sequence[Any]) -> list[dict[str,
                                      "a": _cell_view(before), "b": _cell_view(after),
                                      "source_lines": None, "other": None}
             if "source" in changed:
-                block["source_lines"] = _source_lines(_source(before), _source(after))
+                block["source_lines"] = _source_lines(cell_source(before), cell_source(after))
             others = [k for k in changed if k not in ("source", "outputs")]
             if others:
                 block["other"] = {k: (json.dumps(before.get(k), default=str, indent=1),
@@ -404,33 +390,3 @@ def _metadata_text(base: Mapping[str, Any], diff: Sequence[Any], options: Mappin
     config = PrettyPrintConfig(out=out, include=_Include(options), use_git=False, use_diff=False, use_color=False)
     pretty_print_diff(dict(base), rest, "", config)
     return out.getvalue()
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI glue
-# ---------------------------------------------------------------------------------------------
-def add_diff_arguments(parser: argparse.ArgumentParser, share_option: bool = True) -> None:
-    """The arguments of ``nbbatch diff``."""
-    parser.add_argument("run_a", metavar="RUN_A", help="a .ipynb file, a run folder, or <experiment>/<run id>")
-    parser.add_argument("run_b", metavar="RUN_B", help="the run to compare it with")
-    if share_option:
-        parser.add_argument("--share", default=None, help="the share (default: the project's results/ folder)")
-    parser.add_argument("--html", default=None, metavar="FILE.html", help="also write the diff as an HTML page")
-    parser.add_argument("--no-sources", dest="sources", action="store_false", help="leave cell sources out")
-    parser.add_argument("--no-outputs", dest="outputs", action="store_false", help="leave cell outputs out")
-    parser.add_argument("--metadata", action="store_true", help="include notebook and cell metadata")
-    parser.add_argument("--details", action="store_true",
-                        help="include what changes on every execution: timings, execution counts, cell ids")
-    parser.add_argument("--color", dest="color", action="store_const", const=True, default=None,
-                        help="colour the terminal diff even when not writing to a terminal")
-    parser.add_argument("--no-color", dest="color", action="store_const", const=False, help="no colours")
-
-
-def cli_diff(args: argparse.Namespace) -> int:
-    """``nbbatch diff``: print the diff of two runs' notebooks; write HTML with --html. Always 0."""
-    result = diff_runs(args.run_a, args.run_b, getattr(args, "share", None), sources=args.sources,
-                       outputs=args.outputs, metadata=args.metadata, details=args.details)
-    result.print(color=args.color)
-    if args.html:
-        print(f"wrote {result.write_html(args.html)}")
-    return 0

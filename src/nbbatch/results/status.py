@@ -14,7 +14,9 @@ from nbbatch.store.share import Share
 
 # One colour per status, for every view (terminal tables, widgets, the HTML report).
 STATUS_STYLE = {Status.QUEUED: "dim", Status.RUNNING: "bold blue", Status.SUCCEEDED: "green", Status.FAILED: "bold red",
-                Status.CANCELLED: "yellow", Status.TIMED_OUT: "magenta"}
+                Status.CANCELLED: "yellow", Status.TIMED_OUT: "magenta",
+                # what `compare` says of an executed notebook found without a run record
+                "incomplete": "yellow", "unreadable": "magenta"}
 KEY_METRICS = ("accuracy", "train_seconds", "images_per_second")
 
 
@@ -43,7 +45,7 @@ def status_rows(records: list[RunRecord]) -> list[dict[str, Any]]:
     """One plain dict per run (what the tables, the widgets and ``--json`` show)."""
     rows = []
     for r in sorted(records, key=lambda rec: (rec.framework or "", rec.run_id)):
-        progress = f"{r.cells_done}/{r.cells_total}" if r.cells_total and r.status == "running" else ""
+        progress = f"{r.cells_done}/{r.cells_total}" if r.cells_total and r.status == Status.RUNNING else ""
         rows.append({
             "run_id": r.run_id, "framework": r.framework or r.notebook, "parameters": r.parameters,
             "status": r.status, "attempts": r.attempts, "progress": progress,

@@ -19,11 +19,11 @@ from typing import Any
 import yaml
 
 from nbbatch.errors import SpecError, did_you_mean
+from nbbatch.spec.schema import keys as schema_keys
 from nbbatch.spec.sweep import expand_sweep
 
-_TOP_KEYS = ("experiment", "frameworks", "notebooks", "parameters", "sweep", "resources", "timeout",
-             "cell_timeout", "retries", "backend", "share", "env")
-_RESOURCE_KEYS = ("gpus", "runs_per_gpu", "max_parallel")
+_TOP_KEYS = schema_keys()
+_RESOURCE_KEYS = schema_keys("resources")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
 

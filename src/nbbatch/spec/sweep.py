@@ -13,9 +13,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from nbbatch.errors import SpecError, did_you_mean
+from nbbatch.spec.schema import keys as schema_keys
 
 DISTRIBUTIONS = ("uniform", "loguniform", "normal", "randint", "choice")
-SWEEP_KINDS = ("grid", "zip", "random")
+SWEEP_KINDS = schema_keys("sweep")
 
 
 def _grid(spec: Any) -> list[dict[str, Any]]:

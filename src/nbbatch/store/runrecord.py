@@ -10,6 +10,7 @@ from enum import Enum
 from typing import Any
 
 from nbbatch.errors import ShareError
+from nbbatch.store.layout import RUN_RECORD
 
 SCHEMA_VERSION = 1
 
@@ -126,7 +127,7 @@ class RunRecord:
         return (json.dumps(self.to_dict(), indent=2, sort_keys=False, default=str) + "\n").encode()
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "run.json") -> RunRecord:
+    def from_dict(cls, data: dict[str, Any], source: str = RUN_RECORD) -> RunRecord:
         if not isinstance(data, dict):
             raise ShareError(f"{source} is not a run record (expected a JSON object); delete it to rerun that run")
         version = data.get("schema_version", SCHEMA_VERSION)
@@ -155,7 +156,7 @@ class RunRecord:
             raise ShareError(f"{source} is malformed: {exc}") from exc
 
     @classmethod
-    def from_json(cls, text: bytes | str, source: str = "run.json") -> RunRecord:
+    def from_json(cls, text: bytes | str, source: str = RUN_RECORD) -> RunRecord:
         try:
             data = json.loads(text)
         except (ValueError, UnicodeDecodeError) as exc:

@@ -2,7 +2,8 @@
 
 A share is addressed by a URL-ish string and chosen by prefix, like papermill's I/O handlers:
 a plain path is a :class:`FileShare`; other schemes (``azfiles://``) are registered by their
-modules. Every share writes atomically: a reader never sees half a file.
+modules, or by plug-ins through the ``nbbatch.shares`` entry-point group. Every share writes
+atomically: a reader never sees half a file.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def open_share(url: str | os.PathLike[str] | Share) -> Share:
     scheme, sep, _ = text.partition("://")
     if sep:
         if scheme not in _SHARES:
-            _load_builtin_scheme(scheme)
+            _load_scheme(scheme)
         if scheme not in _SHARES:
             known = ", ".join(sorted(_SHARES) or ["(none)"])
             raise ShareError(f"no share type for `{scheme}://` (known: {known}); use a folder path or a known scheme")
@@ -150,10 +151,19 @@ def open_share(url: str | os.PathLike[str] | Share) -> Share:
     return FileShare(text)
 
 
-def _load_builtin_scheme(scheme: str) -> None:
-    # Importing the module registers its scheme; kept lazy so `import nbbatch` stays light.
+SHARE_ENTRY_POINTS = "nbbatch.shares"  # plug-ins: `scheme = "package.module:factory"`
+
+
+def _load_scheme(scheme: str) -> None:
+    # Importing a built-in module registers its scheme; kept lazy so `import nbbatch` stays light.
     builtin = {"azfiles": "nbbatch.store.azfiles"}
     if scheme in builtin:
         import importlib
 
         importlib.import_module(builtin[scheme])
+        return
+    from importlib.metadata import entry_points
+
+    for entry in entry_points(group=SHARE_ENTRY_POINTS):
+        if entry.name == scheme:
+            register_share(scheme, entry.load())

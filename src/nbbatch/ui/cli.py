@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from nbbatch.errors import NbbatchError
+from nbbatch.store.runrecord import Status
 
 
 def _typed(value: str) -> Any:
@@ -130,7 +131,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(status_rows(records), indent=2, default=str))
     else:
         _console().print(status_table(records, title=f"{name}"))
-    return 0 if all(r.status == "succeeded" for r in records) and not problems or not args.check else 1
+    return 0 if all(r.status == Status.SUCCEEDED for r in records) and not problems or not args.check else 1
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
@@ -184,7 +185,7 @@ def cmd_run_one(args: argparse.Namespace) -> int:
     record = execute_run(run, open_share(args.share), gpu_ids=gpu_ids, shared_gpu=args.shared_gpu,
                          backend=args.backend, project_root=project.root)
     print(f"{record.run_id}: {record.status}" + (f" ({record.error.summary()})" if record.error else ""))
-    return 0 if record.status == "succeeded" else 1
+    return 0 if record.status == Status.SUCCEEDED else 1
 
 
 def cmd_envs(args: argparse.Namespace) -> int:
@@ -237,6 +238,17 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise NbbatchError(f"`nbbatch cluster` needs the azure extra: pip install 'nbbatch[azure]' ({exc})") from exc
     return int(cli_cluster(args) or 0)
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from nbbatch.spec.schema import experiment_schema
+
+    text = json.dumps(experiment_schema(), indent=2) + "\n"
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -325,15 +337,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_cluster)
 
+    p = sub.add_parser("schema", help="print the experiment file's JSON Schema (for editors that validate YAML)")
+    p.add_argument("-o", "--output", help="write it to this file instead")
+    p.set_defaults(func=cmd_schema)
+
     p = sub.add_parser("fetch", help="copy an experiment's executed notebooks and run records to a folder")
     p.add_argument("experiment")
     p.add_argument("dest")
     p.add_argument("--share")
     p.set_defaults(func=cmd_fetch)
 
-    # compare | diff | check: arguments and handlers live in nbbatch.results.compare / nbbatch.results.diff
-    from nbbatch.results.compare import add_check_arguments, add_compare_arguments, cli_check, cli_compare
-    from nbbatch.results.diff import add_diff_arguments, cli_diff
+    # compare | diff | check: arguments and handlers live in nbbatch.ui.results_commands
+    from nbbatch.ui.results_commands import (
+        add_check_arguments,
+        add_compare_arguments,
+        add_diff_arguments,
+        cli_check,
+        cli_compare,
+        cli_diff,
+    )
 
     p = sub.add_parser("compare", help="table of runs (parameters, metrics) from a share or any papermill outputs; "
                                        "sort/filter/group, CSV/JSON, HTML report with plots")

@@ -1,0 +1,374 @@
+"""The azureml backend: one Azure ML command job per run, on a compute cluster it manages."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from azure.ai.ml import MLClient, Output, command
+from azure.ai.ml.entities import Command
+from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
+
+from nbbatch.backends.azureml.cluster import (
+    DEFAULT_CLUSTER,
+    DEFAULT_VM_SIZE,
+    TIERS,
+    VM_SIZES,
+    AzureMLCluster,
+    ClusterSettings,
+)
+from nbbatch.backends.azureml.images import (
+    build_code_snapshot,
+    datastore_name_for,
+    ensure_datastore,
+    ensure_environment,
+    framework_environment,
+    project_root_of,
+)
+from nbbatch.backends.azureml.jobs import JOB_FILE, JobState, job_status_text, map_job_status, new_job_name, reconcile
+from nbbatch.backends.azureml.logstream import stream_job
+from nbbatch.backends.azureml.workspace import connect, error_text
+from nbbatch.backends.base import Backend, Capabilities, Compute, Setting, SubmitOptions
+from nbbatch.errors import BackendError
+from nbbatch.plan.runs import Run
+from nbbatch.redact import is_secret_name
+from nbbatch.store.layout import run_paths
+from nbbatch.store.records import read_record, write_record
+from nbbatch.store.records import run_ids as list_run_ids
+from nbbatch.store.runrecord import ErrorKind, RunError, RunRecord, Status, utc_now
+from nbbatch.store.share import Share
+
+if TYPE_CHECKING:
+    from nbbatch.store.azfiles import AzureFilesLocation
+
+DEFAULT_LAUNCHER = 'PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" python -m nbbatch'
+
+_STR = (str,)
+_PATH = (str, os.PathLike)
+
+
+class AzureMLBackend(Backend):
+    """Runs each planned run as an Azure ML command job; see :mod:`nbbatch.backends.azureml`."""
+
+    name: ClassVar[str] = "azureml"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        cancel=True, log_stream=True, gpus=True, multi_node=True, local_kernels=False, detached=True,
+        gpu_slots=False, managed_cluster=True)  # kernels live in the framework images
+    SETTINGS: ClassVar[dict[str, Setting]] = {
+        "subscription_id": Setting(None, _STR),
+        "resource_group": Setting(None, _STR),
+        "workspace": Setting(None, _STR),
+        "config": Setting(None, _PATH),
+        "compute": Setting(DEFAULT_CLUSTER, _STR, label="cluster name"),
+        "vm_size": Setting(DEFAULT_VM_SIZE, _STR, suggestions=VM_SIZES, label="VM size"),
+        "min_nodes": Setting(0, (int,), minimum=0, label="min nodes"),
+        "max_nodes": Setting(2, (int,), minimum=1, label="max nodes"),
+        # suggestions, not choices: ClusterSettings also takes aliases ("low-priority", "spot")
+        "tier": Setting("dedicated", _STR, suggestions=TIERS, label="priority"),
+        "idle_time_before_scale_down": Setting(1800, (int,), minimum=0),
+        "create_cluster": Setting(True, (bool,)),
+        "datastore": Setting(None, _STR),
+        "environments": Setting(None, (Mapping,)),
+        "dockerfiles": Setting(None, _PATH),
+        "poll_seconds": Setting(30.0, (int, float), minimum=0),
+        "shm_size": Setting(None, _STR),
+        "launcher": Setting(DEFAULT_LAUNCHER, _STR),
+        "share_mode": Setting("mount", _STR, choices=("mount", "direct")),
+        "ml_client": Setting(python_only=True),
+        "credential": Setting(python_only=True),
+        "client_kwargs": Setting(python_only=True),
+    }
+
+    def __init__(
+        self,
+        *,
+        subscription_id: str | None = None,
+        resource_group: str | None = None,
+        workspace: str | None = None,
+        config: str | None = None,
+        compute: str = DEFAULT_CLUSTER,
+        vm_size: str = DEFAULT_VM_SIZE,
+        min_nodes: int = 0,
+        max_nodes: int = 2,
+        tier: str = "dedicated",
+        idle_time_before_scale_down: int = 1800,
+        create_cluster: bool = True,
+        datastore: str | None = None,
+        environments: Mapping[str, str] | None = None,
+        dockerfiles: str | None = None,
+        poll_seconds: float = 30.0,
+        shm_size: str | None = None,
+        launcher: str = DEFAULT_LAUNCHER,
+        share_mode: str = "mount",
+        ml_client: MLClient | None = None,
+        credential: Any = None,
+        client_kwargs: Mapping[str, Any] | None = None,
+        **unknown: Any,
+    ) -> None:
+        """Configure from the experiment's ``backend:`` settings (all optional).
+
+        ``compute`` names the cluster (created on first submit unless ``create_cluster: false``)
+        sized by ``vm_size``, ``min_nodes``, ``max_nodes``, ``tier`` (dedicated | low_priority) and
+        ``idle_time_before_scale_down`` (seconds). ``datastore`` names the workspace datastore of
+        the experiment's file share (default ``nbbatch_<account>_<share>``). ``environments`` maps a
+        framework (or ``"*"``) to an existing Azure ML environment (``azureml:name:version``)
+        instead of building ``dockerfiles/<framework>/``. ``poll_seconds`` is how often waiting
+        reads job states. ``share_mode`` is ``mount`` (the share is the job's rw_mount output) or
+        ``direct`` (the job opens ``azfiles://`` itself with the cluster's managed identity).
+        ``ml_client``/``credential``/``client_kwargs`` are for Python callers and tests.
+        """
+        super().__init__(
+            subscription_id=subscription_id, resource_group=resource_group, workspace=workspace, config=config,
+            compute=compute, vm_size=vm_size, min_nodes=min_nodes, max_nodes=max_nodes, tier=tier,
+            idle_time_before_scale_down=idle_time_before_scale_down, create_cluster=create_cluster,
+            datastore=datastore, environments=environments, dockerfiles=dockerfiles, poll_seconds=poll_seconds,
+            shm_size=shm_size, launcher=launcher, share_mode=share_mode, ml_client=ml_client, credential=credential,
+            client_kwargs=client_kwargs, **unknown)
+        self.cluster_settings = ClusterSettings(compute, vm_size, min_nodes, max_nodes, tier,
+                                                idle_time_before_scale_down)
+        self.workspace_settings = {"subscription_id": subscription_id, "resource_group": resource_group,
+                                   "workspace": workspace, "config": config}
+        self.create_cluster = create_cluster
+        self.datastore = datastore
+        self.environments = dict(environments or {})
+        self.dockerfiles = Path(dockerfiles) if dockerfiles else None
+        self.poll_s = float(poll_seconds)
+        self.shm_size = shm_size
+        self.launcher = launcher
+        self.share_mode = share_mode
+        self._credential = credential
+        self._client_kwargs = dict(client_kwargs or {})
+        self._ml_client = ml_client
+        self._environment_refs: dict[str, str] = {}
+
+    # --- connections ------------------------------------------------------------------------------
+    @property
+    def ml_client(self) -> MLClient:
+        """The workspace client (connected on first use)."""
+        if self._ml_client is None:
+            self._ml_client = connect(credential=self._credential, **self.workspace_settings, **self._client_kwargs)
+        return self._ml_client
+
+    @property
+    def cluster(self) -> AzureMLCluster:
+        """The compute cluster these settings name."""
+        return AzureMLCluster(self.ml_client, self.cluster_settings)
+
+    # --- the Backend hooks ------------------------------------------------------------------------
+    def compute(self) -> Compute:
+        """The cluster's nodes (all of them count as slots: one run per node)."""
+        status = self.cluster.status()
+        nodes = [{"name": n["name"], "state": n["state"], "cpus": None, "gpus": None} for n in status.nodes]
+        return Compute(backend=self.name, nodes=nodes, slots=self.cluster_settings.max_nodes,
+                       details={"cluster": status.to_dict(), "summary": status.summary()})
+
+    def check_share(self, share: Share) -> None:
+        """Jobs write to an Azure File share: refuse any other share before anything starts."""
+        _azure_files_location(share)
+
+    def check(self, runs: Sequence[Run]) -> None:
+        """Fail before anything starts when a run has no environment to run in."""
+        for run in runs:
+            self._environment_for(run, register=False)
+
+    def in_flight(self, share: Share, record: RunRecord) -> bool:
+        """Whether the run's job is still queued or running in Azure ML (asked again, not taken from the file)."""
+        state = self.job_state(share, record.experiment, record.run_id)
+        return state is not None and state.active and self._refresh_state(state).active
+
+    def start(self, runs: Sequence[Run], share: Share, options: SubmitOptions) -> None:
+        """Ensure cluster and datastore, snapshot the code once, and create one command job per run."""
+        location = _azure_files_location(share)
+        if self.create_cluster:
+            self.cluster.ensure()
+        elif not self.cluster.status().exists:
+            raise BackendError(f"cluster `{self.cluster_settings.name}` does not exist and create_cluster is false; "
+                               "create it with `nbbatch cluster create`")
+        datastore = self.datastore or datastore_name_for(location.account, location.share)
+        if self.share_mode == "mount":
+            ensure_datastore(self.ml_client, datastore, location.account, location.share)
+        with tempfile.TemporaryDirectory(prefix="nbbatch-code-") as tmp:
+            code_dir = build_code_snapshot(runs, Path(tmp) / "code")
+            for run in runs:
+                job = self.build_job(run, self._environment_for(run, register=True), code_dir,
+                                     datastore=datastore, share_url=location.url, share_prefix=location.prefix)
+                try:
+                    created = self.ml_client.jobs.create_or_update(job)
+                except HttpResponseError as exc:
+                    raise BackendError(f"Azure ML refused the job for run {run.run_id}: {error_text(exc)}") from exc
+                job_status = job_status_text(created.status)
+                status, note = map_job_status(job_status)
+                state = JobState(run.run_id, created.name, run.experiment, studio_url=created.studio_url,
+                                 job_status=job_status, status=status, note=note, submitted_at=utc_now(),
+                                 updated_at=utc_now())
+                self._write_state(share, state)
+
+    def sync(self, experiment: str, share: Share, run_ids: Sequence[str] | None = None) -> None:
+        """Map the jobs' states onto the records of runs that are not final (a job that ended first ends its run)."""
+        for run_id in run_ids if run_ids is not None else list_run_ids(share, experiment):
+            state = self.job_state(share, experiment, run_id)
+            if state is None:
+                continue
+            record = read_record(share, experiment, run_id)
+            if record is not None and record.final and state.status.final:
+                continue
+            before = (state.job_status, state.note)
+            self._refresh_state(state)
+            if (state.job_status, state.note) != before:
+                self._write_state(share, state)
+            change = None if record is None or record.final else reconcile(record, state)
+            if change is None:
+                continue
+            status, error = change
+            if status.final:
+                self.finalize(share, record, status, error)
+            else:
+                record.status = status
+                write_record(share, record)
+
+    def cancel(self, experiment: str, share: Share, run_ids: Sequence[str] | None = None) -> list[str]:
+        """Cancel the jobs of unfinished runs (all when ``run_ids`` is None); return the run ids asked to stop."""
+        asked: list[str] = []
+        for run_id in list(run_ids) if run_ids else list_run_ids(share, experiment):
+            state = self.job_state(share, experiment, run_id)
+            record = read_record(share, experiment, run_id)
+            if state is None or record is None or record.final:
+                continue
+            try:
+                self.ml_client.jobs.begin_cancel(state.job_name)
+            except ResourceNotFoundError:
+                pass
+            share.write_bytes(run_paths(experiment, run_id).cancel, utc_now().encode())  # the executor stops too
+            state.job_status, state.status, state.note = "CancelRequested", Status.CANCELLED, None
+            state.updated_at = utc_now()
+            self._write_state(share, state)
+            self.finalize(share, record, Status.CANCELLED, RunError(
+                "Cancelled", f"Azure ML job {state.job_name}", reason="cancelled by the user", kind=ErrorKind.CANCELLED))
+            asked.append(run_id)
+        return asked
+
+    def stream_log(self, experiment: str, share: Share, run_id: str, follow: bool = False) -> Iterator[str] | None:
+        """With ``follow``, the job's own log stream (image build, node setup, stdout) until it ends.
+
+        Without ``follow`` (or for runs never sent to Azure ML) ``None``: read ``log.txt`` from the share.
+        """
+        state = self.job_state(share, experiment, run_id)
+        if not follow or state is None:
+            return None
+        return stream_job(self.ml_client, state.job_name)
+
+    # --- jobs -------------------------------------------------------------------------------------
+    def build_job(
+        self,
+        run: Run,
+        environment: str,
+        code: str | os.PathLike[str],
+        *,
+        datastore: str,
+        share_url: str,
+        share_prefix: str = "",
+    ) -> Command:
+        """The command job of one run (what :meth:`start` sends; also handy to inspect or dump as YAML)."""
+        secret = sorted(k for k in run.env if is_secret_name(k))
+        if secret:
+            raise BackendError(
+                f"run {run.run_id} sets `{secret[0]}` in `env:`; on Azure ML a run's settings are part of the job's "
+                "command, visible in the studio and the job's history, so they must hold no secrets. Keep secrets in "
+                "a workspace connection or Key Vault and read them from the notebook"
+            )
+        remote = dataclasses.replace(run, notebook=run.notebook_rel,
+                                     cwd=run.cwd if run.cwd and not Path(run.cwd).is_absolute() else None)
+        spec = json.dumps(remote.to_dict(), sort_keys=True, separators=(",", ":"))
+        gpus = ",".join(str(i) for i in range(run.gpus))
+        share_arg = "${{outputs.share}}" if self.share_mode == "mount" else shlex.quote(share_url)
+        parts = [self.launcher, "run-one", "--spec", shlex.quote(spec), "--share", share_arg, "--backend", self.name]
+        if gpus:
+            parts += ["--gpus", gpus]
+        outputs = {}
+        if self.share_mode == "mount":
+            path = f"azureml://datastores/{datastore}/paths/{share_prefix.strip('/')}"
+            outputs["share"] = Output(type="uri_folder", path=path.rstrip("/") + "/", mode="rw_mount")
+        tags = {"nbbatch": "1", "run_id": run.run_id, "experiment": run.experiment,
+                "framework": run.framework or "", "notebook": run.notebook_rel,
+                "parameters": json.dumps(run.parameters, sort_keys=True, default=str)[:1000]}
+        return command(
+            name=new_job_name(run.run_id),
+            display_name=run.run_id,
+            experiment_name=run.experiment,
+            description=f"nbbatch run {run.run_id}: {run.notebook_rel}",
+            code=str(code),
+            command=" ".join(parts),
+            environment=environment,
+            compute=self.cluster_settings.name,
+            outputs=outputs,
+            tags=tags,
+            instance_count=1,
+            shm_size=self.shm_size,
+            timeout=int(run.timeout_s) + 600 if run.timeout_s else None,
+        )
+
+    def _environment_for(self, run: Run, register: bool) -> str:
+        key = run.framework or "*"
+        if key in self.environments or "*" in self.environments:
+            return self.environments.get(key) or self.environments["*"]
+        if not run.framework:
+            raise BackendError(f"run {run.run_id} ({run.notebook_rel}) has no framework, so the azureml backend has "
+                               "no image for it; set `environments: {'*': azureml:<name>:<version>}` in `backend:`")
+        if key in self._environment_refs:
+            return self._environment_refs[key]
+        from nbbatch.spec.frameworks import get_framework
+        from nbbatch.spec.project import Project
+
+        root = project_root_of(run)
+        framework = get_framework(run.framework, Project(root))
+        dockerfiles = self.dockerfiles or root / "dockerfiles"
+        env = framework_environment(framework, dockerfiles)
+        if not register:
+            return f"azureml:{env.name}:{env.version}"
+        registered = ensure_environment(self.ml_client, framework, dockerfiles)
+        ref = f"azureml:{registered.name}:{registered.version}"
+        self._environment_refs[key] = ref
+        return ref
+
+    # --- job state --------------------------------------------------------------------------------
+    def job_state(self, share: Share, experiment: str, run_id: str) -> JobState | None:
+        """The run's ``azureml.json``, or None when it was never submitted to Azure ML."""
+        try:
+            return JobState.from_json(share.read_bytes(run_paths(experiment, run_id).file(JOB_FILE)))
+        except (FileNotFoundError, ValueError, TypeError):
+            return None
+
+    def _write_state(self, share: Share, state: JobState) -> None:
+        share.write_bytes(run_paths(state.experiment, state.run_id).file(JOB_FILE), state.to_json())
+
+    def _refresh_state(self, state: JobState) -> JobState:
+        """``state`` updated from the job's status in Azure ML (not written)."""
+        try:
+            job = self.ml_client.jobs.get(state.job_name)
+        except ResourceNotFoundError:
+            state.job_status, state.status, state.note = None, Status.FAILED, "the Azure ML job no longer exists"
+            return state
+        state.job_status = job_status_text(job.status)
+        state.status, state.note = map_job_status(state.job_status)
+        state.studio_url = job.studio_url or state.studio_url
+        state.updated_at = utc_now()
+        return state
+
+
+def _azure_files_location(share: Share) -> AzureFilesLocation:
+    from nbbatch.store.azfiles import AzureFileShare, parse_azfiles_url
+
+    if isinstance(share, AzureFileShare):
+        return share.location
+    if str(getattr(share, "url", "")).startswith("azfiles://"):
+        return parse_azfiles_url(share.url)
+    raise BackendError(
+        f"the azureml backend writes results to an Azure File share, but this experiment's share is "
+        f"{getattr(share, 'url', share)}; set `share: azfiles://<storage account>/<file share>` in the experiment file"
+    )

@@ -1,0 +1,228 @@
+"""The azureml backend's compute cluster: an ``AmlCompute`` cluster nbbatch creates, inspects, resizes and deletes."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from azure.ai.ml import MLClient
+from azure.ai.ml.entities import AmlCompute
+from azure.core.exceptions import AzureError, HttpResponseError, ResourceNotFoundError
+
+from nbbatch.backends.azureml.workspace import error_text
+from nbbatch.errors import BackendError
+
+DEFAULT_CLUSTER = "nbbatch-gpu"
+DEFAULT_VM_SIZE = "Standard_NC4as_T4_v3"
+TIERS = ("dedicated", "low_priority")  # ClusterSettings also takes "low-priority", "LowPriority", "spot"
+VM_SIZES = ("Standard_NC4as_T4_v3", "Standard_NC6s_v3", "Standard_NC24ads_A100_v4", "Standard_ND96asr_v4",
+            "Standard_D4s_v5")  # what a form offers (any size the region has is allowed)
+
+
+@dataclass
+class ClusterSettings:
+    """How a compute cluster is sized: VM size, node range, priority tier, idle time before scale-down."""
+
+    name: str = DEFAULT_CLUSTER
+    vm_size: str = DEFAULT_VM_SIZE
+    min_nodes: int = 0
+    max_nodes: int = 2
+    tier: str = "dedicated"
+    idle_time_before_scale_down: int = 1800  # seconds
+
+    def __post_init__(self) -> None:
+        tier = self.tier.replace("-", "_").lower()
+        tier = {"lowpriority": "low_priority", "low": "low_priority", "spot": "low_priority"}.get(tier, tier)
+        if tier not in TIERS:
+            raise BackendError(f"cluster tier `{self.tier}` is not one of {', '.join(TIERS)}")
+        self.tier = tier
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9-]{1,31}", self.name):
+            raise BackendError(f"cluster name `{self.name}` must be 2-32 letters, digits or '-', starting with a letter")
+        if not (0 <= int(self.min_nodes) <= int(self.max_nodes)) or int(self.max_nodes) < 1:
+            raise BackendError(f"cluster nodes must satisfy 0 <= min_nodes <= max_nodes and max_nodes >= 1 "
+                               f"(got min_nodes={self.min_nodes}, max_nodes={self.max_nodes})")
+        self.min_nodes, self.max_nodes = int(self.min_nodes), int(self.max_nodes)
+        self.idle_time_before_scale_down = int(self.idle_time_before_scale_down)
+
+    def to_compute(self) -> AmlCompute:
+        """The ``AmlCompute`` entity these settings describe."""
+        return AmlCompute(
+            name=self.name,
+            size=self.vm_size,
+            min_instances=self.min_nodes,
+            max_instances=self.max_nodes,
+            tier=self.tier,
+            idle_time_before_scale_down=self.idle_time_before_scale_down,
+        )
+
+
+@dataclass
+class ClusterStatus:
+    """A cluster's state: size, node counts by state, nodes, errors."""
+
+    name: str
+    exists: bool
+    vm_size: str | None = None
+    tier: str | None = None
+    min_nodes: int | None = None
+    max_nodes: int | None = None
+    idle_time_before_scale_down: int | None = None
+    provisioning_state: str | None = None
+    allocation_state: str | None = None
+    current_nodes: int | None = None
+    target_nodes: int | None = None
+    nodes_by_state: dict[str, int] = field(default_factory=dict)
+    nodes: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def summary(self) -> str:
+        """A few lines of text, like deep_bait's ``print_cluster_status``."""
+        if not self.exists:
+            return f"cluster {self.name}: does not exist (nbbatch cluster create)"
+        counts = ", ".join(f"{state} {n}" for state, n in sorted(self.nodes_by_state.items()) if n) or "no nodes"
+        lines = [
+            f"cluster {self.name}: {self.vm_size} × {self.min_nodes}–{self.max_nodes} nodes ({self.tier}), "
+            f"provisioning {self.provisioning_state or '?'}, allocation {self.allocation_state or '?'}",
+            f"  nodes: {self.current_nodes if self.current_nodes is not None else '?'} "
+            f"(target {self.target_nodes if self.target_nodes is not None else '?'}): {counts}",
+        ]
+        for node in self.nodes:
+            job = f" running {node['job']}" if node.get("job") else ""
+            lines.append(f"  - {node['name']}: {node['state']}{job}")
+        lines.extend(f"  error: {err}" for err in self.errors)
+        return "\n".join(lines)
+
+
+def _enum_text(value: Any) -> str | None:
+    if value is None:
+        return None
+    return str(getattr(value, "value", value))
+
+
+class AzureMLCluster:
+    """Create, inspect, resize and delete one AmlCompute cluster."""
+
+    def __init__(self, ml_client: MLClient, settings: ClusterSettings):
+        self.ml_client = ml_client
+        self.settings = settings
+
+    @property
+    def name(self) -> str:
+        return self.settings.name
+
+    def _get(self) -> AmlCompute | None:
+        try:
+            found = self.ml_client.compute.get(self.name)
+        except ResourceNotFoundError:
+            return None
+        if not isinstance(found, AmlCompute):
+            raise BackendError(f"compute `{self.name}` exists but is a {type(found).__name__}, not a compute cluster; "
+                               "choose another `compute:` name")
+        return found
+
+    def create(self, wait: bool = True) -> ClusterStatus:
+        """Create the cluster if it does not exist (an existing one is left as it is)."""
+        if self._get() is None:
+            try:
+                poller = self.ml_client.compute.begin_create_or_update(self.settings.to_compute())
+                if wait:
+                    poller.result()
+            except HttpResponseError as exc:
+                raise BackendError(f"cannot create cluster `{self.name}` ({self.settings.vm_size}): {error_text(exc)}. "
+                                   "Check the VM size is offered in the workspace's region and that the "
+                                   "subscription has quota for its family (docs/azure.md)") from exc
+        return self.status()
+
+    def ensure(self) -> ClusterStatus:
+        """The cluster's status, creating it first when missing."""
+        return self.create(wait=True)
+
+    def status(self) -> ClusterStatus:
+        """Size, provisioning and allocation state, nodes by state, errors."""
+        compute = self._get()
+        if compute is None:
+            return ClusterStatus(self.name, exists=False)
+        status = ClusterStatus(
+            name=self.name,
+            exists=True,
+            vm_size=compute.size,
+            tier=compute.tier,
+            min_nodes=compute.min_instances,
+            max_nodes=compute.max_instances,
+            idle_time_before_scale_down=compute.idle_time_before_scale_down,
+            provisioning_state=_enum_text(compute.provisioning_state),
+        )
+        if compute.provisioning_errors:
+            status.errors.append(f"provisioning: {compute.provisioning_errors}")
+        self._add_allocation(status)
+        nodes = list(self.ml_client.compute.list_nodes(self.name))
+        for node in nodes:
+            state = _enum_text(_node_field(node, "node_state", "nodeState")) or "unknown"
+            status.nodes.append({"name": _node_field(node, "node_id", "nodeId"), "state": state,
+                                 "job": _node_field(node, "run_id", "runId"),
+                                 "private_ip": _node_field(node, "private_ip_address", "privateIpAddress")})
+            status.nodes_by_state[state] = status.nodes_by_state.get(state, 0) + 1
+        return status
+
+    def _add_allocation(self, status: ClusterStatus) -> None:
+        # The SDK's AmlCompute entity drops the allocation state, node counts and resize errors
+        # (quota errors show up there), so read them from the service's own compute resource.
+        try:
+            rest = self.ml_client.compute._operation.get(  # noqa: SLF001 - not exposed by the entity
+                self.ml_client.resource_group_name, self.ml_client.workspace_name, self.name
+            )
+            props = rest.properties.properties
+        except (AttributeError, TypeError, AzureError):
+            return
+        if props is None:
+            return
+        status.allocation_state = _enum_text(getattr(props, "allocation_state", None))
+        status.current_nodes = getattr(props, "current_node_count", None)
+        status.target_nodes = getattr(props, "target_node_count", None)
+        counts = getattr(props, "node_state_counts", None)
+        if counts is not None:
+            for state in ("idle", "running", "preparing", "unusable", "leaving", "preempted"):
+                value = getattr(counts, f"{state}_node_count", None)
+                if value:
+                    status.nodes_by_state.setdefault(f"{state} (count)", value)
+        for err in getattr(props, "errors", None) or []:
+            detail = getattr(err, "error", err)
+            status.errors.append(f"{getattr(detail, 'code', '')}: {getattr(detail, 'message', detail)}".strip(": "))
+
+    def scale(self, min_nodes: int | None = None, max_nodes: int | None = None, wait: bool = True) -> ClusterStatus:
+        """Change the node range (e.g. ``max_nodes=0``-like pause: ``min_nodes=0`` lets it scale to zero)."""
+        compute = self._get()
+        if compute is None:
+            raise BackendError(f"cluster `{self.name}` does not exist; create it first (nbbatch cluster create)")
+        new_min = compute.min_instances if min_nodes is None else int(min_nodes)
+        new_max = compute.max_instances if max_nodes is None else int(max_nodes)
+        if not (0 <= new_min <= new_max) or new_max < 1:
+            raise BackendError(f"cannot scale `{self.name}` to min {new_min}, max {new_max}: "
+                               "need 0 <= min_nodes <= max_nodes and max_nodes >= 1")
+        compute.min_instances, compute.max_instances = new_min, new_max
+        poller = self.ml_client.compute.begin_update(compute)
+        if wait:
+            poller.result()
+        self.settings.min_nodes, self.settings.max_nodes = new_min, new_max
+        return self.status()
+
+    def delete(self, wait: bool = True) -> bool:
+        """Delete the cluster (its nodes stop billing); False when it did not exist."""
+        if self._get() is None:
+            return False
+        poller = self.ml_client.compute.begin_delete(self.name)
+        if wait:
+            poller.result()
+        return True
+
+
+def _node_field(node: Any, name: str, wire_name: str) -> Any:
+    # azure-ai-ml 1.35 fills AmlComputeNodeInfo from the REST model's as_dict(), whose keys are the
+    # wire's camelCase names, leaving the documented attributes None; read either.
+    value = getattr(node, name, None)
+    return value if value is not None else vars(node).get(wire_name)

@@ -1,0 +1,156 @@
+"""What a job needs besides the cluster: its framework's image (an Azure ML environment), the datastore of
+the results share, and a snapshot of the code (nbbatch's source, the frameworks' data, the runs' notebooks)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from azure.ai.ml import MLClient
+from azure.ai.ml.entities import AccountKeyConfiguration, AzureFileDatastore, BuildContext, Environment
+from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
+
+from nbbatch.backends.azureml.workspace import error_text
+from nbbatch.errors import BackendError
+from nbbatch.plan.runs import Run
+
+KEY_ENV = "AZURE_STORAGE_KEY"
+_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.pyo", ".ipynb_checkpoints")
+
+
+def framework_environment(framework: Any, dockerfiles_dir: Path, build_dir: Path | None = None) -> Environment:
+    """The Azure ML environment of a framework: built from ``dockerfiles/<name>/``, versioned by its pins.
+
+    With ``build_dir`` the Docker build context is staged there: the files of ``dockerfiles/<name>/``
+    plus the framework's folder as ``frameworks/<name>/``, so a Dockerfile can
+    ``COPY frameworks/<name>/requirements.txt`` and install the very pins the local environments use.
+    """
+    context = Path(dockerfiles_dir) / framework.name
+    if not (context / "Dockerfile").is_file():
+        raise BackendError(
+            f"framework `{framework.name}` has no Docker build context {context}/Dockerfile; the azureml backend "
+            f"builds its image from there (or name an existing Azure ML environment under `environments:`)"
+        )
+    path = context
+    if build_dir is not None:
+        shutil.copytree(context, build_dir, ignore=_IGNORE, dirs_exist_ok=True)
+        shutil.copytree(framework.folder, build_dir / "frameworks" / framework.name, ignore=_IGNORE,
+                        dirs_exist_ok=True)
+        path = build_dir
+    return Environment(
+        name=f"nbbatch-{framework.name}",
+        version=framework.fingerprint(),
+        build=BuildContext(path=str(path), dockerfile_path="Dockerfile"),
+        description=f"nbbatch {framework.title} environment (kernel {framework.kernel_name})",
+        tags={"nbbatch": "1", "framework": framework.name, "kernel": framework.kernel_name},
+    )
+
+
+def ensure_environment(ml_client: MLClient, framework: Any, dockerfiles_dir: Path) -> Environment:
+    """The framework's environment: reused when its name and version (the pins) exist, else registered.
+
+    Registering uploads the staged build context; Azure ML builds the image on first use (a job waits
+    in Preparing meanwhile) and keeps it in the workspace's container registry.
+    """
+    wanted = framework_environment(framework, dockerfiles_dir)
+    try:
+        return ml_client.environments.get(wanted.name, version=wanted.version)
+    except ResourceNotFoundError:
+        pass
+    with tempfile.TemporaryDirectory(prefix="nbbatch-image-") as tmp:
+        staged = framework_environment(framework, dockerfiles_dir, build_dir=Path(tmp) / "context")
+        try:
+            return ml_client.environments.create_or_update(staged)
+        except HttpResponseError as exc:
+            raise BackendError(f"cannot register environment {staged.name}:{staged.version}: "
+                               f"{error_text(exc)}") from exc
+
+
+def datastore_name_for(account: str, share: str) -> str:
+    """The default datastore name of a file share: ``nbbatch_<account>_<share>``."""
+    return re.sub(r"[^a-z0-9_]", "_", f"nbbatch_{account}_{share}".lower())[:255]
+
+
+def ensure_datastore(ml_client: MLClient, name: str, account: str, share: str) -> None:
+    """Check the Azure ML datastore ``name`` points at the file share; register it when missing.
+
+    Registering needs the storage account key in ``AZURE_STORAGE_KEY`` once (Azure ML keeps it in the
+    workspace's key vault; nbbatch writes it nowhere). Without it, say how to register it by hand.
+    """
+    try:
+        found = ml_client.datastores.get(name)
+    except ResourceNotFoundError:
+        found = None
+    if found is not None:
+        if not isinstance(found, AzureFileDatastore):
+            raise BackendError(f"datastore `{name}` exists but is a {type(found).__name__}, not an Azure File "
+                               "datastore; name another with `datastore:`")
+        if (found.account_name, found.file_share_name) != (account, share):
+            raise BackendError(f"datastore `{name}` points at {found.account_name}/{found.file_share_name}, "
+                               f"not the experiment's share {account}/{share}; name another with `datastore:`")
+        return
+    key = os.environ.get(KEY_ENV)
+    if not key:
+        raise BackendError(
+            f"the workspace has no datastore `{name}` for the file share {account}/{share}. Register it once "
+            f"with `az ml datastore create --file <yaml>` (type: azure_file, name: {name}, account_name: {account}, "
+            f"file_share_name: {share}, credentials.account_key; see docs/azure.md), or set {KEY_ENV} for this "
+            "command and nbbatch registers it (the key goes to the workspace's key vault only)"
+        )
+    ml_client.datastores.create_or_update(
+        AzureFileDatastore(
+            name=name, account_name=account, file_share_name=share,
+            description="nbbatch results share", credentials=AccountKeyConfiguration(account_key=key),
+        )
+    )
+
+
+def project_root_of(run: Run) -> Path:
+    """The project a run's notebook belongs to (its path minus its project-relative path)."""
+    notebook, rel = Path(run.notebook), Path(run.notebook_rel)
+    if notebook.is_absolute() and not rel.is_absolute() and notebook.parts[-len(rel.parts):] == rel.parts:
+        return notebook.parents[len(rel.parts) - 1]
+    from nbbatch.spec.project import find_project
+
+    return find_project().root
+
+
+def build_code_snapshot(runs: Sequence[Run], dest: Path, project_root: Path | None = None) -> Path:
+    """Copy what a job needs into ``dest``: nbbatch's source, the frameworks' data, the runs' notebooks.
+
+    The layout mirrors the project (``src/nbbatch/``, ``frameworks/<name>/``, each notebook at its
+    project-relative path), so ``run-one`` resolves notebooks the same way as on this machine.
+    The content is deterministic, so Azure ML reuses an upload when nothing changed.
+    """
+    import nbbatch
+
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(Path(nbbatch.__file__).parent, dest / "src" / "nbbatch", ignore=_IGNORE, dirs_exist_ok=True)
+    frameworks = sorted({r.framework for r in runs if r.framework})
+    for run in runs:
+        rel = Path(run.notebook_rel)
+        if rel.is_absolute() or ".." in rel.parts:
+            raise BackendError(f"notebook {run.notebook_rel} of run {run.run_id} is outside the project; the "
+                               "azureml backend ships the project's notebooks only: move it into the project")
+        root = project_root or project_root_of(run)
+        source = run.resolve_notebook(root)
+        if not source.is_file():
+            raise BackendError(f"notebook {run.notebook_rel} of run {run.run_id} is missing from {root}")
+        target = dest / run.notebook_rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)
+    if frameworks:
+        from nbbatch.spec.frameworks import list_frameworks
+        from nbbatch.spec.project import Project
+
+        root = project_root or project_root_of(runs[0])
+        known = list_frameworks(Project(root))
+        for name in frameworks:
+            if name in known:
+                shutil.copytree(known[name].folder, dest / "frameworks" / name, ignore=_IGNORE, dirs_exist_ok=True)
+    return dest

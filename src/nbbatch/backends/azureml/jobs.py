@@ -1,0 +1,121 @@
+"""Azure ML job states and what they mean for run records (``azureml.json`` next to each run's files)."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from azure.ai.ml.entities import Command
+
+from nbbatch.store.runrecord import ErrorKind, RunError, RunRecord, Status
+
+JOB_FILE = "azureml.json"  # in the run's folder: run_paths(experiment, run_id).file(JOB_FILE)
+
+_QUEUED = ("NotStarted", "Queued", "Preparing", "Provisioning", "Starting")
+_RUNNING = ("Running", "Finalizing")
+_NOTED = {
+    "NotResponding": "Azure ML reports the job as not responding (node lost or hung); it may recover",
+    "Paused": "the job is paused in Azure ML",
+}
+_FINAL = {"Completed": Status.SUCCEEDED, "Failed": Status.FAILED, "Canceled": Status.CANCELLED,
+          "CancelRequested": Status.CANCELLED}
+_LOWER = {name.lower(): name for name in (*_QUEUED, *_RUNNING, *_NOTED, *_FINAL)}
+
+
+def map_job_status(status: str | None) -> tuple[Status, str | None]:
+    """An Azure ML job status as ``(nbbatch status, note)``.
+
+    NotStarted/Queued/Preparing/Provisioning/Starting → queued; Running/Finalizing → running;
+    Completed → succeeded; Failed → failed; Canceled/CancelRequested → cancelled;
+    NotResponding/Paused → running, with a note saying so. Unknown states are kept as queued with
+    a note.
+    """
+    text = str(getattr(status, "value", status) or "NotStarted")
+    key = text.replace("_", "").lower()
+    if key in _LOWER:
+        text = _LOWER[key]
+    if text in _QUEUED:
+        return Status.QUEUED, None
+    if text in _RUNNING:
+        return Status.RUNNING, None
+    if text in _NOTED:
+        return Status.RUNNING, _NOTED[text]
+    if text in _FINAL:
+        return _FINAL[text], None
+    return Status.QUEUED, f"unknown Azure ML job status {text!r}"
+
+
+def job_status_text(status: Any) -> str:
+    """A job's status as the SDK gives it (an enum or text), as text."""
+    value = getattr(status, "value", status)
+    return str(value) if value is not None else "NotStarted"
+
+
+@dataclass
+class JobState:
+    """What nbbatch knows of one run's Azure ML job (stored as ``azureml.json`` in the run's folder)."""
+
+    run_id: str
+    job_name: str
+    experiment: str
+    studio_url: str | None = None
+    job_status: str | None = None
+    status: Status = Status.QUEUED  # the job status mapped onto nbbatch's
+    note: str | None = None
+    submitted_at: str | None = None
+    updated_at: str | None = None
+
+    def __post_init__(self) -> None:
+        self.status = Status(self.status)
+
+    @property
+    def active(self) -> bool:
+        """Whether the job was last seen queued or running."""
+        return self.status in (Status.QUEUED, Status.RUNNING)
+
+    def to_json(self) -> bytes:
+        return (json.dumps(dataclasses.asdict(self), indent=2) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> JobState:
+        values = json.loads(data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+
+def reconcile(record: RunRecord, state: JobState) -> tuple[Status, RunError | None] | None:
+    """What a job's state means for a record that is not final: ``(status, error)``, or None (no change).
+
+    The executor's own record wins: a failed or cancelled job only fills in an error the record lacks.
+    """
+    if state.status == Status.RUNNING and record.status == Status.QUEUED:
+        return Status.RUNNING, None
+    if not state.status.final:
+        return None
+    error = record.error
+    if error is None and state.status == Status.FAILED:
+        where = f" ({state.studio_url})" if state.studio_url else ""
+        reason = state.note or "the job ended before the run finished: see `nbbatch logs --follow` or the studio"
+        error = RunError("AzureMLJobFailed", f"Azure ML job {state.job_name} failed{where}", reason=reason,
+                         kind=ErrorKind.INFRA)
+    if error is None and state.status == Status.CANCELLED:
+        error = RunError("Cancelled", f"Azure ML job {state.job_name}", reason="cancelled in Azure ML",
+                         kind=ErrorKind.CANCELLED)
+    return state.status, error
+
+
+def new_job_name(run_id: str) -> str:
+    """A fresh job name for a run (job names are unique in a workspace, and a rerun is a new job)."""
+    return f"{run_id}-{uuid.uuid4().hex[:8]}"
+
+
+def job_yaml(job: Command) -> str:
+    """A command job as the YAML ``az ml job create --file`` (and ``azure.ai.ml.load_job``) reads."""
+    stream = io.StringIO()
+    # A `command()` builder dumps as a pipeline node; its job form is what a job YAML file holds.
+    job._to_job().dump(stream)  # noqa: SLF001 - the SDK's own conversion, not exposed publicly
+    return stream.getvalue()

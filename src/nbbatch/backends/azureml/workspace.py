@@ -1,0 +1,46 @@
+"""The Azure ML workspace: which one, connected with which credential; and Azure errors as short text."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from azure.ai.ml import MLClient
+
+from nbbatch.errors import BackendError
+
+
+def connect(
+    *,
+    subscription_id: str | None = None,
+    resource_group: str | None = None,
+    workspace: str | None = None,
+    config: str | os.PathLike[str] | None = None,
+    credential: Any = None,
+    **client_kwargs: Any,
+) -> MLClient:
+    """An :class:`MLClient` for the workspace the settings, the environment or ``config.json`` name."""
+    subscription_id = subscription_id or os.environ.get("AZURE_SUBSCRIPTION_ID")
+    resource_group = resource_group or os.environ.get("AZURE_RESOURCE_GROUP")
+    workspace = workspace or os.environ.get("AZUREML_WORKSPACE")
+    if credential is None:
+        from azure.identity import DefaultAzureCredential
+
+        credential = DefaultAzureCredential()
+    if subscription_id and resource_group and workspace and config is None:
+        return MLClient(credential, subscription_id, resource_group, workspace, **client_kwargs)
+    try:
+        return MLClient.from_config(credential, path=str(config) if config else None, **client_kwargs)
+    except Exception as exc:  # the SDK raises its own ValidationException when no config.json is found
+        raise BackendError(
+            "the azureml backend needs a workspace: set `subscription_id`, `resource_group` and `workspace` "
+            "under `backend:` in the experiment file, or AZURE_SUBSCRIPTION_ID, AZURE_RESOURCE_GROUP and "
+            "AZUREML_WORKSPACE, or download the workspace's config.json (Azure ML studio → workspace → "
+            f"Download config file) into the project ({exc})"
+        ) from exc
+
+
+def error_text(exc: BaseException) -> str:
+    """An Azure error's message on one line, at most 500 characters."""
+    text = getattr(exc, "message", None) or str(exc)
+    return " ".join(str(text).split())[:500]

@@ -1,0 +1,372 @@
+"""The driver side of the Ray backend: settings, the cluster, the share check, and talking to the supervisor."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, ClassVar
+
+from nbbatch.backends.base import Backend, Capabilities, Compute, Setting, SubmitOptions
+from nbbatch.backends.ray.supervisor import NAMESPACE, RunSupervisor, supervisor_name
+from nbbatch.backends.ray.task import RayTaskSpec, gpu_request
+from nbbatch.errors import BackendError, ValidationError
+from nbbatch.plan.runs import Run
+from nbbatch.store.records import clear_cancel, read_record, read_record_or_none
+from nbbatch.store.runrecord import ErrorKind, RunError, RunRecord, Status, utc_now
+from nbbatch.store.share import Share
+
+FRESH_S = 60.0  # a non-final record younger than this may still be on its way to a supervisor: leave it
+NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs",
+                       "fuse.blobfuse", "fuse.blobfuse2", "fuse.gcsfuse", "fuse.s3fs", "fuse.cephfs",
+                       "fuse.glusterfs", "fuse.juicefs", "fuse.sshfs", "fuse.lustre", "azurefile")
+
+
+class RayBackend(Backend):
+    """Execute runs as Ray tasks on a Ray cluster (``backend: {name: ray, address: ...}``)."""
+
+    name: ClassVar[str] = "ray"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        cancel=True, log_stream=False, gpus=True, multi_node=True, local_kernels=False, detached=True,
+        gpu_slots=False, managed_cluster=False)
+    SETTINGS: ClassVar[dict[str, Setting]] = {
+        "address": Setting("auto", (str,), label="address"),  # auto, HOST:6379 or ray://HOST:10001
+        "num_cpus": Setting(1, (int, float), minimum=0),  # CPUs each run asks for
+        "max_retries": Setting(None, (int,), minimum=0),  # Ray retries after a node/worker death
+        "shared_folder": Setting(False, (bool,)),  # a folder share is mounted at the same path on every node
+        "project": Setting(None, (str,)),  # the project's path on the nodes
+        "resources": Setting(None, (dict,)),  # extra Ray resources each run asks for
+        "env": Setting(None, (dict,)),  # environment variables for run-one (and so the kernel) on the nodes
+        "runtime_env": Setting(None, (dict,)),  # a Ray runtime_env for the run tasks
+        "autoscaling": Setting(False, (bool,)),  # do not refuse runs that no current node can hold
+        "cancel_grace_s": Setting(15.0, (int, float), minimum=0),  # before a cancelled run's task is killed
+        "linger_s": Setting(60.0, (int, float), minimum=0),  # how long an idle supervisor waits for more runs
+        "poll_s": Setting(None, (int, float), minimum=0),  # how often waiting reads the records
+    }
+
+    def __init__(self, address: str = "auto", num_cpus: float = 1, max_retries: int | None = None,
+                 shared_folder: bool = False, project: str | None = None, resources: dict[str, float] | None = None,
+                 env: dict[str, str] | None = None, runtime_env: dict[str, Any] | None = None,
+                 autoscaling: bool = False, cancel_grace_s: float = 15.0, linger_s: float = 60.0,
+                 poll_s: float | None = None, **unknown: Any):
+        """The experiment's ``backend:`` settings (see :mod:`nbbatch.backends.ray`); mistakes raise BackendError."""
+        super().__init__(address=address, num_cpus=num_cpus, max_retries=max_retries, shared_folder=shared_folder,
+                         project=project, resources=resources, env=env, runtime_env=runtime_env,
+                         autoscaling=autoscaling, cancel_grace_s=cancel_grace_s, linger_s=linger_s, poll_s=poll_s,
+                         **unknown)
+        self.address = address or "auto"
+        self.num_cpus = num_cpus
+        self.max_retries = max_retries
+        self.shared_folder = bool(shared_folder)
+        self.project = project
+        self.resources = dict(resources or {})
+        self.env = {str(k): str(v) for k, v in (env or {}).items()}
+        self.runtime_env = runtime_env
+        self.autoscaling = bool(autoscaling)
+        self.cancel_grace_s = float(cancel_grace_s)
+        self.linger_s = float(linger_s)
+        self.poll_s = poll_s or None
+
+    # --- the cluster ------------------------------------------------------------------------------
+
+    def connect(self) -> Any:
+        """Connect this process to the cluster (once) and return the ``ray`` module."""
+        try:
+            import ray
+        except ImportError as exc:  # pragma: no cover - the registry reports the missing extra first
+            raise BackendError(f"the `ray` backend needs its extra: pip install 'nbbatch[ray]' ({exc})") from exc
+        if not ray.is_initialized():
+            try:
+                ray.init(address=self.address, log_to_driver=False, logging_level=logging.WARNING)
+            except Exception as exc:  # noqa: BLE001 - ConnectionError, RuntimeError, ValueError… all mean the same
+                raise BackendError(
+                    f"cannot connect to the Ray cluster at `{self.address}`: {exc}. Start one (`ray start --head`) "
+                    "or set the experiment's `backend: {name: ray, address: HOST:6379}` (or ray://HOST:10001)"
+                ) from exc
+        return ray
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """The cluster's nodes as Ray reports them (alive and dead)."""
+        return list(self.connect().nodes())
+
+    def _alive_nodes(self) -> list[dict[str, Any]]:
+        return [n for n in self.nodes() if n.get("Alive")]
+
+    def compute(self) -> Compute:
+        """The cluster's nodes, their CPUs/GPUs, and how many runs can execute at once."""
+        ray = self.connect()
+        nodes = self.nodes()
+        hostnames = [n.get("NodeManagerHostname") or n.get("NodeManagerAddress") for n in nodes]
+        out_nodes, gpus = [], []
+        for node, hostname in zip(nodes, hostnames, strict=True):
+            resources = node.get("Resources") or {}
+            node_id = node.get("NodeID", "")
+            name = hostname if hostnames.count(hostname) == 1 else f"{hostname} ({node_id[:8]})"
+            n_gpus = resources.get("GPU", 0)
+            accelerator = next((k.split(":", 1)[1] for k in resources if k.startswith("accelerator_type:")), None)
+            out_nodes.append({
+                "name": name, "state": "alive" if node.get("Alive") else "dead", "cpus": resources.get("CPU", 0),
+                "gpus": n_gpus, "node_id": node_id, "address": node.get("NodeManagerAddress"),
+                "head": "node:__internal_head__" in resources, "memory_gb": round(resources.get("memory", 0) / 2**30, 1),
+                "accelerator": accelerator,
+            })
+            if node.get("Alive"):
+                gpus.extend({"index": i, "name": accelerator or "GPU", "memory_mb": None, "node": name}
+                            for i in range(int(n_gpus)))
+        alive = [n for n in out_nodes if n["state"] == "alive"]
+        cpus = sum(n["cpus"] for n in alive)
+        slots = int(cpus // self.num_cpus) if self.num_cpus else max(len(gpus), 1)
+        details: dict[str, Any] = {"address": self.address, "ray_version": ray.__version__}
+        with contextlib.suppress(Exception):
+            details["available"] = dict(ray.available_resources())
+            details["total"] = dict(ray.cluster_resources())
+        return Compute(backend=self.name, gpus=gpus, nodes=out_nodes, slots=max(slots, 1), details=details)
+
+    def check(self, runs: Sequence[Run]) -> None:
+        """Refuse runs that no node of the cluster can hold (unless ``autoscaling``), before anything starts."""
+        if not runs or self.autoscaling:
+            return
+        alive = self._alive_nodes()
+        need_gpus = max(r.gpus for r in runs)
+
+        def fits(node: dict[str, Any]) -> bool:
+            res = node.get("Resources") or {}
+            return (res.get("GPU", 0) >= need_gpus and res.get("CPU", 0) >= self.num_cpus
+                    and all(res.get(k, 0) >= v for k, v in self.resources.items()))
+
+        if not any(fits(n) for n in alive):
+            largest = max((n.get("Resources", {}).get("GPU", 0) for n in alive), default=0)
+            extra = f" and {self.resources}" if self.resources else ""
+            raise ValidationError(
+                f"runs ask for {need_gpus} GPU(s) and {self.num_cpus:g} CPU(s){extra} each, but no node of the Ray "
+                f"cluster at `{self.address}` has that (largest: {largest:g} GPU(s), {len(alive)} node(s) alive); "
+                "lower resources.gpus, or set `autoscaling: true` in the backend settings when the cluster adds "
+                "nodes on demand")
+
+    def check_share(self, share: Share) -> None:
+        """Raise :class:`BackendError` when ``share`` is a folder that only this machine sees.
+
+        A folder share is accepted when every alive node runs on this machine, when the folder is on a
+        network file system (NFS, SMB/CIFS, blobfuse…), or with the setting ``shared_folder: true``.
+        """
+        if self.shared_folder:
+            return
+        local = share.local_path("")
+        if local is None:  # azfiles:// and other remote shares are reachable from every node
+            return
+        fs_type = filesystem_type(local)
+        if fs_type and fs_type.startswith(NETWORK_FILESYSTEMS):
+            return
+        alive = self._alive_nodes()
+        addresses = sorted({str(n.get("NodeManagerAddress")) for n in alive})
+        if set(addresses) <= self._local_addresses():  # no node elsewhere (a single-machine cluster)
+            return
+        raise BackendError(
+            f"the share {share.url} is a folder on this machine ({fs_type or 'local file system'}), but the Ray "
+            f"cluster at `{self.address}` has {len(alive)} node(s) on {', '.join(addresses)}, which cannot see it. "
+            "Use a share every node can reach: an `azfiles://ACCOUNT/SHARE` share, or a folder mounted at the same "
+            "path on every node (NFS, Azure Files…) and set `shared_folder: true` in the experiment's "
+            "`backend:` settings. Nothing was started.")
+
+    def _local_addresses(self) -> set[str]:
+        addresses = {"127.0.0.1", "::1", "localhost"}
+        with contextlib.suppress(OSError):
+            addresses.add(socket.gethostbyname(socket.gethostname()))
+        with contextlib.suppress(Exception):
+            import ray
+
+            if ray.is_initialized() and not _client_mode(ray):
+                addresses.add(ray.util.get_node_ip_address())
+        return addresses
+
+    # --- the supervisor ---------------------------------------------------------------------------
+
+    def _supervisor(self, experiment: str, share: Share, create: bool = False) -> Any:
+        """The experiment's supervisor actor handle, or None when there is none (and ``create`` is False)."""
+        ray = self.connect()
+        name = supervisor_name(experiment, share)
+        if not create:
+            try:
+                return ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                return None
+        options: dict[str, Any] = {"name": name, "namespace": NAMESPACE, "lifetime": "detached", "get_if_exists": True,
+                                   "num_cpus": 0, "max_concurrency": 16, "max_restarts": 0}
+        head = next((n["NodeID"] for n in self._alive_nodes() if "node:__internal_head__" in n.get("Resources", {})),
+                    None)
+        if head:  # on the head: worker nodes come and go (and take their actors along); soft affinity is ignored
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # for zero-CPU actors
+
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=False)
+        env_vars = {**self.env, **dict((self.runtime_env or {}).get("env_vars") or {})}
+        if env_vars:  # e.g. the share's credentials: the supervisor writes run records too
+            options["runtime_env"] = {"env_vars": env_vars}
+        return ray.remote(RunSupervisor).options(**options).remote(experiment, share.url, self.linger_s)
+
+    def _states(self, experiment: str, share: Share) -> dict[str, dict[str, Any]] | None:
+        """What the experiment's supervisor knows of its runs (see ``RunSupervisor.sweep``); None: it is gone."""
+        supervisor = self._supervisor(experiment, share)
+        if supervisor is None:
+            return None
+        ray = self.connect()
+        try:
+            return dict(ray.get(supervisor.sweep.remote(), timeout=60))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return None
+
+    def task_spec(self, run: Run, share: Share, options: SubmitOptions, project: str | None) -> RayTaskSpec:
+        """How one run asks Ray for resources and what its task executes."""
+        num_gpus, shared = gpu_request(run.gpus, options.runs_per_gpu)
+        max_retries = self.max_retries if self.max_retries is not None else run.retries + 1
+        source = None
+        with contextlib.suppress(OSError):
+            source = Path(run.notebook).read_text(encoding="utf-8")
+        return RayTaskSpec(run=run.to_dict(), share=share.url, project=project, num_gpus=num_gpus,
+                           num_cpus=self.num_cpus, shared_gpu=shared, max_retries=max_retries,
+                           resources=dict(self.resources), env=dict(self.env), runtime_env=self.runtime_env,
+                           notebook_source=source)
+
+    # --- the Backend hooks --------------------------------------------------------------------------
+
+    def start(self, runs: Sequence[Run], share: Share, options: SubmitOptions) -> None:
+        """Hand every run to the experiment's supervisor, which starts them as Ray tasks (and outlives us)."""
+        ray = self.connect()
+        experiment = runs[0].experiment
+        project = self.project or _project_root(runs[0])
+        specs = [self.task_spec(run, share, options, project).to_dict() for run in runs]
+        for run in runs:  # an explicit (re)submission overrides a cancel left over from before
+            clear_cancel(share, experiment, run.run_id)
+        deadline = time.monotonic() + 60
+        while True:  # a supervisor that is just leaving refuses: start a new one
+            supervisor = self._supervisor(experiment, share, create=True)
+            try:
+                accepted = ray.get(supervisor.submit.remote(specs, options.max_parallel), timeout=60)
+            except ray.exceptions.RayActorError:
+                accepted = None
+            if accepted is not None:  # runs already in flight there are left to their tasks
+                return
+            if time.monotonic() > deadline:
+                raise BackendError(f"the Ray supervisor of `{experiment}` did not accept the runs within 60 s")
+            time.sleep(0.5)
+
+    def in_flight(self, share: Share, record: RunRecord) -> bool:
+        """Whether the experiment's supervisor still has the run's task (then it is not started again)."""
+        states = self._states(record.experiment, share)
+        return bool(states and states.get(record.run_id, {}).get("active"))
+
+    def refresh(self, experiment: str, share: Share) -> None:
+        """Check the share is visible from the cluster, then finalize runs whose Ray task ended without a record.
+
+        Raises :class:`BackendError` when the share is a folder the cluster's nodes cannot see.
+        """
+        self.check_share(share)
+        super().refresh(experiment, share)
+
+    def lost_runs(self, experiment: str, share: Share, records: Sequence[RunRecord]) -> dict[str, RunError]:
+        """Runs whose task is gone: their supervisor left (the cluster restarted) or does not know them.
+
+        Records younger than :data:`FRESH_S` seconds are left alone (a submission may be handing them to Ray).
+        """
+        return self._lost(experiment, share, records, self._states(experiment, share), FRESH_S)
+
+    def heartbeat(self, experiment: str, share: Share, pending: Sequence[str]) -> None:
+        """While waiting: when the supervisor is gone, nothing will finish the pending runs; fail them now."""
+        if self._states(experiment, share) is not None:
+            return
+        records = {i: r for i in pending if (r := read_record_or_none(share, experiment, i)) is not None}
+        for run_id, error in self._lost(experiment, share, list(records.values()), None, fresh_s=0).items():
+            self.finalize(share, records[run_id], Status.FAILED, error)
+
+    def _lost(self, experiment: str, share: Share, records: Sequence[RunRecord],
+              states: dict[str, dict[str, Any]] | None, fresh_s: float) -> dict[str, RunError]:
+        lost = {}
+        why = ("its Ray supervisor does not know it" if states is not None else
+               f"no nbbatch supervisor for `{experiment}` is left on the Ray cluster at `{self.address}`")
+        for record in records:
+            if states is not None and states.get(record.run_id, {}).get("active"):
+                continue
+            current = read_record_or_none(share, experiment, record.run_id)  # the sweep may have finalized it
+            if current is None or current.final or _age_s(current) < fresh_s:
+                continue
+            lost[record.run_id] = RunError("RayTaskLost", f"{why} (the cluster restarted, or its task was lost)",
+                                           reason="its Ray task is gone; resubmit to rerun", kind=ErrorKind.INFRA)
+        return lost
+
+    def interrupted(self, experiment: str, share: Share, pending: Sequence[str]) -> None:
+        """Ctrl-C while waiting: cancel the pending runs and give them ``cancel_grace_s`` + 30 s to be final."""
+        self.cancel(experiment, share, sorted(pending))
+        poll = self.poll_s or (0.5 if share.local_path("") is not None else 2.0)
+        left = set(pending)
+        end = time.monotonic() + self.cancel_grace_s + 30
+        while left and time.monotonic() < end:
+            left = {i for i in left if not ((r := read_record(share, experiment, i)) and r.final)}
+            time.sleep(poll)
+
+    def cancel(self, experiment: str, share: Share, run_ids: Sequence[str] | None = None) -> list[str]:
+        """Write the cancel markers (the run's kernel is stopped, its partial output kept), then cancel Ray tasks.
+
+        Queued runs' tasks are cancelled at once; a running run gets ``cancel_grace_s`` seconds to stop
+        itself before its task is killed (``ray.cancel(force=True)``).
+        """
+        asked = super().cancel(experiment, share, run_ids)
+        if asked:
+            try:
+                supervisor = self._supervisor(experiment, share)
+                if supervisor is not None:
+                    ray = self.connect()
+                    ray.get(supervisor.cancel.remote(asked, self.cancel_grace_s), timeout=60)
+            except Exception:  # noqa: BLE001 - the markers alone stop running runs and unstarted tasks
+                pass
+        return asked
+
+
+# --- helpers --------------------------------------------------------------------------------------
+
+
+def filesystem_type(path: str | os.PathLike[str]) -> str | None:
+    """The file system type of the mount holding ``path`` (from /proc/mounts), or None when unknown."""
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    target = Path(path).resolve()
+    while not target.exists() and target != target.parent:
+        target = target.parent
+    best, best_type = "", None
+    for line in mounts:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mount_point = parts[1].replace("\\040", " ")
+        if (str(target) == mount_point or str(target).startswith(mount_point.rstrip("/") + "/")) \
+                and len(mount_point) >= len(best):
+            best, best_type = mount_point, parts[2]
+    return best_type
+
+
+def _client_mode(ray: Any) -> bool:
+    with contextlib.suppress(Exception):
+        return bool(ray.util.client.ray.is_connected())
+    return False
+
+
+def _project_root(run: Run) -> str | None:
+    from nbbatch.spec.project import find_project
+
+    with contextlib.suppress(Exception):
+        return str(find_project(Path(run.notebook).parent).root)
+    return None
+
+
+def _age_s(record: RunRecord) -> float:
+    stamp = record.started_at or record.queued_at
+    if not stamp:
+        return float("inf")
+    with contextlib.suppress(ValueError):
+        return (datetime.fromisoformat(utc_now()) - datetime.fromisoformat(stamp)).total_seconds()
+    return float("inf")

@@ -1,0 +1,42 @@
+"""How a run asks Ray for resources: the plain data that travels from the driver to the supervisor and the node."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def gpu_request(gpus: int, runs_per_gpu: int) -> tuple[float, bool]:
+    """Ray's ``num_gpus`` for a run asking ``gpus`` GPUs, and whether it shares its GPU with other runs.
+
+    One-GPU runs with ``runs_per_gpu`` > 1 ask for ``1/runs_per_gpu`` (rounded down to Ray's 1e-4
+    granularity, so ``runs_per_gpu`` of them fit on one GPU); anything else asks for whole GPUs.
+    """
+    if gpus == 1 and runs_per_gpu > 1:
+        return math.floor(10_000 / runs_per_gpu) / 10_000, True
+    return float(gpus), False
+
+
+@dataclass
+class RayTaskSpec:
+    """Everything the supervisor needs to start one run's Ray task (plain data: it travels to the cluster)."""
+
+    run: dict[str, Any]
+    share: str
+    project: str | None
+    num_gpus: float
+    num_cpus: float
+    shared_gpu: bool
+    max_retries: int
+    resources: dict[str, float] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    runtime_env: dict[str, Any] | None = None
+    notebook_source: str | None = None  # the notebook, for nodes that do not have it at its path
+
+    @property
+    def run_id(self) -> str:
+        return str(self.run["run_id"])
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)

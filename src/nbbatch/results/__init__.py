@@ -1,0 +1,1 @@
+"""Results: reading a share back — status tables and logs, comparisons and reports, diffs, checks."""

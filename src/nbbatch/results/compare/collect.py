@@ -1,0 +1,361 @@
+"""Finding runs and reading them into the runs table: :func:`collect` and :func:`collect_targets`.
+
+A run is a run folder (``run.json`` and/or ``output.ipynb``) anywhere below the share or folder
+searched, or a lone executed ``.ipynb``; each becomes one row (the columns: :mod:`nbbatch.results.compare`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from nbbatch.errors import NbbatchError, did_you_mean
+from nbbatch.record import metrics_from_notebook
+from nbbatch.store.layout import LOG_FILE, OUTPUT_NOTEBOOK, RUN_RECORD, TELEMETRY_FILE
+from nbbatch.store.runrecord import RunRecord
+from nbbatch.store.share import Share, open_share
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+PARAM = "param."
+METRIC = "metric."
+TELEMETRY = "telemetry."
+TELEMETRY_FILES = (TELEMETRY_FILE, "telemetry.csv")  # the CSV: a series written with GpuSampler.write_series
+LEADING_COLUMNS = ("experiment", "run_id", "framework", "notebook", "kernel", "status")
+TRAILING_COLUMNS = ("duration_s", "gpu_ids", "started_at", "ended_at", "host", "attempts", "error")
+LOCATION_COLUMNS = ("output", "source", "share_path", "telemetry_file")
+_MAX_DEPTH = 6
+_SKIP_FOLDERS = {".ipynb_checkpoints", "__pycache__", ".git"}
+
+
+def _pandas() -> Any:
+    try:
+        import pandas
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise NbbatchError("comparing runs needs pandas: pip install 'nbbatch[compare]'") from exc
+    return pandas
+
+
+@dataclass(frozen=True)
+class _Found:
+    """A run found in a share: a run folder (``run.json`` and/or ``output.ipynb``) or a lone notebook."""
+
+    experiment: str
+    run_id: str
+    folder: str | None  # run folder, relative to the share (None for a lone notebook)
+    notebook: str | None  # notebook path relative to the share
+    record: str | None  # run.json path relative to the share
+    telemetry: str | None  # series file name in the run folder
+
+
+def _join(*parts: str) -> str:
+    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
+
+
+def _find(share: Share, base: str, experiment: str | None, root_name: str) -> list[_Found]:
+    """Every run under ``base``: share-layout folders and papermill outputs lying anywhere below."""
+    found: list[_Found] = []
+
+    def experiment_for(rel_parent: str) -> str:
+        if experiment is not None:
+            return experiment
+        first = rel_parent.split("/", 1)[0]
+        return first or root_name
+
+    def walk(path: str, depth: int) -> None:
+        names = share.list(path)
+        if RUN_RECORD in names or OUTPUT_NOTEBOOK in names:
+            rel = path[len(base):].strip("/") if path.startswith(base) else path
+            parent, _, name = rel.rpartition("/")
+            if not name:  # ``base`` itself is a run folder
+                parent_base, _, name = base.rpartition("/")
+                name = name or root_name
+                exp = experiment or (parent_base.rsplit("/", 1)[-1] if parent_base else root_name)
+            else:
+                exp = experiment_for(parent)
+            telemetry = next((t for t in TELEMETRY_FILES if t in names), None)
+            found.append(_Found(
+                experiment=exp, run_id=name, folder=path,
+                notebook=_join(path, OUTPUT_NOTEBOOK) if OUTPUT_NOTEBOOK in names else None,
+                record=_join(path, RUN_RECORD) if RUN_RECORD in names else None,
+                telemetry=telemetry,
+            ))
+            return
+        for name in names:
+            child = _join(path, name)
+            if name.endswith(".ipynb") and not share.list(child):
+                rel = child[len(base):].strip("/") if base else child
+                parent = rel.rpartition("/")[0]
+                exp = experiment_for(parent)
+                if experiment is None and parent:
+                    run_id = rel.split("/", 1)[1] if "/" in rel else rel
+                else:
+                    run_id = rel
+                found.append(_Found(exp, run_id[: -len(".ipynb")], None, child, None, None))
+            elif name not in _SKIP_FOLDERS and depth < _MAX_DEPTH and name not in (LOG_FILE, *TELEMETRY_FILES):
+                walk(child, depth + 1)
+
+    walk(base, 0)
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading one run
+# ---------------------------------------------------------------------------------------------
+def _flatten(prefix: str, values: Mapping[str, Any], into: dict[str, Any]) -> None:
+    """``{"a": {"b": 1}, "c": [1, 2]}`` → ``prefix.a.b = 1``, ``prefix.c = "[1, 2]"`` (lists as JSON)."""
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            _flatten(f"{name}.", value, into)
+        elif isinstance(value, (list, tuple)):
+            into[name] = json.dumps(value, default=str)
+        else:
+            into[name] = value
+
+
+def _notebook_error(nb: Mapping[str, Any]) -> tuple[int | None, str, str] | None:
+    for index, cell in enumerate(nb.get("cells", [])):
+        for output in cell.get("outputs", []) or []:
+            if output.get("output_type") == "error":
+                return index, str(output.get("ename", "")), str(output.get("evalue", ""))
+    return None
+
+
+def cell_source(cell: Mapping[str, Any]) -> str:
+    """A cell's source as one string."""
+    source = cell.get("source") or ""
+    return "".join(source) if isinstance(source, list) else str(source)
+
+
+def _notebook_status(nb: Mapping[str, Any]) -> str:
+    """``succeeded``, ``failed`` or ``incomplete`` (cells left pending or running) from the notebook."""
+    papermill = (nb.get("metadata") or {}).get("papermill") or {}
+    if papermill.get("exception") or _notebook_error(nb):
+        return "failed"
+    cell_states = [
+        ((c.get("metadata") or {}).get("papermill") or {}).get("status")
+        for c in nb.get("cells", []) if c.get("cell_type") == "code"
+    ]
+    if "failed" in cell_states:
+        return "failed"
+    if any(s in ("pending", "running") for s in cell_states):
+        return "incomplete"
+    if not papermill and any(c.get("execution_count") is None for c in nb.get("cells", [])
+                             if c.get("cell_type") == "code" and cell_source(c).strip()):
+        return "incomplete"
+    return "succeeded"
+
+
+def _framework_from_notebook(nb: Mapping[str, Any], notebook_name: str | None) -> str | None:
+    metadata = nb.get("metadata") or {}
+    explicit = (metadata.get("nbbatch") or {}).get("framework")
+    if explicit:
+        return str(explicit)
+    kernel = (metadata.get("kernelspec") or {}).get("name") or ""
+    if kernel.startswith("nbbatch-"):
+        return kernel[len("nbbatch-"):]
+    if notebook_name:
+        return Path(notebook_name).stem
+    return kernel or None
+
+
+def _row_from_notebook(nb: Mapping[str, Any], found: _Found) -> dict[str, Any]:
+    metadata = nb.get("metadata") or {}
+    papermill = metadata.get("papermill") or {}
+    input_path = papermill.get("input_path")
+    notebook_name = posixpath.basename(str(input_path).replace("\\", "/")) if input_path else None
+    if notebook_name is None and found.notebook and not found.notebook.endswith("/" + OUTPUT_NOTEBOOK):
+        notebook_name = posixpath.basename(found.notebook)
+    error = _notebook_error(nb)
+    row: dict[str, Any] = {
+        "framework": _framework_from_notebook(nb, notebook_name or posixpath.basename(found.notebook or "")),
+        "notebook": notebook_name,
+        "kernel": (metadata.get("kernelspec") or {}).get("name"),
+        "status": _notebook_status(nb),
+        "duration_s": papermill.get("duration"),
+        "started_at": papermill.get("start_time"),
+        "ended_at": papermill.get("end_time"),
+        "error": (f"cell {error[0]}: {error[1]}: {error[2]}" if error else None),
+        "source": "notebook",
+    }
+    _flatten(PARAM, papermill.get("parameters") or {}, row)
+    _flatten(METRIC, metrics_from_notebook(nb), row)
+    return row
+
+
+def _row_from_record(record: RunRecord) -> dict[str, Any]:
+    notebook = posixpath.basename(str(record.notebook).replace("\\", "/")) if record.notebook else None
+    row: dict[str, Any] = {
+        # a run of a plain notebook (no framework) is known by its notebook, as in a papermill folder
+        "framework": record.framework or (Path(notebook).stem if notebook else None),
+        "notebook": notebook,
+        "kernel": record.kernel,
+        "status": record.status,
+        "duration_s": record.duration_s,
+        "gpu_ids": ",".join(str(g) for g in record.gpu_ids),
+        "started_at": record.started_at,
+        "ended_at": record.ended_at,
+        "host": record.host,
+        "attempts": record.attempts,
+        "error": record.error.summary() if record.error else None,
+        "source": RUN_RECORD,
+    }
+    _flatten(PARAM, record.parameters or {}, row)
+    _flatten(METRIC, record.metrics or {}, row)
+    if (record.telemetry or {}).get("samples"):  # nothing to show for runs without a GPU
+        telemetry = {k: v for k, v in record.telemetry.items()
+                     if k not in ("gpu_ids", "unavailable") and v is not None}
+        _flatten(TELEMETRY, telemetry, row)
+    return row
+
+
+def share_location(share: Share, path: str) -> str:
+    """Where ``path`` of ``share`` is, for people: a local path, else its URL."""
+    local = share.local_path(path)
+    return str(local) if local is not None else f"{share.url.rstrip('/')}/{path}"
+
+
+def _read_run(share: Share, found: _Found) -> dict[str, Any]:
+    base: dict[str, Any] = {"experiment": found.experiment, "run_id": found.run_id}
+    row: dict[str, Any] = {}
+    nb: Mapping[str, Any] | None = None
+    try:
+        if found.record is not None:
+            record = RunRecord.from_json(share.read_bytes(found.record), source=share_location(share, found.record))
+            row = _row_from_record(record)
+            base = {"experiment": record.experiment or found.experiment, "run_id": record.run_id or found.run_id}
+            if found.notebook and not record.metrics:
+                # The record may predate the metrics (a run still going, or one killed): the notebook has them.
+                nb = json.loads(share.read_bytes(found.notebook))
+                _flatten(METRIC, metrics_from_notebook(nb), row)
+        elif found.notebook is not None:
+            nb = json.loads(share.read_bytes(found.notebook))
+            row = _row_from_notebook(nb, found)
+    except (NbbatchError, ValueError, UnicodeDecodeError, OSError) as exc:
+        row = {"status": "unreadable", "error": str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+               "source": RUN_RECORD if found.record else "notebook"}
+    row.update(base)
+    row["output"] = share_location(share, found.notebook) if found.notebook else None
+    row["share_path"] = found.folder or found.notebook
+    row["telemetry_file"] = found.telemetry
+    return row
+
+
+def _order_columns(columns: Iterable[str]) -> list[str]:
+    present = list(dict.fromkeys(columns))
+    params = sorted(c for c in present if c.startswith(PARAM))
+    metrics = [c for c in present if c.startswith(METRIC)]
+    telemetry = [c for c in present if c.startswith(TELEMETRY)]
+    fixed = set(LEADING_COLUMNS) | set(TRAILING_COLUMNS) | set(LOCATION_COLUMNS)
+    others = [c for c in present if c not in fixed and not c.startswith((PARAM, METRIC, TELEMETRY))]
+    return [*LEADING_COLUMNS, *params, *metrics, *TRAILING_COLUMNS, *telemetry, *others, *LOCATION_COLUMNS]
+
+
+def _root_name(share: Share) -> str:
+    local = share.local_path("")
+    if local is not None:
+        return local.name or "runs"
+    return share.url.rstrip("/").rsplit("/", 1)[-1] or "runs"
+
+
+def collect(share_or_path: str | os.PathLike[str] | Share,
+            experiments: str | Sequence[str] | None = None) -> pd.DataFrame:
+    """One row per run of ``experiments`` in a share, or of every run under a folder.
+
+    ``share_or_path`` is a share (URL, folder or :class:`~nbbatch.store.share.Share`), any folder of
+    papermill outputs (searched a few levels deep), or one executed ``.ipynb``. ``experiments``
+    names folders in it; ``None`` takes everything below. Columns: see the module docstring
+    (``param.*`` and ``metric.*`` come from whatever the runs have). Raises :class:`NbbatchError`
+    when an experiment has no runs, naming the experiments there are.
+    """
+    pd = _pandas()
+    if isinstance(share_or_path, (str, os.PathLike)) and str(share_or_path).endswith(".ipynb") \
+            and Path(share_or_path).is_file():
+        path = Path(share_or_path).resolve()
+        share = open_share(path.parent)
+        found = [_Found(path.parent.name, path.stem, None, path.name, None, None)]
+        rows = [_read_run(share, f) for f in found]
+        return _frame(pd, rows, share)
+    share = open_share(share_or_path)
+    root_name = _root_name(share)
+    if isinstance(experiments, str):
+        experiments = [experiments]
+    rows: list[dict[str, Any]] = []
+    if not experiments:
+        found = _find(share, "", None, root_name)
+        if not found:
+            raise NbbatchError(
+                f"no runs under {share.url}: it holds no run folders (`<experiment>/<run id>/{RUN_RECORD}` or "
+                f"`{OUTPUT_NOTEBOOK}`) and no executed .ipynb files. Check the path, or submit an experiment first."
+            )
+        rows = [_read_run(share, f) for f in found]
+    else:
+        for experiment in experiments:
+            name = experiment.strip("/")
+            found = _find(share, name, name, root_name) if name else []
+            if not found:
+                raise NbbatchError(_no_runs_message(share, name))
+            rows.extend(_read_run(share, f) for f in found)
+    return _frame(pd, rows, share)
+
+
+def _no_runs_message(share: Share, experiment: str) -> str:
+    known = [n for n in share.list("") if n not in _SKIP_FOLDERS and not n.endswith(".ipynb") and share.list(n)]
+    where = f"experiment `{experiment}` has no runs in {share.url}"
+    if share.exists(experiment):
+        where += f" (the folder `{experiment}` holds no {RUN_RECORD}, {OUTPUT_NOTEBOOK} or executed .ipynb)"
+    hint = did_you_mean(experiment, known)
+    listing = f"; experiments there: {', '.join(known[:20])}{'…' if len(known) > 20 else ''}" if known else \
+        "; that share holds no experiments yet"
+    return f"{where}{hint}{listing}. Submit it first (`nbbatch submit`) or pass the share with --share."
+
+
+def _frame(pd: Any, rows: list[dict[str, Any]], share: Share) -> pd.DataFrame:
+    columns = _order_columns(c for row in rows for c in row)
+    frame = pd.DataFrame(rows, columns=columns)
+    frame = frame.sort_values(["experiment", "framework", "run_id"], na_position="last", kind="stable")
+    frame = frame.reset_index(drop=True)
+    frame.attrs["share"] = share.url
+    return frame
+
+
+def collect_targets(targets: Sequence[str], share: str | os.PathLike[str] | Share | None = None) -> pd.DataFrame:
+    """What ``nbbatch compare`` reads: each target an existing folder/.ipynb or an experiment.
+
+    Without ``share``, a target that exists as a path is read as a folder of executed notebooks; any
+    other target is an experiment (name or YAML file) in the share it was submitted to from this
+    project (:func:`nbbatch.api.open_experiment_share`; default ``results/``). No targets: the
+    project's whole ``results/`` share.
+    """
+    pd = _pandas()
+    if not targets:
+        return collect(share if share is not None else _default_share())
+    frames = []
+    for target in targets:
+        if share is None and Path(target).exists() and not target.endswith((".yaml", ".yml")):
+            frames.append(collect(target))
+        else:
+            from nbbatch.api import open_experiment_share
+
+            name, opened = open_experiment_share(target, share)
+            frames.append(collect(opened, [name]))
+    if len(frames) == 1:
+        return frames[0]
+    combined = pd.concat(frames, ignore_index=True, sort=False)
+    combined = combined[_order_columns(combined.columns)]
+    combined.attrs["share"] = frames[0].attrs.get("share")
+    return combined
+
+
+def _default_share() -> str:
+    from nbbatch.spec.project import find_project
+
+    return str(find_project().results_dir)
+

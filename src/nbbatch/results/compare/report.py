@@ -1,0 +1,105 @@
+"""The HTML report: one self-contained page (plots embedded as PNG) rendered from ``templates/report.html.j2``."""
+
+from __future__ import annotations
+
+import base64
+import numbers
+import os
+import posixpath
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+from nbbatch.results.compare.collect import METRIC
+from nbbatch.results.compare.plots import (
+    figure_png,
+    load_telemetry,
+    plot_gpu_telemetry,
+    plot_metric_vs_param,
+    plot_metric_vs_time,
+)
+from nbbatch.results.compare.table import _cell_text, display_columns
+from nbbatch.store.share import Share
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+
+def _href(output: str | None, report_dir: Path) -> str | None:
+    if not output or not isinstance(output, str):
+        return None
+    if "://" in output:
+        return output
+    try:
+        relative = os.path.relpath(output, report_dir)
+    except ValueError:  # another drive on Windows
+        return Path(output).as_uri()
+    return quote(relative.replace(os.sep, "/"))
+
+
+def render_report(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, metric: str | None = None,
+                  time: str | None = None, param: str | None = None, title: str | None = None,
+                  share: str | os.PathLike[str] | Share | None = None) -> str:
+    """The report's HTML: summary, plots as embedded PNG, the runs with links to their notebooks, errors.
+
+    Links are relative to ``report_path``'s folder. ``metric``/``time``/``param`` choose the plots'
+    axes (defaults: accuracy, :func:`default_time`, the first swept parameter).
+    """
+    from nbbatch import __version__
+    from nbbatch.results.render import render_template
+    from nbbatch.store.runrecord import utc_now
+
+    report_dir = Path(report_path).resolve().parent
+    figures = []
+    for caption, build in (
+        ("Accuracy vs. training time", lambda: plot_metric_vs_time(frame, metric, time)),
+        ("Metric vs. swept parameter", lambda: plot_metric_vs_param(frame, metric, param)),
+        ("GPU telemetry", lambda: plot_gpu_telemetry(load_telemetry(frame, share))),
+    ):
+        fig = build()
+        if fig is not None:
+            title_text = fig.axes[0].get_title() or caption
+            figures.append({"title": title_text,
+                            "png": base64.b64encode(figure_png(fig)).decode("ascii")})
+    columns = display_columns(frame)
+    rows = []
+    for _, row in frame.iterrows():
+        rows.append({
+            "cells": [{"column": c, "text": _cell_text(row[c]),
+                       "numeric": isinstance(row[c], numbers.Number) and not isinstance(row[c], bool)}
+                      for c in columns],
+            "href": _href(row.get("output"), report_dir),
+            "link": posixpath.basename(str(row.get("output")).replace("\\", "/")) if row.get("output") else "",
+            "status": _cell_text(row.get("status")),
+        })
+    failures = [
+        {"run": f"{row['experiment']}/{row['run_id']}", "error": _cell_text(row.get("error")),
+         "href": _href(row.get("output"), report_dir), "status": _cell_text(row.get("status"))}
+        for _, row in frame.iterrows() if row.get("status") not in ("succeeded",) and _cell_text(row.get("error"))
+    ]
+    counts = frame["status"].value_counts(dropna=False) if len(frame) else {}
+    experiments = sorted({str(e) for e in frame.get("experiment", [])})
+    return render_template(
+        "report.html.j2",
+        title=title or f"nbbatch report: {', '.join(experiments) or 'runs'}",
+        generated=utc_now(),
+        version=__version__,
+        experiments=experiments,
+        total=len(frame),
+        counts=[(str(k), int(v)) for k, v in dict(counts).items()],
+        figures=figures,
+        headers=[c.removeprefix(METRIC) if c.startswith(METRIC) else c for c in columns],
+        rows=rows,
+        failures=failures,
+    )
+
+
+def write_report(frame: pd.DataFrame, path: str | os.PathLike[str], **options: Any) -> Path:
+    """Write :func:`render_report` to ``path`` (one self-contained HTML file; mail it as it is)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    html = render_report(frame, target, **options)
+    tmp = target.with_name(f".{target.name}.part")
+    tmp.write_text(html, encoding="utf-8")
+    os.replace(tmp, target)
+    return target

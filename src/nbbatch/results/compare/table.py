@@ -1,0 +1,97 @@
+"""The runs table in the terminal: the columns worth showing and a :class:`rich.table.Table` of them."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from nbbatch.results.compare.collect import METRIC, PARAM, _pandas
+from nbbatch.results.compare.query import resolve_column
+from nbbatch.results.status import STATUS_STYLE
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+    from rich.console import Console
+    from rich.table import Table
+
+
+def display_columns(frame: pd.DataFrame) -> list[str]:
+    """The columns worth showing: ids, status, the parameters that vary, the metrics, duration, errors."""
+    shown: list[str] = []
+    if "experiment" in frame and frame["experiment"].nunique(dropna=False) > 1:
+        shown.append("experiment")
+    shown += [c for c in ("run_id", "framework", "status") if c in frame]
+    shown += [c for c in frame.columns if str(c).startswith(PARAM) and frame[c].astype(str).nunique() > 1]
+    for column in frame.columns:
+        if str(column).startswith(METRIC):
+            values = frame[column].dropna()
+            if values.empty or not values.map(lambda v: isinstance(v, str) and v[:1] in "[{").all():
+                shown.append(str(column))
+    shown += [c for c in ("duration_s",) if c in frame]
+    if "gpu_ids" in frame and frame["gpu_ids"].fillna("").astype(str).str.len().gt(0).any():
+        shown.append("gpu_ids")
+    if "error" in frame and frame["error"].notna().any():
+        shown.append("error")
+    return shown
+
+
+def _cell_text(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return ""
+        return f"{value:.4g}"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, numbers.Integral):
+        return str(int(value))
+    if isinstance(value, numbers.Real):
+        return _cell_text(float(value))
+    try:
+        if _pandas().isna(value):
+            return ""
+    except (TypeError, ValueError):
+        pass
+    return str(value)
+
+
+
+
+def runs_table(frame: pd.DataFrame, columns: Sequence[str] | None = None, title: str | None = None,
+               max_rows: int | None = None) -> Table:
+    """A :class:`rich.table.Table` of the runs (default columns: :func:`display_columns`)."""
+    from rich.table import Table
+
+    chosen = [resolve_column(frame, c) for c in columns] if columns else display_columns(frame)
+    table = Table(title=title, show_lines=False, header_style="bold")
+    for column in chosen:
+        numeric = _pandas().api.types.is_numeric_dtype(frame[column]) and column != "gpu_ids"
+        header = column.removeprefix(METRIC) if column.startswith(METRIC) else column
+        table.add_column(header, justify="right" if numeric else "left", overflow="fold",
+                         no_wrap=column in ("run_id", "framework", "status", "experiment"),
+                         max_width=60 if column == "error" else None)
+    rows = frame if max_rows is None else frame.head(max_rows)
+    for _, row in rows.iterrows():
+        cells = []
+        for column in chosen:
+            text = _cell_text(row[column])
+            style = STATUS_STYLE.get(text) if column == "status" else None
+            cells.append(f"[{style}]{text}[/]" if style else text.replace("[", r"\["))
+        table.add_row(*cells)
+    if max_rows is not None and len(frame) > max_rows:
+        table.caption = f"{len(frame) - max_rows} more runs not shown"
+    return table
+
+
+def terminal() -> Console:
+    """A rich console: the terminal's width, or ``$COLUMNS`` (default 200) when output goes to a file or CI log."""
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console = Console(width=200)
+    return console

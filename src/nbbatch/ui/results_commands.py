@@ -1,0 +1,165 @@
+"""``nbbatch compare``, ``nbbatch check`` and ``nbbatch diff``: their arguments and handlers.
+
+:mod:`nbbatch.ui.cli` wires these; each handler returns the exit status. The work is done by
+:mod:`nbbatch.results.compare` and :mod:`nbbatch.results.diff`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from nbbatch.results.compare import (
+    FAILING_OUTCOMES,
+    check,
+    collect_targets,
+    filter_runs,
+    group_runs,
+    load_baseline,
+    parse_tolerance,
+    runs_table,
+    sort_runs,
+    terminal,
+    write_report,
+    write_table,
+)
+from nbbatch.results.diff import diff_runs
+
+
+def add_compare_arguments(parser: argparse.ArgumentParser, share_option: bool = True) -> None:
+    """The arguments of ``nbbatch compare``."""
+    parser.add_argument("targets", nargs="*", metavar="EXPERIMENT|PATH",
+                        help="experiments in the share, or folders/.ipynb files of executed notebooks "
+                             "(default: every experiment in the share)")
+    if share_option:
+        parser.add_argument("--share", default=None, help="the share (default: the project's results/ folder)")
+    parser.add_argument("--where", action="append", default=[], metavar="COND",
+                        help="keep runs matching COND, e.g. param.LR=0.1, framework=pytorch,keras, "
+                             "metric.accuracy>=0.9, status!=failed (repeatable: all must hold)")
+    parser.add_argument("--sort", default=None, metavar="COLS",
+                        help="sort by columns, comma-separated; NAME:desc (or --sort=-NAME) for descending, "
+                             "e.g. --sort metric.accuracy:desc")
+    parser.add_argument("--group-by", default=None, metavar="COLS",
+                        help="one row per group (e.g. framework or param.LR) with counts and mean metrics")
+    parser.add_argument("--agg", default="mean", choices=["mean", "median", "min", "max", "sum", "std"],
+                        help="how --group-by aggregates metrics (default: mean)")
+    parser.add_argument("--columns", default=None, metavar="COLS",
+                        help="columns to show, comma-separated (default: ids, status, swept parameters, metrics)")
+    parser.add_argument("--csv", default=None, metavar="FILE", help="also write the table as CSV")
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write the table as JSON")
+    parser.add_argument("--report", default=None, metavar="FILE.html",
+                        help="write a self-contained HTML report with plots and links to the notebooks")
+    parser.add_argument("--metric", default=None, help="the metric the plots show (default: accuracy)")
+    parser.add_argument("--time", default=None,
+                        help="the x axis of the metric-vs-time plot (default: metric.train_seconds, else duration_s)")
+    parser.add_argument("--param", default=None, help="the swept parameter of the metric-vs-parameter plot")
+    parser.add_argument("--title", default=None, help="the report's title")
+
+
+def cli_compare(args: argparse.Namespace) -> int:
+    """``nbbatch compare``: print the runs table; write CSV/JSON/report as asked."""
+    console = terminal()
+    frame = collect_targets(args.targets, getattr(args, "share", None))
+    if args.where:
+        total = len(frame)
+        frame = filter_runs(frame, args.where)
+        if not len(frame):
+            console.print(f"[yellow]none of the {total} runs matches {' and '.join(args.where)}[/]")
+    if args.sort:
+        frame = sort_runs(frame, args.sort)
+    shown = group_runs(frame, args.group_by, args.agg) if args.group_by else frame
+    if args.csv:
+        console.print(f"wrote {write_table(shown, args.csv)}")
+    if args.json:
+        console.print(f"wrote {write_table(shown, args.json)}")
+    columns = [c for c in args.columns.split(",") if c.strip()] if args.columns else None
+    if args.group_by:
+        console.print(runs_table(shown, columns=columns or [str(c) for c in shown.columns],
+                                 title=f"{len(frame)} runs by {args.group_by}"))
+    else:
+        console.print(runs_table(shown, columns=columns, title=f"{len(shown)} runs"))
+    if args.report:
+        path = write_report(frame, args.report, metric=args.metric, time=args.time, param=args.param,
+                            title=args.title, share=getattr(args, "share", None))
+        console.print(f"wrote {path}")
+    return 0
+
+
+def add_check_arguments(parser: argparse.ArgumentParser, share_option: bool = True) -> None:
+    """The arguments of ``nbbatch check``."""
+    parser.add_argument("experiment", metavar="EXPERIMENT|PATH", help="the runs to check")
+    parser.add_argument("--baseline", required=True, metavar="EXPERIMENT|FILE",
+                        help="an experiment in the share, a folder of runs, or a table (.csv/.json from compare)")
+    if share_option:
+        parser.add_argument("--share", default=None, help="the share (default: the project's results/ folder)")
+    parser.add_argument("--metric", action="append", required=True,
+                        help="metric to check (repeatable or comma-separated)")
+    parser.add_argument("--tolerance", default=None,
+                        help="allowed change: absolute (0.02) or relative with %% (2%%); default 0")
+    parser.add_argument("--rel-tolerance", type=float, default=None,
+                        help="allowed relative change (0.05 = 5%% of the baseline); the larger allowance wins")
+    parser.add_argument("--direction", choices=["both", "decrease", "increase"], default="both",
+                        help="which moves fail: both (default), decrease (e.g. accuracy) or increase (e.g. loss)")
+    parser.add_argument("--key", default=None,
+                        help="columns matching runs to baseline runs, comma-separated "
+                             "(default: framework + swept parameters)")
+    parser.add_argument("--where", action="append", default=[], metavar="COND",
+                        help="check only runs matching COND (applied to both sides)")
+    parser.add_argument("--require-all", action="store_true", help="fail when a baseline run was not run")
+    parser.add_argument("--csv", default=None, metavar="FILE", help="also write the check table as CSV")
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write the check table as JSON")
+
+
+def cli_check(args: argparse.Namespace) -> int:
+    """``nbbatch check``: print the check table; 0 when every metric is within tolerance, else 1."""
+    console = terminal()
+    share = getattr(args, "share", None)
+    current = collect_targets([args.experiment], share)
+    baseline = load_baseline(args.baseline, share)
+    if args.where:
+        current = filter_runs(current, args.where)
+        baseline = filter_runs(baseline, args.where)
+    abs_tol, rel_tol = parse_tolerance(args.tolerance)
+    if args.rel_tolerance is not None:
+        rel_tol = args.rel_tolerance
+    metrics = [m for item in args.metric for m in item.split(",") if m.strip()]
+    result = check(current, baseline, metrics, tolerance=abs_tol, rel_tolerance=rel_tol,
+                   key=[k for k in args.key.split(",") if k.strip()] if args.key else None,
+                   direction=args.direction, require_all=args.require_all)
+    for path in (args.csv, args.json):
+        if path:
+            write_table(result.table, path)
+    table = runs_table(result.table, columns=[str(c) for c in result.table.columns],
+                       title=f"{args.experiment} vs. {args.baseline}")
+    for index, row in enumerate(result.table.itertuples(index=False)):
+        if row.outcome in FAILING_OUTCOMES:
+            table.rows[index].style = "red"
+    console.print(table)
+    console.print(f"[{'green' if result.passed else 'red'}]{result.summary()}[/]")
+    return result.exit_code
+
+
+def add_diff_arguments(parser: argparse.ArgumentParser, share_option: bool = True) -> None:
+    """The arguments of ``nbbatch diff``."""
+    parser.add_argument("run_a", metavar="RUN_A", help="a .ipynb file, a run folder, or <experiment>/<run id>")
+    parser.add_argument("run_b", metavar="RUN_B", help="the run to compare it with")
+    if share_option:
+        parser.add_argument("--share", default=None, help="the share (default: the project's results/ folder)")
+    parser.add_argument("--html", default=None, metavar="FILE.html", help="also write the diff as an HTML page")
+    parser.add_argument("--no-sources", dest="sources", action="store_false", help="leave cell sources out")
+    parser.add_argument("--no-outputs", dest="outputs", action="store_false", help="leave cell outputs out")
+    parser.add_argument("--metadata", action="store_true", help="include notebook and cell metadata")
+    parser.add_argument("--details", action="store_true",
+                        help="include what changes on every execution: timings, execution counts, cell ids")
+    parser.add_argument("--color", dest="color", action="store_const", const=True, default=None,
+                        help="colour the terminal diff even when not writing to a terminal")
+    parser.add_argument("--no-color", dest="color", action="store_const", const=False, help="no colours")
+
+
+def cli_diff(args: argparse.Namespace) -> int:
+    """``nbbatch diff``: print the diff of two runs' notebooks; write HTML with --html. Always 0."""
+    result = diff_runs(args.run_a, args.run_b, getattr(args, "share", None), sources=args.sources,
+                       outputs=args.outputs, metadata=args.metadata, details=args.details)
+    result.print(color=args.color)
+    if args.html:
+        print(f"wrote {result.write_html(args.html)}")
+    return 0
