@@ -351,10 +351,12 @@ def _set_kernelspec(nb: Any, kernel: str) -> None:
 
 
 def _add_stop_marker(nb: Any, reason: str) -> None:
-    import nbformat
+    """papermill's own error marker (its style and tag: papermill removes it again on a rerun), with our reason."""
+    import html
 
-    marker = nbformat.v4.new_markdown_cell(
-        source=f'<span style="color:red; font-family:Helvetica Neue, Helvetica, Arial, sans-serif; font-size:2em;">'
-               f"nbbatch stopped this run: {reason}</span>")
-    marker.metadata["tags"] = ["papermill-error-cell-tag"]
+    import nbformat
+    from papermill.execute import ERROR_MARKER_TAG, ERROR_STYLE
+
+    marker = nbformat.v4.new_markdown_cell(source=f"<span {ERROR_STYLE}>nbbatch stopped this run: {html.escape(reason)}</span>")
+    marker.metadata["tags"] = [ERROR_MARKER_TAG]
     nb.cells.insert(0, marker)

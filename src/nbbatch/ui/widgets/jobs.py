@@ -27,15 +27,23 @@ def _shown_metrics(metrics: dict[str, Any]) -> list[str]:
 
 
 def _text_table(header: Sequence[str], rows: Sequence[Sequence[str]], max_width: int = 48) -> str:
-    """Columns padded to their widest cell; inner cells longer than ``max_width`` are cut (the first and last never)."""
+    """A plain-text table through rich: inner cells longer than ``max_width`` are cut (the first and last never)."""
+    import io
+
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
     last = len(header) - 1
-    cells = [[c if len(c) <= max_width or i in (0, last) else c[: max_width - 1] + "…" for i, c in enumerate(row)]
-             for row in rows]
-    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(header)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip(),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
-    return "\n".join(lines)
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="", expand=False)
+    for i, name in enumerate(header):
+        table.add_column(name, max_width=None if i in (0, last) else max_width, overflow="ellipsis", no_wrap=True)
+    for row in rows:
+        table.add_row(*(Text(cell) for cell in row))  # Text: run data is never read as rich markup
+    out = io.StringIO()
+    Console(file=out, width=10_000, color_system=None, highlight=False).print(table)
+    return "\n".join(line.rstrip() for line in out.getvalue().splitlines())
 
 
 class JobsSummaryModel:
