@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from nbbatch.errors import BackendError, NbbatchError, did_you_mean
+from nbbatch.errors import BackendError, did_you_mean
 from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret_name
 from nbbatch.store.records import (
@@ -102,24 +102,27 @@ class Setting:
     python_only: bool = False  # an object for Python callers and tests (a client, a credential): never stored or shown
 
     def problem(self, value: Any) -> str | None:
-        """What is wrong with ``value`` (None: it is fine)."""
+        """What ``value`` must be instead, e.g. ``"an integer ≥ 1"`` (None: it is fine)."""
         if value is None:
             return None
-        if self.kinds:
-            number = all(k in (int, float) for k in self.kinds)
-            if not isinstance(value, self.kinds) or (number and isinstance(value, bool)):
-                names = " or ".join({"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
-                                     "dict": "a mapping", "list": "a list"}.get(k.__name__, k.__name__)
-                                    for k in self.kinds)
-                if float in self.kinds:
-                    names = "a number"
-                return names + (f" ≥ {self.minimum:g}" if self.minimum is not None else "")
-        if self.minimum is not None and value < self.minimum:
-            what = "an integer" if self.kinds == (int,) else "a number"
-            return f"{what} ≥ {self.minimum:g}"
+        numeric = bool(self.kinds) and all(k in (int, float) for k in self.kinds)
+        wrong_kind = bool(self.kinds) and (not isinstance(value, self.kinds) or (numeric and isinstance(value, bool)))
+        if wrong_kind or (self.minimum is not None and value < self.minimum):
+            return self._description()
         if self.choices and value not in self.choices:
             return " or ".join(f"`{c}`" for c in self.choices)
         return None
+
+    def _description(self) -> str:
+        if float in self.kinds:
+            what = "a number"
+        else:
+            what = " or ".join(_KIND_NAMES.get(k.__name__, k.__name__) for k in self.kinds) or "a value"
+        return what + (f" ≥ {self.minimum:g}" if self.minimum is not None else "")
+
+
+_KIND_NAMES = {"int": "an integer", "str": "a string", "bool": "true or false", "dict": "a mapping",
+               "Mapping": "a mapping", "list": "a list", "PathLike": "a path"}
 
 
 class Backend(ABC):
@@ -337,5 +340,5 @@ def order_longest_first(runs: Sequence[Run], share: Share) -> list[Run]:
     return sorted(runs, key=lambda r: -past(r))
 
 
-__all__ = ["Backend", "Capabilities", "Compute", "NbbatchError", "Setting", "SubmitOptions", "SubmitOutcome",
+__all__ = ["Backend", "Capabilities", "Compute", "Setting", "SubmitOptions", "SubmitOutcome",
            "order_longest_first"]
