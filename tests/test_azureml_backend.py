@@ -36,6 +36,7 @@ from nbbatch.plan.runs import Run  # noqa: E402
 from nbbatch.spec.frameworks import get_framework  # noqa: E402
 from nbbatch.spec.project import Project  # noqa: E402
 from nbbatch.store.azfiles import AzureFileShare  # noqa: E402
+from nbbatch.store.layout import run_paths  # noqa: E402
 from nbbatch.store.records import read_record, write_record  # noqa: E402
 from nbbatch.store.runrecord import RunRecord  # noqa: E402
 
@@ -334,6 +335,7 @@ def test_submit_statuses_cancel_resubmit(aml, backend, share, runs, files, env_u
     # the executor writes its own final record; a job that ends without one is mapped from the job state
     done = read_record(share, "cifar", runs[0].run_id)
     done.status, done.metrics = "succeeded", {"accuracy": 0.5}
+    share.write_bytes(run_paths("cifar", done.run_id).notebook, b"{}")  # its executed notebook, as run-one writes it
     write_record(share, done)
     aml.set_job_status(a, "Completed")
     aml.set_job_status(c, "Failed")
@@ -345,7 +347,7 @@ def test_submit_statuses_cancel_resubmit(aml, backend, share, runs, files, env_u
     assert backend.cancel("cifar", share) == [runs[1].run_id]  # only the unfinished one
     assert aml.cancelled == [b]
     assert read_record(share, "cifar", runs[1].run_id).status == "cancelled"
-    assert share.exists(f"cifar/{runs[1].run_id}/CANCEL")
+    assert share.exists(run_paths("cifar", runs[1].run_id).cancel)
 
     # resubmitting skips the succeeded run and reuses cluster, datastore and environment
     before = set(aml.jobs)
@@ -488,6 +490,71 @@ def test_secret_looking_env_is_refused(backend, runs, tmp_path):
                                                 share_url=SHARE_URL).command
 
 
+def test_secret_looking_values_are_refused(backend, runs, tmp_path):
+    import dataclasses
+
+    by_value = dataclasses.replace(runs[0], env={"DATABASE_URL": "postgres://u:pw@h/db"})
+    with pytest.raises(BackendError, match="DATABASE_URL") as caught:
+        backend.build_job(by_value, "azureml:e:1", tmp_path, datastore=DATASTORE, share_url=SHARE_URL)
+    assert "pw@" not in str(caught.value)
+    in_parameters = dataclasses.replace(runs[0], parameters={"INDEX": "https://__token__:abc@host/simple"})
+    with pytest.raises(BackendError, match="`INDEX` in its parameters"):
+        backend.build_job(in_parameters, "azureml:e:1", tmp_path, datastore=DATASTORE, share_url=SHARE_URL)
+
+
+def test_a_binding_in_a_parameter_stays_text(backend, runs, tmp_path):
+    """``${{…}}`` in a parameter reaches the notebook as written, never as an Azure ML binding of the command."""
+    import dataclasses
+
+    text = "costs ${{inputs.price}} in ${{outputs.share}}"
+    run = dataclasses.replace(runs[0], parameters={"EPOCHS": 1, "NOTE": text}, env={"LABEL": "${{name}}"})
+    code = build_code_snapshot([run], tmp_path / "code")
+    job = backend.build_job(run, "azureml:nbbatch-toy:abc", code, datastore=DATASTORE, share_url=SHARE_URL,
+                            share_prefix="nbbatch")
+    assert job.command.count("${{") == 1 and "--share ${{outputs.share}}" in job.command  # the share's own binding
+    loaded = load_job(source=io.StringIO(job_yaml(job)))
+    spec = json.loads(loaded.command.split("--spec ", 1)[1].split(" --share", 1)[0].strip("'"))
+    assert spec["parameters"]["NOTE"] == text and spec["env"] == {"LABEL": "${{name}}"}
+
+
+def test_a_create_that_times_out_is_found_on_resubmit(aml, backend, share, runs, files, env_upload, azproject):
+    """Azure ML created the job but the answer never came: submitting again finds that job, makes no second one."""
+    from azure.core.exceptions import ServiceRequestError, ServiceResponseError
+
+    _existing_environment(aml, azproject)
+    run = runs[0]
+    _queue(share, [run])
+    original_create = backend.ml_client.jobs.create_or_update
+
+    def created_then_timed_out(job):
+        original_create(job)
+        raise ServiceResponseError("The read operation timed out")
+
+    backend.ml_client.jobs.create_or_update = created_then_timed_out
+    with pytest.raises(BackendError, match="may have been created"):
+        backend.submit([run], share, _options())
+    assert len(aml.jobs) == 1
+    backend.ml_client.jobs.create_or_update = original_create
+    outcome = backend.submit([run], share, _options())
+    assert outcome.in_flight == [run.run_id] and len(aml.jobs) == 1, "a second job was created"
+    assert _job_names(share, [run])[run.run_id] in aml.jobs
+
+    # a create that failed before Azure ML made the job: the next submission creates one
+    other = runs[1]
+    _queue(share, [other])
+
+    def never_created(job):
+        raise ServiceRequestError("connection refused")
+
+    backend.ml_client.jobs.create_or_update = never_created
+    with pytest.raises(BackendError):
+        backend.submit([other], share, _options())
+    backend.ml_client.jobs.create_or_update = original_create
+    outcome = backend.submit([other], share, _options())
+    assert outcome.started == [other.run_id] and len(aml.jobs) == 2
+    assert not aml.transport.unmatched
+
+
 def test_environment_is_reused_when_it_exists(aml, backend, azproject):
     from nbbatch.backends.azureml import ensure_environment
 
@@ -519,6 +586,7 @@ def test_through_nbbatch_submit(aml, files, azproject, write_experiment, env_upl
     share = AzureFileShare(SHARE_URL)
     for name in aml.jobs:  # the executor would write the final records; here the jobs just complete
         aml.set_job_status(name, "Completed")
+        share.write_bytes(run_paths("viaapi", aml.jobs[name]["properties"]["displayName"]).notebook, b"{}")
     again = submit(exp, progress=False, wait=False)  # refreshes first: both succeeded, nothing resubmitted
     assert again.skipped == result.started and not again.started and len(aml.jobs) == 2
     assert {read_record(share, "viaapi", r).status for r in result.started} == {"succeeded"}

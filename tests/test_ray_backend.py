@@ -243,15 +243,103 @@ def test_gpu_request_fractions():
 
 
 def test_a_node_without_the_notebook_runs_the_submitters_copy(tmp_path):
-    from nbbatch.backends.ray.node import _with_notebook_here
+    from nbbatch.backends.ray.node import _with_notebook_here, private_folder
 
     run = {"run_id": "nb-1", "experiment": "e", "notebook": str(tmp_path / "gone" / "nb.ipynb"),
            "notebook_rel": "notebooks/nb.ipynb"}
-    moved = _with_notebook_here(run, str(tmp_path / "no-project"), '{"cells": []}')
-    assert Path(moved["notebook"]).read_text() == '{"cells": []}' and moved["run_id"] == "nb-1"
+    folder = private_folder("nb-1")
+    try:
+        moved = _with_notebook_here(run, str(tmp_path / "no-project"), '{"cells": []}', folder)
+        assert Path(moved["notebook"]).read_text() == '{"cells": []}' and moved["run_id"] == "nb-1"
+        # in a folder of the task's own (not a predictable /tmp path another user could plant or swap)
+        assert Path(moved["notebook"]).parent == folder and (folder.stat().st_mode & 0o777) == 0o700
+        assert (Path(moved["notebook"]).stat().st_mode & 0o777) == 0o600
+        another = private_folder("nb-1")
+        assert another != folder
+        another.rmdir()
+    finally:
+        import shutil
+
+        shutil.rmtree(folder)
     (tmp_path / "proj" / "notebooks").mkdir(parents=True)
     (tmp_path / "proj" / "notebooks" / "nb.ipynb").write_text("{}")
-    assert _with_notebook_here(run, str(tmp_path / "proj"), "{}") is run  # the node's project has it
+    assert _with_notebook_here(run, str(tmp_path / "proj"), "{}", tmp_path) is run  # the node's project has it
+
+
+def _plain_run(tmp_path: Path, **changes):
+    from nbbatch.plan.runs import Run
+
+    return Run(**{"run_id": "nb-0123456789", "experiment": "e", "notebook": str(tmp_path / "gone" / "nb.ipynb"),
+                  "notebook_rel": "nb.ipynb", "kernel": "python3", **changes})
+
+
+def test_the_run_travels_to_run_one_in_a_private_file_not_on_its_command_line(tmp_path, monkeypatch):
+    """`ps` on a node shows run-one's command line to every user: the run's parameters and env are not on it."""
+    from types import SimpleNamespace
+
+    import nbbatch.backends.ray.node as node
+    from nbbatch.backends import SubmitOptions
+
+    marker = f"run-data-{os.getpid()}-{time.monotonic_ns()}"
+    run = _plain_run(tmp_path, parameters={"NOTE": marker + "-param"}, env={"RUN_SETTING": marker + "-env"})
+    share = FileShare(tmp_path / "results")
+    spec = RayBackend(env={"NODE_SETTING": marker + "-node"}).task_spec(run, share, SubmitOptions(), None)
+    spec.notebook_source = '{"cells": []}'  # this "node" lacks the notebook: the submitter's copy goes along
+    seen = {}
+
+    class FakeProc:
+        returncode = 0
+
+        def __init__(self, cmd, env=None, **kwargs):
+            spec_file = Path(cmd[cmd.index("--spec-file") + 1])
+            seen.update(cmd=cmd, env=env, spec_file=spec_file, spec=json.loads(spec_file.read_text()),
+                        file_mode=spec_file.stat().st_mode & 0o777, folder_mode=spec_file.parent.stat().st_mode & 0o777)
+            seen["notebook"] = Path(seen["spec"]["notebook"])
+            seen["notebook_in_folder"] = seen["notebook"].parent == spec_file.parent and seen["notebook"].exists()
+
+        def communicate(self):
+            return b"ok", None
+
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "ab" * 28))
+    monkeypatch.setattr(node.subprocess, "Popen", FakeProc)
+    result = node.execute_on_node(spec.to_dict())
+    assert result["exit_code"] == 0
+    assert marker not in " ".join(seen["cmd"]) and "run-one" in seen["cmd"]
+    assert seen["spec"]["parameters"]["NOTE"] == marker + "-param" and seen["spec"]["env"]["RUN_SETTING"] == marker + "-env"
+    assert seen["env"]["NODE_SETTING"] == marker + "-node"  # the backend's env: in run-one's environment
+    assert (seen["file_mode"], seen["folder_mode"]) == (0o600, 0o700) and seen["notebook_in_folder"]
+    assert run.run_id in str(seen["spec_file"])  # `ps` still tells which run a process is
+    assert not seen["spec_file"].parent.exists(), "the task's private folder outlived it"
+
+    cmd, _cwd = node.run_one_command(spec.to_dict(), "/private/spec.json", "0")
+    assert marker not in " ".join(cmd)
+
+
+def test_secret_env_is_refused_before_anything_runs(probe, tmp_path):
+    share = tmp_path / "results"
+    value = f"planted-{os.getpid()}-{time.monotonic_ns()}"
+    unreachable = "127.0.0.1:1"  # the refusal comes before any connection to a cluster
+    for backend, env in (({"env": {"AZURE_STORAGE_KEY": value}}, {}),
+                         ({"runtime_env": {"env_vars": {"HF_TOKEN": value}}}, {}),
+                         ({"env": {"DATABASE_URL": f"postgres://u:{value}@h/db"}}, {}),
+                         ({}, {"MYSQL_PWD": value})):
+        with pytest.raises(BackendError, match="looks like a secret") as caught:
+            api.submit(_experiment("secret", share, unreachable, backend=backend, env=env), progress=False)
+        message = str(caught.value)
+        assert value not in message and "ray start" in message and "Nothing was started" in message
+    assert not share.exists()
+    assert all(value.encode() not in p.read_bytes() for p in probe.rglob("*") if p.is_file())
+    RayBackend(env={"KERAS_BACKEND": "jax"}).check_secrets([_plain_run(tmp_path, env={"DATA": "x"})])  # plain: fine
+
+
+def test_ray_retries_follow_the_experiments_retries(tmp_path):
+    from nbbatch.backends import SubmitOptions
+
+    share = FileShare(tmp_path / "results")
+    spec = RayBackend().task_spec
+    assert spec(_plain_run(tmp_path), share, SubmitOptions(), None).max_retries == 0  # `retries: 0`: one attempt
+    assert spec(_plain_run(tmp_path, retries=2), share, SubmitOptions(), None).max_retries == 2
+    assert RayBackend(max_retries=5).task_spec(_plain_run(tmp_path), share, SubmitOptions(), None).max_retries == 5
 
 
 def test_unknown_setting_is_named():
@@ -319,6 +407,10 @@ def test_gpu_runs_are_pinned_to_distinct_devices_and_resume_skips_them(cluster, 
         assert cvd == str(record.gpu_ids[0])
         placements[record.run_id] = (node, cvd)
     assert {node for node, _ in placements.values()} == {cluster.head_id, cluster.worker_id}
+    deadline = time.monotonic() + 20  # a run's record is final a moment before its task ends
+    while left := [p for r in result.records for p in Path(tempfile.gettempdir()).glob(f"nbbatch-{r.run_id}-*")]:
+        assert time.monotonic() < deadline, f"tasks left their private folders: {left}"
+        time.sleep(0.3)
     for a in result.records:
         for b in result.records:
             if a is not b and _overlap(a, b):
@@ -371,7 +463,8 @@ def test_cancel_stops_running_and_queued_runs(cluster, probe, tmp_path):
     share = tmp_path / "results"
     # each run takes both GPUs of the head: one runs, the other waits in Ray's queue
     exp = _experiment("cancel", share, cluster.address, gpus=2, seeds=2, parameters={"SLEEP": 300.0},
-                      backend={"resources": {"node:__internal_head__": 0.01}})
+                      env={"RUN_SETTING": "run-marker"},
+                      backend={"resources": {"node:__internal_head__": 0.01}, "env": {"NODE_SETTING": "node-marker"}})
     api.submit(exp, wait=False, progress=False)
     deadline = time.monotonic() + 90
     running = None
@@ -381,6 +474,11 @@ def test_cancel_stops_running_and_queued_runs(cluster, probe, tmp_path):
             if "CVD=" in run_dir.read_text():
                 running = run_dir.parent.name
         time.sleep(0.3)
+    for proc in _run_one_processes(running):  # what `ps` shows every user of the node
+        cmdline = " ".join(_cmdline(proc))
+        assert "run-marker" not in cmdline and "node-marker" not in cmdline and "--spec-file" in cmdline
+        spec_file = Path(cmdline.split("--spec-file ", 1)[1].split(" ", 1)[0])
+        assert spec_file.stat().st_mode & 0o777 == 0o600 and spec_file.parent.stat().st_mode & 0o777 == 0o700
     followed: list[str] = []
     follower = threading.Thread(target=lambda: followed.extend(api.logs("cancel", running, follow=True)), daemon=True)
     follower.start()
@@ -416,7 +514,7 @@ def test_node_death_mid_run_retries_on_the_head(cluster, probe, tmp_path):
     """Kill the second node's raylet while a run executes there: it is retried on the head (or failed with why)."""
     share = tmp_path / "results"
     # two runs taking both GPUs of a node each: one per node; the head's finishes at once, the other sleeps
-    exp = _experiment("victim", share, cluster.address, gpus=2, seeds=2,
+    exp = _experiment("victim", share, cluster.address, gpus=2, seeds=2, retries=1,
                       parameters={"SLEEP": 300.0, "HEAD": cluster.head_id, "HEAD_SLEEP": 6.0})
     api.submit(exp, wait=False, progress=False)
     deadline = time.monotonic() + 90

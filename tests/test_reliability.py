@@ -4,6 +4,7 @@ what each scenario does and which test proves it."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -339,8 +340,13 @@ def test_corrupt_and_hand_edited_run_json_are_reported_with_their_path(project, 
     assert done.returncode == 0 and "Traceback" not in done.stderr and str(truncated) in done.stderr
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
-                    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3), max_leaves=5)
+# texts that mean something to rich or a browser, often: run data must be shown as it is (issue 13)
+MARKUP = st.sampled_from(["[bold]", "[/]", "[/x]", "[link=x]", "[bold red]", "[", "]", "\\[/]", "[/x] missing",
+                          "<script>alert(1)</script>", '"><img src=x onerror=alert(1)>', ":smile:", "%s", "{0}"])
+TEXT = (MARKUP | st.text(max_size=5) | st.text(alphabet="[]/\\=<>\"' abx", max_size=8)
+        | st.lists(MARKUP | st.text(max_size=3), min_size=2, max_size=4).map("".join))
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | TEXT,
+                    lambda c: st.lists(c, max_size=3) | st.dictionaries(TEXT, c, max_size=3), max_leaves=5)
 VALID = RunRecord(run_id="nb-0123456789", experiment="e", notebook="nb.ipynb", kernel="python3", status="failed",
                   attempts=1, duration_s=1.5, metrics={"accuracy": 0.9}).to_dict()
 VALID["error"] = {"ename": "KeyError", "evalue": "x", "cell_index": 2, "cell_source": "d['x']", "reason": None}
@@ -358,10 +364,15 @@ def test_any_hand_edited_run_json_is_a_record_or_a_reported_problem(tmp_path_fac
     records, problems = load_records(FileShare(root), "e")
     if problems:
         assert not records and len(problems) == 1 and str(path) in problems[0]
-    else:  # whatever passed is shown without a crash
+    else:  # whatever passed is shown without a crash, and its texts as they are
         status_rows(records)
         from rich.console import Console
 
         with open(os.devnull, "w") as sink:
             Console(file=sink).print(status_table(records))
+        console = Console(width=10_000, record=True, file=io.StringIO())
+        console.print(status_table(records, title="[/]"))
+        shown = console.export_text()
+        error = records[0].error.summary()[:120] if records[0].error else ""
+        assert "[/]" in shown and (not (error.isascii() and error.isprintable()) or error.strip() in shown)
 

@@ -434,10 +434,10 @@ def test_jobs_widget_shows_cancel_buttons_for_active_runs_and_they_cancel(projec
     descriptions = [b.description for b in summary.actions.children]
     assert descriptions == ["Cancel all", "Cancel a", "Cancel b"]
     summary.actions.children[1].click()
-    assert (project / "results" / "exp" / "a" / "CANCEL").exists()
+    assert (project / "results" / "exp" / ".cancel" / "a").exists()
     assert "asked to stop: a" in summary.notice.value
     summary.cancel_all_button.click()
-    assert (project / "results" / "exp" / "b" / "CANCEL").exists()
+    assert (project / "results" / "exp" / ".cancel" / "b").exists()
     model.replace_all([record("a", "cancelled"), record("b", "cancelled")])
     summary.render(model)
     assert summary.actions.layout.display == "none" and "data-state='final'" in summary.table.value

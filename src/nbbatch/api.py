@@ -113,6 +113,7 @@ def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, 
     :class:`RunRecord` as it changes (what the Jupyter widgets use). ``only`` restricts to run ids/prefixes.
     """
     from nbbatch.backends import SubmitOptions
+    from nbbatch.store.lease import ShareLease
     from nbbatch.store.lock import ExperimentLock
     from nbbatch.store.records import clear_cancel, load_records
 
@@ -126,19 +127,22 @@ def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, 
             raise NbbatchError(f"--only {', '.join(only)} matches none of the {len(the_plan.runs)} planned runs")
     result = SubmitResult(spec.name, share.url, spec.backend, warnings=list(the_plan.warnings))
     remember(project, spec.name, share.url, spec.backend, backend.storable_settings(spec.backend_settings))
-    with ExperimentLock(_lock_path(project, share, spec.name), spec.name) as lock:
-        if lock.recovered_from:
-            gone = lock.recovered_from
-            result.warnings.append(f"experiment `{spec.name}` was left locked by process {gone.get('pid')} on "
-                                   f"{gone.get('host')} (since {gone.get('since')}), which is gone; took the lock over")
+    with ExperimentLock(_lock_path(project, share, spec.name), spec.name) as lock, \
+            ShareLease(share, spec.name, command=lock.command) as lease:
+        for gone in (lock.recovered_from, lease.recovered_from):
+            if gone:
+                result.warnings.append(f"experiment `{spec.name}` was left locked by process {gone.get('pid')} on "
+                                       f"{gone.get('host')} (since {gone.get('since')}), which is gone; took it over")
+                break
         clear_cancel(share, spec.name)
         backend.refresh(spec.name, share)
         outcome = backend.triage(runs, share, force=force)
         result.skipped = outcome.skipped
+        result.warnings.extend(outcome.notes)
         result.started = [*outcome.started, *outcome.in_flight]
         _write_manifest(share, spec, the_plan)
         options = SubmitOptions(runs_per_gpu=spec.runs_per_gpu, max_parallel=spec.max_parallel, wait=wait, force=force,
-                                on_update=progress if callable(progress) else None)
+                                on_update=progress if callable(progress) else None, halt=lease.lost)
         todo = [r for r in runs if r.run_id in set(outcome.started)]
         if todo and progress is True:
             from nbbatch.ui.progress import live_progress

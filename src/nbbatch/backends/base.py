@@ -19,7 +19,10 @@ A subclass implements :meth:`~Backend.compute` and :meth:`~Backend.start`, and o
 
 from __future__ import annotations
 
+import copy
+import logging
 import reprlib
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -28,8 +31,10 @@ from typing import Any, ClassVar
 
 from nbbatch.errors import BackendError, did_you_mean
 from nbbatch.plan.runs import Run
-from nbbatch.redact import is_secret_name
+from nbbatch.redact import has_secret, is_secret, without_secrets
+from nbbatch.store.layout import OUTPUT_NOTEBOOK, run_paths
 from nbbatch.store.records import (
+    clear_run_cancels,
     finalize_record,
     load_records,
     new_record,
@@ -42,6 +47,40 @@ from nbbatch.store.runrecord import RunError, RunRecord, Status
 from nbbatch.store.share import Share
 
 UpdateCallback = Callable[[RunRecord], None]
+
+_log = logging.getLogger(__name__)
+
+
+def guarded(on_update: UpdateCallback | None) -> UpdateCallback:
+    """``on_update`` made harmless to the runs it reports on: a display never changes a record.
+
+    The callback gets a copy of each record, and an exception it raises is logged (a warning, once per
+    callback, with its traceback) and swallowed, so it never reaches an attempt or :meth:`Backend.finalize`
+    and never replaces a run's real status or error. ``None`` gives a callback that does nothing.
+    """
+    if on_update is None:
+        return _ignore
+    if getattr(on_update, "_nbbatch_guarded", False):
+        return on_update
+    warned = [False]
+
+    def notify(record: RunRecord) -> None:
+        try:
+            on_update(copy.deepcopy(record))
+        except Exception:  # noqa: BLE001 - a broken display must not fail the run it shows
+            if not warned[0]:
+                warned[0] = True
+                _log.warning("the progress display failed on run %s; the runs go on and their records are "
+                             "not affected (further failures of this display are not reported)",
+                             record.run_id, exc_info=True)
+
+    notify._nbbatch_guarded = True  # type: ignore[attr-defined]
+    notify.__wrapped__ = on_update  # type: ignore[attr-defined]
+    return notify
+
+
+def _ignore(_record: RunRecord) -> None:
+    pass
 
 
 @dataclass
@@ -64,6 +103,16 @@ class SubmitOptions:
     wait: bool = True  # block until every run is final (detached backends may return at once)
     force: bool = False  # rerun runs that already succeeded, restart runs still in flight
     on_update: UpdateCallback | None = None  # called on every status change
+    halt: threading.Event | None = None  # set when this driver must start no more runs (its lease was taken over)
+    _guarded: UpdateCallback | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def guarded_update(self) -> UpdateCallback:
+        """:attr:`on_update` through :func:`guarded` (one wrapper while it stays the same callback, so its failure
+        is reported once): what a backend calls, so a display never changes a record."""
+        if self._guarded is None or getattr(self._guarded, "__wrapped__", None) is not self.on_update:
+            self._guarded = guarded(self.on_update)
+        return self._guarded
 
 
 @dataclass
@@ -73,6 +122,7 @@ class SubmitOutcome:
     started: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # already succeeded
     in_flight: list[str] = field(default_factory=list)  # still queued or running in the backend: left alone
+    notes: list[str] = field(default_factory=list)  # why a run that looked done is started again
 
 
 @dataclass(frozen=True)
@@ -156,7 +206,7 @@ class Backend(ABC):
         for key, value in settings.items():
             problem = cls.SETTINGS[key].problem(value)
             if problem:
-                shown = "a value" if is_secret_name(key) else reprlib.repr(value)
+                shown = "a value" if is_secret(key) or has_secret(value) else reprlib.repr(value)
                 raise BackendError(f"{cls.name} backend setting `{key}` must be {problem} (got {shown})")
         return {**{k: s.default for k, s in cls.SETTINGS.items()}, **settings}
 
@@ -167,19 +217,24 @@ class Backend(ABC):
 
     @classmethod
     def storable_settings(cls, settings: Mapping[str, Any]) -> dict[str, Any]:
-        """Settings safe to keep on disk: no secret-looking names, no Python objects (credentials, clients)."""
+        """Settings safe to keep on disk: nothing that looks secret at any depth, no Python objects.
+
+        A setting (or an entry nested in one, ``env: {AZURE_STORAGE_KEY: …}``, ``[{DATABASE_URL: …}]``) is
+        left out when :func:`nbbatch.redact.is_secret` flags its name or value; so are credentials and
+        clients (``python_only`` settings, values that are not plain JSON).
+        """
         import json
 
         kept = {}
         for key, value in settings.items():
             setting = cls.SETTINGS.get(key)
-            if is_secret_name(key) or (setting is not None and setting.python_only):
+            if is_secret(key, value) or (setting is not None and setting.python_only):
                 continue
             try:
                 json.dumps(value)
             except (TypeError, ValueError):
                 continue
-            kept[key] = value
+            kept[key] = without_secrets(value)
         return kept
 
     # --- what each backend implements ---------------------------------------------------------------
@@ -245,7 +300,12 @@ class Backend(ABC):
         outcome = SubmitOutcome()
         for run in runs:
             record = read_record(share, run.experiment, run.run_id)  # a corrupt record stops here, naming its path
-            if record is not None and record.status == Status.SUCCEEDED and not force:
+            done = record is not None and record.status == Status.SUCCEEDED and not force
+            if done and not share.exists(run_paths(run.experiment, run.run_id).notebook):
+                outcome.notes.append(f"run {run.run_id} succeeded before but its {OUTPUT_NOTEBOOK} is gone from "
+                                     f"{share.url}: running it again")
+                done = False
+            if done:
                 outcome.skipped.append(run.run_id)
             elif record is not None and not record.final and not force and self.in_flight(share, record):
                 outcome.in_flight.append(run.run_id)
@@ -260,21 +320,22 @@ class Backend(ABC):
         self.check_share(share)
         self.check(runs)
         todo = order_longest_first(runs, share)
-        notify = options.on_update or (lambda _r: None)
+        clear_run_cancels(share, todo[0].experiment, [r.run_id for r in todo])  # before the queued records
+        notify = options.guarded_update
         for run in todo:
             record = new_record(run, self.name)
             write_record(share, record)
             notify(record)
         self.start(todo, share, options)
         if options.wait and self.capabilities.detached:
-            self.wait(todo[0].experiment, share, [r.run_id for r in todo], options.on_update)
+            self.wait(todo[0].experiment, share, [r.run_id for r in todo], notify)
 
     def finalize(self, share: Share, run: Run | RunRecord, status: Status, error: RunError | None = None,
                  notify: UpdateCallback | None = None) -> RunRecord:
         """End a run's record with ``status`` and ``error`` (see :func:`~nbbatch.store.records.finalize_record`)."""
         record = finalize_record(share, run, status, error, self.name)
         if notify is not None:
-            notify(record)
+            guarded(notify)(record)
         return record
 
     def refresh(self, experiment: str, share: Share) -> None:
@@ -291,7 +352,7 @@ class Backend(ABC):
     def wait(self, experiment: str, share: Share, run_ids: Sequence[str],
              on_update: UpdateCallback | None = None) -> None:
         """Poll until every run in ``run_ids`` is final, reporting each change through ``on_update``."""
-        notify = on_update or (lambda _r: None)
+        notify = guarded(on_update)
         poll = self.poll_s if self.poll_s is not None else (0.5 if share.local_path("") is not None else 2.0)
         seen: dict[str, tuple[Any, ...]] = {}
         pending = list(run_ids)
@@ -340,5 +401,5 @@ def order_longest_first(runs: Sequence[Run], share: Share) -> list[Run]:
     return sorted(runs, key=lambda r: -past(r))
 
 
-__all__ = ["Backend", "Capabilities", "Compute", "Setting", "SubmitOptions", "SubmitOutcome",
+__all__ = ["Backend", "Capabilities", "Compute", "Setting", "SubmitOptions", "SubmitOutcome", "guarded",
            "order_longest_first"]

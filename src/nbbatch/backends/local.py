@@ -8,10 +8,11 @@ Ctrl-C cancels: kernels are killed, runs are marked ``cancelled``, finished outp
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
@@ -20,13 +21,16 @@ from nbbatch.errors import ShareError, ValidationError
 from nbbatch.execute.attempt import SHARE_FAILED, execute_run, kernel_launch
 from nbbatch.execute.gpus import GpuInfo, SlotPool, detect_gpus
 from nbbatch.plan.runs import Run
-from nbbatch.store.records import cancel_requested
+from nbbatch.store.lock import pid_alive
+from nbbatch.store.records import CancelRequests, cancel_requests
 from nbbatch.store.runrecord import ErrorKind, RunError, RunRecord, Status
 from nbbatch.store.share import Share
 
 if TYPE_CHECKING:
     from nbbatch.execute.kernels import KernelPool
 
+
+logger = logging.getLogger(__name__)
 
 PRESTART_DEFAULT = 0  # kernels started ahead of the next CPU runs (opt-in: `backend: {name: local, prestart: 2}`)
 
@@ -83,17 +87,23 @@ class LocalBackend(Backend):
         gpu_runs: set[str] = set()  # active runs holding GPU slots
         cancel = threading.Event()
         changed = threading.Condition()
-        notify = options.on_update or (lambda _r: None)
+        notify = options.guarded_update  # a failing display never changes a run's record
         share_failures: list[ShareError] = []  # the share cannot be written (full): start no more runs
         from nbbatch.execute.kernels import KernelPool  # imports jupyter_client: not at module import
 
         kernels = KernelPool(PRESTART_DEFAULT if self.prestart is None else self.prestart)
 
-        def cancel_pending(reason: str) -> None:
+        def end_pending(status: Status, error: RunError) -> None:
             for run in pending:
-                self.finalize(share, run, Status.CANCELLED, RunError("cancelled", "", reason=reason,
-                                                                     kind=ErrorKind.CANCELLED), notify)
+                kernels.discard(run.run_id)
+                try:
+                    self.finalize(share, run, status, error, notify)
+                except ShareError as exc:  # not recorded: resubmitting reruns it
+                    share_failures.append(exc)
             pending.clear()
+
+        def cancel_pending(reason: str) -> None:
+            end_pending(Status.CANCELLED, RunError("cancelled", "", reason=reason, kind=ErrorKind.CANCELLED))
 
         def worker(run: Run, gpu_ids: list[int]) -> None:
             try:
@@ -116,28 +126,32 @@ class LocalBackend(Backend):
                     gpu_runs.discard(run.run_id)
                     changed.notify_all()
 
+        requests = _CancelWatch(share, runs[0].experiment if runs else "")
         try:
             with changed:
                 while pending or active:
                     if share_failures and pending:
-                        for run in pending:
-                            with contextlib.suppress(ShareError):
-                                self.finalize(share, run, Status.CANCELLED, RunError(
-                                    "ShareError", str(share_failures[0]), reason="not started: " + SHARE_FAILED,
-                                    kind=ErrorKind.SHARE), notify)
-                        pending.clear()
+                        end_pending(Status.CANCELLED, RunError("ShareError", str(share_failures[0]),
+                                                               reason="not started: " + SHARE_FAILED, kind=ErrorKind.SHARE))
                         kernels.close()
-                    if cancel.is_set() or (runs and cancel_requested(share, runs[0].experiment)):
+                    if pending and options.halt is not None and options.halt.is_set():
+                        cancel_pending("not started: another driver took the experiment over (its lease on the share)")
+                    standing = requests.current()
+                    if cancel.is_set() or standing.everything:
                         cancel.set()
                         cancel_pending("cancelled before it started")
                         kernels.close()
                     started = False
                     for run in list(pending):
-                        if cancel_requested(share, run.experiment, run.run_id):
+                        if run.run_id in standing:
                             pending.remove(run)
                             kernels.discard(run.run_id)
-                            self.finalize(share, run, Status.CANCELLED, RunError(
-                                "cancelled", "", reason="cancelled before it started", kind=ErrorKind.CANCELLED), notify)
+                            try:
+                                self.finalize(share, run, Status.CANCELLED, RunError(
+                                    "cancelled", "", reason="cancelled before it started", kind=ErrorKind.CANCELLED),
+                                    notify)
+                            except ShareError as exc:
+                                share_failures.append(exc)
                             continue
                         running_gpu = sum(1 for r in active if r in gpu_runs)
                         running_cpu = len(active) - running_gpu
@@ -157,9 +171,10 @@ class LocalBackend(Backend):
                     _prestart(kernels, pending)
                     if not started:
                         changed.wait(timeout=0.5)
-        except KeyboardInterrupt:
+        except BaseException as exc:  # Ctrl-C, SIGTERM, or a defect: no run may be left `running`
             cancel.set()
-            cancel_pending("interrupted before it started")
+            interrupted = isinstance(exc, KeyboardInterrupt)
+            cancel_pending("interrupted before it started" if interrupted else f"not started: nbbatch error: {exc}")
             for thread in list(active.values()):
                 thread.join()
             raise
@@ -173,7 +188,7 @@ class LocalBackend(Backend):
         host = socket.gethostname()
         return {r.run_id: RunError("DriverDied", f"process {r.pid} that ran it is gone",
                                    reason="the submitting process died; resubmit to rerun", kind=ErrorKind.INFRA)
-                for r in records if r.host == host and r.pid and not _alive(r.pid)}
+                for r in records if r.host == host and r.pid and not pid_alive(r.pid)}
 
 
 def _prestart(kernels: KernelPool, pending: list[Run]) -> None:
@@ -186,11 +201,31 @@ def _prestart(kernels: KernelPool, pending: list[Run]) -> None:
                 return
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+class _CancelWatch:
+    """The scheduler's view of the cancel requests: one listing per pass at most every ``poll`` seconds.
+
+    A share error keeps the last answer and backs off (doubling, at most 30 s): a flaky share neither
+    floods the service nor stops the batch; each running run's watchdog watches its own markers too.
+    """
+
+    def __init__(self, share: Share, experiment: str):
+        self.share, self.experiment = share, experiment
+        self.poll = 0.5 if share.local_path("") is not None else 2.0
+        self.failures = 0
+        self._last = CancelRequests()
+        self._next = 0.0
+
+    def current(self) -> CancelRequests:
+        if not self.experiment or time.monotonic() < self._next:
+            return self._last
+        try:
+            self._last = cancel_requests(self.share, self.experiment)
+            self.failures = 0
+            self._next = time.monotonic() + self.poll
+        except (ShareError, OSError) as exc:
+            self.failures += 1
+            self._next = time.monotonic() + min(self.poll * 2 ** self.failures, 30.0)
+            if self.failures == 1:
+                logger.warning("cannot read the cancel requests of %s (%s); retrying", self.experiment, exc)
+        return self._last
+

@@ -21,11 +21,11 @@ from nbbatch.errors import ShareError
 from nbbatch.execute.kernels import kill_kernel_group
 from nbbatch.execute.watchdog import REAPER, Watchdog
 from nbbatch.plan.runs import Run
-from nbbatch.redact import is_secret_name
+from nbbatch.redact import is_secret
 from nbbatch.store.layout import LOG_FILE, OUTPUT_NOTEBOOK, run_paths
-from nbbatch.store.records import clear_cancel, new_record, read_record, write_record
+from nbbatch.store.records import cancel_requested, new_record, read_record, write_record
 from nbbatch.store.runrecord import ErrorKind, RunError, RunRecord, Status, utc_now
-from nbbatch.store.share import Share
+from nbbatch.store.share import RangeStore, Share
 
 SHARE_FAILED = "the share could not be written"
 UpdateCallback = Callable[[RunRecord], None]
@@ -66,11 +66,49 @@ class _LogSink(io.TextIOBase):
         super().close()
 
 
+class _LogUpload:
+    """Keeps ``log.txt`` on a remote share up to date with the local file the kernel writes.
+
+    Shares that can append (:class:`~nbbatch.store.share.RangeStore`) get only the new bytes at each
+    checkpoint; others get the whole file, at most every :attr:`WHOLE_EVERY_S` and at the end. Either
+    way the traffic grows with the log, not with its square. A retry appends to the earlier attempts'
+    log; a first attempt replaces a log left by an earlier submission.
+    """
+
+    WHOLE_EVERY_S = 30.0
+
+    def __init__(self, share: Share, path: str, local: Path, fresh: bool):
+        self.share, self.path, self.local = share, path, local
+        self.ranged = isinstance(share, RangeStore)
+        self.offset: int | None = None if fresh else 0  # None: the first push replaces the share's file
+        self._last_whole = 0.0
+        if not fresh:  # the earlier attempts' lines come first
+            with contextlib.suppress(FileNotFoundError):
+                local.write_bytes(share.read_bytes(path))
+            self.offset = local.stat().st_size if local.exists() else 0
+
+    def push(self, final: bool = False) -> None:
+        if not self.local.exists():
+            return
+        if self.ranged and self.offset is not None:
+            with open(self.local, "rb") as handle:
+                handle.seek(self.offset)
+                chunk = handle.read()
+            if chunk:
+                self.share.write_range(self.path, chunk, self.offset)  # type: ignore[attr-defined]
+                self.offset += len(chunk)
+            return
+        if final or self.ranged or time.monotonic() - self._last_whole >= self.WHOLE_EVERY_S:
+            data = self.local.read_bytes()
+            self.share.write_bytes(self.path, data)
+            self.offset, self._last_whole = len(data), time.monotonic()
+
+
 def _kernel_env(run: Run, gpu_ids: list[int] | None, shared_gpu: bool) -> dict[str, str]:
     env = dict(os.environ)
     # A run's kernel gets no credentials of the driver: they would be readable from the notebook.
     for name in list(env):
-        if is_secret_name(name):
+        if is_secret(name, env[name]):
             del env[name]
     env.update(run.env)
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids or [])
@@ -149,8 +187,18 @@ def execute_run(run: Run, share: Share, *, gpu_ids: list[int] | None = None, sha
         kernels = None  # a retry starts a kernel of its own
         attempts_left -= 1
         died = record.status == Status.FAILED and record.error is not None and record.error.kind == ErrorKind.KERNEL_DIED
-        if not died or attempts_left <= 0:
+        if not died or attempts_left <= 0 or _cancelled_meanwhile(run, share, cancel_event):
             return record
+
+
+def _cancelled_meanwhile(run: Run, share: Share, cancel_event: threading.Event | None) -> bool:
+    """Whether a cancel came while the kernel died: then the run is not retried (its record says why it ended)."""
+    if cancel_event is not None and cancel_event.is_set():
+        return True
+    try:
+        return cancel_requested(share, run.experiment, run.run_id)
+    except ShareError:
+        return False  # the retry's own watchdog keeps looking
 
 
 def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shared_gpu: bool,
@@ -166,7 +214,6 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
 
     notify = on_update or (lambda _r: None)
     paths = run_paths(run.experiment, run.run_id)
-    clear_cancel(share, run.experiment, run.run_id)
     record.status, record.error, record.metrics = Status.RUNNING, None, {}
     record.attempts += 1
     record.started_at, record.ended_at, record.duration_s = utc_now(), None, None
@@ -195,6 +242,7 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
     log_path = work / LOG_FILE
     if record.attempts == 1 and log_path.exists():
         log_path.unlink()
+    upload = _LogUpload(share, paths.log, log_path, fresh=record.attempts == 1) if local is None else None
     log = _LogSink(log_path)
     log.write(f"=== nbbatch run {run.run_id} attempt {record.attempts} on {record.host} "
               f"(kernel {run.kernel}, CUDA_VISIBLE_DEVICES={','.join(map(str, gpu_ids))}) at {record.started_at}\n")
@@ -205,8 +253,8 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
         from nbbatch.store.notebook_io import notebook_bytes
 
         share.write_bytes(paths.notebook, notebook_bytes(nb))
-        if local is None:  # remote share: push the log alongside the checkpoint
-            share.write_bytes(paths.log, log_path.read_bytes())
+        if upload is not None:  # remote share: push the log alongside the checkpoint
+            upload.push()
 
     def on_cell(done: int, total: int) -> None:
         record.cells_done, record.cells_total = done, total
@@ -294,9 +342,9 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
     summary = error.summary() if error else "ok"
     log.write(f"=== {status} after {record.duration_s:.2f} s: {summary}\n")
     log.close()
-    if local is None:
+    if upload is not None:
         try:
-            share.write_bytes(paths.log, log_path.read_bytes())
+            upload.push(final=True)
         except ShareError as exc:
             if record.status == Status.SUCCEEDED:
                 record.status, record.error = Status.FAILED, share_error(exc)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import subprocess
 import sys
@@ -20,6 +21,8 @@ from nbbatch.plan.runs import Run
 from nbbatch.store.layout import run_paths
 from nbbatch.store.runrecord import Status
 from nbbatch.store.share import Share
+
+logger = logging.getLogger(__name__)
 
 
 def kernel_pid(km: Any) -> int | None:
@@ -110,36 +113,63 @@ atexit.register(REAPER.close)
 
 
 class Watchdog:
-    """Stops the kernel when the run times out or is cancelled (by event or by marker in the share)."""
+    """Stops the kernel when the run times out or is cancelled (by event or by marker in the share).
+
+    The deadline and the kill live in one thread that never touches the share; the markers are
+    polled in another, which backs off while the share fails. A slow or failing share (an HTTP 503,
+    an NFS hiccup, a request hanging in its retries) thus never delays a timeout or stops the watch.
+    """
+
+    MAX_BACKOFF_S = 30.0
 
     def __init__(self, run: Run, share: Share, deadline: float | None, cancel_event: threading.Event | None):
         self.run, self.share, self.deadline, self.cancel_event = run, share, deadline, cancel_event
         self.reason: Status | None = None  # TIMED_OUT or CANCELLED once it has stopped the kernel
         self.km: Any = None
+        self.share_errors = 0  # failed marker checks so far (they are retried)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=f"watchdog-{run.run_id}", daemon=True)
-        self._markers = run_paths(run.experiment, run.run_id).cancel_markers
+        self._marker_seen = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, name=f"watchdog-{run.run_id}", daemon=True),
+                         threading.Thread(target=self._poll_markers, name=f"cancel-poll-{run.run_id}", daemon=True)]
         self._poll = 0.25 if share.local_path("") is not None else 2.0
 
     def __enter__(self) -> Watchdog:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
-
-    def cancelled(self) -> bool:
-        if self.cancel_event is not None and self.cancel_event.is_set():
-            return True
-        return any(self.share.exists(m) for m in self._markers)
+        self._threads[0].join(timeout=5)  # the poller may sit in a slow share request: it is a daemon
 
     def _loop(self) -> None:
-        while not self._stop.wait(self._poll):
+        while not self._stop.wait(0.1):
             if self.reason is None:
                 if self.deadline is not None and time.monotonic() > self.deadline:
                     self.reason = Status.TIMED_OUT
-                elif self.cancelled():
+                elif self._marker_seen.is_set() or (self.cancel_event is not None and self.cancel_event.is_set()):
                     self.reason = Status.CANCELLED
             if self.reason and self.km is not None:
-                kill_kernel_group(self.km)
+                try:
+                    kill_kernel_group(self.km)
+                except Exception:  # noqa: BLE001 - try again on the next tick; the watch must go on
+                    logger.debug("killing the kernel of %s failed", self.run.run_id, exc_info=True)
+
+    def _poll_markers(self) -> None:
+        wait = self._poll
+        while not self._stop.wait(wait):
+            try:
+                if any(self.share.exists(m) for m in self._markers):
+                    self._marker_seen.set()
+                    return
+                wait = self._poll
+            except Exception as exc:  # noqa: BLE001 - ShareError, OSError, SDK errors: retried with back-off
+                self.share_errors += 1
+                wait = min(self._poll * 2 ** self.share_errors, self.MAX_BACKOFF_S)
+                if self.share_errors == 1:
+                    logger.warning("run %s: cannot check its cancel markers (%s); retrying every %g s at most",
+                                   self.run.run_id, exc, self.MAX_BACKOFF_S)
+
+    @property
+    def _markers(self) -> tuple[str, str]:
+        return run_paths(self.run.experiment, self.run.run_id).cancel_markers

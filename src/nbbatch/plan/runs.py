@@ -23,12 +23,22 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "run"
 
 
-def run_id_for(label: str, notebook_bytes: bytes, parameters: dict[str, Any], env_lock: str) -> str:
-    """``<label>-<10 hex>`` from the notebook content, parameters and environment lock."""
+def run_id_for(label: str, notebook_bytes: bytes, parameters: dict[str, Any], env_lock: str,
+               env: dict[str, str] | None = None, gpus: int = 0) -> str:
+    """``<label>-<10 hex>`` from everything that can change a run's result.
+
+    That is the notebook's content, its parameters, the environment's lock, the kernel's extra
+    variables (``env:``) and the GPUs it asks for. ``env`` and ``gpus`` enter the hash only when
+    set, so ids of runs without them stay what they were.
+    """
     digest = hashlib.sha256()
     digest.update(notebook_bytes)
     digest.update(json.dumps(parameters, sort_keys=True, default=repr).encode())
     digest.update(env_lock.encode())
+    if env:
+        digest.update(b"\0env" + json.dumps(env, sort_keys=True).encode())
+    if gpus:
+        digest.update(f"\0gpus={gpus}".encode())
     return f"{_slug(label)}-{digest.hexdigest()[:10]}"
 
 
@@ -136,7 +146,7 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
                                   "List them with `jupyter kernelspec list`.")
         for params in combos:
             warnings.extend(w for w in validate_parameters(info, params) if w not in warnings)
-            run_id = run_id_for(label, info.content, params, env_lock)
+            run_id = run_id_for(label, info.content, params, env_lock, experiment.env, experiment.gpus)
             runs.append(Run(
                 run_id=run_id, experiment=experiment.name, notebook=str(notebook), notebook_rel=notebook_rel(notebook),
                 kernel=kernel, parameters=dict(params), framework=framework_name, gpus=experiment.gpus,

@@ -10,7 +10,7 @@ from nbbatch.errors import NbbatchError, did_you_mean
 from nbbatch.store.layout import run_paths
 from nbbatch.store.records import read_record, run_ids
 from nbbatch.store.runrecord import RunRecord, Status
-from nbbatch.store.share import Share
+from nbbatch.store.share import RangeStore, Share
 
 # One colour per status, for every view (terminal tables, widgets, the HTML report).
 STATUS_STYLE = {Status.QUEUED: "dim", Status.RUNNING: "bold blue", Status.SUCCEEDED: "green", Status.FAILED: "bold red",
@@ -55,11 +55,16 @@ def status_rows(records: list[RunRecord]) -> list[dict[str, Any]]:
     return rows
 
 
-def status_table(records: list[RunRecord], title: str | None = None, max_params: int = 4) -> Any:
-    """A rich table of runs: status, duration, GPU, key metrics, error."""
-    from rich.table import Table
+def status_table(records: list[RunRecord], title: Any = None, max_params: int = 4) -> Any:
+    """A rich table of runs: status, duration, GPU, key metrics, error.
 
-    table = Table(title=title, header_style="bold", expand=False)
+    Every cell and a ``str`` title are :class:`rich.text.Text`: run data (an error such as
+    ``KeyError: "[/x] missing"``, a parameter or metric name) is shown as it is, never read as rich markup.
+    """
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=Text(title) if isinstance(title, str) else title, header_style="bold", expand=False)
     for column in ("run", "framework", "parameters", "status", "try", "duration", "GPU", "metrics", "error"):
         table.add_column(column, overflow="fold")
     for row in status_rows(records):
@@ -67,14 +72,16 @@ def status_table(records: list[RunRecord], title: str | None = None, max_params:
         metrics = row["metrics"]
         shown = [k for k in KEY_METRICS if k in metrics] or [k for k, v in metrics.items()
                                                                if isinstance(v, (int, float))][:3]
-        status = row["status"] + (f" {row['progress']}" if row["progress"] else "")
-        table.add_row(
-            row["run_id"], str(row["framework"]), params,
-            f"[{STATUS_STYLE.get(row['status'], '')}]{status}[/]", str(row["attempts"]),
+        status = str(row["status"]) + (f" {row['progress']}" if row["progress"] else "")
+        cells = (
+            row["run_id"], str(row["framework"]), params, status, str(row["attempts"]),
             f"{row['duration_s']:.1f}s" if row["duration_s"] is not None else "",
             ",".join(map(str, row["gpu_ids"])) or "cpu",
             ", ".join(f"{k}={format_metric(metrics[k])}" for k in shown), row["error"][:120],
         )
+        texts = [Text(str(cell)) for cell in cells]
+        texts[3].stylize(STATUS_STYLE.get(row["status"], ""))
+        table.add_row(*texts)
     return table
 
 
@@ -95,31 +102,33 @@ def read_log(share: Share, experiment: str, run_id: str, tail: int | None = None
     return text
 
 
-def follow_log(share: Share, experiment: str, run_id: str, poll: float = 0.5,
+def follow_log(share: Share, experiment: str, run_id: str, poll: float | None = None,
                timeout: float | None = None) -> Iterator[str]:
-    """Yield the log as it grows until the run is final (``logs -f``)."""
+    """Yield the log as it grows until the run is final (``logs -f``).
+
+    Only the new bytes are read each time (a ranged read on shares that can, see
+    :class:`~nbbatch.store.share.RangeStore`): following a long log costs what it grows, not its square.
+    """
+    import codecs
+
     offset = 0
     log_path = run_paths(experiment, run_id).log
-    local = share.local_path(log_path)
+    ranged = isinstance(share, RangeStore)
+    if poll is None:
+        poll = 0.5 if share.local_path("") is not None else 2.0
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")  # a character split across two reads stays whole
     started = time.monotonic()
     final = False
     while True:
-        if local is not None:
-            try:
-                with open(local, "rb") as handle:
-                    handle.seek(offset)
-                    chunk = handle.read()
-            except FileNotFoundError:
-                chunk = b""
-        else:
-            try:
-                data = share.read_bytes(log_path)
-            except FileNotFoundError:
-                data = b""
-            chunk = data[offset:]
+        try:
+            chunk = share.read_range(log_path, offset) if ranged else share.read_bytes(log_path)[offset:]
+        except FileNotFoundError:
+            chunk = b""
         if chunk:
             offset += len(chunk)
-            yield chunk.decode("utf-8", "replace")
+            text = decoder.decode(chunk)
+            if text:
+                yield text
             continue
         if final:
             return

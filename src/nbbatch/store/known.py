@@ -2,32 +2,45 @@
 
 ``status``, ``logs`` and ``cancel`` find an experiment's share and backend here by its name alone.
 Only settings safe to keep on disk are stored (:meth:`nbbatch.backends.base.Backend.storable_settings`).
+The file is rewritten under a short lock (``experiments.json.lock``), through a temporary file of its
+own, so two submissions at once neither lose an entry nor mix their files; it is readable by its owner only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+from nbbatch.errors import NbbatchError
 from nbbatch.spec.project import Project
 from nbbatch.store.runrecord import utc_now
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
 REGISTRY_FILE = "experiments.json"
+LOCK_WAIT_S = 30.0  # the lock is held for one read and one write: waiting longer means something is stuck
 
 
 def remember(project: Project, name: str, share_url: str, backend: str, settings: dict[str, Any]) -> None:
-    """Record where experiment ``name`` ran (written atomically)."""
+    """Record where experiment ``name`` ran (under the registry's lock, written atomically)."""
     path = project.state_dir / REGISTRY_FILE
-    try:
-        known = json.loads(path.read_text()) if path.exists() else {}
-    except ValueError:
-        known = {}
-    known[name] = {"share": share_url, "backend": backend, "backend_settings": settings, "updated": utc_now()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(known, indent=2, default=str))
-    os.replace(tmp, path)
+    with _locked(path):
+        try:
+            known = json.loads(path.read_text()) if path.exists() else {}
+        except ValueError:
+            known = {}
+        known[name] = {"share": share_url, "backend": backend, "backend_settings": settings, "updated": utc_now()}
+        _write_atomic(path, json.dumps(known, indent=2, default=str))
 
 
 def lookup(project: Project, name: str) -> dict[str, Any]:
@@ -37,3 +50,38 @@ def lookup(project: Project, name: str) -> dict[str, Any]:
         return json.loads(path.read_text()).get(name, {}) if path.exists() else {}
     except ValueError:
         return {}
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold ``<path>.lock`` (``flock``, released by the kernel if this process dies) for a read-modify-write."""
+    lock_path = path.with_name(path.name + ".lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if fcntl is not None:
+            deadline = time.monotonic() + LOCK_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise NbbatchError(f"{lock_path} has been locked by another nbbatch process for "
+                                           f"{LOCK_WAIT_S:.0f} s; if none is running, delete that file") from None
+                    time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` by a new file of ``text`` (mode 0600) through a uniquely named temporary file beside it."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

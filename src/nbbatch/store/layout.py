@@ -4,12 +4,13 @@
 
     <experiment>/experiment.json         the manifest of the last submission
     <experiment>/CANCEL                  cancels every run of the experiment
+    <experiment>/.cancel/<run id>        cancels that run (one listing finds every request)
+    <experiment>/.lease                  the driver's lease, on the share itself
     <experiment>/.lock                   the driver's lock (folder shares)
     <experiment>/<run id>/output.ipynb   the executed notebook (also when it failed)
     <experiment>/<run id>/run.json       the run record
     <experiment>/<run id>/log.txt        the kernel's stdout/stderr as it ran
     <experiment>/<run id>/telemetry.json GPU samples
-    <experiment>/<run id>/CANCEL         cancels this run
     <experiment>/<run id>/<backend file> what a backend keeps about the run (e.g. azureml.json)
 
 Paths are ``/``-separated and relative to the share's root; every other module asks here.
@@ -26,6 +27,8 @@ TELEMETRY_FILE = "telemetry.json"
 CANCEL_MARKER = "CANCEL"
 MANIFEST = "experiment.json"
 LOCK_FILE = ".lock"
+CANCEL_FOLDER = ".cancel"
+LEASE_FILE = ".lease"
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,16 @@ class ExperimentPaths:
     def cancel(self) -> str:
         """The marker that cancels every run of the experiment."""
         return f"{self.experiment}/{CANCEL_MARKER}"
+
+    @property
+    def cancel_folder(self) -> str:
+        """The folder of per-run cancel markers (named by run id)."""
+        return f"{self.experiment}/{CANCEL_FOLDER}"
+
+    @property
+    def lease(self) -> str:
+        """The lease a driving process keeps on the share (see :mod:`nbbatch.store.lease`)."""
+        return f"{self.experiment}/{LEASE_FILE}"
 
     @property
     def manifest(self) -> str:
@@ -88,8 +101,8 @@ class RunPaths:
 
     @property
     def cancel(self) -> str:
-        """The marker that cancels this run."""
-        return self.file(CANCEL_MARKER)
+        """The marker that cancels this run (kept outside the run folder: one listing finds them all)."""
+        return f"{ExperimentPaths(self.experiment).cancel_folder}/{self.run_id}"
 
     @property
     def cancel_markers(self) -> tuple[str, str]:

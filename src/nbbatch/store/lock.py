@@ -28,6 +28,7 @@ class ExperimentLock:
         self.experiment = experiment
         self._fd: int | None = None
         self.recovered_from: dict | None = None  # the stale holder, when one was found
+        self.command = _command()  # what holds it, as the user typed it
 
     def __enter__(self) -> ExperimentLock:
         try:
@@ -53,7 +54,7 @@ class ExperimentLock:
         if previous:
             self.recovered_from = previous
         holder = {"pid": os.getpid(), "host": socket.gethostname(),
-                  "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": _command()}
+                  "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": self.command}
         try:  # naming the holder is best effort (a full disk must not stop the lock, which is the flock)
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(holder).encode(), 0)
@@ -89,3 +90,14 @@ def _command() -> str:
     else:
         argv[0] = os.path.basename(argv[0])
     return " ".join(argv)[:200]
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this machine still exists (one we may not signal counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

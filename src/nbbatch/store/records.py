@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -92,9 +94,38 @@ def cancel_requested(share: Share, experiment: str, run_id: str | None = None) -
     return any(share.exists(marker) for marker in run_paths(experiment, run_id).cancel_markers)
 
 
+@dataclass(frozen=True)
+class CancelRequests:
+    """The cancel requests standing for an experiment: all of its runs, or these run ids."""
+
+    everything: bool = False
+    runs: frozenset[str] = frozenset()
+
+    def __contains__(self, run_id: object) -> bool:
+        return self.everything or run_id in self.runs
+
+
+def cancel_requests(share: Share, experiment: str) -> CancelRequests:
+    """Every standing cancel request of an experiment, in two share requests whatever the number of runs."""
+    paths = experiment_paths(experiment)
+    runs = frozenset(share.list(paths.cancel_folder))
+    return CancelRequests(everything=share.exists(paths.cancel), runs=runs)
+
+
 def clear_cancel(share: Share, experiment: str, run_id: str | None = None) -> None:
     """Remove the experiment's cancel marker (or, with ``run_id``, that run's)."""
     share.remove(experiment_paths(experiment).cancel if run_id is None else run_paths(experiment, run_id).cancel)
+
+
+def clear_run_cancels(share: Share, experiment: str, ids: Iterable[str]) -> None:
+    """Remove the cancel markers of runs about to be (re)submitted: a cancel belongs to one submission.
+
+    Called before their ``queued`` records are written, so a cancel that reads the new record
+    writes its marker after this and is never lost.
+    """
+    standing = set(share.list(experiment_paths(experiment).cancel_folder))
+    for run_id in standing.intersection(ids):
+        share.remove(run_paths(experiment, run_id).cancel)
 
 
 def finalize_record(share: Share, run: Run | RunRecord, status: Status, error: RunError | None = None,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import errno
 import os
 import tempfile
+import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -41,6 +43,37 @@ class Share(Protocol):
 
     def local_path(self, path: str) -> Path | None:
         """The path on this machine's file system, when the share is a local folder."""
+
+
+@runtime_checkable
+class RangeStore(Protocol):
+    """A share that can append to a file and read its tail (logs grow without re-sending them whole)."""
+
+    def write_range(self, path: str, data: bytes, offset: int) -> None:
+        """Write ``data`` at byte ``offset`` of ``path`` (growing it). Not atomic: for append-only files."""
+
+    def read_range(self, path: str, offset: int) -> bytes:
+        """The bytes of ``path`` from ``offset`` on (``b""`` past its end); ``FileNotFoundError`` when absent."""
+
+
+@runtime_checkable
+class LeaseStore(Protocol):
+    """A share that can hold one of its files exclusively, renewably (the driver's lease, :mod:`nbbatch.store.lease`)."""
+
+    def lease_create(self, path: str, holder: bytes) -> bool:
+        """Take ``path``, writing ``holder`` into it, when nobody holds it; True when it is now ours."""
+
+    def lease_read(self, path: str) -> tuple[bytes, float] | None:
+        """The holder's bytes and the seconds since its last renewal; None when nobody holds it."""
+
+    def lease_renew(self, path: str, holder: bytes) -> bool:
+        """Renew our hold (``holder`` is what we wrote); False when it is no longer ours."""
+
+    def lease_break(self, path: str, seen: bytes) -> bool:
+        """End a stale hold whose holder is still ``seen``; False when it changed meanwhile (someone took it)."""
+
+    def lease_release(self, path: str, holder: bytes) -> None:
+        """Give our hold up (nothing when it is no longer ours)."""
 
 
 def _file_mode() -> int:
@@ -77,6 +110,7 @@ class FileShare:
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(tmp, target)
+            _fsync_folder(target.parent)  # the rename itself survives a crash of the machine
         except OSError as exc:
             if tmp is not None:
                 with _suppress():
@@ -114,8 +148,88 @@ class FileShare:
     def local_path(self, path: str) -> Path | None:
         return self._abs(path)
 
-    def __repr__(self) -> str:
-        return f"FileShare({str(self.root)!r})"
+    # --- optional capabilities (see :class:`RangeStore`, :class:`LeaseStore`) ------------------------
+    def write_range(self, path: str, data: bytes, offset: int) -> None:
+        target = self._abs(path)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT, FILE_MODE)
+            try:
+                os.pwrite(fd, data, offset)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise ShareError(f"cannot write `{path}` in the share {self.root}: {exc}") from exc
+
+    def read_range(self, path: str, offset: int) -> bytes:
+        with open(self._abs(path), "rb") as handle:
+            handle.seek(offset)
+            return handle.read()
+
+    def lease_create(self, path: str, holder: bytes) -> bool:
+        target = self._abs(path)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)  # exclusive, also over NFSv3+
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            raise ShareError(f"cannot create the lease `{path}` in the share {self.root}: {exc}") from exc
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(holder)
+            handle.flush()
+            os.fsync(handle.fileno())
+        return True
+
+    def lease_read(self, path: str) -> tuple[bytes, float] | None:
+        target = self._abs(path)
+        try:
+            with open(target, "rb") as handle:
+                return handle.read(), max(0.0, time.time() - os.fstat(handle.fileno()).st_mtime)
+        except FileNotFoundError:
+            return None
+
+    def lease_renew(self, path: str, holder: bytes) -> bool:
+        current = self.lease_read(path)
+        if current is None or current[0] != holder:
+            return False
+        os.utime(self._abs(path))  # the file system's clock (the server's on NFS) dates the renewal
+        return True
+
+    def lease_break(self, path: str, seen: bytes) -> bool:
+        target = self._abs(path)
+        tomb = target.with_name(f"{target.name}.{uuid.uuid4().hex[:12]}.broken")
+        try:
+            os.rename(target, tomb)  # atomic: of two breakers, one moves it
+        except FileNotFoundError:
+            return True  # gone already: free to take
+        moved = tomb.read_bytes()
+        if moved != seen:  # a fresh holder took it between our look and the rename: give it back
+            with _suppress():
+                os.link(tomb, target)  # fails when yet another holder exists; theirs stays
+            tomb.unlink()
+            return False
+        tomb.unlink()
+        return True
+
+    def lease_release(self, path: str, holder: bytes) -> None:
+        current = self.lease_read(path)
+        if current is not None and current[0] == holder:
+            with _suppress():
+                self._abs(path).unlink()
+
+
+def _fsync_folder(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return  # not supported here (some network file systems): the data itself was synced
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 class _suppress:

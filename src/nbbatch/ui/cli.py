@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -74,6 +76,13 @@ def _console():
     return Console()
 
 
+def _warning(text: str):
+    """``warning: <text>`` for rich, the text (run data, names, paths) never read as markup."""
+    from rich.text import Text
+
+    return Text.assemble(("warning:", "yellow"), " ", text)
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     from nbbatch.api import submit
 
@@ -81,14 +90,17 @@ def cmd_submit(args: argparse.Namespace) -> int:
                     progress=not args.quiet, only=args.only)
     console = _console()
     for warning in result.warnings:
-        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+        console.print(_warning(warning))
     if result.skipped:
         console.print(f"skipped {len(result.skipped)} run(s) that already succeeded (use --force to rerun)")
     counts: dict[str, int] = {}
     for r in result.records:
         counts[r.status] = counts.get(r.status, 0) + 1
-    console.print(f"experiment [bold]{result.experiment}[/]: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-                  + f" — results in {result.share}/{result.experiment}", highlight=False)
+    from rich.text import Text
+
+    console.print(Text.assemble("experiment ", (result.experiment, "bold"), ": ",
+                                ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
+                                f" — results in {result.share}/{result.experiment}"))
     if args.no_wait:
         return 0
     return 0 if result.ok else 1
@@ -102,17 +114,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps([r.to_dict() for r in the_plan.runs], indent=2))
         return 0
     from rich.table import Table
+    from rich.text import Text
 
-    table = Table(title=f"{the_plan.experiment.name}: {len(the_plan.runs)} run(s) → {share.url}")
+    table = Table(title=Text(f"{the_plan.experiment.name}: {len(the_plan.runs)} run(s) → {share.url}"))
     for col in ("run", "kernel", "notebook", "parameters", "gpus"):
         table.add_column(col, overflow="fold")
-    for run in the_plan.runs:
-        table.add_row(run.run_id, run.kernel, run.notebook_rel,
-                      ", ".join(f"{k}={v}" for k, v in run.parameters.items()), str(run.gpus))
+    for run in the_plan.runs:  # Text: run data is never read as rich markup
+        table.add_row(*(Text(str(cell)) for cell in (run.run_id, run.kernel, run.notebook_rel,
+                                                      ", ".join(f"{k}={v}" for k, v in run.parameters.items()),
+                                                      run.gpus)))
     console = _console()
     console.print(table)
     for warning in the_plan.warnings:
-        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+        console.print(_warning(warning))
     return 0
 
 
@@ -194,14 +208,17 @@ def cmd_envs(args: argparse.Namespace) -> int:
 
     if args.action == "list":
         from rich.table import Table
+        from rich.text import Text
 
         table = Table(title="framework environments")
         for col in ("framework", "state", "kernel", "fingerprint", "built", "path"):
             table.add_column(col, overflow="fold")
         style = {"ready": "green", "stale": "yellow", "missing": "red"}
         for env in list_envs():
-            table.add_row(env.framework, f"[{style[env.state]}]{env.state}[/]", env.kernel, env.fingerprint,
-                          env.built_at or "", str(env.path))
+            cells = [Text(str(cell)) for cell in (env.framework, env.state, env.kernel, env.fingerprint,
+                                                  env.built_at or "", env.path)]
+            cells[1].stylize(style[env.state])
+            table.add_row(*cells)
         _console().print(table)
         return 0
     names = args.names or []
@@ -380,14 +397,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``nbbatch`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    # run-one is stopped by its backend (Ray, Azure ML), which records why: it keeps the default SIGTERM.
+    previous = _terminate_like_ctrl_c() if args.command != "run-one" else None
     try:
         return int(args.func(args) or 0)
     except NbbatchError as exc:
         print(f"nbbatch: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         print("nbbatch: interrupted; unfinished runs were cancelled, finished results are kept", file=sys.stderr)
-        return 130
+        return 143 if isinstance(exc, Terminated) else 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a batch scheduler, a container stop): handled like Ctrl-C, so no run is left ``running``."""
+
+
+def _terminate_like_ctrl_c() -> Any:
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum: int, frame: object) -> None:
+        raise Terminated()
+
+    return signal.signal(signal.SIGTERM, handler)
 
 
 if __name__ == "__main__":

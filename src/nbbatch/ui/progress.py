@@ -37,6 +37,7 @@ def live_progress(share: Share, experiment: str, run_ids: list[str]) -> Iterator
             current = list(records.values())
         counts = summary_counts(current)
         line = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+        # run data reaches rich as Text only (status_table's cells and a str title): never read as markup
         return Group(status_table(current, title=f"{experiment}: {line}"), Text(f"share: {share.url}", style="dim"))
 
     if not console.is_terminal:
@@ -46,7 +47,8 @@ def live_progress(share: Share, experiment: str, run_ids: list[str]) -> Iterator
             if record.final:
                 detail = f" ({record.error.summary()})" if record.error else ""
                 took = f" in {record.duration_s:.1f}s" if record.duration_s else ""
-                console.print(f"{record.run_id}: {record.status}{took}{detail}", highlight=False, soft_wrap=True)
+                console.print(f"{record.run_id}: {record.status}{took}{detail}", markup=False, emoji=False,
+                              highlight=False, soft_wrap=True)
 
         yield on_update_plain
         console.print(render())

@@ -24,6 +24,9 @@ from nbbatch.results.compare import (
 )
 from nbbatch.results.diff import diff_runs
 
+# how a message holding run data, names or paths is printed: as it is, never read as rich markup
+_PLAIN = {"markup": False, "emoji": False, "highlight": False}
+
 
 def add_compare_arguments(parser: argparse.ArgumentParser, share_option: bool = True) -> None:
     """The arguments of ``nbbatch compare``."""
@@ -63,14 +66,14 @@ def cli_compare(args: argparse.Namespace) -> int:
         total = len(frame)
         frame = filter_runs(frame, args.where)
         if not len(frame):
-            console.print(f"[yellow]none of the {total} runs matches {' and '.join(args.where)}[/]")
+            console.print(f"none of the {total} runs matches {' and '.join(args.where)}", style="yellow", **_PLAIN)
     if args.sort:
         frame = sort_runs(frame, args.sort)
     shown = group_runs(frame, args.group_by, args.agg) if args.group_by else frame
     if args.csv:
-        console.print(f"wrote {write_table(shown, args.csv)}")
+        console.print(f"wrote {write_table(shown, args.csv)}", **_PLAIN)
     if args.json:
-        console.print(f"wrote {write_table(shown, args.json)}")
+        console.print(f"wrote {write_table(shown, args.json)}", **_PLAIN)
     columns = [c for c in args.columns.split(",") if c.strip()] if args.columns else None
     if args.group_by:
         console.print(runs_table(shown, columns=columns or [str(c) for c in shown.columns],
@@ -80,7 +83,7 @@ def cli_compare(args: argparse.Namespace) -> int:
     if args.report:
         path = write_report(frame, args.report, metric=args.metric, time=args.time, param=args.param,
                             title=args.title, share=getattr(args, "share", None))
-        console.print(f"wrote {path}")
+        console.print(f"wrote {path}", **_PLAIN)
     return 0
 
 
@@ -134,7 +137,7 @@ def cli_check(args: argparse.Namespace) -> int:
         if row.outcome in FAILING_OUTCOMES:
             table.rows[index].style = "red"
     console.print(table)
-    console.print(f"[{'green' if result.passed else 'red'}]{result.summary()}[/]")
+    console.print(result.summary(), style="green" if result.passed else "red", **_PLAIN)
     return result.exit_code
 
 

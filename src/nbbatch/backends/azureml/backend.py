@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from azure.ai.ml import MLClient, Output, command
 from azure.ai.ml.entities import Command
-from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
+from azure.core.exceptions import AzureError, HttpResponseError, ResourceNotFoundError
 
 from nbbatch.backends.azureml.cluster import (
     DEFAULT_CLUSTER,
@@ -37,7 +37,7 @@ from nbbatch.backends.azureml.workspace import connect, error_text
 from nbbatch.backends.base import Backend, Capabilities, Compute, Setting, SubmitOptions
 from nbbatch.errors import BackendError
 from nbbatch.plan.runs import Run
-from nbbatch.redact import is_secret_name
+from nbbatch.redact import is_secret, is_secret_value
 from nbbatch.store.layout import run_paths
 from nbbatch.store.records import read_record, write_record
 from nbbatch.store.records import run_ids as list_run_ids
@@ -198,10 +198,20 @@ class AzureMLBackend(Backend):
             for run in runs:
                 job = self.build_job(run, self._environment_for(run, register=True), code_dir,
                                      datastore=datastore, share_url=location.url, share_prefix=location.prefix)
+                # The job's name is on the share before the job exists: when creating it times out (and Azure ML
+                # creates it anyway), a resubmission finds this job (in_flight, sync) instead of making a second.
+                self._write_state(share, JobState(run.run_id, job.name, run.experiment, status=Status.QUEUED,
+                                                  note="being created in Azure ML", submitted_at=utc_now(),
+                                                  updated_at=utc_now()))
                 try:
                     created = self.ml_client.jobs.create_or_update(job)
                 except HttpResponseError as exc:
                     raise BackendError(f"Azure ML refused the job for run {run.run_id}: {error_text(exc)}") from exc
+                except AzureError as exc:  # a timeout or a dropped connection: the job may exist all the same
+                    raise BackendError(
+                        f"creating Azure ML job {job.name} for run {run.run_id} failed ({exc}); it may have been "
+                        "created all the same. Submit again: nbbatch looks that job up and leaves it running "
+                        "rather than creating another") from exc
                 job_status = job_status_text(created.status)
                 status, note = map_job_status(job_status)
                 state = JobState(run.run_id, created.name, run.experiment, studio_url=created.studio_url,
@@ -275,16 +285,19 @@ class AzureMLBackend(Backend):
         share_prefix: str = "",
     ) -> Command:
         """The command job of one run (what :meth:`start` sends; also handy to inspect or dump as YAML)."""
-        secret = sorted(k for k in run.env if is_secret_name(k))
+        secret = sorted(k for k, v in run.env.items() if is_secret(k, v))
+        secret += sorted(k for k, v in run.parameters.items() if is_secret_value(v))
         if secret:
+            where = "`env:`" if secret[0] in run.env else "its parameters"
             raise BackendError(
-                f"run {run.run_id} sets `{secret[0]}` in `env:`; on Azure ML a run's settings are part of the job's "
-                "command, visible in the studio and the job's history, so they must hold no secrets. Keep secrets in "
-                "a workspace connection or Key Vault and read them from the notebook"
+                f"run {run.run_id} sets `{secret[0]}` in {where}, which looks like a secret (by its name or value); "
+                "on Azure ML a run's settings are part of the job's command, visible in the studio and the job's "
+                "history, so they must hold no secrets. Keep secrets in a workspace connection or Key Vault and read "
+                "them from the notebook"
             )
         remote = dataclasses.replace(run, notebook=run.notebook_rel,
                                      cwd=run.cwd if run.cwd and not Path(run.cwd).is_absolute() else None)
-        spec = json.dumps(remote.to_dict(), sort_keys=True, separators=(",", ":"))
+        spec = command_json(remote.to_dict())
         gpus = ",".join(str(i) for i in range(run.gpus))
         share_arg = "${{outputs.share}}" if self.share_mode == "mount" else shlex.quote(share_url)
         parts = [self.launcher, "run-one", "--spec", shlex.quote(spec), "--share", share_arg, "--backend", self.name]
@@ -352,13 +365,25 @@ class AzureMLBackend(Backend):
         try:
             job = self.ml_client.jobs.get(state.job_name)
         except ResourceNotFoundError:
-            state.job_status, state.status, state.note = None, Status.FAILED, "the Azure ML job no longer exists"
+            note = ("the Azure ML job no longer exists" if state.job_status else
+                    "the Azure ML job was never created (its submission failed); submit again to rerun")
+            state.job_status, state.status, state.note = None, Status.FAILED, note
             return state
         state.job_status = job_status_text(job.status)
         state.status, state.note = map_job_status(state.job_status)
         state.studio_url = job.studio_url or state.studio_url
         state.updated_at = utc_now()
         return state
+
+
+def command_json(value: Any) -> str:
+    """``value`` as compact JSON for a job's command, with every ``$`` written ``\\u0024``.
+
+    Azure ML reads ``${{…}}`` anywhere in a command as a binding (``${{inputs.x}}``, ``${{outputs.share}}``);
+    a parameter holding that text would be taken for one. ``$`` only occurs inside JSON strings, where
+    ``\\u0024`` is the same character to any JSON reader, and it means nothing to the shell in quotes.
+    """
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).replace("$", "\\u0024")
 
 
 def _azure_files_location(share: Share) -> AzureFilesLocation:

@@ -12,18 +12,24 @@ they outlive the submitting process (``submit --no-wait``, a closed notebook), a
 that ended without one (node lost, task cancelled before it started, ``nbbatch`` missing on a node)
 and leaves by itself once it has been idle for ``linger_s``.
 
+Secrets never travel with an experiment: a secret-looking variable in ``env``, ``runtime_env.env_vars``
+or a run's ``env:`` is refused before anything starts (:meth:`RayBackend.check_secrets`). Share
+credentials (``AZURE_STORAGE_KEY``) come from the nodes' own environment. On the node, the run spec
+reaches ``run-one`` through a file in a private temporary folder of the task (not its command line),
+next to the notebook's copy when the node has none.
+
 Settings (the experiment's ``backend:`` mapping)::
 
     backend:
       name: ray
       address: auto            # or host:6379, or ray://head:10001
       num_cpus: 1              # CPUs each run asks for
-      max_retries: null        # Ray retries after a node/worker death (default: the experiment's retries + 1)
+      max_retries: null        # Ray retries after a node/worker death (default: the experiment's retries)
       shared_folder: false     # true: a folder share is mounted at the same path on every node
       project: null            # the project's path on the nodes (default: the submitting project's path)
       resources: {}            # extra Ray resources each run asks for, e.g. {"accelerator_type:A100": 0.01}
-      env: {}                  # environment variables for run-one (and so the kernel) on the nodes
-      runtime_env: null        # a Ray runtime_env for the run tasks
+      env: {}                  # environment variables for run-one (and so the kernel) on the nodes; no secrets
+      runtime_env: null        # a Ray runtime_env for the run tasks (its env_vars: no secrets either)
       autoscaling: false       # true: do not refuse runs that no current node can hold
       cancel_grace_s: 15       # how long a cancelled run may take to stop itself before its task is killed
       linger_s: 60             # how long an idle supervisor waits for more runs before it leaves

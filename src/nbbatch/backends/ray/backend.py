@@ -17,7 +17,8 @@ from nbbatch.backends.ray.supervisor import NAMESPACE, RunSupervisor, supervisor
 from nbbatch.backends.ray.task import RayTaskSpec, gpu_request
 from nbbatch.errors import BackendError, ValidationError
 from nbbatch.plan.runs import Run
-from nbbatch.store.records import clear_cancel, read_record, read_record_or_none
+from nbbatch.redact import is_secret
+from nbbatch.store.records import read_record, read_record_or_none
 from nbbatch.store.runrecord import ErrorKind, RunError, RunRecord, Status, utc_now
 from nbbatch.store.share import Share
 
@@ -128,7 +129,8 @@ class RayBackend(Backend):
         return Compute(backend=self.name, gpus=gpus, nodes=out_nodes, slots=max(slots, 1), details=details)
 
     def check(self, runs: Sequence[Run]) -> None:
-        """Refuse runs that no node of the cluster can hold (unless ``autoscaling``), before anything starts."""
+        """Refuse secrets in ``env``, and runs that no node can hold (unless ``autoscaling``), before anything starts."""
+        self.check_secrets(runs)
         if not runs or self.autoscaling:
             return
         alive = self._alive_nodes()
@@ -147,6 +149,28 @@ class RayBackend(Backend):
                 f"cluster at `{self.address}` has that (largest: {largest:g} GPU(s), {len(alive)} node(s) alive); "
                 "lower resources.gpus, or set `autoscaling: true` in the backend settings when the cluster adds "
                 "nodes on demand")
+
+    def check_secrets(self, runs: Sequence[Run] = ()) -> None:
+        """Refuse a secret (by name or value) in ``env``, ``runtime_env.env_vars`` or a run's ``env:``.
+
+        They would travel with the supervisor actor (its ``runtime_env``, shown by Ray's state API and
+        dashboard), with each run's task, and into ``.nbbatch/``. Credentials belong in the environment
+        of the Ray nodes themselves (``ray start`` under them, the pod's secret), which every run inherits.
+        """
+        runtime_vars = dict((self.runtime_env or {}).get("env_vars") or {})
+        places = [("the ray backend setting `env`", self.env),
+                  ("the ray backend setting `runtime_env.env_vars`", runtime_vars),
+                  *((f"the `env:` of run {run.run_id}", run.env) for run in runs)]
+        for where, variables in places:
+            secret = sorted(str(k) for k, v in variables.items() if is_secret(k, v))
+            if secret:
+                raise BackendError(
+                    f"{where} holds `{secret[0]}`, which looks like a secret (by its name or value); on Ray it "
+                    "would be visible in the supervisor's runtime_env (Ray's state API and dashboard), in the run's "
+                    "task and in .nbbatch/experiments.json. Remove it from the experiment and set it in the "
+                    "environment of the Ray nodes instead (export it before `ray start` on every node, or from a "
+                    "Kubernetes secret in the pod spec): runs inherit the node's environment, and nbbatch keeps "
+                    "secret-looking variables out of the notebook's kernel. Nothing was started.")
 
     def check_share(self, share: Share) -> None:
         """Raise :class:`BackendError` when ``share`` is a folder that only this machine sees.
@@ -204,7 +228,7 @@ class RayBackend(Backend):
 
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=False)
         env_vars = {**self.env, **dict((self.runtime_env or {}).get("env_vars") or {})}
-        if env_vars:  # e.g. the share's credentials: the supervisor writes run records too
+        if env_vars:  # never credentials (check_secrets): the supervisor reads them from the head's environment
             options["runtime_env"] = {"env_vars": env_vars}
         return ray.remote(RunSupervisor).options(**options).remote(experiment, share.url, self.linger_s)
 
@@ -222,7 +246,8 @@ class RayBackend(Backend):
     def task_spec(self, run: Run, share: Share, options: SubmitOptions, project: str | None) -> RayTaskSpec:
         """How one run asks Ray for resources and what its task executes."""
         num_gpus, shared = gpu_request(run.gpus, options.runs_per_gpu)
-        max_retries = self.max_retries if self.max_retries is not None else run.retries + 1
+        # the experiment's `retries: 0` means no second run of the notebook, after a kernel or a worker death alike
+        max_retries = self.max_retries if self.max_retries is not None else run.retries
         source = None
         with contextlib.suppress(OSError):
             source = Path(run.notebook).read_text(encoding="utf-8")
@@ -235,12 +260,11 @@ class RayBackend(Backend):
 
     def start(self, runs: Sequence[Run], share: Share, options: SubmitOptions) -> None:
         """Hand every run to the experiment's supervisor, which starts them as Ray tasks (and outlives us)."""
+        self.check_secrets(runs)  # also for callers that skip launch()'s check()
         ray = self.connect()
         experiment = runs[0].experiment
         project = self.project or _project_root(runs[0])
         specs = [self.task_spec(run, share, options, project).to_dict() for run in runs]
-        for run in runs:  # an explicit (re)submission overrides a cancel left over from before
-            clear_cancel(share, experiment, run.run_id)
         deadline = time.monotonic() + 60
         while True:  # a supervisor that is just leaving refuses: start a new one
             supervisor = self._supervisor(experiment, share, create=True)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,7 @@ from nbbatch.store.share import open_share
 
 NODE_ID_ENV = "NBBATCH_RAY_NODE_ID"  # set for the run (and its kernel): the Ray node it executes on
 OUTPUT_TAIL = 3000  # characters of run-one's output a task returns
+SPEC_FILE = "spec.json"  # the run, for run-one --spec-file, in the task's private folder
 
 
 def execute_on_node(spec: dict[str, Any]) -> dict[str, Any]:
@@ -47,36 +51,63 @@ def execute_on_node(spec: dict[str, Any]) -> dict[str, Any]:
                     "output": f"Ray gave GPU ids {raw!r}, which are not indices; start the node with "
                               "CUDA_VISIBLE_DEVICES holding GPU indices"}
     devices = ",".join(str(g) for g in gpu_ids)
-    project = spec.get("project")
-    run = _with_notebook_here(run, project, spec.get("notebook_source"))
     env = dict(os.environ)
     env.update(spec.get("env") or {})
     env.update({"CUDA_VISIBLE_DEVICES": devices, NODE_ID_ENV: node_id})
-    cmd = [sys.executable, "-m", "nbbatch", "run-one", "--spec", json.dumps(run), "--share", spec["share"],
+    folder = private_folder(run["run_id"])  # this task's own: the spec and the notebook's copy, removed after
+    try:
+        run = _with_notebook_here(run, spec.get("project"), spec.get("notebook_source"), folder)
+        spec_file = write_private(folder / SPEC_FILE, json.dumps(run))
+        cmd, cwd = run_one_command(spec, spec_file, devices)
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL,
+                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        output, _ = proc.communicate()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {"exit_code": proc.returncode, "output": output.decode("utf-8", "replace")[-OUTPUT_TAIL:],
+            "node_id": node_id, "gpu_ids": gpu_ids}
+
+
+def run_one_command(spec: dict[str, Any], spec_file: str | os.PathLike[str],
+                    devices: str) -> tuple[list[str], str | None]:
+    """The ``python -m nbbatch run-one`` command of a task and its working directory.
+
+    The run (its parameters and ``env:``) is in ``spec_file``, never on the command line, which every
+    user of the node can read (``ps``, ``/proc/<pid>/cmdline``).
+    """
+    cmd = [sys.executable, "-m", "nbbatch", "run-one", "--spec-file", str(spec_file), "--share", spec["share"],
            "--gpus", devices, "--backend", "ray"]
     cwd = None
+    project = spec.get("project")
     if project:
         cmd += ["--project", project]
         cwd = project if os.path.isdir(project) else None
     if spec.get("shared_gpu"):
         cmd.append("--shared-gpu")
-    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-    output, _ = proc.communicate()
-    return {"exit_code": proc.returncode, "output": output.decode("utf-8", "replace")[-OUTPUT_TAIL:],
-            "node_id": node_id, "gpu_ids": gpu_ids}
+    return cmd, cwd
 
 
-def _with_notebook_here(run: dict[str, Any], project: str | None, source: str | None) -> dict[str, Any]:
-    """The run, pointed at a copy of its notebook when this node has it neither at its path nor in the project."""
+def private_folder(run_id: str) -> Path:
+    """A fresh folder only this user can enter (0700, :func:`tempfile.mkdtemp`), named after the run."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", str(run_id))[:80]
+    return Path(tempfile.mkdtemp(prefix=f"nbbatch-{safe}-"))
+
+
+def write_private(path: Path, text: str) -> Path:
+    """Write ``text`` to a new file only this user can read (0600); refuse to follow or reuse a planted one."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    return path
+
+
+def _with_notebook_here(run: dict[str, Any], project: str | None, source: str | None, folder: Path) -> dict[str, Any]:
+    """The run, pointed at a copy of its notebook in ``folder`` (private to the task) when this node has it
+    neither at its path nor in the project."""
     if source is None or Path(run["notebook"]).exists() or (project and (Path(project) / run["notebook_rel"]).exists()):
         return run
-    import tempfile
-
-    folder = Path(tempfile.gettempdir()) / "nbbatch-notebooks" / run["experiment"] / run["run_id"]
-    copy = folder / Path(run["notebook_rel"]).name
-    folder.mkdir(parents=True, exist_ok=True)
-    copy.write_text(source, encoding="utf-8")
+    copy = write_private(folder / Path(run["notebook_rel"]).name, source)
     return {**run, "notebook": str(copy)}
 
 

@@ -63,15 +63,20 @@ def _cell_text(value: Any) -> str:
 
 def runs_table(frame: pd.DataFrame, columns: Sequence[str] | None = None, title: str | None = None,
                max_rows: int | None = None) -> Table:
-    """A :class:`rich.table.Table` of the runs (default columns: :func:`display_columns`)."""
+    """A :class:`rich.table.Table` of the runs (default columns: :func:`display_columns`).
+
+    Headers, cells and the title are :class:`rich.text.Text`: metric names, parameters and errors are
+    shown as they are, never read as rich markup.
+    """
     from rich.table import Table
+    from rich.text import Text
 
     chosen = [resolve_column(frame, c) for c in columns] if columns else display_columns(frame)
-    table = Table(title=title, show_lines=False, header_style="bold")
+    table = Table(title=None if title is None else Text(title), show_lines=False, header_style="bold")
     for column in chosen:
         numeric = _pandas().api.types.is_numeric_dtype(frame[column]) and column != "gpu_ids"
         header = column.removeprefix(METRIC) if column.startswith(METRIC) else column
-        table.add_column(header, justify="right" if numeric else "left", overflow="fold",
+        table.add_column(Text(header), justify="right" if numeric else "left", overflow="fold",
                          no_wrap=column in ("run_id", "framework", "status", "experiment"),
                          max_width=60 if column == "error" else None)
     rows = frame if max_rows is None else frame.head(max_rows)
@@ -79,11 +84,10 @@ def runs_table(frame: pd.DataFrame, columns: Sequence[str] | None = None, title:
         cells = []
         for column in chosen:
             text = _cell_text(row[column])
-            style = STATUS_STYLE.get(text) if column == "status" else None
-            cells.append(f"[{style}]{text}[/]" if style else text.replace("[", r"\["))
+            cells.append(Text(text, style=STATUS_STYLE.get(text, "") if column == "status" else ""))
         table.add_row(*cells)
     if max_rows is not None and len(frame) > max_rows:
-        table.caption = f"{len(frame) - max_rows} more runs not shown"
+        table.caption = Text(f"{len(frame) - max_rows} more runs not shown")
     return table
 
 

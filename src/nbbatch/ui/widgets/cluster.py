@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import nbbatch.ui.widgets.display as display
-from nbbatch.redact import is_secret_name
+from nbbatch.redact import is_secret
 from nbbatch.results.status import format_metric
 
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ class Cluster:
 
 def _shown_setting(key: str, value: Any) -> bool:
     """Settings worth showing: plain values (not clients or credentials), never secrets."""
-    return not is_secret_name(key) and (value is None or isinstance(value, (str, int, float, bool)))
+    return not is_secret(key, value) and (value is None or isinstance(value, (str, int, float, bool)))
 
 
 def _blank(value: Any, default: Any = "") -> Any:

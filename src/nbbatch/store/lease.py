@@ -1,0 +1,126 @@
+"""One driver per experiment across machines: a lease kept on the share itself.
+
+:class:`~nbbatch.store.lock.ExperimentLock` (a ``flock``) stops two drivers on one machine, but
+``flock`` over NFS or SMB may be local to each client. The lease is a file in the experiment's
+folder of the share, ``<experiment>/.lease``, created exclusively (``O_EXCL`` on a folder share,
+an Azure Files lease on ``azfiles://``), naming its holder and renewed by a heartbeat thread.
+
+A lease is stale, and taken over, when its holder is a dead process of this machine, or when it
+has not been renewed for :data:`STALE_AFTER_S` (a holder on another machine that died, or lost
+the share). Limits (docs/reliability.md): clocks of the machines and of the share must agree
+within a minute; a holder cut off from the share for longer than the stale time loses its lease,
+notices on its next renewal (:attr:`ShareLease.lost`) and starts no more runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+from nbbatch.errors import LockedError, ShareError
+from nbbatch.store.layout import experiment_paths
+from nbbatch.store.lock import pid_alive
+from nbbatch.store.share import LeaseStore, Share
+
+logger = logging.getLogger(__name__)
+
+RENEW_EVERY_S = 20.0
+STALE_AFTER_S = 120.0
+
+
+class ShareLease:
+    """Held while a process drives an experiment: ``with ShareLease(share, experiment):``.
+
+    Shares without the lease capability (:class:`~nbbatch.store.share.LeaseStore`) get no lease;
+    :attr:`supported` says so.
+    """
+
+    def __init__(self, share: Share, experiment: str, *, renew_every_s: float = RENEW_EVERY_S,
+                 stale_after_s: float = STALE_AFTER_S, command: str = ""):
+        self.share, self.experiment = share, experiment
+        self.path = experiment_paths(experiment).lease
+        self.renew_every_s, self.stale_after_s = renew_every_s, stale_after_s
+        self.recovered_from: dict[str, Any] | None = None  # the stale holder taken over
+        self.lost = threading.Event()  # set when another driver took the lease over
+        self._holder = json.dumps({"token": uuid.uuid4().hex, "pid": os.getpid(), "host": socket.gethostname(),
+                                   "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                   "command": command}).encode()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def supported(self) -> bool:
+        return isinstance(self.share, LeaseStore)
+
+    def __enter__(self) -> ShareLease:
+        if self.supported:
+            self._acquire()
+            self._thread = threading.Thread(target=self._heartbeat, name=f"lease-{self.experiment}", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            try:
+                self.share.lease_release(self.path, self._holder)  # type: ignore[attr-defined]
+            except (ShareError, OSError) as error:  # it goes stale and is taken over
+                logger.warning("could not release the lease %s: %s", self.path, error)
+
+    def _acquire(self) -> None:
+        store: Any = self.share
+        for _ in range(5):  # a few rounds: a breaker and a new holder may race us
+            if store.lease_create(self.path, self._holder):
+                return
+            current = store.lease_read(self.path)
+            if current is None:
+                continue  # released meanwhile
+            seen, age = current
+            holder = _parse(seen)
+            if not self._stale(holder, age):
+                raise LockedError(_held_message(self.experiment, holder, age, self.share.url, self.stale_after_s))
+            if store.lease_break(self.path, seen):
+                self.recovered_from = holder
+        raise LockedError(f"experiment `{self.experiment}` is being taken over by another driver right now; "
+                          f"try again in a minute, or see who holds it: {self.share.url}/{self.path}")
+
+    def _stale(self, holder: dict[str, Any], age: float) -> bool:
+        if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
+            return not pid_alive(holder["pid"])  # this machine's holder: alive or not, no need to wait
+        return age > self.stale_after_s
+
+    def _heartbeat(self) -> None:
+        store: Any = self.share
+        while not self._stop.wait(self.renew_every_s):
+            try:
+                if not store.lease_renew(self.path, self._holder):
+                    self.lost.set()
+                    logger.error("the lease of experiment %s was taken over by another driver: this one starts "
+                                 "no more runs", self.experiment)
+                    return
+            except (ShareError, OSError) as error:  # retried on the next beat; stale only after many misses
+                logger.warning("could not renew the lease of %s: %s", self.experiment, error)
+
+
+def _parse(data: bytes) -> dict[str, Any]:
+    try:
+        holder = json.loads(data)
+    except ValueError:
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _held_message(experiment: str, holder: dict[str, Any], age: float, url: str, stale_after_s: float) -> str:
+    who = (f"process {holder.get('pid')} on {holder.get('host')} (since {holder.get('since')}, "
+           f"command: {holder.get('command') or '?'})") if holder else "another driver"
+    return (f"experiment `{experiment}` is already being run by {who}, which renewed its lease on {url} "
+            f"{age:.0f} s ago. Wait for it, follow it with `nbbatch status {experiment}`, or stop it with "
+            f"`nbbatch cancel {experiment}`; a lease not renewed for {stale_after_s:.0f} s is taken over.")
+
