@@ -157,11 +157,20 @@ def test_write_range_splits_large_writes(a, server):
     assert a.read_bytes(log) == b"head" + big
 
 
-def test_write_range_errors_are_share_errors(a):
-    with pytest.raises(ShareError, match="cannot write `exp/none.txt`"):
-        a.write_range("exp/none.txt", b"x", 10)  # nothing to append to
+def test_write_range_past_the_end_and_errors(a, server):
+    a.write_range("exp/new/late.txt", b"x", 3)  # absent: created, zero-filled up to the offset
+    assert a.read_bytes("exp/new/late.txt") == b"\0\0\0x"
+    a.write_range("exp/new/late.txt", b"y", 6)
+    assert a.read_bytes("exp/new/late.txt") == b"\0\0\0x\0\0y"
+    a.write_range("exp/new/late.txt", b"", 100)  # nothing to write: unchanged
+    assert a.read_bytes("exp/new/late.txt") == b"\0\0\0x\0\0y"
     with pytest.raises(ShareError):
         a.write_range("", b"x", 0)
+    with pytest.raises(ValueError):
+        a.write_range("exp/new/late.txt", b"x", -1)
+    server.fault = lambda request: (500, "InternalError") if request.query.get("comp") == "range" else None
+    with pytest.raises(ShareError, match="cannot write `exp/new/late.txt`"):
+        a.write_range("exp/new/late.txt", b"z", 7)
 
 
 # --- leases ---------------------------------------------------------------------------------------
@@ -231,7 +240,19 @@ def test_lease_break_refuses_a_changed_holder(a, b, server):
     assert server.lease_state("results", FULL)[0] == "leased"
     assert not b.lease_create(LEASE, b"holder-b")
     assert a.lease_renew(LEASE, b"holder-a 3")
-    assert not b.lease_break("exp/no-such.lease", b"x")
+    assert b.lease_break("exp/no-such.lease", b"x")  # gone: free to take
+
+
+def test_lease_break_refuses_a_renewal_with_the_same_holder(a, b, server):
+    assert a.lease_create(LEASE, b"holder-a")
+    server.set_modified("results", FULL, time.time() - 600)
+    stale = b.lease_read(LEASE)
+    assert stale is not None and stale[1] >= 595
+    assert a.lease_renew(LEASE, b"holder-a")  # a comes back before b breaks: same bytes, renewed
+    assert not b.lease_break(LEASE, stale[0])
+    assert a.lease_renew(LEASE, b"holder-a")
+    fresh = b.lease_read(LEASE)
+    assert fresh is not None and fresh[1] < 5
 
 
 def test_lease_release_frees_it(a, b, server):

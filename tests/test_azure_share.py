@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -177,6 +178,11 @@ def test_readers_never_see_partial_files(share_env):
     try:
         for version in versions[1:]:
             writer.write_bytes("exp/r/output.ipynb", version)
+            # Let a read finish before the next rewrite: a reader restarts a download the writer
+            # replaced, up to a limit that back-to-back rewrites could otherwise exhaust.
+            done, deadline = len(seen), time.monotonic() + 30
+            while len(seen) <= done and not errors and thread.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.001)
     finally:
         stop.set()
         thread.join()

@@ -152,7 +152,7 @@ def test_cancel_is_seen_once_the_share_recovers(project):
 # --- 7. the scheduler: one listing per pass, share errors retried ----------------------------------
 
 def test_scheduler_lists_cancels_once_per_pass_and_rides_out_share_errors(project, write_experiment):
-    make_notebook(project / "nb.ipynb", ["print('ran', A)"])
+    make_notebook(project / "nb.ipynb", ["import time; time.sleep(0.5); print('ran', A)"])  # ≥ 3 s: several passes
     exp = write_experiment("experiment: flaky\nnotebooks: [nb.ipynb]\nsweep: {grid: {A: [1, 2, 3, 4, 5, 6]}}\n"
                            "resources: {max_parallel: 1}\n")
     the_plan, _backend, folder = prepare(exp, progress=False)

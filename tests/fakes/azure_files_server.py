@@ -1,11 +1,21 @@
 """A fake Azure Files REST endpoint on 127.0.0.1, for the real azure-storage-file-share client.
 
 It speaks the part of the File service REST API that :class:`nbbatch.store.azfiles.AzureFileShare`
-uses — shares, directories (create, properties, list, delete), files (create, Put Range, Get
-Properties, ranged Get, rename, delete) — in memory, and answers errors the way the service does: a
-status code, an ``x-ms-error-code`` header and an XML ``<Error>`` body, so the SDK raises
-``ResourceNotFoundError`` / ``ResourceExistsError``. Signatures are not verified, but every request
-must carry a ``SharedKey`` ``Authorization`` header and an ``x-ms-version``.
+uses — shares, directories (create, properties, list, delete), files (create, Put Range of at most
+4 MiB, Set File Properties with ``x-ms-content-length`` (resize: zero-filled when growing, truncated
+when shrinking), Get Properties, ranged Get, rename, delete) and Lease File (``PUT ?comp=lease``:
+acquire, release, change and break of infinite leases) — in memory, and answers errors the way the
+service does: a status code, an ``x-ms-error-code`` header and an XML ``<Error>`` body, so the SDK
+raises ``ResourceNotFoundError`` / ``ResourceExistsError`` / ``HttpResponseError``. Signatures are not
+verified, but every request must carry a ``SharedKey`` ``Authorization`` header and an ``x-ms-version``.
+
+Leases are enforced like the service does: a leased file refuses create-over, Put Range, Set
+Properties, delete and being renamed over (or away) unless the request carries the matching lease
+id (``x-ms-lease-id``; ``x-ms-destination-lease-id`` / ``x-ms-source-lease-id`` for rename): 412
+``LeaseIdMissing`` / ``LeaseIdMismatchWithFileOperation``, and 412 ``LeaseNotPresentWithFileOperation``
+for a lease id sent to an unleased file. Acquiring a leased file is 409 ``LeaseAlreadyPresent``; a
+break ends an infinite lease at once (state ``broken``), after which the file can be acquired again.
+Properties and downloads carry ``x-ms-lease-state`` / ``x-ms-lease-status`` / ``x-ms-lease-duration``.
 
 Start it with ``with FakeAzureFiles() as server: ...``; :attr:`FakeAzureFiles.endpoint` is the
 account URL (``http://127.0.0.1:PORT/devstoreaccount1``).
@@ -34,6 +44,8 @@ class _File:
     data: bytearray
     etag: str = field(default_factory=lambda: f'"0x{uuid.uuid4().hex[:16].upper()}"')
     modified: str = field(default_factory=lambda: email.utils.formatdate(usegmt=True))
+    lease: str | None = None  # the active lease's id
+    lease_state: str = "available"  # available | leased | broken
 
     def touch(self) -> None:
         self.etag = f'"0x{uuid.uuid4().hex[:16].upper()}"'
@@ -122,6 +134,17 @@ class FakeAzureFiles:
         with self.lock:
             return bytes(self.shares[share].files[path].data)
 
+    def lease_state(self, share: str, path: str) -> tuple[str, str | None]:
+        """(lease state, active lease id) of a file."""
+        with self.lock:
+            item = self.shares[share].files[path]
+            return item.lease_state, item.lease
+
+    def set_modified(self, share: str, path: str, when: float) -> None:
+        """Set a file's last-modified time (a POSIX timestamp), e.g. to age a lease holder."""
+        with self.lock:
+            self.shares[share].files[path].modified = email.utils.formatdate(when, usegmt=True)
+
 
 class _Error(Exception):
     def __init__(self, status: int, code: str, message: str = "", headers: dict[str, str] | None = None):
@@ -130,6 +153,21 @@ class _Error(Exception):
 
 
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)")
+MAX_RANGE = 4 * 1024 * 1024  # the service's limit on one Put Range
+
+
+def _check_lease(item: _File | None, request: Request, header: str = "x-ms-lease-id") -> None:
+    """Refuse a write to ``item`` unless it carries the active lease's id (412, as the service does)."""
+    given = request.headers.get(header)
+    lease = item.lease if item is not None else None
+    if lease is None:
+        if given:
+            raise _Error(412, "LeaseNotPresentWithFileOperation", "there is currently no lease on the file")
+        return
+    if not given:
+        raise _Error(412, "LeaseIdMissing", "there is currently a lease on the file and no lease ID was specified")
+    if given != lease:
+        raise _Error(412, "LeaseIdMismatchWithFileOperation", "the lease ID specified did not match the file's lease")
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -207,6 +245,8 @@ class _Handler(BaseHTTPRequestHandler):
         q = request.query
         method = request.method
         if q.get("restype") == "share" and not path:
+            if q.get("comp"):
+                raise _Error(400, "UnsupportedHttpVerb", f"the fake does not implement share {method} {q}")
             if method == "PUT":
                 if share_name in fake.shares:
                     raise _Error(409, "ShareAlreadyExists", f"share {share_name} exists")
@@ -234,16 +274,21 @@ class _Handler(BaseHTTPRequestHandler):
             return self._put_range(share, path, request)
         if q.get("comp") == "rename" and method == "PUT":
             return self._rename(share, share_name, path, request)
+        if q.get("comp") == "lease" and method == "PUT" and not q.get("restype"):
+            return self._lease(share, path, request)
+        if q.get("comp") == "properties" and method == "PUT" and not q.get("restype"):
+            return self._set_properties(share, path, request)
         if not q.get("comp") and not q.get("restype"):
             if method == "PUT" and request.headers.get("x-ms-type", "").lower() == "file":
                 return self._create_file(share, path, request)
             if method == "HEAD":
-                return self._file_properties(share, path)
+                return self._file_properties(share, path, request)
             if method == "GET":
                 return self._download(share, path, request)
             if method == "DELETE":
                 if path not in share.files:
                     raise _Error(404, "ResourceNotFound", f"file {path} does not exist")
+                _check_lease(share.files[path], request)
                 del share.files[path]
                 return 202, {}, b""
         raise _Error(400, "UnsupportedHttpVerb", f"the fake does not implement {method} {request.path} {q}")
@@ -309,7 +354,11 @@ class _Handler(BaseHTTPRequestHandler):
         size = int(request.headers.get("x-ms-content-length", "-1"))
         if size < 0:
             raise _Error(400, "MissingRequiredHeader", "x-ms-content-length is required")
+        old = share.files.get(path)
+        _check_lease(old, request)
         share.files[path] = _File(bytearray(size))
+        if old is not None:  # creating over a file keeps its lease
+            share.files[path].lease, share.files[path].lease_state = old.lease, old.lease_state
         return 201, _props(share.files[path]), b""
 
     def _put_range(self, share: _Share, path: str, request: Request) -> tuple[int, dict[str, str], bytes]:
@@ -320,8 +369,11 @@ class _Handler(BaseHTTPRequestHandler):
         if not match or not match.group(2):
             raise _Error(400, "InvalidHeaderValue", "a range bytes=start-end is required")
         start, end = int(match.group(1)), int(match.group(2))
+        _check_lease(item, request)
         if end >= len(item.data) or end < start:
             raise _Error(416, "InvalidRange", f"range {start}-{end} is outside the file ({len(item.data)} bytes)")
+        if end - start + 1 > MAX_RANGE:
+            raise _Error(413, "RequestBodyTooLarge", f"a range is at most {MAX_RANGE} bytes")
         if request.headers.get("x-ms-write", "update") == "clear":
             item.data[start:end + 1] = bytes(end - start + 1)
         else:
@@ -352,15 +404,75 @@ class _Handler(BaseHTTPRequestHandler):
         replace = request.headers.get("x-ms-file-rename-replace-if-exists", "false").lower() == "true"
         if path in share.files and not replace:
             raise _Error(409, "ResourceAlreadyExists", f"{path} exists")
+        _check_lease(share.files[source], request, "x-ms-source-lease-id")
+        if path != source:
+            _check_lease(share.files.get(path), request, "x-ms-destination-lease-id")
         share.files[path] = share.files.pop(source)
         share.files[path].touch()
         return 200, _props(share.files[path]), b""
 
-    def _file_properties(self, share: _Share, path: str) -> tuple[int, dict[str, str], bytes]:
+    def _set_properties(self, share: _Share, path: str, request: Request) -> tuple[int, dict[str, str], bytes]:
         item = share.files.get(path)
         if item is None:
             raise _Error(404, "ResourceNotFound", f"file {path} does not exist")
-        headers = _props(item)
+        _check_lease(item, request)
+        if "x-ms-content-length" in request.headers:
+            size = int(request.headers["x-ms-content-length"])
+            if size < 0:
+                raise _Error(400, "InvalidHeaderValue", "x-ms-content-length must not be negative")
+            if size < len(item.data):
+                del item.data[size:]
+            else:
+                item.data.extend(bytes(size - len(item.data)))
+        item.touch()
+        return 200, _props(item), b""
+
+    def _lease(self, share: _Share, path: str, request: Request) -> tuple[int, dict[str, str], bytes]:
+        item = share.files.get(path)
+        if item is None:
+            raise _Error(404, "ResourceNotFound", f"file {path} does not exist")
+        action = request.headers.get("x-ms-lease-action", "").lower()
+        given = request.headers.get("x-ms-lease-id")
+        proposed = request.headers.get("x-ms-proposed-lease-id")
+        headers = {"ETag": item.etag, "Last-Modified": item.modified}
+        if action == "acquire":
+            if request.headers.get("x-ms-lease-duration") != "-1":
+                raise _Error(400, "InvalidHeaderValue", "file leases are infinite: x-ms-lease-duration must be -1")
+            if item.lease is not None and item.lease != proposed:
+                raise _Error(409, "LeaseAlreadyPresent", "there is already a lease present")
+            item.lease, item.lease_state = proposed or str(uuid.uuid4()), "leased"
+            return 201, {**headers, "x-ms-lease-id": item.lease}, b""
+        if action not in ("release", "change", "break"):
+            raise _Error(400, "InvalidHeaderValue", f"unsupported x-ms-lease-action {action!r} for a file")
+        if action != "break" and not given:
+            raise _Error(400, "MissingRequiredHeader", "x-ms-lease-id is required")
+        if item.lease is None:
+            raise _Error(409, "LeaseNotPresentWithLeaseOperation", "there is currently no lease on the file")
+        if given and given != item.lease:
+            raise _Error(409, "LeaseIdMismatchWithLeaseOperation", "the lease ID specified did not match the file's lease")
+        if action == "release":
+            item.lease, item.lease_state = None, "available"
+            return 200, headers, b""
+        if action == "change":
+            if not proposed:
+                raise _Error(400, "MissingRequiredHeader", "x-ms-proposed-lease-id is required")
+            item.lease = proposed
+            return 200, {**headers, "x-ms-lease-id": proposed}, b""
+        item.lease, item.lease_state = None, "broken"  # an infinite lease breaks at once
+        return 202, {**headers, "x-ms-lease-time": "0"}, b""
+
+    @staticmethod
+    def _check_read_lease(item: _File, request: Request) -> None:
+        # Reads need no lease; a lease id sent with one must still match.
+        if request.headers.get("x-ms-lease-id"):
+            _check_lease(item, request)
+
+    def _file_properties(self, share: _Share, path: str, request: Request) -> tuple[int, dict[str, str], bytes]:
+        item = share.files.get(path)
+        if item is None:
+            raise _Error(404, "ResourceNotFound", f"file {path} does not exist")
+        self._check_read_lease(item, request)
+        headers = {**_props(item), **_lease_headers(item)}
         headers.update({"Content-Length": str(len(item.data)), "x-ms-type": "File",
                         "Content-Type": "application/octet-stream"})
         return 200, headers, b""
@@ -369,8 +481,9 @@ class _Handler(BaseHTTPRequestHandler):
         item = share.files.get(path)
         if item is None:
             raise _Error(404, "ResourceNotFound", f"file {path} does not exist")
+        self._check_read_lease(item, request)
         size = len(item.data)
-        headers = _props(item)
+        headers = {**_props(item), **_lease_headers(item)}
         headers.update({"x-ms-type": "File", "Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"})
         spec = request.headers.get("x-ms-range") or request.headers.get("range")
         if not spec:
@@ -402,3 +515,10 @@ def _props(item: _File | None = None) -> dict[str, str]:
         "x-ms-file-id": "13835128424026341376",
         "x-ms-file-parent-id": "0",
     }
+
+
+def _lease_headers(item: _File) -> dict[str, str]:
+    headers = {"x-ms-lease-state": item.lease_state, "x-ms-lease-status": "locked" if item.lease else "unlocked"}
+    if item.lease:
+        headers["x-ms-lease-duration"] = "infinite"
+    return headers

@@ -17,11 +17,18 @@ Credentials, in this order:
 
 ``NBBATCH_AZFILES_ENDPOINT`` overrides the account URL (default
 ``https://<account>.file.core.windows.net``), e.g. for a local test server.
+
+Beyond the :class:`~nbbatch.store.share.Share` protocol: ``write_range`` / ``read_range`` (appending
+to logs without rewriting them; not atomic), and the ``lease_*`` primitives of
+:mod:`nbbatch.store.lease`, built on the File service's infinite file leases: the holder's bytes are
+the leased file's content, and only the lease's owner can rewrite or delete it.
 """
 
 from __future__ import annotations
 
+import email.utils
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,12 +39,13 @@ from azure.core.credentials import AzureNamedKeyCredential
 from azure.core.exceptions import (
     AzureError,
     ClientAuthenticationError,
+    HttpResponseError,
     ResourceExistsError,
     ResourceModifiedError,
     ResourceNotFoundError,
     ServiceRequestError,
 )
-from azure.storage.fileshare import ShareClient
+from azure.storage.fileshare import ShareClient, ShareFileClient, ShareLeaseClient
 
 from nbbatch.errors import ShareError
 from nbbatch.store.share import Share, register_share
@@ -46,6 +54,7 @@ SCHEME = "azfiles"
 ENDPOINT_ENV = "NBBATCH_AZFILES_ENDPOINT"
 KEY_ENV = "AZURE_STORAGE_KEY"
 _READ_ATTEMPTS = 5  # downloads restarted because a writer replaced the file mid-download
+MAX_RANGE = 4 * 1024 * 1024  # the File service's limit on one Put Range
 
 __all__ = [
     "AzureFileShare",
@@ -143,6 +152,8 @@ class AzureFileShare:
         )
         self._create_share = create_share
         self._known_dirs: set[str] = set()
+        self._leases: dict[str, ShareLeaseClient] = {}  # full path -> the lease this object holds on it
+        self._lease_seen: dict[str, tuple[bytes, str]] = {}  # full path -> (holder, ETag) lease_read last saw
 
     # --- properties ---------------------------------------------------------------------------
     @property
@@ -339,6 +350,209 @@ class AzureFileShare:
             return
         except AzureError as exc:
             raise self._error("remove", path, exc) from exc
+
+    # --- ranges (not atomic: for append-only files such as logs) --------------------------------
+    def _with_parents(self, parent: str, action: Any) -> Any:
+        """Run ``action()``; when the share or ``parent`` folder is missing, create them and run it again."""
+        try:
+            self._ensure_dir(parent)
+            return action()
+        except ResourceNotFoundError as exc:
+            self._known_dirs.clear()  # the share or a folder went away behind our back (or never existed)
+            if getattr(exc, "error_code", None) == "ShareNotFound":
+                if not self._create_share:
+                    raise
+                self._ensure_share()
+            self._ensure_dir(parent)
+            return action()
+
+    @staticmethod
+    def _upload_ranges(client: ShareFileClient, data: bytes, offset: int, **kwargs: Any) -> None:
+        view = memoryview(bytes(data))
+        for start in range(0, len(view), MAX_RANGE):
+            chunk = view[start:start + MAX_RANGE]
+            client.upload_range(chunk.tobytes(), offset + start, len(chunk), **kwargs)
+
+    def write_range(self, path: str, data: bytes, offset: int) -> None:
+        """Write ``data`` at byte ``offset`` of ``path``, growing it (created when absent).
+
+        Not atomic: for append-only files like logs, where a reader may see a shorter file. An
+        ``offset`` of 0 creates (or replaces) the file; otherwise the file is resized to end at
+        ``offset + len(data)`` (zero-filled when it was shorter than ``offset``, created when
+        absent) and the bytes are written there, in Put Range calls of at most 4 MiB. Unlike a
+        folder share's ``pwrite``, bytes past ``offset + len(data)`` do not survive.
+        """
+        if offset < 0:
+            raise ValueError(f"offset must not be negative, not {offset}")
+        full = self._full(path)
+        if not path.strip("/. "):
+            raise ShareError(f"cannot write the share's root folder ({self.url}) as a file")
+        if offset and not data:
+            return
+        client = self._client.get_file_client(full)
+        try:
+            try:
+                if offset:
+                    client.resize_file(offset + len(data))
+                else:
+                    client.create_file(len(data))
+            except ResourceNotFoundError:  # the file (offset > 0), its folder or the share is absent
+                self._with_parents(full.rpartition("/")[0], lambda: client.create_file(offset + len(data)))
+            self._upload_ranges(client, data, offset)
+        except AzureError as exc:
+            raise self._error("write", path, exc) from exc
+
+    def read_range(self, path: str, offset: int) -> bytes:
+        """The bytes of ``path`` from ``offset`` to its end (b"" when the file is not longer); FileNotFoundError when absent."""
+        if offset < 0:
+            raise ValueError(f"offset must not be negative, not {offset}")
+        full = self._full(path)
+        for attempt in range(_READ_ATTEMPTS):
+            try:
+                return self._client.get_file_client(full).download_file(offset=offset or None).readall()
+            except ResourceNotFoundError as exc:
+                raise FileNotFoundError(f"{self.url}/{path}") from exc
+            except ResourceExistsError as exc:  # ResourceTypeMismatch: the path is a folder
+                raise IsADirectoryError(f"{self.url}/{path}") from exc
+            except ResourceModifiedError as exc:  # a writer changed the file while it was read in ranges
+                if attempt + 1 == _READ_ATTEMPTS:
+                    raise self._error("read", path, exc) from exc
+            except HttpResponseError as exc:
+                if exc.status_code == 416:  # InvalidRange: offset at or past the end
+                    return b""
+                raise self._error("read", path, exc) from exc
+            except AzureError as exc:
+                raise self._error("read", path, exc) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # --- leases (see nbbatch.store.lease) -------------------------------------------------------
+    @staticmethod
+    def _lost_lease(exc: AzureError) -> bool:
+        """Whether an error is about someone else's lease (or ours gone): 409 Lease* on a lease call, 412 on a write."""
+        if not isinstance(exc, HttpResponseError):
+            return False
+        return exc.status_code == 412 or (exc.status_code == 409 and str(exc.error_code or "").startswith("Lease"))
+
+    def _write_holder(self, client: ShareFileClient, lease: ShareLeaseClient, holder: bytes) -> None:
+        # Resize, then overwrite: when the size is unchanged (a renewal) a reader never sees zeros.
+        client.resize_file(len(holder), lease=lease)
+        self._upload_ranges(client, holder, 0, lease=lease)
+
+    def lease_create(self, path: str, holder: bytes) -> bool:
+        """Take ``path`` for this share object when nobody holds it, writing ``holder`` into it; True when we now hold it.
+
+        An infinite lease on the file (created empty first when absent) is the hold; ``holder``
+        is written as the file's content under it.
+        """
+        full = self._full(path)
+        client = self._client.get_file_client(full)
+        try:
+            try:
+                lease = client.acquire_lease()
+            except ResourceNotFoundError:
+                self._with_parents(full.rpartition("/")[0], lambda: client.create_file(0))
+                lease = client.acquire_lease()
+        except AzureError as exc:
+            if self._lost_lease(exc):  # LeaseAlreadyPresent, or leased between our create and acquire
+                return False
+            raise self._error("lease", path, exc) from exc
+        try:
+            self._write_holder(client, lease, holder)
+        except AzureError as exc:
+            if self._lost_lease(exc):  # broken already
+                return False
+            try:
+                lease.release()  # do not keep a hold whose holder bytes were never written
+            except AzureError:
+                pass
+            raise self._error("lease", path, exc) from exc
+        self._leases[full] = lease
+        return True
+
+    def lease_read(self, path: str) -> tuple[bytes, float] | None:
+        """The holder's bytes and the seconds since it last renewed, or None when absent or not leased.
+
+        The age is the file's last-modified time against the service's clock (the response's
+        ``Date``), so clock skew between machines does not matter; this machine's clock is the
+        fallback when the response has no ``Date``.
+        """
+        full = self._full(path)
+        dates: list[str] = []
+
+        def keep_date(pipeline_response: Any) -> None:
+            date = pipeline_response.http_response.headers.get("Date")
+            if date and not dates:
+                dates.append(date)
+
+        try:
+            stream = self._client.get_file_client(full).download_file(raw_response_hook=keep_date)
+            data = stream.readall()
+        except (ResourceNotFoundError, ResourceExistsError):
+            return None
+        except AzureError as exc:
+            raise self._error("read the lease", path, exc) from exc
+        props = stream.properties
+        if props.lease.state != "leased" or props.last_modified is None:
+            return None
+        self._lease_seen[full] = (data, props.etag)
+        now = email.utils.parsedate_to_datetime(dates[0]).timestamp() if dates else time.time()
+        return data, max(0.0, now - props.last_modified.timestamp())
+
+    def lease_renew(self, path: str, holder: bytes) -> bool:
+        """Renew our hold: rewrite ``holder`` under our lease (moving last-modified); False when the lease is no longer ours."""
+        full = self._full(path)
+        lease = self._leases.get(full)
+        if lease is None:
+            return False
+        try:
+            self._write_holder(self._client.get_file_client(full), lease, holder)
+        except ResourceNotFoundError:
+            self._leases.pop(full, None)
+            return False
+        except AzureError as exc:
+            if self._lost_lease(exc):  # LeaseNotPresentWithFileOperation (broken) / LeaseIdMismatch (taken over)
+                self._leases.pop(full, None)
+                return False
+            raise self._error("renew the lease on", path, exc) from exc
+        return True
+
+    def lease_break(self, path: str, seen: bytes) -> bool:
+        """End a stale hold whose holder bytes are still ``seen``; False when they changed meanwhile.
+
+        True also when the file is gone or no longer leased: the hold has ended anyway. When this
+        object's :meth:`lease_read` saw ``seen``, a renewal since (same bytes, new ETag) also counts
+        as a change. The check and the break are two calls (the File service has no conditional
+        break), so a renewal between them is broken all the same; its holder finds out on its next
+        :meth:`lease_renew`.
+        """
+        full = self._full(path)
+        client = self._client.get_file_client(full)
+        read = self._lease_seen.pop(full, None)
+        try:
+            stream = client.download_file()
+            if stream.readall() != bytes(seen):
+                return False
+            if read is not None and read[0] == bytes(seen) and stream.properties.etag != read[1]:
+                return False  # renewed since lease_read judged it stale
+            ShareLeaseClient(client).break_lease()  # an infinite file lease breaks at once
+        except ResourceNotFoundError:  # released: free to take
+            return True
+        except AzureError as exc:
+            if self._lost_lease(exc):  # LeaseNotPresentWithLeaseOperation: the hold has ended already
+                return True
+            raise self._error("break the lease on", path, exc) from exc
+        return True
+
+    def lease_release(self, path: str, holder: bytes) -> None:
+        """Give our hold up: delete the file under our lease; errors are ignored (a lease lost is fine)."""
+        full = self._full(path)
+        lease = self._leases.pop(full, None)
+        if lease is None:
+            return
+        try:
+            self._client.get_file_client(full).delete_file(lease=lease)
+        except AzureError:
+            pass
 
     def local_path(self, path: str) -> Path | None:
         """Always ``None``: an Azure File share is not a local folder (unless mounted, then use its path)."""
