@@ -257,13 +257,15 @@ def test_literal_parameters_reach_the_notebook_exactly(project):
 
 # --- huge outputs --------------------------------------------------------------------------------
 
-def test_tens_of_megabytes_of_stdout_are_kept_in_log_and_notebook_with_bounded_memory(project):
-    """20 MiB printed by one cell: log.txt and the notebook keep all of it; the driver's memory grows by a
-    small multiple of the output (measured: see docs/reliability.md), not without bound."""
-    size = 20
-    make_notebook(project / "loud.ipynb", [
-        "import sys\nfor i in range(SIZE):\n    sys.stdout.write(str(i % 10) * (2**20 - 1) + '\\n')\nprint('end')"],
-        parameters="SIZE = 1")
+def _loud_run(project, experiment: str, size: int, flush_each_line: bool = False, **keys):
+    """Print ``size`` MiB from one cell in 1-MiB lines; return the output notebook and the driver's peak RSS growth (MiB).
+
+    Without ``flush_each_line`` ipykernel gathers the lines into few large messages (one of tens of MiB);
+    with it each line is its own message, as a long training loop's prints are."""
+    flush = "    sys.stdout.flush(); time.sleep(0.01)\n" if flush_each_line else ""
+    make_notebook(project / f"{experiment}.ipynb", [
+        "import sys, time\nfor i in range(SIZE):\n    sys.stdout.write(str(i % 10) * (2**20 - 1) + '\\n')\n"
+        + flush + "print('end')"], parameters="SIZE = 1")
     me = psutil.Process()
     baseline, peak, stop = me.memory_info().rss, [0], threading.Event()
 
@@ -275,18 +277,42 @@ def test_tens_of_megabytes_of_stdout_are_kept_in_log_and_notebook_with_bounded_m
     sampler = threading.Thread(target=sample)
     sampler.start()
     try:
-        result = submit({"experiment": "loud", "notebooks": ["loud.ipynb"], "parameters": {"SIZE": size}},
+        result = submit({"experiment": experiment, "notebooks": [f"{experiment}.ipynb"], "parameters": {"SIZE": size},
+                         **keys},
                         progress=False)
     finally:
         stop.set()
         sampler.join()
     (record,) = result.records
     assert record.status == "succeeded"
-    folder = project / "results/loud" / record.run_id
+    folder = project / "results" / experiment / record.run_id
     log = (folder / "log.txt").read_bytes()
-    assert log.count(b"\n") >= size and b"9" * (2**20 - 1) in log and b"end\n" in log
+    assert log.count(b"\n") >= size and b"9" * (2**20 - 1) in log and b"end\n" in log  # the log keeps it all
     nb = nbformat.read(folder / "output.ipynb", as_version=4)
-    text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
-    assert len(text) == size * 2**20 + len("end\n")
-    grew = (peak[0] - baseline) / 2**20
+    return nb, (peak[0] - baseline) / 2**20
+
+
+def _printed(nb) -> str:
+    return "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+
+
+def test_tens_of_megabytes_of_stdout_are_kept_in_log_and_notebook(project):
+    """20 MiB printed by one cell, under the default max_output_mb (32): log.txt and the notebook keep all of it."""
+    size = 20
+    nb, grew = _loud_run(project, "loud", size)
+    assert len(_printed(nb)) == size * 2**20 + len("end\n")
     assert grew < 8 * size, f"the driver grew by {grew:.0f} MiB for {size} MiB of output"
+
+
+def test_a_cell_printing_more_than_max_output_mb_keeps_the_driver_memory_bounded(project):
+    """max_output_mb: 2, one cell printing 1-MiB lines: the notebook keeps the first 2 MiB and a note, log.txt keeps
+    everything, and the driver's memory no longer grows with the output. Measured: +53 MiB for 40 MiB and +52 MiB
+    for 80 MiB printed; without the limit +156 and +276 MiB."""
+    small, _ = _loud_run(project, "lines20", 20, flush_each_line=True, max_output_mb=2)
+    _, grew_small = _loud_run(project, "lines20b", 20, flush_each_line=True, max_output_mb=2)
+    nb, grew = _loud_run(project, "lines80", 80, flush_each_line=True, max_output_mb=2)
+    for notebook in (small, nb):
+        printed = _printed(notebook)
+        assert printed.startswith("0" * 1000) and len(printed) < 2 * 2**20 + 1000
+        assert "the rest of its printed output is only in log.txt" in printed
+    assert grew - grew_small < 30, f"the driver grew by {grew_small:.0f} MiB for 20 MiB and {grew:.0f} MiB for 80 MiB"

@@ -294,6 +294,7 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
                     stdout_file=log, stderr_file=log, start_timeout=120, execution_timeout=run.cell_timeout_s,
                     kernel_env=kernel_env, kernel_cwd=kernel_cwd, on_kernel=on_kernel, input_path=str(notebook_path),
                     kernel_stderr=kernel_output, prestarted=prestarted, final_save=False,  # saved below, once
+                    max_output_bytes=int(run.max_output_mb * 2**20),
                 )
             finally:
                 REAPER.forget(kernel_group[0])

@@ -83,12 +83,51 @@ class BatchExecutionManager(NotebookExecutionManager):
             self.save(force=True)
 
 
-class _BatchClient(PapermillNotebookClient):
-    """Reports the kernel manager as soon as the kernel process exists (started here or before)."""
+ELIDED = ("\n[nbbatch: this cell printed more than {limit:g} MiB; the rest of its printed output is only in "
+          "log.txt (max_output_mb)]\n")
 
-    def __init__(self, nb_man: Any, on_kernel: Callable[[Any], None] | None = None, **kwargs: Any):
+
+class _BatchClient(PapermillNotebookClient):
+    """Reports the kernel manager as soon as the kernel process exists (started here or before), and keeps
+    at most ``max_output_bytes`` of each cell's printed output in the notebook.
+
+    What a cell prints beyond that still reaches ``log.txt`` (papermill logs every output as it
+    comes); the notebook gets a note instead. The driver's memory is then bounded by the limit, not
+    by what the notebook prints.
+    """
+
+    def __init__(self, nb_man: Any, on_kernel: Callable[[Any], None] | None = None,
+                 max_output_bytes: int | None = None, **kwargs: Any):
         super().__init__(nb_man, **kwargs)
         self._on_kernel = on_kernel
+        self._max_output = max_output_bytes
+        self._printed: dict[int, int] = {}  # cell index → characters of stream output kept or seen
+
+    def output(self, outs: list[Any], msg: dict[str, Any], display_id: str | None, cell_index: int) -> Any:
+        if self.clear_before_next_output:  # a delayed clear_output empties the cell first
+            self._printed.pop(cell_index, None)
+        out = super().output(outs, msg, display_id, cell_index)
+        if out is None or self._max_output is None or out.get("output_type") != "stream":
+            return out
+        before = self._printed.get(cell_index, 0)
+        text = out.get("text", "")
+        self._printed[cell_index] = before + len(text)
+        if before + len(text) > self._max_output and outs and outs[-1] is out:
+            import nbformat
+
+            outs.pop()
+            if before <= self._max_output:  # the output that crosses the limit: its head, then the note
+                name = out.get("name", "stdout")
+                if before < self._max_output:
+                    outs.append(nbformat.v4.new_output("stream", name=name, text=text[:self._max_output - before]))
+                outs.append(nbformat.v4.new_output("stream", name=name,
+                                                   text=ELIDED.format(limit=self._max_output / 2**20)))
+        return out  # whole: papermill writes it to log.txt
+
+    def clear_output(self, outs: list[Any], msg: dict[str, Any], cell_index: int) -> None:
+        super().clear_output(outs, msg, cell_index)
+        if not msg["content"].get("wait"):
+            self._printed.pop(cell_index, None)
 
     async def async_start_new_kernel_client(self) -> Any:
         if self._on_kernel:

@@ -57,6 +57,7 @@ class Run:
     timeout_s: float | None = None  # whole run
     cell_timeout_s: float | None = None  # each cell
     retries: int = 0  # extra attempts after a kernel death
+    max_output_mb: float = 32.0  # printed output each cell keeps in the notebook (log.txt keeps all)
     env: dict[str, str] = field(default_factory=dict)  # variables for the kernel (on top of the kernelspec's)
     shared_gpu_env: dict[str, str] = field(default_factory=dict)  # added when the run shares its GPU
     cwd: str | None = None  # kernel working directory (default: the notebook's folder)
@@ -151,6 +152,7 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
                 run_id=run_id, experiment=experiment.name, notebook=str(notebook), notebook_rel=notebook_rel(notebook),
                 kernel=kernel, parameters=dict(params), framework=framework_name, gpus=experiment.gpus,
                 timeout_s=experiment.timeout, cell_timeout_s=experiment.cell_timeout, retries=experiment.retries,
+                max_output_mb=experiment.max_output_mb,
                 env=dict(experiment.env), shared_gpu_env=shared_env,
             ))
     seen: dict[str, Run] = {}

@@ -51,6 +51,7 @@ class Experiment:
     timeout: float | None = None
     cell_timeout: float | None = None
     retries: int = 0
+    max_output_mb: float = 32.0  # printed output each cell keeps in output.ipynb (all of it stays in log.txt)
     backend: str = "local"
     backend_settings: dict[str, Any] = field(default_factory=dict)
     share: str = "results"
@@ -74,9 +75,11 @@ class Experiment:
         if self.max_parallel is not None:
             _nonneg_int("resources.max_parallel", self.max_parallel, minimum=1)
         for key, value in (("timeout", self.timeout), ("cell_timeout", self.cell_timeout)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value) or value <= 0):
+            if value is not None and not _positive(value):
                 raise SpecError(f"`{key}` must be a positive number of seconds (got {value!r})")
+        if not _positive(self.max_output_mb):
+            raise SpecError(f"`max_output_mb` must be a positive number of MiB (got {self.max_output_mb!r}): what each "
+                            "cell may print into output.ipynb; log.txt keeps all of it")
         if not isinstance(self.parameters, Mapping):
             raise SpecError("`parameters` must map names to values, e.g. parameters: {EPOCHS: 5}")
         for name in self.parameters:
@@ -152,6 +155,7 @@ class Experiment:
             timeout=timeout,
             cell_timeout=cell_timeout,
             retries=data.get("retries", 0),
+            max_output_mb=data.get("max_output_mb", 32.0),
             backend=backend,
             backend_settings=settings,
             share=share,
@@ -239,3 +243,7 @@ def load_experiment(path: str | os.PathLike[str]) -> Experiment:
     except OSError as exc:  # a folder, no permission
         raise SpecError(f"cannot read the experiment file {path}: {exc.strerror or exc}") from exc
     return Experiment.from_dict(data, base_dir=path.resolve().parent, default_name=path.stem)
+
+
+def _positive(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
