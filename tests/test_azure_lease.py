@@ -285,3 +285,26 @@ def test_lease_errors_other_than_contention_raise(a, server):
         a.lease_create(LEASE, b"holder-a")
     server.fault = None
     assert a.lease_create(LEASE, b"holder-a")
+
+
+# --- partial uploads left by a writer that died ----------------------------------------------------
+
+
+def test_partial_uploads_of_a_dead_writer_are_removed_when_the_run_starts_again(a, server, tmp_path):
+    from conftest import make_notebook
+
+    from nbbatch.execute.attempt import execute_run
+    from nbbatch.plan.runs import Run
+
+    a.write_bytes("exp/r1/run.json.keep", b"not ours to touch")
+    client = a.client.get_file_client("nbb/exp/r1/.output.ipynb.0123456789ab.part")
+    client.upload_file(b'{"cells": [')  # as a driver killed mid-upload leaves it
+    assert a.remove_partial_writes("exp/nothing-here") == 0
+
+    make_notebook(tmp_path / "nb.ipynb", ["print('hi')"])
+    run = Run(run_id="r1", experiment="exp", notebook=str(tmp_path / "nb.ipynb"), notebook_rel="nb.ipynb",
+              kernel="python3")
+    assert execute_run(run, a).status == "succeeded"
+    names = server.file_names("results")
+    assert not [n for n in names if n.endswith(".part")], names
+    assert "nbb/exp/r1/run.json.keep" in names and "nbb/exp/r1/output.ipynb" in names

@@ -239,6 +239,9 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
             raise ShareError(f"cannot create the run folder {work}: {exc.strerror or exc}") from exc
         for stale in work.glob(".*.part"):  # left by a driver killed mid-write; this run's writer is us
             stale.unlink(missing_ok=True)
+    if local is None and hasattr(share, "remove_partial_writes"):  # the same on a remote share (Azure Files)
+        with contextlib.suppress(ShareError):
+            share.remove_partial_writes(paths.folder)
     log_path = work / LOG_FILE
     if record.attempts == 1 and log_path.exists():
         log_path.unlink()

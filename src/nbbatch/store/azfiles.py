@@ -26,6 +26,7 @@ the leased file's content, and only the lease's owner can rewrite or delete it.
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import os
 import time
@@ -313,6 +314,24 @@ class AzureFileShare:
             return []
         except AzureError as exc:
             raise self._error("list", path, exc) from exc
+
+    def remove_partial_writes(self, folder: str) -> int:
+        """Delete the hidden ``.<name>.<random>.part`` uploads left in ``folder`` by a writer that died mid-write.
+
+        Only call it where nobody else writes now (a run's folder as its attempt starts). Returns how many.
+        """
+        full = self._full(folder)
+        try:
+            items = list(self._client.get_directory_client(full).list_directories_and_files(name_starts_with="."))
+            stale = [i["name"] for i in items if not i["is_directory"] and i["name"].endswith(".part")]
+            for name in stale:
+                with contextlib.suppress(ResourceNotFoundError):
+                    self._client.get_file_client(f"{full}/{name}" if full else name).delete_file()
+        except ResourceNotFoundError:
+            return 0
+        except AzureError as exc:
+            raise self._error("clean up", folder, exc) from exc
+        return len(stale)
 
     def _walk(self, full_dir: str) -> Iterator[tuple[str, bool]]:
         """(path, is_directory) under ``full_dir``, children before their folder."""
