@@ -230,6 +230,20 @@ class AzureFileShare:
                 pass
         self._known_dirs.add(full_dir)
 
+    def _with_parents(self, parent: str, action: Any) -> Any:
+        """Run ``action()``; when the share or ``parent`` folder is missing, create them and run it again."""
+        try:
+            self._ensure_dir(parent)
+            return action()
+        except ResourceNotFoundError as exc:
+            self._known_dirs.clear()  # the share or a folder went away behind our back (or never existed)
+            if getattr(exc, "error_code", None) == "ShareNotFound":
+                if not self._create_share:
+                    raise
+                self._ensure_share()
+            self._ensure_dir(parent)
+            return action()
+
     # --- Share protocol -----------------------------------------------------------------------
     def write_bytes(self, path: str, data: bytes) -> None:
         """Upload ``data`` under a hidden temporary name, then rename it over ``path``."""
@@ -239,16 +253,7 @@ class AzureFileShare:
         parent, _, name = full.rpartition("/")
         temp = f"{parent}/.{name}.{uuid.uuid4().hex[:12]}.part" if parent else f".{name}.{uuid.uuid4().hex[:12]}.part"
         try:
-            try:
-                self._upload_and_rename(parent, temp, full, data)
-            except ResourceNotFoundError as exc:
-                # The share or a folder went away behind our back (or never existed): create and retry once.
-                self._known_dirs.clear()
-                if getattr(exc, "error_code", None) == "ShareNotFound":
-                    if not self._create_share:
-                        raise
-                    self._ensure_share()
-                self._upload_and_rename(parent, temp, full, data)
+            self._with_parents(parent, lambda: self._upload_and_rename(temp, full, data))
         except AzureError as exc:
             self._known_dirs.discard(parent)
             try:
@@ -257,8 +262,7 @@ class AzureFileShare:
                 pass
             raise self._error("write", path, exc) from exc
 
-    def _upload_and_rename(self, parent: str, temp: str, full: str, data: bytes) -> None:
-        self._ensure_dir(parent)
+    def _upload_and_rename(self, temp: str, full: str, data: bytes) -> None:
         temp_client = self._client.get_file_client(temp)
         temp_client.upload_file(bytes(data))
         temp_client.rename_file(full, overwrite=True)
@@ -269,17 +273,25 @@ class AzureFileShare:
         A large file is downloaded in ranges; when a writer replaces it meanwhile (the SDK sees
         the ETag change) the download starts again, so the result is always one whole version.
         """
+        return self._download(path, 0)
+
+    def _download(self, path: str, offset: int) -> bytes:
+        """The bytes of ``path`` from ``offset`` on, one whole version of the file (b"" past its end)."""
         full = self._full(path)
         for attempt in range(_READ_ATTEMPTS):
             try:
-                return self._client.get_file_client(full).download_file().readall()
+                return self._client.get_file_client(full).download_file(offset=offset or None).readall()
             except ResourceNotFoundError as exc:
                 raise FileNotFoundError(f"{self.url}/{path}") from exc
             except ResourceExistsError as exc:  # ResourceTypeMismatch: the path is a folder
                 raise IsADirectoryError(f"{self.url}/{path}") from exc
-            except ResourceModifiedError as exc:
+            except ResourceModifiedError as exc:  # a writer replaced the file while it was read in ranges
                 if attempt + 1 == _READ_ATTEMPTS:
                     raise self._error("read", path, exc) from exc
+            except HttpResponseError as exc:
+                if offset and exc.status_code == 416:  # InvalidRange: offset at or past the end
+                    return b""
+                raise self._error("read", path, exc) from exc
             except AzureError as exc:
                 raise self._error("read", path, exc) from exc
         raise AssertionError("unreachable")  # pragma: no cover
@@ -371,20 +383,6 @@ class AzureFileShare:
             raise self._error("remove", path, exc) from exc
 
     # --- ranges (not atomic: for append-only files such as logs) --------------------------------
-    def _with_parents(self, parent: str, action: Any) -> Any:
-        """Run ``action()``; when the share or ``parent`` folder is missing, create them and run it again."""
-        try:
-            self._ensure_dir(parent)
-            return action()
-        except ResourceNotFoundError as exc:
-            self._known_dirs.clear()  # the share or a folder went away behind our back (or never existed)
-            if getattr(exc, "error_code", None) == "ShareNotFound":
-                if not self._create_share:
-                    raise
-                self._ensure_share()
-            self._ensure_dir(parent)
-            return action()
-
     @staticmethod
     def _upload_ranges(client: ShareFileClient, data: bytes, offset: int, **kwargs: Any) -> None:
         view = memoryview(bytes(data))
@@ -425,24 +423,7 @@ class AzureFileShare:
         """The bytes of ``path`` from ``offset`` to its end (b"" when the file is not longer); FileNotFoundError when absent."""
         if offset < 0:
             raise ValueError(f"offset must not be negative, not {offset}")
-        full = self._full(path)
-        for attempt in range(_READ_ATTEMPTS):
-            try:
-                return self._client.get_file_client(full).download_file(offset=offset or None).readall()
-            except ResourceNotFoundError as exc:
-                raise FileNotFoundError(f"{self.url}/{path}") from exc
-            except ResourceExistsError as exc:  # ResourceTypeMismatch: the path is a folder
-                raise IsADirectoryError(f"{self.url}/{path}") from exc
-            except ResourceModifiedError as exc:  # a writer changed the file while it was read in ranges
-                if attempt + 1 == _READ_ATTEMPTS:
-                    raise self._error("read", path, exc) from exc
-            except HttpResponseError as exc:
-                if exc.status_code == 416:  # InvalidRange: offset at or past the end
-                    return b""
-                raise self._error("read", path, exc) from exc
-            except AzureError as exc:
-                raise self._error("read", path, exc) from exc
-        raise AssertionError("unreachable")  # pragma: no cover
+        return self._download(path, offset)
 
     # --- leases (see nbbatch.store.lease) -------------------------------------------------------
     @staticmethod

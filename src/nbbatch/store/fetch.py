@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 from nbbatch.errors import NbbatchError
-from nbbatch.store.share import Share
+from nbbatch.store.share import FILE_MODE, Share, write_file_atomic
 
 
 def fetch(share: Share, experiment: str, dest: Path, names: tuple[str, ...] | None = None) -> list[Path]:
@@ -28,10 +26,7 @@ def fetch(share: Share, experiment: str, dest: Path, names: tuple[str, ...] | No
                 continue
             target = dest / experiment / run_id / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{name}.", suffix=".part")
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-            os.replace(tmp, target)
+            write_file_atomic(target, data, FILE_MODE)
             written.append(target)
     return written
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 from nbbatch.errors import NbbatchError
 from nbbatch.spec.project import Project
 from nbbatch.store.runrecord import utc_now
+from nbbatch.store.share import write_file_atomic
 
 try:
     import fcntl
@@ -40,7 +40,7 @@ def remember(project: Project, name: str, share_url: str, backend: str, settings
         except ValueError:
             known = {}
         known[name] = {"share": share_url, "backend": backend, "backend_settings": settings, "updated": utc_now()}
-        _write_atomic(path, json.dumps(known, indent=2, default=str))
+        write_file_atomic(path, json.dumps(known, indent=2, default=str).encode())  # 0600: the owner's only
 
 
 def lookup(project: Project, name: str) -> dict[str, Any]:
@@ -73,15 +73,3 @@ def _locked(path: Path) -> Iterator[None]:
     finally:
         os.close(fd)
 
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` by a new file of ``text`` (mode 0600) through a uniquely named temporary file beside it."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise

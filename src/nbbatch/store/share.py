@@ -100,21 +100,10 @@ class FileShare:
 
     def write_bytes(self, path: str, data: bytes) -> None:
         target = self._abs(path)
-        tmp = None
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
-            os.fchmod(fd, FILE_MODE)  # mkstemp makes 0600; results are meant to be read by others on the share
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, target)
-            _fsync_folder(target.parent)  # the rename itself survives a crash of the machine
+            write_file_atomic(target, data, FILE_MODE)  # results are meant to be read by others on the share
         except OSError as exc:
-            if tmp is not None:
-                with _suppress():
-                    os.unlink(tmp)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise ShareError(
                     f"the share at {self.root} is out of space while writing `{path}`; "
@@ -217,6 +206,26 @@ class FileShare:
         if current is not None and current[0] == holder:
             with _suppress():
                 self._abs(path).unlink()
+
+
+def write_file_atomic(target: Path, data: bytes, mode: int = 0o600) -> None:
+    """Replace ``target`` by ``data`` with ``mode``: a synced ``.<name>.<random>.part`` beside it, renamed over it.
+
+    A reader sees the old file or the new one, never a part; a failed write leaves no part behind.
+    """
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with _suppress():
+            os.unlink(tmp)
+        raise
+    _fsync_folder(target.parent)  # the rename itself survives a crash of the machine
 
 
 def _fsync_folder(folder: Path) -> None:
