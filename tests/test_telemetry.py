@@ -28,7 +28,7 @@ def test_no_gpu_ids_samples_nothing(tmp_path: Path) -> None:
     assert summary["samples"] == 0 and summary["util_mean_pct"] is None
     assert summary["unavailable"] == "no GPU ids"
     written = sampler.write_series(tmp_path / TELEMETRY_FILE)
-    assert json.loads(written.read_text())["samples"] == []
+    assert written.read_bytes() == b""  # JSON Lines: no sample, no line; still written
     assert read_series(written) == []
 
 

@@ -67,6 +67,21 @@ def is_secret(name: object, value: object = None) -> bool:
     return is_secret_name(name) or is_secret_value(value)
 
 
+# What a kernel needs to log to MLflow when MLFLOW_TRACKING_URI reaches it: a server's credentials, and
+# inside an Azure ML job the job's own run token (azureml-mlflow authenticates with it). The user (or
+# Azure ML) asked for tracking by setting the URI; without these nbbatch.record could not log.
+TRACKING_CREDENTIALS = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD",
+                        "AZUREML_RUN_TOKEN", "AZUREML_RUN_TOKEN_EXPIRY")
+
+
+def tracking_credentials(env: Mapping[str, str]) -> dict[str, str]:
+    """The :data:`TRACKING_CREDENTIALS` in ``env``, when ``env`` names an MLflow tracking URI (else none)."""
+    uri = env.get("MLFLOW_TRACKING_URI")
+    if not uri or is_secret_value(uri):
+        return {}
+    return {name: env[name] for name in TRACKING_CREDENTIALS if name in env}
+
+
 def without_secrets(value: Any) -> Any:
     """A copy of ``value`` without what looks secret, at any depth (mappings in mappings, mappings in lists…).
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import socket
 import threading
@@ -19,13 +20,15 @@ from typing import Any
 
 from nbbatch.errors import ShareError
 from nbbatch.execute.kernels import kill_kernel_group
+from nbbatch.execute.live import LiveRecord, StreamedFile
 from nbbatch.execute.watchdog import REAPER, Watchdog
 from nbbatch.plan.runs import Run
-from nbbatch.redact import is_secret
-from nbbatch.store.layout import LOG_FILE, OUTPUT_NOTEBOOK, run_paths
+from nbbatch.redact import is_secret, tracking_credentials
+from nbbatch.store.jsonl import jsonl_line
+from nbbatch.store.layout import LOG_FILE, METRICS_FILE, OUTPUT_NOTEBOOK, TELEMETRY_FILE, run_paths
 from nbbatch.store.records import cancel_requested, new_record, read_record, write_record
 from nbbatch.store.runrecord import ErrorKind, RunError, RunRecord, Status, utc_now
-from nbbatch.store.share import RangeStore, Share
+from nbbatch.store.share import Share
 
 SHARE_FAILED = "the share could not be written"
 UpdateCallback = Callable[[RunRecord], None]
@@ -66,57 +69,26 @@ class _LogSink(io.TextIOBase):
         super().close()
 
 
-class _LogUpload:
-    """Keeps ``log.txt`` on a remote share up to date with the local file the kernel writes.
-
-    Shares that can append (:class:`~nbbatch.store.share.RangeStore`) get only the new bytes at each
-    checkpoint; others get the whole file, at most every :attr:`WHOLE_EVERY_S` and at the end. Either
-    way the traffic grows with the log, not with its square. A retry appends to the earlier attempts'
-    log; a first attempt replaces a log left by an earlier submission.
-    """
-
-    WHOLE_EVERY_S = 30.0
-
-    def __init__(self, share: Share, path: str, local: Path, fresh: bool):
-        self.share, self.path, self.local = share, path, local
-        self.ranged = isinstance(share, RangeStore)
-        self.offset: int | None = None if fresh else 0  # None: the first push replaces the share's file
-        self._last_whole = 0.0
-        if not fresh:  # the earlier attempts' lines come first
-            with contextlib.suppress(FileNotFoundError):
-                local.write_bytes(share.read_bytes(path))
-            self.offset = local.stat().st_size if local.exists() else 0
-
-    def push(self, final: bool = False) -> None:
-        if not self.local.exists():
-            return
-        if self.ranged and self.offset is not None:
-            with open(self.local, "rb") as handle:
-                handle.seek(self.offset)
-                chunk = handle.read()
-            if chunk:
-                self.share.write_range(self.path, chunk, self.offset)  # type: ignore[attr-defined]
-                self.offset += len(chunk)
-            return
-        if final or self.ranged or time.monotonic() - self._last_whole >= self.WHOLE_EVERY_S:
-            data = self.local.read_bytes()
-            self.share.write_bytes(self.path, data)
-            self.offset, self._last_whole = len(data), time.monotonic()
-
-
 def _kernel_env(run: Run, gpu_ids: list[int] | None, shared_gpu: bool) -> dict[str, str]:
     env = dict(os.environ)
     # A run's kernel gets no credentials of the driver: they would be readable from the notebook.
     for name in list(env):
         if is_secret(name, env[name]):
             del env[name]
+    env.update(tracking_credentials(os.environ))  # only with MLFLOW_TRACKING_URI: nbbatch.record logs there
     env.update(run.env)
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids or [])
     if shared_gpu:
         env.update(run.shared_gpu_env)
     env.update({"NBBATCH_RUN_ID": run.run_id, "NBBATCH_EXPERIMENT": run.experiment,
                 "PYDEVD_DISABLE_FILE_VALIDATION": "1"})
+    parameters = json.dumps(run.parameters, default=str)
+    if len(parameters) <= _MAX_PARAMETERS_ENV:  # what nbbatch.record gives MLflow as the run's params
+        env["NBBATCH_PARAMETERS"] = parameters
     return env
+
+
+_MAX_PARAMETERS_ENV = 64 * 1024  # an environment variable much larger than this can stop exec
 
 
 def kernel_launch(run: Run, gpu_ids: list[int] | None = None, shared_gpu: bool = False,
@@ -161,13 +133,13 @@ def _pins(run: Run) -> list[str]:
 
 
 @contextlib.contextmanager
-def _gpu_telemetry(gpu_ids: list[int]) -> Iterator[Any]:
+def _gpu_telemetry(gpu_ids: list[int], stream: StreamedFile) -> Iterator[Any]:
     try:
         from nbbatch.execute.telemetry import GpuSampler
     except ImportError:
         yield None
         return
-    with GpuSampler(gpu_ids) as sampler:
+    with GpuSampler(gpu_ids, sink=stream.append) as sampler:
         yield sampler
 
 
@@ -243,34 +215,34 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
         with contextlib.suppress(ShareError):
             share.remove_partial_writes(paths.folder)
     log_path = work / LOG_FILE
-    if record.attempts == 1 and log_path.exists():
-        log_path.unlink()
-    upload = _LogUpload(share, paths.log, log_path, fresh=record.attempts == 1) if local is None else None
+    remote, fresh = local is None, record.attempts == 1  # a retry continues the log and the metric history
+    log_stream = StreamedFile(share, paths.log, log_path, remote=remote, fresh=fresh)
+    metrics_stream = StreamedFile(share, paths.metrics, work / METRICS_FILE, remote=remote, fresh=fresh)
+    telemetry_stream = StreamedFile(share, paths.telemetry, work / TELEMETRY_FILE, remote=remote, fresh=True)
     log = _LogSink(log_path)
     log.write(f"=== nbbatch run {run.run_id} attempt {record.attempts} on {record.host} "
               f"(kernel {run.kernel}, CUDA_VISIBLE_DEVICES={','.join(map(str, gpu_ids))}) at {record.started_at}\n")
-
-    last_record_write = [time.monotonic()]  # the "running" record was just written: the next one after 2 s
+    live = LiveRecord(share, record, notify, [log_stream, metrics_stream, telemetry_stream]).start()
 
     def save_notebook(nb: Any) -> None:
         from nbbatch.store.notebook_io import notebook_bytes
 
         share.write_bytes(paths.notebook, notebook_bytes(nb))
-        if upload is not None:  # remote share: push the log alongside the checkpoint
-            upload.push()
+        log_stream.push()  # a remote share gets the log alongside the checkpoint
 
     def on_cell(done: int, total: int) -> None:
-        record.cells_done, record.cells_total = done, total
-        if time.monotonic() - last_record_write[0] > 2.0:
-            last_record_write[0] = time.monotonic()
-            write_record(share, record)
-            notify(record)
+        with live.lock:
+            record.cells_done, record.cells_total = done, total
+        live.changed()
+
+    on_point = _point_recorder(record, live, metrics_stream, log)
 
     nb: Any = None
     started = time.monotonic()
     deadline = started + run.timeout_s if run.timeout_s else None
     watchdog = Watchdog(run, share, deadline, cancel_event)
     status, error = Status.SUCCEEDED, None
+    sampler: Any = None
     try:
         notebook_path = run.resolve_notebook(project_root)
         nb = load_notebook_node(str(notebook_path))
@@ -290,21 +262,19 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
 
         kernel_name, kernel_env, kernel_cwd = kernel_launch(run, gpu_ids, shared_gpu, project_root)
         prestarted = kernels.take(run.run_id, kernel_name, kernel_env, kernel_cwd) if kernels is not None else None
-        with watchdog, _gpu_telemetry(gpu_ids) as sampler, open(log_path, "ab") as kernel_output:
+        with watchdog, _gpu_telemetry(gpu_ids, telemetry_stream) as sampler, open(log_path, "ab") as kernel_output:
+            if sampler is not None and sampler.unavailable is None:
+                live.summary = sampler.summary
             try:
                 nb = _engine.NbbatchEngine.execute_notebook(
                     nb, kernel_name, saver=save_notebook, save_every=save_every, on_cell=on_cell,
                     stdout_file=log, stderr_file=log, start_timeout=120, execution_timeout=run.cell_timeout_s,
                     kernel_env=kernel_env, kernel_cwd=kernel_cwd, on_kernel=on_kernel, input_path=str(notebook_path),
                     kernel_stderr=kernel_output, prestarted=prestarted, final_save=False,  # saved below, once
-                    max_output_bytes=int(run.max_output_mb * 2**20),
+                    max_output_bytes=int(run.max_output_mb * 2**20), on_point=on_point,
                 )
             finally:
                 REAPER.forget(kernel_group[0])
-                if sampler is not None:
-                    record.telemetry = sampler.summary()
-                    with contextlib.suppress(Exception):
-                        share.write_bytes(paths.telemetry, sampler.series_json())
         errored = [c for c in nb.cells if c.get("metadata", {}).get("papermill", {}).get("exception")]
         if errored:
             raise_for_execution_errors(nb, str(work / ".failed-output.ipynb"))
@@ -318,6 +288,9 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
 
             log.write(traceback.format_exc())
     finally:
+        live.stop()  # the final record and files are written below, after every live write
+        if sampler is not None:  # stopped: its summary has the last sample
+            record.telemetry = sampler.summary()
         (work / ".failed-output.ipynb").unlink(missing_ok=True)
     if watchdog.reason and status != Status.SUCCEEDED:
         status = watchdog.reason
@@ -346,17 +319,38 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
     summary = error.summary() if error else "ok"
     log.write(f"=== {status} after {record.duration_s:.2f} s: {summary}\n")
     log.close()
-    if upload is not None:
-        try:
-            upload.push(final=True)
-        except ShareError as exc:
-            if record.status == Status.SUCCEEDED:
-                record.status, record.error = Status.FAILED, share_error(exc)
-        finally:
+    try:
+        live.push_streams(final=True)
+    except ShareError as exc:
+        if record.status == Status.SUCCEEDED:
+            record.status, record.error = Status.FAILED, share_error(exc)
+    finally:
+        if scratch is not None:
             scratch.cleanup()
     write_record(share, record)
     notify(record)
     return record
+
+
+def _point_recorder(record: RunRecord, live: LiveRecord, stream: StreamedFile, log: _LogSink
+                    ) -> Callable[[dict[str, Any]], None]:
+    """What the engine calls with each ``record(step=...)`` point: append it to metrics.jsonl, update the metrics."""
+    from nbbatch.record import metrics_of_point
+
+    def on_point(point: dict[str, Any]) -> None:
+        step = point.get("step")
+        if isinstance(step, bool) or not isinstance(step, int):
+            return  # not one of nbbatch.record's points
+        line = {"step": step, "time": point.get("time"), "attempt": record.attempts, **metrics_of_point(point)}
+        try:
+            stream.append(jsonl_line(line))
+        except (OSError, ValueError) as exc:  # the run goes on; its notebook still holds the latest point
+            log.write(f"=== nbbatch: cannot write {METRICS_FILE}: {exc}\n")
+        with live.lock:
+            record.metrics.update(metrics_of_point(point))
+        live.changed()
+
+    return on_point
 
 
 def share_error(exc: BaseException | str) -> RunError:

@@ -9,8 +9,9 @@
 * A kernel may be started ahead of its run (:class:`nbbatch.execute.kernels.KernelPool`), with the run's own kernel,
   environment and working directory, so that its start-up overlaps the runs before it. A kernel
   only ever executes the one notebook it was started for.
-* The caller sees the kernel's process (to enforce run timeouts and cancel) and each cell's
-  progress.
+* The caller sees the kernel's process (to enforce run timeouts and cancel), each cell's
+  progress, and each point of the metric history as the kernel sends it (``on_point``: the
+  ``nbbatch.record(step=...)`` displays and display updates).
 
 It is registered as papermill engine ``nbbatch`` (``papermill --engine nbbatch`` works too, though
 papermill then writes the final notebook itself, in place; :func:`execute_notebook_file`, behind
@@ -42,6 +43,8 @@ from papermill.engines import NBClientEngine, NotebookExecutionManager, papermil
 from nbbatch.execute.kernels import BatchKernelManager, PrestartedKernel, reap_kernel  # noqa: E402
 
 Saver = Callable[[Any], None]
+PointCallback = Callable[[dict[str, Any]], None]
+_DISPLAYS = {"display_data", "update_display_data", "execute_result"}
 
 
 class BatchExecutionManager(NotebookExecutionManager):
@@ -97,11 +100,21 @@ class _BatchClient(PapermillNotebookClient):
     """
 
     def __init__(self, nb_man: Any, on_kernel: Callable[[Any], None] | None = None,
-                 max_output_bytes: int | None = None, **kwargs: Any):
+                 max_output_bytes: int | None = None, on_point: PointCallback | None = None, **kwargs: Any):
         super().__init__(nb_man, **kwargs)
         self._on_kernel = on_kernel
+        self._on_point = on_point
         self._max_output = max_output_bytes
         self._printed: dict[int, int] = {}  # cell index → characters of stream output kept or seen
+
+    def process_message(self, msg: dict[str, Any], cell: Any, cell_index: int) -> Any:
+        if self._on_point is not None and msg.get("msg_type") in _DISPLAYS:
+            from nbbatch.record import HISTORY_MIME
+
+            point = (msg.get("content", {}).get("data") or {}).get(HISTORY_MIME)
+            if isinstance(point, dict):  # every point, also those a later update of the same output replaces
+                self._on_point(point)
+        return super().process_message(msg, cell, cell_index)
 
     def output(self, outs: list[Any], msg: dict[str, Any], display_id: str | None, cell_index: int) -> Any:
         if self.clear_before_next_output:  # a delayed clear_output empties the cell first
@@ -164,7 +177,7 @@ class NbbatchEngine(NBClientEngine):
                                  stdout_file: Any = None, stderr_file: Any = None, start_timeout: int = 60,
                                  execution_timeout: float | None = None, kernel_env: dict[str, str] | None = None,
                                  kernel_cwd: str | None = None, kernel_stderr: Any = None,
-                                 on_kernel: Callable[[Any], None] | None = None,
+                                 on_kernel: Callable[[Any], None] | None = None, on_point: PointCallback | None = None,
                                  prestarted: PrestartedKernel | None = None, **kwargs: Any) -> Any:
         """Execute in a new kernel, or in ``prestarted`` (a kernel started for this notebook) when it is usable."""
         kwargs.pop("input_path", None)
@@ -172,7 +185,8 @@ class NbbatchEngine(NBClientEngine):
         timeout = execution_timeout or kwargs.pop("timeout", None)
         km = prestarted.claim(kernel_stderr, wait=start_timeout) if prestarted is not None else None
         client = _BatchClient(
-            nb_man, km=km, on_kernel=on_kernel, timeout=timeout, startup_timeout=start_timeout, kernel_name=kernel_name,
+            nb_man, km=km, on_kernel=on_kernel, on_point=on_point, timeout=timeout, startup_timeout=start_timeout,
+            kernel_name=kernel_name,
             log_output=log_output, stdout_file=stdout_file, stderr_file=stderr_file, shutdown_kernel="immediate",
             kernel_manager_class=BatchKernelManager,
             resources={"metadata": {"path": kernel_cwd}} if kernel_cwd else {}, **kwargs,

@@ -8,6 +8,10 @@ jupyter_client's kernel manager and client with three changes, and a pool of ker
 * :class:`KernelPool` starts a kernel for a run before that run starts, with the run's own kernel,
   environment and working directory, so that its start-up overlaps the runs before it. A kernel only
   ever executes the one notebook it was started for.
+* A kernel is reached over Unix sockets (ZeroMQ ``ipc``), not localhost TCP, where the platform has
+  them (:func:`kernel_transport`): no port other local users could connect to, and no ipykernel
+  warning about unencrypted TCP at the top of every run's log. Its sockets and connection file live
+  in a private folder of their own, removed when the kernel is reaped (:class:`BatchKernelManager`).
 
 No papermill here: the local backend imports this module without importing papermill (papermill's
 entry-point scan imports ``nbbatch.execute.engine``).
@@ -16,20 +20,122 @@ entry-point scan imports ``nbbatch.execute.engine``).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import logging
 import os
+import shutil
 import signal
+import socket
+import stat
+import tempfile
 import threading
 import time
 from queue import Empty
 from typing import Any, BinaryIO
 
+import zmq
 from jupyter_client.asynchronous.client import AsyncKernelClient
+from jupyter_client.localinterfaces import localhost
 from jupyter_client.manager import AsyncKernelManager
 from jupyter_core.utils import run_sync
-from traitlets import DottedObjectName, Type
+from traitlets import DottedObjectName, Type, default
 
 KERNEL_ARGUMENTS = ["--HistoryManager.hist_file=:memory:"]  # what nbclient gives the kernels it starts
+TRANSPORT_VARIABLE = "NBBATCH_KERNEL_TRANSPORT"
+SOCKET_PATH_MAX = 100  # bytes: a Unix socket path must fit sun_path (108 on Linux, 104 on macOS)
+_SOCKET_NAME = "k"  # the kernel binds <folder>/k-1 … k-5
+_FOLDER_PREFIX = "nbbatch-k"
+_FOLDER_LEN = len(os.sep + _FOLDER_PREFIX + "x" * 8 + os.sep + _SOCKET_NAME + "-99")  # mkdtemp adds 8 characters
+logger = logging.getLogger(__name__)
+
+
+def kernel_transport() -> str:
+    """The ZeroMQ transport for the kernels nbbatch starts: ``"ipc"`` (Unix sockets) or ``"tcp"`` (localhost).
+
+    ``ipc`` wherever ZeroMQ has it on a POSIX system (Linux, macOS); ``tcp`` elsewhere (Windows).
+    ``NBBATCH_KERNEL_TRANSPORT=tcp`` forces localhost TCP (e.g. for a kernelspec that wraps a
+    container or remote launcher, which cannot reach a socket file of this machine);
+    ``NBBATCH_KERNEL_TRANSPORT=ipc`` asks for ``ipc`` where it is available. A kernel also falls back
+    to TCP when no temporary folder gives a socket path short enough (``SOCKET_PATH_MAX``).
+    """
+    wanted = os.environ.get(TRANSPORT_VARIABLE, "").strip().lower()
+    if wanted not in ("", "auto", "ipc", "tcp"):
+        logger.warning("%s=%r is not one of ipc, tcp, auto: using auto", TRANSPORT_VARIABLE, wanted)
+    if wanted == "tcp" or os.name != "posix" or not zmq.has("ipc"):
+        return "tcp"
+    return "ipc"
+
+
+_live_folders: dict[str, int] = {}  # private kernel folder → the process that made it; removed at exit at the latest
+_folders_lock = threading.Lock()
+
+
+def _private_folder(transport: str) -> str | None:
+    """A new folder, mode 0700, for one kernel's connection file (and sockets with ``ipc``); None if none fits."""
+    bases = [tempfile.gettempdir()]
+    if transport == "ipc":  # socket paths must stay short; a long TMPDIR (a pytest tmp_path…) falls back to /tmp
+        bases = [b for b in (*bases, "/tmp") if len(os.fsencode(b)) + _FOLDER_LEN <= SOCKET_PATH_MAX]
+    for base in bases:
+        if transport == "ipc":
+            _sweep_once(base)
+        with contextlib.suppress(OSError):
+            folder = tempfile.mkdtemp(prefix=_FOLDER_PREFIX, dir=base)  # mode 0700, like every mkdtemp
+            with _folders_lock:
+                _live_folders[folder] = os.getpid()
+            return folder
+    return None
+
+
+def _remove_folder(folder: str) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+    with _folders_lock:
+        _live_folders.pop(folder, None)
+
+
+_swept: set[str] = set()
+
+
+def _sweep_once(base: str) -> None:
+    """Remove, once per process, the folders in ``base`` of dead kernels whose driver was killed (kill -9: no
+    clean-up of its own ran; its reaper killed the kernels). A folder whose sockets still answer, or that has
+    none yet (a kernel starting), is kept."""
+    with _folders_lock:
+        if base in _swept:
+            return
+        _swept.add(base)
+        ours = set(_live_folders)
+    with contextlib.suppress(OSError), os.scandir(base) as entries:
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                if (entry.name.startswith(_FOLDER_PREFIX) and entry.path not in ours
+                        and entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == os.getuid()
+                        and _nobody_listens(os.path.join(entry.path, _SOCKET_NAME + "-1"))):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _nobody_listens(path: str) -> bool:
+    """Whether ``path`` is a Unix socket that refuses connections: the process that bound it is gone."""
+    if not stat.S_ISSOCK(os.lstat(path).st_mode):
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            return True
+        except OSError:  # busy, timed out: someone is there
+            return False
+    return False
+
+
+@atexit.register
+def _remove_live_folders() -> None:
+    # A driver stopped mid-run (Ctrl-C, an exception) leaves kernels that its reaper kills: their folders go here.
+    with _folders_lock:  # not a forked child's: its parent's kernels may still be running
+        folders = [folder for folder, pid in _live_folders.items() if pid == os.getpid()]
+    for folder in folders:
+        _remove_folder(folder)
 
 
 class ReadyKernelClient(AsyncKernelClient):
@@ -84,10 +190,59 @@ class ReadyKernelClient(AsyncKernelClient):
 
 
 class BatchKernelManager(AsyncKernelManager):
-    """jupyter_client's async kernel manager with a non-sleeping client and a quick reap after a kill."""
+    """jupyter_client's async kernel manager with a non-sleeping client, a quick reap after a kill, and
+    the kernel's connection file and sockets in a private folder (:func:`kernel_transport`).
+
+    jupyter_client would put an ``ipc`` kernel's sockets at ``kernel-ipc-<n>`` relative to the
+    current directory (and the kernel binds them relative to its own: the notebook's folder, perhaps
+    read-only or a share), and a kernel's connection file loose in the temporary folder. Here both
+    live in one folder made for this kernel, removed with everything in it (a killed kernel never
+    unlinks its sockets) by :meth:`cleanup_resources`, which nbclient's shutdown and
+    :func:`reap_kernel` call, by a failed start, or at the driver's exit; those of a driver killed
+    with SIGKILL, by the next driver's first ``ipc`` kernel (:func:`_sweep_once`).
+    """
 
     client_class = DottedObjectName("nbbatch.execute.kernels.ReadyKernelClient")
     client_factory = Type(klass=ReadyKernelClient)
+    private_folder: str | None = None
+
+    @default("transport")
+    def _default_transport(self) -> str:
+        return kernel_transport()
+
+    async def _async_pre_start_kernel(self, **kw: Any) -> tuple[list[str], dict[str, Any]]:
+        if not self.connection_file:  # not on a restart, nor when the caller chose the file
+            self.private_folder = _private_folder(self.transport)
+            if self.private_folder is None:
+                if self.transport == "ipc":
+                    self.transport, self.ip = "tcp", localhost()
+            else:
+                self.connection_file = os.path.join(self.private_folder, "kernel.json")
+                if self.transport == "ipc":
+                    self.ip = os.path.join(self.private_folder, _SOCKET_NAME)
+        return await super()._async_pre_start_kernel(**kw)
+
+    async def _async_start_kernel(self, **kw: Any) -> None:
+        try:
+            await super()._async_start_kernel(**kw)
+        except BaseException:
+            # nbclient leaves a kernel that failed to start as it is: kill it and remove its files now.
+            with contextlib.suppress(Exception):
+                await _reap(self)
+            raise
+
+    start_kernel = _async_start_kernel  # type: ignore[assignment]  # AsyncKernelManager binds the base's
+
+    async def _async_cleanup_resources(self, restart: bool = False) -> None:
+        try:
+            await super()._async_cleanup_resources(restart=restart)
+        finally:
+            if not restart and self.private_folder is not None:
+                _remove_folder(self.private_folder)
+                self.private_folder = None
+                self.connection_file = ""  # a later start makes a new folder
+
+    cleanup_resources = _async_cleanup_resources  # type: ignore[assignment]  # AsyncKernelManager binds the base's
 
     async def _async_wait(self, pollinterval: float = 0.1) -> None:
         # jupyter_client polls every 0.1 s for the killed kernel to be gone; it is gone in milliseconds.

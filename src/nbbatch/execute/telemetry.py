@@ -1,21 +1,21 @@
 """GPU telemetry of a run: utilisation, memory and power sampled through NVML while it executes.
 
-The executor wraps a run in a :class:`GpuSampler`::
+The executor wraps a run in a :class:`GpuSampler` whose ``sink`` appends each round of samples to
+the run's ``telemetry.jsonl`` as it is taken (so the series is on the share while the run goes)::
 
-    with GpuSampler(record.gpu_ids) as sampler:
-        ...  # execute the notebook
+    with GpuSampler(record.gpu_ids, sink=append_to_telemetry_file) as sampler:
+        ...  # execute the notebook; sampler.summary() is the live summary
     record.telemetry = sampler.summary()
-    share.write_bytes(f"{run_folder}/{TELEMETRY_FILE}", sampler.series_json())
 
 Without a GPU, without NVML (``pynvml`` from nvidia-ml-py) or with no GPU ids the sampler samples
 nothing and raises nothing: ``summary()`` says ``samples: 0`` and why. GPU ids are NVML indices
 (the order of ``nvidia-smi``), the same numbers the local backend puts in ``CUDA_VISIBLE_DEVICES``.
 Utilisation and memory are those of the whole GPU: runs that share a GPU see each other's load.
 
-The series file (:data:`TELEMETRY_FILE`, ``telemetry.json``) holds
-``{"schema_version": 1, "interval_s", "gpu_ids", "started_at", "samples": [{"t", "gpu",
-"util_pct", "memory_mb", "power_w"}, ...]}`` with ``t`` in seconds since the sampler started;
-a ``.csv`` path writes the samples as CSV with the same columns. :func:`read_series` reads either.
+The series file (:data:`TELEMETRY_FILE`, ``telemetry.jsonl``) holds one sample a line,
+``{"t", "gpu", "util_pct", "memory_mb", "power_w"}`` with ``t`` in seconds since the sampler started;
+a ``.csv`` path writes the samples as CSV with the same columns. :func:`read_series` reads either,
+and the single JSON document (``{"samples": [...]}``) that nbbatch wrote before it streamed.
 """
 
 from __future__ import annotations
@@ -27,18 +27,18 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from nbbatch.store.jsonl import jsonl_line, parse_jsonl
 from nbbatch.store.layout import TELEMETRY_FILE
 
 __all__ = ["TELEMETRY_FILE", "GpuSampler", "read_series"]
 
 SERIES_FIELDS = ("t", "gpu", "util_pct", "memory_mb", "power_w")
-_SCHEMA_VERSION = 1
 _MIN_INTERVAL_S = 0.1
 
 log = logging.getLogger(__name__)
@@ -49,11 +49,14 @@ class GpuSampler:
 
     ``interval_s`` is the time between samples (at least 0.1 s; the default of one sample per
     second costs nothing measurable). The sampler never raises because of NVML: a missing driver,
-    a missing ``pynvml`` or a GPU that cannot be read only leaves fewer samples.
+    a missing ``pynvml`` or a GPU that cannot be read only leaves fewer samples. ``sink``, when given,
+    gets each round of samples as JSON Lines bytes as soon as they are taken; an exception it raises
+    is logged and the sampling goes on.
     """
 
-    def __init__(self, gpu_ids: Sequence[int], interval_s: float = 1.0):
+    def __init__(self, gpu_ids: Sequence[int], interval_s: float = 1.0, sink: Callable[[bytes], None] | None = None):
         self.gpu_ids = [int(g) for g in gpu_ids]
+        self.sink = sink
         self.interval_s = max(float(interval_s), _MIN_INTERVAL_S)
         self.samples: list[dict[str, Any]] = []
         self.started_at: str | None = None
@@ -130,6 +133,7 @@ class GpuSampler:
         if nvml is None:
             return
         t = round(time.monotonic() - self._t0, 3)
+        taken = []
         for gpu, handle in self._handles:
             row: dict[str, Any] = {"t": t, "gpu": gpu, "util_pct": None, "memory_mb": None, "power_w": None}
             try:
@@ -146,8 +150,14 @@ class GpuSampler:
                 pass
             if row["util_pct"] is None and row["memory_mb"] is None and row["power_w"] is None:
                 continue
-            with self._lock:
-                self.samples.append(row)
+            taken.append(row)
+        with self._lock:
+            self.samples.extend(taken)
+        if taken and self.sink is not None:
+            try:
+                self.sink(b"".join(jsonl_line(row) for row in taken))
+            except Exception as exc:  # noqa: BLE001 - the share's trouble is the run's, not the sampler's
+                log.warning("GPU telemetry could not be streamed: %s", exc)
 
     # -- results ---------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
@@ -171,28 +181,23 @@ class GpuSampler:
             "memory_max_mb": max(memory) if memory else None,
             "power_mean_w": round(sum(power) / len(power), 1) if power else None,
         }
+        latest = [r for r in rows if rows and r["t"] == rows[-1]["t"]]
+        util_now = [r["util_pct"] for r in latest if r["util_pct"] is not None]
+        memory_now = [r["memory_mb"] for r in latest if r["memory_mb"] is not None]
+        result["util_now_pct"] = round(sum(util_now) / len(util_now), 1) if util_now else None
+        result["memory_now_mb"] = round(sum(memory_now), 1) if memory_now else None
         if self.unavailable:
             result["unavailable"] = self.unavailable
         return result
 
-    def series(self) -> dict[str, Any]:
-        """The whole series as the JSON document :meth:`write_series` writes."""
+    def series_jsonl(self) -> bytes:
+        """The whole series as JSON Lines (what the run's ``telemetry.jsonl`` holds at the end)."""
         with self._lock:
             rows = [dict(r) for r in self.samples]
-        return {
-            "schema_version": _SCHEMA_VERSION,
-            "interval_s": self.interval_s,
-            "gpu_ids": list(self.gpu_ids),
-            "started_at": self.started_at,
-            "samples": rows,
-        }
-
-    def series_json(self) -> bytes:
-        """The series as JSON bytes (for ``share.write_bytes(f"{folder}/{TELEMETRY_FILE}", ...)``)."""
-        return (json.dumps(self.series(), indent=1) + "\n").encode()
+        return b"".join(jsonl_line(row) for row in rows)
 
     def write_series(self, path: str | os.PathLike[str]) -> Path:
-        """Write the series to a local ``path``: JSON, or CSV when the name ends in ``.csv``.
+        """Write the series to a local ``path``: JSON Lines, or CSV when the name ends in ``.csv``.
 
         Also written when empty (so a reader can tell "sampled nothing" from "not sampled").
         """
@@ -202,10 +207,11 @@ class GpuSampler:
             buffer = io.StringIO()
             writer = csv.DictWriter(buffer, fieldnames=SERIES_FIELDS, lineterminator="\n")
             writer.writeheader()
-            writer.writerows(self.series()["samples"])
+            with self._lock:
+                writer.writerows(self.samples)
             data = buffer.getvalue().encode()
         else:
-            data = self.series_json()
+            data = self.series_jsonl()
         tmp = target.with_name(f".{target.name}.part")
         tmp.write_bytes(data)
         os.replace(tmp, target)
@@ -213,7 +219,7 @@ class GpuSampler:
 
 
 def read_series(data: bytes | str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The samples of a series file (JSON or CSV), from its path or its bytes.
+    """The samples of a series file (JSON Lines, CSV, or the older single JSON document), from its path or its bytes.
 
     Each sample is ``{"t", "gpu", "util_pct", "memory_mb", "power_w"}`` with numbers (or ``None``).
     """
@@ -223,8 +229,11 @@ def read_series(data: bytes | str | os.PathLike[str]) -> list[dict[str, Any]]:
         text = Path(data).read_text()
     stripped = text.lstrip()
     if stripped.startswith("{") or stripped.startswith("["):
-        doc = json.loads(text)
-        rows = doc.get("samples", []) if isinstance(doc, dict) else doc
+        try:
+            doc = json.loads(text)
+        except ValueError:  # JSON Lines
+            return parse_jsonl(text)
+        rows = doc.get("samples", [doc]) if isinstance(doc, dict) else doc  # a one-line JSON Lines file is a sample
         return [dict(r) for r in rows if isinstance(r, dict)]
     samples = []
     for row in csv.DictReader(io.StringIO(text)):

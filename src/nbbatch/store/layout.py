@@ -10,7 +10,8 @@
     <experiment>/<run id>/output.ipynb   the executed notebook (also when it failed)
     <experiment>/<run id>/run.json       the run record
     <experiment>/<run id>/log.txt        the kernel's stdout/stderr as it ran
-    <experiment>/<run id>/telemetry.json GPU samples
+    <experiment>/<run id>/metrics.jsonl  the metric history (``record(step=…)``), streamed as the run goes
+    <experiment>/<run id>/telemetry.jsonl GPU samples, streamed as the run goes
     <experiment>/<run id>/<backend file> what a backend keeps about the run (e.g. azureml.json)
 
 Paths are ``/``-separated and relative to the share's root; every other module asks here.
@@ -23,7 +24,9 @@ from dataclasses import dataclass
 OUTPUT_NOTEBOOK = "output.ipynb"
 RUN_RECORD = "run.json"
 LOG_FILE = "log.txt"
-TELEMETRY_FILE = "telemetry.json"
+METRICS_FILE = "metrics.jsonl"
+TELEMETRY_FILE = "telemetry.jsonl"
+OLD_TELEMETRY_FILE = "telemetry.json"  # one JSON document, written by nbbatch before the series was streamed
 CANCEL_MARKER = "CANCEL"
 MANIFEST = "experiment.json"
 LOCK_FILE = ".lock"
@@ -94,6 +97,10 @@ class RunPaths:
     @property
     def log(self) -> str:
         return self.file(LOG_FILE)
+
+    @property
+    def metrics(self) -> str:
+        return self.file(METRICS_FILE)
 
     @property
     def telemetry(self) -> str:

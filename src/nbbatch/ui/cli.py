@@ -10,6 +10,7 @@ import json
 import signal
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -130,22 +131,59 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interval(text: str) -> float:
+    """``--interval``: a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from nbbatch.api import open_experiment_share, status
     from nbbatch.results.status import status_rows, status_table
+    from nbbatch.store.runrecord import RunRecord
+    from nbbatch.ui.progress import table_title, watch_status
 
     name, _share = open_experiment_share(args.experiment, args.share)
-    with warnings.catch_warnings(record=True) as caught:  # corrupt run records: one line each, with the path
-        warnings.simplefilter("always", UserWarning)
-        records = status(args.experiment, share=args.share)
-    problems = [w for w in caught if w.category is UserWarning]
-    for problem in problems:
-        print(f"nbbatch: warning: {problem.message}", file=sys.stderr)
+    problems: list[str] = []
+
+    def load() -> list[RunRecord]:
+        with warnings.catch_warnings(record=True) as caught:  # corrupt run records: one line each, with the path
+            warnings.simplefilter("always", UserWarning)
+            records = status(args.experiment, share=args.share)
+        for problem in (str(w.message) for w in caught if w.category is UserWarning):
+            if problem not in problems:  # a watch reads the records again and again: say it once
+                problems.append(problem)
+                print(f"nbbatch: warning: {problem}", file=sys.stderr)
+        return records
+
+    if not args.watch:
+        records = load()
+    elif args.json:  # for scripts: wait quietly, then the JSON of the final state
+        records = load()
+        while not all(r.final for r in records):
+            time.sleep(args.interval)
+            records = load()
+    else:
+        records = watch_status(load, name, interval=args.interval, console=_console())
     if args.json:
         print(json.dumps(status_rows(records), indent=2, default=str))
-    else:
-        _console().print(status_table(records, title=f"{name}"))
+    elif not args.watch:
+        _console().print(status_table(records, title=table_title(name, records)))
     return 0 if all(r.status == Status.SUCCEEDED for r in records) and not problems or not args.check else 1
+
+
+def cmd_status_interruptible(args: argparse.Namespace) -> int:
+    """``nbbatch status``; Ctrl-C while watching ends it quietly (130), no run is touched."""
+    try:
+        return cmd_status(args)
+    except KeyboardInterrupt as exc:
+        print(file=sys.stderr)
+        return 143 if isinstance(exc, Terminated) else 130
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
@@ -287,12 +325,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 
-    for name, func, helptext in (("status", cmd_status, "table of runs: status, duration, GPU, metrics"),):
+    for name, func, helptext in (("status", cmd_status_interruptible,
+                                  "table of runs: varying parameters, status, duration, metrics, error"),):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("experiment", help="experiment name (or its YAML file)")
         p.add_argument("--share", help="the share (default: where it was submitted from this project)")
-        p.add_argument("--json", action="store_true")
+        p.add_argument("--json", action="store_true", help="every field of every run as JSON (for scripts)")
         p.add_argument("--check", action="store_true", help="exit 1 unless every run succeeded")
+        p.add_argument("-w", "--watch", action="store_true",
+                       help="redraw the table until every run has ended (with --json: wait, then print)")
+        p.add_argument("--interval", type=_interval, default=2.0, metavar="SECONDS",
+                       help="how often --watch reads the runs again (default: 2)")
         p.set_defaults(func=func)
 
     p = sub.add_parser("logs", help="a run's output (log.txt); -f follows it")

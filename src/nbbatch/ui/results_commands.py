@@ -12,13 +12,16 @@ from nbbatch.results.compare import (
     FAILING_OUTCOMES,
     check,
     collect_targets,
+    display_columns,
     filter_runs,
     group_runs,
     load_baseline,
     parse_tolerance,
     runs_table,
+    select_history,
     sort_runs,
     terminal,
+    with_step_columns,
     write_report,
     write_table,
 )
@@ -56,12 +59,29 @@ def add_compare_arguments(parser: argparse.ArgumentParser, share_option: bool = 
                         help="the x axis of the metric-vs-time plot (default: metric.train_seconds, else duration_s)")
     parser.add_argument("--param", default=None, help="the swept parameter of the metric-vs-parameter plot")
     parser.add_argument("--title", default=None, help="the report's title")
+    history = parser.add_argument_group("metric histories (metrics recorded with nbbatch.record(step=N, ...))")
+    history.add_argument("--at-step", type=int, default=None, metavar="N",
+                         help="show each history metric at step N: the value of the run's last point with step <= N "
+                              "(empty for a run without one); other metrics are unchanged")
+    history.add_argument("--history", default="last", choices=["last", "best"],
+                         help="last (default): each run's latest values; best: each history metric's best value "
+                              "over the steps (up to --at-step when given): min for names with loss, error, err, "
+                              "mse, mae or perplexity in them, else max")
+    history.add_argument("--best-mode", action="append", default=[], metavar="METRIC=min|max",
+                         help="with --history best: whether METRIC is best at its min or its max "
+                              "(repeatable or comma-separated), e.g. --best-mode score=min")
 
 
 def cli_compare(args: argparse.Namespace) -> int:
     """``nbbatch compare``: print the runs table; write CSV/JSON/report as asked."""
     console = terminal()
     frame = collect_targets(args.targets, getattr(args, "share", None))
+    # history values first, so that --where, --sort and --group-by see them
+    frame = select_history(frame, at_step=args.at_step, history=args.history, best=args.best_mode,
+                           share=getattr(args, "share", None))
+    if frame.attrs.get("runs_without_history"):
+        console.print(f"{frame.attrs['runs_without_history']} of {len(frame)} runs have no metric history: "
+                      "their history metrics are empty", style="yellow", **_PLAIN)
     if args.where:
         total = len(frame)
         frame = filter_runs(frame, args.where)
@@ -79,7 +99,9 @@ def cli_compare(args: argparse.Namespace) -> int:
         console.print(runs_table(shown, columns=columns or [str(c) for c in shown.columns],
                                  title=f"{len(frame)} runs by {args.group_by}"))
     else:
-        console.print(runs_table(shown, columns=columns, title=f"{len(shown)} runs"))
+        title = f"{len(shown)} runs" + (f" — {frame.attrs['history']}" if frame.attrs.get("history") else "")
+        console.print(runs_table(shown, columns=columns or with_step_columns(shown, display_columns(shown)),
+                                 title=title))
     if args.report:
         path = write_report(frame, args.report, metric=args.metric, time=args.time, param=args.param,
                             title=args.title, share=getattr(args, "share", None))

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from nbbatch.errors import NbbatchError, did_you_mean
 from nbbatch.record import metrics_from_notebook
-from nbbatch.store.layout import LOG_FILE, OUTPUT_NOTEBOOK, RUN_RECORD, TELEMETRY_FILE
+from nbbatch.store.layout import LOG_FILE, METRICS_FILE, OLD_TELEMETRY_FILE, OUTPUT_NOTEBOOK, RUN_RECORD, TELEMETRY_FILE
 from nbbatch.store.runrecord import RunRecord
 from nbbatch.store.share import Share, open_share
 
@@ -26,12 +26,14 @@ if TYPE_CHECKING:  # pragma: no cover
 PARAM = "param."
 METRIC = "metric."
 TELEMETRY = "telemetry."
-TELEMETRY_FILES = (TELEMETRY_FILE, "telemetry.csv")  # the CSV: a series written with GpuSampler.write_series
+# the old single JSON document, and telemetry.csv: GpuSampler.write_series's CSV
+TELEMETRY_FILES = (TELEMETRY_FILE, OLD_TELEMETRY_FILE, "telemetry.csv")
 LEADING_COLUMNS = ("experiment", "run_id", "framework", "notebook", "kernel", "status")
 TRAILING_COLUMNS = ("duration_s", "gpu_ids", "started_at", "ended_at", "host", "attempts", "error")
-LOCATION_COLUMNS = ("output", "source", "share_path", "telemetry_file")
+LOCATION_COLUMNS = ("output", "source", "share_path", "telemetry_file", "metrics_file")
 _MAX_DEPTH = 6
 _SKIP_FOLDERS = {".ipynb_checkpoints", "__pycache__", ".git"}
+_RUN_FILES = (LOG_FILE, METRICS_FILE, *TELEMETRY_FILES)  # files a run streams: never walked into
 
 
 def _pandas() -> Any:
@@ -52,6 +54,7 @@ class _Found:
     notebook: str | None  # notebook path relative to the share
     record: str | None  # run.json path relative to the share
     telemetry: str | None  # series file name in the run folder
+    metrics: str | None = None  # metric history file name in the run folder
 
 
 def _join(*parts: str) -> str:
@@ -84,7 +87,7 @@ def _find(share: Share, base: str, experiment: str | None, root_name: str) -> li
                 experiment=exp, run_id=name, folder=path,
                 notebook=_join(path, OUTPUT_NOTEBOOK) if OUTPUT_NOTEBOOK in names else None,
                 record=_join(path, RUN_RECORD) if RUN_RECORD in names else None,
-                telemetry=telemetry,
+                telemetry=telemetry, metrics=METRICS_FILE if METRICS_FILE in names else None,
             ))
             return
         for name in names:
@@ -98,7 +101,7 @@ def _find(share: Share, base: str, experiment: str | None, root_name: str) -> li
                 else:
                     run_id = rel
                 found.append(_Found(exp, run_id[: -len(".ipynb")], None, child, None, None))
-            elif name not in _SKIP_FOLDERS and depth < _MAX_DEPTH and name not in (LOG_FILE, *TELEMETRY_FILES):
+            elif name not in _SKIP_FOLDERS and depth < _MAX_DEPTH and name not in _RUN_FILES:
                 walk(child, depth + 1)
 
     walk(base, 0)
@@ -245,6 +248,7 @@ def _read_run(share: Share, found: _Found) -> dict[str, Any]:
     row["output"] = share_location(share, found.notebook) if found.notebook else None
     row["share_path"] = found.folder or found.notebook
     row["telemetry_file"] = found.telemetry
+    row["metrics_file"] = found.metrics
     return row
 
 

@@ -1,4 +1,4 @@
-"""Plots of the runs table (matplotlib, through a bare :class:`~matplotlib.figure.Figure`) and GPU telemetry."""
+"""Plots of the runs table (matplotlib, through a bare :class:`~matplotlib.figure.Figure`), metric histories and GPU telemetry."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 from nbbatch.errors import NbbatchError
 from nbbatch.results.compare.collect import METRIC, PARAM, _pandas
 from nbbatch.results.compare.query import _numeric_columns, resolve_column
+from nbbatch.results.compare.steps import read_histories
+from nbbatch.results.history import metric_series
 from nbbatch.store.share import Share, open_share
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -122,12 +124,57 @@ def plot_metric_vs_param(frame: pd.DataFrame, metric: str | None = None, param: 
     return fig
 
 
+def _run_label(frame: pd.DataFrame, row: pd.Series) -> str:
+    """How a run is named in a legend: its run id, with the experiment when the frame holds several."""
+    if frame["experiment"].nunique() > 1:
+        return f"{row['experiment']}/{row['run_id']}"
+    return str(row["run_id"])
+
+
+def load_histories(frame: pd.DataFrame, share: str | os.PathLike[str] | Share | None = None
+                   ) -> dict[str, list[dict[str, Any]]]:
+    """The metric histories of the runs that have one: ``{run label: points}`` (labels as :func:`load_telemetry`'s).
+
+    Reads each run's ``metrics.jsonl`` (see :func:`~nbbatch.results.compare.steps.read_histories`).
+    """
+    return {_run_label(frame, frame.loc[index]): points for index, points in read_histories(frame, share).items()}
+
+
+_MAX_LEGEND = 20  # more runs than this: a legend would hide the curves
+
+
+def plot_metric_by_step(histories: Mapping[str, Sequence[Mapping[str, Any]]], metric: str) -> Figure | None:
+    """``<metric> by step``: one line per run of :func:`load_histories`, x = step.
+
+    Returns None when no run has two points of ``metric`` (nothing to draw a curve of).
+    """
+    curves = {label: metric_series(list(points), metric) for label, points in histories.items()}
+    curves = {label: curve for label, curve in curves.items() if curve[0]}
+    if not any(len(steps) >= 2 for steps, _ in curves.values()):
+        return None
+    from matplotlib.ticker import MaxNLocator
+
+    fig = _figure()
+    ax = fig.add_subplot()
+    for label, (steps, values) in curves.items():
+        # markers only while they stay apart; a one-point run is then still visible
+        ax.plot(steps, values, label=label, linewidth=1.2, marker="o" if len(steps) <= 30 else None, markersize=3)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("step" if len(curves) <= _MAX_LEGEND else f"step ({len(curves)} runs)")
+    ax.set_ylabel(metric)
+    ax.set_title(f"{metric} by step")
+    ax.grid(True, alpha=0.3)
+    if len(curves) <= _MAX_LEGEND:
+        ax.legend(fontsize="x-small", ncol=1 if len(curves) <= 10 else 2, title="run", title_fontsize="x-small")
+    return fig
+
+
 def load_telemetry(frame: pd.DataFrame, share: str | os.PathLike[str] | Share | None = None
                    ) -> dict[str, list[dict[str, Any]]]:
     """The telemetry series of the runs that have one: ``{run label: samples}`` (see :mod:`nbbatch.execute.telemetry`).
 
-    Reads ``<run folder>/telemetry.json`` (or ``.csv``) through ``share`` (default: the share
-    :func:`collect` read). Unreadable series are skipped.
+    Reads ``<run folder>/telemetry.jsonl`` (or an older run's ``telemetry.json``, or a ``.csv``) through
+    ``share`` (default: the share :func:`collect` read). Unreadable series are skipped.
     """
     from nbbatch.execute.telemetry import read_series
 
@@ -138,9 +185,8 @@ def load_telemetry(frame: pd.DataFrame, share: str | os.PathLike[str] | Share | 
         return {}
     opened = open_share(target)
     series: dict[str, list[dict[str, Any]]] = {}
-    several = frame["experiment"].nunique() > 1
     for _, row in frame[frame["telemetry_file"].notna()].iterrows():
-        label = f"{row['experiment']}/{row['run_id']}" if several else str(row["run_id"])
+        label = _run_label(frame, row)
         try:
             samples = read_series(opened.read_bytes(f"{row['share_path']}/{row['telemetry_file']}"))
         except (OSError, ValueError, NbbatchError):
@@ -169,7 +215,8 @@ def plot_gpu_telemetry(series: Mapping[str, Sequence[Mapping[str, Any]]]) -> Fig
     util_ax.set_ylim(0, 105)
     mem_ax.set_ylabel("GPU memory used (MB)")
     mem_ax.set_xlabel("time since the run started (s)")
-    util_ax.set_title("GPU utilisation and memory per run")
+    util_ax.set_title("GPU utilisation over time")
+    mem_ax.set_title("GPU memory used over time", fontsize="medium")
     for ax in (util_ax, mem_ax):
         ax.grid(True, alpha=0.3)
     util_ax.legend(fontsize="x-small", loc="upper right")

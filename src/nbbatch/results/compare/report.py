@@ -10,19 +10,37 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from nbbatch.results.compare.collect import METRIC
 from nbbatch.results.compare.plots import (
     figure_png,
+    load_histories,
     load_telemetry,
     plot_gpu_telemetry,
+    plot_metric_by_step,
     plot_metric_vs_param,
     plot_metric_vs_time,
 )
-from nbbatch.results.compare.table import _cell_text, display_columns
+from nbbatch.results.compare.steps import with_step_columns
+from nbbatch.results.compare.table import _cell_text, column_header, display_columns
+from nbbatch.results.history import history_metrics
 from nbbatch.store.share import Share
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
+
+MAX_HISTORY_FIGURES = 16  # one figure per history metric, up to this many; the rest are named
+
+
+def _history_builds(frame: pd.DataFrame, share: str | os.PathLike[str] | Share | None
+                    ) -> tuple[list[tuple[str, Any]], list[str]]:
+    """A ``<metric> by step`` figure builder per history metric, and the metrics left out for the cap."""
+    histories = load_histories(frame, share)
+    names: list[str] = []
+    for points in histories.values():
+        names += [n for n in history_metrics(points) if n not in names]
+    # a metric with fewer than two points in every run draws no curve: it takes no place in the cap
+    drawable = [n for n in names if any(sum(n in p for p in points) >= 2 for points in histories.values())]
+    builds = [(f"{n} by step", lambda n=n: plot_metric_by_step(histories, n)) for n in drawable[:MAX_HISTORY_FIGURES]]
+    return builds, drawable[MAX_HISTORY_FIGURES:]
 
 
 def _href(output: str | None, report_dir: Path) -> str | None:
@@ -43,7 +61,8 @@ def render_report(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, m
     """The report's HTML: summary, plots as embedded PNG, the runs with links to their notebooks, errors.
 
     Links are relative to ``report_path``'s folder. ``metric``/``time``/``param`` choose the plots'
-    axes (defaults: accuracy, :func:`default_time`, the first swept parameter).
+    axes (defaults: accuracy, :func:`default_time`, the first swept parameter). Each metric the runs
+    recorded with ``step=`` gets a ``<metric> by step`` figure (up to :data:`MAX_HISTORY_FIGURES`).
     """
     from nbbatch import __version__
     from nbbatch.results.render import render_template
@@ -51,17 +70,19 @@ def render_report(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, m
 
     report_dir = Path(report_path).resolve().parent
     figures = []
+    history_builds, not_plotted = _history_builds(frame, share)
     for caption, build in (
         ("Accuracy vs. training time", lambda: plot_metric_vs_time(frame, metric, time)),
         ("Metric vs. swept parameter", lambda: plot_metric_vs_param(frame, metric, param)),
-        ("GPU telemetry", lambda: plot_gpu_telemetry(load_telemetry(frame, share))),
+        *history_builds,
+        ("GPU utilisation over time", lambda: plot_gpu_telemetry(load_telemetry(frame, share))),
     ):
         fig = build()
         if fig is not None:
             title_text = fig.axes[0].get_title() or caption
             figures.append({"title": title_text,
                             "png": base64.b64encode(figure_png(fig)).decode("ascii")})
-    columns = display_columns(frame)
+    columns = with_step_columns(frame, display_columns(frame))  # step.<name>: where a history value is from
     rows = []
     for _, row in frame.iterrows():
         rows.append({
@@ -88,7 +109,9 @@ def render_report(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, m
         total=len(frame),
         counts=[(str(k), int(v)) for k, v in dict(counts).items()],
         figures=figures,
-        headers=[c.removeprefix(METRIC) if c.startswith(METRIC) else c for c in columns],
+        not_plotted=not_plotted,
+        selection=frame.attrs.get("history"),
+        headers=[column_header(c, frame.columns) for c in columns],
         rows=rows,
         failures=failures,
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from nbbatch.results.compare.collect import METRIC, PARAM, _pandas
@@ -26,7 +26,7 @@ def display_columns(frame: pd.DataFrame) -> list[str]:
     shown += [c for c in ("run_id", "framework", "status") if c in frame]
     shown += [c for c in frame.columns if str(c).startswith(PARAM) and frame[c].astype(str).nunique() > 1]
     for column in frame.columns:
-        if str(column).startswith(METRIC):
+        if str(column).startswith(METRIC) and not _repeats_run_column(frame, str(column)):
             values = frame[column].dropna()
             if values.empty or not values.map(lambda v: isinstance(v, str) and v[:1] in "[{").all():
                 shown.append(str(column))
@@ -36,6 +36,28 @@ def display_columns(frame: pd.DataFrame) -> list[str]:
     if "error" in frame and frame["error"].notna().any():
         shown.append("error")
     return shown
+
+
+def column_header(column: str, columns: Iterable[Any]) -> str:
+    """A column's header: a metric without its ``metric.`` prefix, unless its name is also a column of the runs.
+
+    A notebook may record a metric named like a run column (``nbbatch.record(framework="PyTorch")``);
+    its header stays ``metric.framework`` so the table never shows two ``framework`` columns.
+    """
+    if column.startswith(METRIC):
+        name = column.removeprefix(METRIC)
+        if name not in {str(c) for c in columns}:
+            return name
+    return column
+
+
+def _repeats_run_column(frame: pd.DataFrame, column: str) -> bool:
+    """Whether metric ``column`` only repeats the run column of its name (e.g. ``framework``) where it is set."""
+    name = column.removeprefix(METRIC)
+    if name not in frame.columns:
+        return False
+    present = frame[column].notna()
+    return bool((frame.loc[present, column].astype(str) == frame.loc[present, name].astype(str)).all())
 
 
 def _cell_text(value: Any) -> str:
@@ -75,9 +97,8 @@ def runs_table(frame: pd.DataFrame, columns: Sequence[str] | None = None, title:
     table = Table(title=None if title is None else Text(title), show_lines=False, header_style="bold")
     for column in chosen:
         numeric = _pandas().api.types.is_numeric_dtype(frame[column]) and column != "gpu_ids"
-        header = column.removeprefix(METRIC) if column.startswith(METRIC) else column
-        table.add_column(Text(header), justify="right" if numeric else "left", overflow="fold",
-                         no_wrap=column in ("run_id", "framework", "status", "experiment"),
+        table.add_column(Text(column_header(column, frame.columns)), justify="right" if numeric else "left",
+                         overflow="fold", no_wrap=column in ("run_id", "framework", "status", "experiment"),
                          max_width=60 if column == "error" else None)
     rows = frame if max_rows is None else frame.head(max_rows)
     for _, row in rows.iterrows():

@@ -6,10 +6,13 @@ through :func:`render_html`; ipywidgets' ``HTML`` widgets take the rendered stri
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
+
+from nbbatch.results.status import format_metric
 
 
 def display_mode() -> str:
@@ -105,3 +108,77 @@ def parse_time(text: str | None) -> datetime | None:
     except ValueError:
         return None
     return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def format_gpu_now(telemetry: Mapping[str, Any]) -> str:
+    """``87% · 3.2 GB`` from a run record's live telemetry (``util_now_pct``, ``memory_now_mb``); ``""`` without."""
+    util, memory = telemetry.get("util_now_pct"), telemetry.get("memory_now_mb")
+    parts = []
+    if _number(util):
+        parts.append(f"{util:.0f}%")
+    if _number(memory):
+        parts.append(f"{memory / 1024:.1f} GB" if memory >= 1024 else f"{memory:.0f} MB")  # nvidia-smi's MB are MiB
+    return " · ".join(parts)
+
+
+CURVE_WIDTH, CURVE_HEIGHT, CURVE_PAD = 120, 24, 2.0
+MAX_CURVE_POINTS = 200  # the table's HTML goes to the frontend on every poll: a longer history is thinned
+
+
+def thinned(count: int, limit: int = MAX_CURVE_POINTS) -> list[int]:
+    """Indices of at most ``limit`` of ``count`` items, evenly spread, the first and the last kept."""
+    if count <= limit:
+        return list(range(count))
+    return sorted({round(i * (count - 1) / (limit - 1)) for i in range(limit)})
+
+
+def value_range(series: Iterable[Sequence[float]]) -> tuple[float, float] | None:
+    """The smallest and largest finite number over all ``series``; None when there is none."""
+    finite = [v for values in series for v in values if math.isfinite(v)]
+    return (min(finite), max(finite)) if finite else None
+
+
+def curve(steps: Sequence[float], values: Sequence[float], x_range: tuple[float, float],
+          y_range: tuple[float, float]) -> dict[str, Any] | None:
+    """A sparkline's geometry in a ``CURVE_WIDTH`` × ``CURVE_HEIGHT`` box: ``points`` (an SVG polyline's
+    ``"x,y x,y"``, one pair per step up to :data:`MAX_CURVE_POINTS`), ``count`` and the last point ``x``, ``y``.
+
+    Every run's curve is drawn on the same ranges, so the rows compare; non-finite values are left out.
+    """
+    pairs = [(s, v) for s, v in zip(steps, values, strict=True) if math.isfinite(v)]
+    if not pairs:
+        return None
+    pairs = [pairs[i] for i in thinned(len(pairs))]
+
+    def scale(value: float, lo: float, hi: float, size: float) -> float:
+        inner = size - 2 * CURVE_PAD
+        return CURVE_PAD + (inner / 2 if hi <= lo else (value - lo) / (hi - lo) * inner)
+
+    xy = [(scale(s, *x_range, CURVE_WIDTH), CURVE_HEIGHT - scale(v, *y_range, CURVE_HEIGHT)) for s, v in pairs]
+    return {"points": " ".join(f"{x:.1f},{y:.1f}" for x, y in xy), "count": len(xy),
+            "x": f"{xy[-1][0]:.1f}", "y": f"{xy[-1][1]:.1f}"}
+
+
+def add_curves(rows: list[dict[str, Any]], metric: str | None,
+               series: Callable[[str], tuple[Sequence[int], Sequence[float]]]) -> None:
+    """Set each jobs-table row's ``curve`` (:func:`curve`'s geometry and a ``title``, or None) and ``latest_text``
+    (``0.51 (step 3)``) for ``metric``, from ``series(run_id)`` (its steps and values)."""
+    by_run = {row["run_id"]: series(row["run_id"]) for row in rows}
+    x_range = value_range([float(s) for s in steps] for steps, _ in by_run.values())
+    y_range = value_range(values for _, values in by_run.values())
+    for row in rows:
+        steps, values = by_run[row["run_id"]]
+        row["curve"], row["latest_text"] = None, ""
+        if not steps or x_range is None or y_range is None:
+            continue
+        row["latest_text"] = f"{format_metric(values[-1])} (step {steps[-1]})"
+        row["curve"] = curve(steps, values, x_range, y_range)
+        low_high = value_range([values])
+        if row["curve"] is not None and low_high is not None:
+            row["curve"]["title"] = (f"{metric} = {format_metric(values[-1])} at step {steps[-1]}; "
+                                     f"{format_metric(low_high[0])} to {format_metric(low_high[1])} "
+                                     f"over {len(steps)} steps")

@@ -1,0 +1,153 @@
+"""What a run shows while it goes: its streamed files and its record, kept current on the share.
+
+A run appends to three files as it executes: ``log.txt`` (the kernel's output), ``metrics.jsonl``
+(each ``nbbatch.record(step=...)`` point) and ``telemetry.jsonl`` (GPU samples). Each is a
+:class:`StreamedFile`: written in the run folder itself when the share is a mounted folder, else in a
+scratch folder and mirrored to the share (only the new bytes where the share can append, see
+:class:`~nbbatch.store.share.RangeStore`; the whole file at most every 30 s otherwise).
+
+:class:`LiveRecord` rewrites ``run.json`` when something a viewer shows changed (cell progress, the
+latest metrics, GPU use), at most once every ``every`` seconds and never later than that after a
+change, from a background thread, so ``nbbatch status`` and the widgets see a run's progress while
+it goes without a write per cell or per point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from nbbatch.errors import ShareError
+from nbbatch.store.records import write_record
+from nbbatch.store.runrecord import RunRecord
+from nbbatch.store.share import RangeStore, Share
+
+log = logging.getLogger(__name__)
+
+
+class StreamedFile:
+    """A file a run appends to while it goes, at ``path`` in ``share``, written locally at ``local``.
+
+    ``remote`` says whether ``local`` is a scratch copy that :meth:`push` mirrors to the share (else it
+    is the share's file itself). ``fresh``: the run's earlier file is replaced (a first attempt);
+    otherwise the new lines follow it (a retry continues the same log and history).
+    """
+
+    WHOLE_EVERY_S = 30.0
+
+    def __init__(self, share: Share, path: str, local: Path, *, remote: bool, fresh: bool):
+        self.share, self.path, self.local, self.remote = share, path, local, remote
+        self.ranged = remote and isinstance(share, RangeStore)
+        self.offset: int | None = None if fresh else 0  # None: the first push replaces the share's file
+        self._last_whole = 0.0
+        self._lock = threading.Lock()
+        if fresh:
+            local.unlink(missing_ok=True)
+        elif remote:  # the earlier attempts' lines come first
+            with contextlib.suppress(FileNotFoundError):
+                local.write_bytes(share.read_bytes(path))
+            self.offset = local.stat().st_size if local.exists() else 0
+
+    def append(self, data: bytes) -> None:
+        """Add complete lines (a reader never takes a half line: see :func:`nbbatch.store.jsonl.parse_jsonl`)."""
+        with self._lock, open(self.local, "ab") as handle:
+            handle.write(data)
+
+    def push(self, final: bool = False) -> None:
+        """Bring the share's copy up to date (remote shares; a no-op where the file is the share's own)."""
+        if not self.remote:
+            return
+        with self._lock:
+            if not self.local.exists():
+                if final and self.offset is None:  # nothing this time: an earlier submission's file goes
+                    with contextlib.suppress(FileNotFoundError):
+                        self.share.remove(self.path)
+                return
+            if self.ranged and self.offset is not None:
+                with open(self.local, "rb") as handle:
+                    handle.seek(self.offset)
+                    chunk = handle.read()
+                if chunk:
+                    self.share.write_range(self.path, chunk, self.offset)  # type: ignore[attr-defined]
+                    self.offset += len(chunk)
+                return
+            if final or self.ranged or time.monotonic() - self._last_whole >= self.WHOLE_EVERY_S:
+                data = self.local.read_bytes()
+                self.share.write_bytes(self.path, data)
+                self.offset, self._last_whole = len(data), time.monotonic()
+
+
+class LiveRecord:
+    """Keeps a running record on the share current; mutate the record only inside ``with live.lock``.
+
+    ``summary`` (the GPU sampler's live summary) is read at each write; ``streams`` are pushed with it.
+    :meth:`stop` ends the background writes; the caller then writes the final record itself.
+    GPU use alone (no other change) rewrites the record at most every :attr:`TELEMETRY_EVERY_S`.
+    """
+
+    TELEMETRY_EVERY_S = 10.0
+
+    def __init__(self, share: Share, record: RunRecord, notify: Callable[[RunRecord], None],
+                 streams: Sequence[StreamedFile] = (), every: float = 2.0):
+        self.share, self.record, self.notify, self.streams, self.every = share, record, notify, list(streams), every
+        self.lock = threading.RLock()
+        self.summary: Callable[[], dict[str, Any]] | None = None
+        self._dirty = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="nbbatch-live-record", daemon=True)
+        self._warned = False
+        self._last_write = time.monotonic()
+
+    def start(self) -> LiveRecord:
+        self._thread.start()
+        return self
+
+    def changed(self) -> None:
+        """Something shown changed: the record is written within ``every`` seconds."""
+        self._dirty.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every):
+            self.push_streams()
+            gpu_due = self.summary is not None and time.monotonic() - self._last_write >= self.TELEMETRY_EVERY_S
+            if self._dirty.is_set() or gpu_due:
+                self._dirty.clear()
+                self._write()
+
+    def push_streams(self, final: bool = False) -> None:
+        """Push every stream; on the last push (``final``) a share error is raised, before it only logged."""
+        for stream in self.streams:
+            try:
+                stream.push(final)
+            except ShareError as exc:
+                if final:
+                    raise
+                self._warn(exc)
+
+    def _write(self) -> None:
+        self._last_write = time.monotonic()
+        with self.lock:
+            if self.summary is not None:
+                with contextlib.suppress(Exception):
+                    self.record.telemetry = self.summary()
+            snapshot = RunRecord.from_dict(self.record.to_dict())
+        try:
+            write_record(self.share, snapshot)
+        except ShareError as exc:  # the next change tries again; the final write decides the run's fate
+            self._warn(exc)
+            return
+        self.notify(snapshot)
+
+    def _warn(self, exc: BaseException) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("the share did not take a live update of run %s: %s", self.record.run_id, exc)
