@@ -109,7 +109,7 @@ def test_notebook_records_metrics_and_has_nbval_checks(name):
     nb = _read(name)
     code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
     assert "nbbatch.record(" in code
-    assert "record(step=" in code and "loss=" in code, f"{name} must record its loss and accuracy every epoch"
+    assert "record(step=" in code and "train_accuracy=" in code, f"{name} must record loss and train_accuracy every epoch"
     for metric in ("accuracy=", "train_seconds=", "images_per_second=", "framework=", "framework_version=",
                    "device="):
         assert metric in code, f"{name} does not record {metric.rstrip('=')}"

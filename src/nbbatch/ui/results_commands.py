@@ -157,7 +157,7 @@ def cli_check(args: argparse.Namespace) -> int:
                        title=f"{args.experiment} vs. {args.baseline}")
     for index, row in enumerate(result.table.itertuples(index=False)):
         if row.outcome in FAILING_OUTCOMES:
-            table.rows[index].style = "red"
+            table.row_styles[index] = "red"
     console.print(table)
     console.print(result.summary(), style="green" if result.passed else "red", **_PLAIN)
     return result.exit_code

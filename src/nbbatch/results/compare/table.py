@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 from nbbatch.results.compare.collect import METRIC, PARAM, _pandas
 from nbbatch.results.compare.query import resolve_column
+from nbbatch.results.compare.steps import STEP
+from nbbatch.results.fitted import ALWAYS, FittedTable, fit_column
 from nbbatch.results.status import STATUS_STYLE
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
     from rich.console import Console
-    from rich.table import Table
 
 
 def display_columns(frame: pd.DataFrame) -> list[str]:
@@ -84,32 +85,44 @@ def _cell_text(value: Any) -> str:
 
 
 def runs_table(frame: pd.DataFrame, columns: Sequence[str] | None = None, title: str | None = None,
-               max_rows: int | None = None) -> Table:
-    """A :class:`rich.table.Table` of the runs (default columns: :func:`display_columns`).
+               max_rows: int | None = None) -> FittedTable:
+    """The runs as a terminal table (default columns: :func:`display_columns`) that fits the console's width.
 
-    Headers, cells and the title are :class:`rich.text.Text`: metric names, parameters and errors are
-    shown as they are, never read as rich markup.
+    Every run stays on one line (two for a long error); when the width runs out, the least useful
+    columns are left out and named under the table: text metrics first, then the GPUs, the
+    framework, numeric metrics, the duration, and swept parameters last. Columns named in ``columns``
+    are left out last to first. Headers, cells and the title are :class:`rich.text.Text`: metric names,
+    parameters and errors are shown as they are, never read as rich markup.
     """
-    from rich.table import Table
-    from rich.text import Text
-
     chosen = [resolve_column(frame, c) for c in columns] if columns else display_columns(frame)
-    table = Table(title=None if title is None else Text(title), show_lines=False, header_style="bold")
-    for column in chosen:
-        numeric = _pandas().api.types.is_numeric_dtype(frame[column]) and column != "gpu_ids"
-        table.add_column(Text(column_header(column, frame.columns)), justify="right" if numeric else "left",
-                         overflow="fold", no_wrap=column in ("run_id", "framework", "status", "experiment"),
-                         max_width=60 if column == "error" else None)
     rows = frame if max_rows is None else frame.head(max_rows)
-    for _, row in rows.iterrows():
-        cells = []
-        for column in chosen:
-            text = _cell_text(row[column])
-            cells.append(Text(text, style=STATUS_STYLE.get(text, "") if column == "status" else ""))
-        table.add_row(*cells)
-    if max_rows is not None and len(frame) > max_rows:
-        table.caption = Text(f"{len(frame) - max_rows} more runs not shown")
-    return table
+    fitted = []
+    for index, column in enumerate(chosen):
+        texts = [_cell_text(v) for v in rows[column]] if column in rows else []
+        numeric = _pandas().api.types.is_numeric_dtype(frame[column]) and column != "gpu_ids"
+        keep = ALWAYS if column in ("experiment", "run_id", "status") else \
+            ALWAYS - 1 - index if columns else _keep(column, numeric, index)
+        if column == "status":
+            from rich.text import Text
+
+            texts = [Text(t, style=STATUS_STYLE.get(t, "")) for t in texts]
+        fitted.append(fit_column(column_header(column, frame.columns), texts, keep, cap=24, numeric=numeric,
+                                 flexible=column == "error"))
+    more = f"{len(frame) - max_rows} more runs not shown" if max_rows is not None and len(frame) > max_rows else None
+    return FittedTable(fitted, title=title, caption=more)
+
+
+def _keep(column: str, numeric: bool, index: int) -> int:
+    """How much a default column matters (the lowest is left out first when the width runs out)."""
+    if column == "error":
+        return 90
+    if column.startswith(PARAM):
+        return 85 - min(index, 10)
+    if column == "duration_s":
+        return 65
+    if column.startswith((METRIC, STEP)):
+        return 75 - min(index, 40) if numeric else 30 - min(index, 20)
+    return {"framework": 50, "gpu_ids": 40}.get(column, 20)
 
 
 def terminal() -> Console:
