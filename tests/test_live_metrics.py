@@ -164,11 +164,15 @@ def test_a_remote_share_gets_the_points_while_the_run_goes(project, monkeypatch)
 
 
 DIES_ONCE = """\
-import os, nbbatch
+import os, time, nbbatch
 for step in range(1, 5):
     nbbatch.record(step=step, loss=10.0 * ATTEMPT_MARK.count('x') + step)
     if step == 2 and not os.path.exists(DIED):
         open(DIED, 'w').close()
+        # a point still in flight when a kernel dies is lost with it: die once the driver has written step 2
+        deadline = time.time() + 60
+        while time.time() < deadline and (not os.path.exists(HISTORY) or open(HISTORY).read().count(chr(10)) < 2):
+            time.sleep(0.05)
         os._exit(1)  # the kernel dies: nbbatch retries the run
 """
 
@@ -178,7 +182,9 @@ def test_a_retry_continues_the_history_and_its_points_win(project):
     from nbbatch.plan.runs import Run
 
     died = project / "died"
-    make_notebook(project / "nb.ipynb", [DIES_ONCE], parameters=f"DIED = {str(died)!r}\nATTEMPT_MARK = ''")
+    history = project / "results/exp/retry-live/metrics.jsonl"
+    make_notebook(project / "nb.ipynb", [DIES_ONCE],
+                  parameters=f"DIED = {str(died)!r}\nHISTORY = {str(history)!r}\nATTEMPT_MARK = ''")
     run = Run(run_id="retry-live", experiment="exp", notebook=str(project / "nb.ipynb"), notebook_rel="nb.ipynb",
               kernel="python3", retries=1)
     share = FileShare(project / "results")
