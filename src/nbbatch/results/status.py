@@ -102,7 +102,7 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _duration(seconds: float | None) -> str:
+def format_duration(seconds: float | None) -> str:
     """``4.2s``, ``3m 05s``, ``1h 02m``; empty for None."""
     if seconds is None:
         return ""
@@ -174,9 +174,9 @@ def _columns(records: list[RunRecord], max_metrics: int, now: datetime) -> list[
     for r in records:
         if r.duration_s is None and r.status == Status.RUNNING and r.started_at:
             elapsed = _elapsed(r, now)
-            times.append(_duration(elapsed) + "…" if elapsed is not None else "")
+            times.append(format_duration(elapsed) + "…" if elapsed is not None else "")
         else:
-            times.append(_duration(r.duration_s))
+            times.append(format_duration(r.duration_s))
     if any(times):
         add("time", times, 65, numeric=True)
     if any(r.gpu_ids for r in records):

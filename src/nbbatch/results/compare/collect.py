@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -363,3 +363,22 @@ def _default_share() -> str:
 
     return str(find_project().results_dir)
 
+
+def read_run_files(frame: pd.DataFrame, column: str, parse: Callable[[bytes], Any],
+                   share: str | os.PathLike[str] | Share | None = None) -> Iterator[tuple[Hashable, Any]]:
+    """``(row index, parse(bytes))`` of the file each run names in location column ``column``
+    (``telemetry_file``, ``metrics_file``), read through ``share`` (default: the share :func:`collect` read).
+
+    Runs without the file, and files that are gone or cannot be parsed, are skipped.
+    """
+    if column not in frame or frame[column].isna().all():
+        return
+    target = share if share is not None else frame.attrs.get("share")
+    if target is None:
+        return
+    opened = open_share(target)
+    for index, row in frame[frame[column].notna()].iterrows():
+        try:
+            yield index, parse(opened.read_bytes(f"{row['share_path']}/{row[column]}"))
+        except (OSError, ValueError, NbbatchError):
+            continue

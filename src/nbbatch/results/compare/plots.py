@@ -7,12 +7,11 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from nbbatch.errors import NbbatchError
-from nbbatch.results.compare.collect import METRIC, PARAM, _pandas
+from nbbatch.results.compare.collect import METRIC, PARAM, _pandas, read_run_files
 from nbbatch.results.compare.query import _numeric_columns, resolve_column
 from nbbatch.results.compare.steps import read_histories
 from nbbatch.results.history import metric_series
-from nbbatch.store.share import Share, open_share
+from nbbatch.store.share import Share
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -178,22 +177,8 @@ def load_telemetry(frame: pd.DataFrame, share: str | os.PathLike[str] | Share | 
     """
     from nbbatch.execute.telemetry import read_series
 
-    if "telemetry_file" not in frame or frame["telemetry_file"].isna().all():
-        return {}
-    target = share if share is not None else frame.attrs.get("share")
-    if target is None:
-        return {}
-    opened = open_share(target)
-    series: dict[str, list[dict[str, Any]]] = {}
-    for _, row in frame[frame["telemetry_file"].notna()].iterrows():
-        label = _run_label(frame, row)
-        try:
-            samples = read_series(opened.read_bytes(f"{row['share_path']}/{row['telemetry_file']}"))
-        except (OSError, ValueError, NbbatchError):
-            continue
-        if samples:
-            series[label] = samples
-    return series
+    return {_run_label(frame, frame.loc[index]): samples
+            for index, samples in read_run_files(frame, "telemetry_file", read_series, share) if samples}
 
 
 def plot_gpu_telemetry(series: Mapping[str, Sequence[Mapping[str, Any]]]) -> Figure | None:

@@ -24,10 +24,10 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from nbbatch.errors import NbbatchError, did_you_mean
-from nbbatch.results.compare.collect import METRIC, PARAM, _pandas
+from nbbatch.results.compare.collect import METRIC, PARAM, _pandas, read_run_files
 from nbbatch.results.history import history_metrics, history_points, metric_series
 from nbbatch.store.layout import METRICS_FILE
-from nbbatch.store.share import Share, open_share
+from nbbatch.store.share import Share
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -46,21 +46,7 @@ def read_histories(frame: pd.DataFrame, share: str | os.PathLike[str] | Share | 
     Reads ``<share_path>/<metrics_file>`` through ``share`` (default: the share :func:`collect` read).
     Runs without a history, or whose history cannot be read, are left out.
     """
-    if "metrics_file" not in frame or frame["metrics_file"].isna().all():
-        return {}
-    target = share if share is not None else frame.attrs.get("share")
-    if target is None:
-        return {}
-    opened = open_share(target)
-    histories: dict[Hashable, list[dict[str, Any]]] = {}
-    for index, row in frame[frame["metrics_file"].notna()].iterrows():
-        try:
-            points = history_points(opened.read_bytes(f"{row['share_path']}/{row['metrics_file']}"))
-        except (OSError, ValueError, NbbatchError):  # gone or unreadable: the run shows no history
-            continue
-        if points:
-            histories[index] = points
-    return histories
+    return {index: points for index, points in read_run_files(frame, "metrics_file", history_points, share) if points}
 
 
 def default_best_mode(metric: str) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from nbbatch.results.status import format_metric
+from nbbatch.results.status import format_duration, format_metric  # noqa: F401 - format_duration: the widgets use it from here
 
 
 def display_mode() -> str:
@@ -84,19 +84,6 @@ def render_html(template: str, **context: Any) -> str:
 def message_html(text: str, kind: str = "plain", **context: Any) -> str:
     """One message as HTML: ``kind`` is ``plain``, ``error``, ``busy``, ``title``, ``warnings`` or ``settings``."""
     return render_html("widget_message.html.j2", text=text, kind=kind, **context)
-
-
-def format_duration(seconds: float | None) -> str:
-    """``4.2s``, ``3m 05s``, ``1h 02m``; empty for None."""
-    if seconds is None:
-        return ""
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    minutes, secs = divmod(int(round(seconds)), 60)
-    if minutes < 60:
-        return f"{minutes}m {secs:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h {minutes:02d}m"
 
 
 def parse_time(text: str | None) -> datetime | None:
