@@ -8,7 +8,9 @@ each round (so that a machine getting busier or quieter affects every runner ali
   * papermill: ``papermill.execute_notebook`` in a loop in this process (the baseline);
   * nbbatch 1 at a time, no prestart: ``max_parallel: 1``, ``prestart: 0`` (each kernel started when its run starts);
   * nbbatch 1 at a time: ``max_parallel: 1`` with ``prestart: 2`` (two kernels started ahead);
-  * nbbatch parallel: the default parallelism (one run per core) and ``prestart: 2``.
+  * nbbatch parallel: the default parallelism (one run per core) and ``prestart: 2``;
+  * nbbatch CLI: ``nbbatch submit exp.yaml -q --force`` in a new process, with the defaults (one run
+    per core, two kernels started ahead): the interpreter's start-up and nbbatch's imports included.
 
 Per notebook, papermill's figures are per call; nbbatch's are the gaps between consecutive run
 completions (the first from the submit), i.e. what each notebook adds to the batch. CPU is the
@@ -19,7 +21,9 @@ driver's (this process) and the kernels' (reaped children) per notebook. Prints 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -100,11 +104,34 @@ def nbbatch_batch(paths: list[Path], share: Path, kernel: str, tag: str, max_par
     return m
 
 
+def nbbatch_cli(paths: list[Path], root: Path, kernel: str, tag: str) -> Measured:
+    """``nbbatch submit`` as a user types it: a new Python process, nbbatch's defaults."""
+    from nbbatch.store.records import load_records
+    from nbbatch.store.share import open_share
+
+    experiment = root / f"cli-{tag}.yaml"
+    experiment.write_text(json.dumps({"experiment": f"bench-cli-{tag}", "parameters": {"X": 1},
+                                      "notebooks": [{"path": str(p), "kernel": kernel} for p in paths],
+                                      "share": str(root / "share")}))  # JSON is YAML
+    (root / ".nbbatch").mkdir(exist_ok=True)  # the project the CLI records the experiment in
+    env = {**os.environ, "NBBATCH_PROJECT": str(root)}
+    started = datetime.now(timezone.utc)
+    with Measured() as m:
+        done = subprocess.run([sys.executable, "-m", "nbbatch", "submit", str(experiment), "-q", "--force"], cwd=root,
+                              env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records, _ = load_records(open_share(str(root / "share")), f"bench-cli-{tag}")
+    ends = sorted(datetime.fromisoformat(r.ended_at) for r in records if r.ended_at)
+    m.per_notebook = [(b - a).total_seconds() for a, b in zip([started, *ends], ends, strict=False)]
+    return m
+
+
 RUNNERS = {
     "papermill": "papermill loop (one process)",
     "seq0": "nbbatch, 1 at a time, no prestart",
     "seq": "nbbatch, 1 at a time",
     "par": "nbbatch, parallel",
+    "cli": "`nbbatch submit` (new process, defaults)",
 }
 
 
@@ -138,6 +165,8 @@ def main() -> None:
                     m = nbbatch_batch(paths, root / "share", args.kernel, f"seq0-{rnd}", max_parallel=1, prestart=0)
                 elif runner == "seq":
                     m = nbbatch_batch(paths, root / "share", args.kernel, f"seq-{rnd}", max_parallel=1, prestart=2)
+                elif runner == "cli":
+                    m = nbbatch_cli(paths, root, args.kernel, str(rnd))
                 else:
                     m = nbbatch_batch(paths, root / "share", args.kernel, f"par-{rnd}", prestart=2)
                 results[runner].append(m)

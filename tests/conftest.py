@@ -34,6 +34,28 @@ def make_notebook(path: Path, cells: list[str], parameters: str | None = "A = 1\
     return path
 
 
+def kernels_of(experiment: str, wait: float = 15.0) -> list[int]:
+    """Processes still running for runs of ``experiment`` (kernels carry NBBATCH_EXPERIMENT), after waiting up to
+    ``wait`` seconds for them to go."""
+    import time
+
+    import psutil
+
+    deadline = time.time() + wait
+    while True:
+        found = []
+        for process in psutil.process_iter():
+            try:
+                if (process.pid != os.getpid() and process.status() != psutil.STATUS_ZOMBIE
+                        and process.environ().get("NBBATCH_EXPERIMENT") == experiment):
+                    found.append(process.pid)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass
+        if not found or time.time() > deadline:
+            return found
+        time.sleep(0.2)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_home(tmp_path_factory, monkeypatch):
     cache = tmp_path_factory.getbasetemp() / "caches"

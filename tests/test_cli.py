@@ -98,3 +98,13 @@ def test_run_is_papermill_style(tiny):
 def test_envs_list_shows_missing(tiny):
     done = nbbatch("envs", "list", cwd=tiny, check=True)
     assert "toy" in done.stdout and "missing" in done.stdout
+
+
+def test_the_command_does_not_build_jsonschemas_iri_grammar_and_still_validates_notebooks():
+    """`rfc3987_syntax` (installed with JupyterLab) builds a grammar for a second at import; the command skips it."""
+    probe = ("import sys\nfrom nbbatch.ui import cli\ncli._skip_iri_grammar()\nimport nbformat\n"
+             "nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell('1')])\nnbformat.validate(nb)\n"
+             "print(sys.modules.get('rfc3987_syntax') is None)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"

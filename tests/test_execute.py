@@ -9,7 +9,7 @@ import time
 import nbformat
 import psutil
 import pytest
-from conftest import make_notebook
+from conftest import kernels_of, make_notebook
 
 import nbbatch
 from nbbatch.api import submit
@@ -232,3 +232,4 @@ def test_ctrl_c_cancels_unfinished_runs_and_keeps_finished_ones(project, write_e
     statuses = {r.parameters["A"]: r.status for r in nbbatch.status("ctrlc")}
     assert statuses[1] == "succeeded"
     assert {statuses[a] for a in (2, 3, 4)} == {"cancelled"}
+    assert kernels_of("ctrlc") == [], "no kernel is left, also none started ahead of a queued run"

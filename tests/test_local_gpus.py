@@ -11,27 +11,33 @@ from nbbatch.errors import ValidationError
 from nbbatch.execute.gpus import GpuInfo, SlotPool, detect_gpus
 
 
-def test_one_run_per_gpu_by_default():
+def _ids(lease):
+    return None if lease is None else lease.gpu_ids
+
+
+def test_one_run_per_gpu():
     pool = SlotPool([0, 1], runs_per_gpu=1)
-    assert pool.acquire(1) == [0] and pool.acquire(1) == [1] and pool.acquire(1) is None
-    pool.release([0])
-    assert pool.acquire(1) == [0]
+    first = pool.acquire(1)
+    assert first.gpu_ids == [0] and _ids(pool.acquire(1)) == [1] and pool.acquire(1) is None
+    assert not pool.shared(first)
+    pool.release(first)
+    assert _ids(pool.acquire(1)) == [0]
 
 
 def test_runs_per_gpu_shares_least_loaded_first():
     pool = SlotPool([0, 1], runs_per_gpu=2)
     got = [pool.acquire(1) for _ in range(4)]
-    assert sorted(g[0] for g in got) == [0, 0, 1, 1] and got[0] != got[1]
-    assert pool.acquire(1) is None and pool.shared([0])
+    assert sorted(g.gpu_ids[0] for g in got) == [0, 0, 1, 1] and got[0].gpu_ids != got[1].gpu_ids
+    assert pool.acquire(1) is None and pool.shared(got[0])
 
 
 def test_multi_gpu_runs_take_distinct_gpus():
     pool = SlotPool([0, 1, 2, 3])
-    assert pool.acquire(2) == [0, 1] and pool.acquire(3) is None and pool.acquire(2) == [2, 3]
+    assert _ids(pool.acquire(2)) == [0, 1] and pool.acquire(3) is None and _ids(pool.acquire(2)) == [2, 3]
 
 
 def test_cpu_runs_need_no_slot():
-    assert SlotPool([]).acquire(0) == []
+    assert SlotPool([]).acquire(0).gpu_ids == []
 
 
 def test_no_gpu_machine_detects_none_without_error(monkeypatch):

@@ -24,7 +24,7 @@ from nbbatch.store.runrecord import RunRecord, Status, utc_now
 from nbbatch.store.share import Share, open_share
 
 if TYPE_CHECKING:
-    from nbbatch.backends.base import Backend
+    from nbbatch.backends.base import Backend, SubmitOptions
 
 
 @dataclass
@@ -97,7 +97,7 @@ def prepare(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], bu
 
         build(spec.frameworks, project, progress=progress)
     the_plan = plan(spec, project, check_kernels=local_kernels)
-    backend.check(the_plan.runs)
+    backend.check(the_plan.runs, submit_options(spec))
     share = open_share(spec.share)
     backend.check_share(share)  # e.g. a local-only folder on a multi-node Ray cluster
     return the_plan, backend, share
@@ -112,7 +112,6 @@ def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, 
     ``progress`` is True for a live terminal table, False for none, or a callback receiving each
     :class:`RunRecord` as it changes (what the Jupyter widgets use). ``only`` restricts to run ids/prefixes.
     """
-    from nbbatch.backends import SubmitOptions
     from nbbatch.store.lease import ShareLease
     from nbbatch.store.lock import ExperimentLock
     from nbbatch.store.records import clear_cancel, load_records
@@ -141,8 +140,8 @@ def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, 
         result.warnings.extend(outcome.notes)
         result.started = [*outcome.started, *outcome.in_flight]
         _write_manifest(share, spec, the_plan)
-        options = SubmitOptions(runs_per_gpu=spec.runs_per_gpu, max_parallel=spec.max_parallel, wait=wait, force=force,
-                                on_update=progress if callable(progress) else None, halt=lease.lost)
+        options = submit_options(spec, wait=wait, force=force, on_update=progress if callable(progress) else None,
+                                 halt=lease.lost)
         todo = [r for r in runs if r.run_id in set(outcome.started)]
         if todo and progress is True:
             from nbbatch.ui.progress import live_progress
@@ -159,6 +158,13 @@ def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, 
     result.records = [r for r in records if r.run_id in wanted]
     result.warnings.extend(problems)
     return result
+
+
+def submit_options(spec: Experiment, **more: Any) -> SubmitOptions:
+    """The experiment's resources as a backend takes them."""
+    from nbbatch.backends import SubmitOptions
+
+    return SubmitOptions(runs_per_gpu=spec.runs_per_gpu, mps=spec.mps, max_parallel=spec.max_parallel, **more)
 
 
 def _write_manifest(share: Share, spec: Experiment, the_plan: Plan) -> None:

@@ -98,12 +98,14 @@ class Compute:
 class SubmitOptions:
     """How to run a batch (from the experiment's resources and the command line)."""
 
-    runs_per_gpu: int = 1
+    runs_per_gpu: int | str = 1  # or "auto": packed by memory (backends that place runs on GPU slots)
+    mps: bool = False  # share each GPU through a CUDA MPS daemon the backend starts
     max_parallel: int | None = None  # None: as many as the compute allows
     wait: bool = True  # block until every run is final (detached backends may return at once)
     force: bool = False  # rerun runs that already succeeded, restart runs still in flight
     on_update: UpdateCallback | None = None  # called on every status change
     halt: threading.Event | None = None  # set when this driver must start no more runs (its lease was taken over)
+    earlier: list[RunRecord] = field(default_factory=list)  # the experiment's records before this launch (what ran before)
     _guarded: UpdateCallback | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -250,9 +252,14 @@ class Backend(ABC):
         A backend that is not :attr:`Capabilities.detached` returns when every run is final.
         """
 
-    def check(self, runs: Sequence[Run]) -> None:
-        """Refuse runs this backend cannot place, before anything starts (raise a :class:`NbbatchError`)."""
-        return None
+    def check(self, runs: Sequence[Run], options: SubmitOptions | None = None) -> None:
+        """Refuse runs this backend cannot place, before anything starts (raise a :class:`NbbatchError`).
+
+        Subclasses call this first: it refuses what only a backend with :attr:`Capabilities.gpu_slots` does."""
+        if options is not None and options.mps and not self.capabilities.gpu_slots:
+            raise BackendError(f"resources.mps: nbbatch starts a CUDA MPS daemon only for the GPUs of this machine "
+                               f"(backend `local`); on `{self.name}` turn MPS on on the nodes themselves, and drop "
+                               "resources.mps from the experiment")
 
     def check_share(self, share: Share) -> None:
         """Refuse a share the backend's runs cannot reach, before anything starts."""
@@ -318,8 +325,9 @@ class Backend(ABC):
         if not runs:
             return
         self.check_share(share)
-        self.check(runs)
-        todo = order_longest_first(runs, share)
+        self.check(runs, options)
+        options.earlier, _problems = load_records(share, runs[0].experiment)  # before the queued records replace them
+        todo = order_longest_first(runs, options.earlier)
         clear_run_cancels(share, todo[0].experiment, [r.run_id for r in todo])  # before the queued records
         notify = options.guarded_update
         for run in todo:
@@ -380,11 +388,11 @@ class Backend(ABC):
             raise
 
 
-def order_longest_first(runs: Sequence[Run], share: Share) -> list[Run]:
-    """Runs ordered by past duration, longest (or never seen) first: shortens the makespan."""
+def order_longest_first(runs: Sequence[Run], records: Sequence[RunRecord]) -> list[Run]:
+    """Runs ordered by past duration (from the experiment's ``records``), longest (or never seen) first:
+    shortens the makespan."""
     if not runs:
         return []
-    records, _ = load_records(share, runs[0].experiment)
     by_id = {r.run_id: r for r in records}
     by_framework: dict[str, list[float]] = {}
     for rec in records:

@@ -1,38 +1,43 @@
-"""The local backend: runs in parallel on this machine, placed on GPU slots.
+"""The local backend: runs in parallel on this machine, packed onto its GPUs.
 
 Each run executes in a worker thread of this process (papermill is imported once; the kernels are
-separate processes). Runs start longest-first by their past durations, GPU runs get
-``CUDA_VISIBLE_DEVICES`` from a :class:`~nbbatch.execute.gpus.SlotPool`, CPU runs get it empty.
-Ctrl-C cancels: kernels are killed, runs are marked ``cancelled``, finished output stays.
+separate processes, the next ones started ahead of their runs). Runs start longest-first by their
+past durations, GPU runs get ``CUDA_VISIBLE_DEVICES`` from a :class:`~nbbatch.execute.gpus.SlotPool`
+(by count, or by memory with ``runs_per_gpu: auto``), CPU runs get it empty. A run that runs out of
+GPU memory while sharing its GPU is run again, alone. With ``resources.mps`` the runs are clients of
+a CUDA MPS daemon started for the batch. Ctrl-C cancels: kernels are killed, runs are marked
+``cancelled``, finished output stays, the MPS daemon is stopped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from nbbatch.backends.base import Backend, Capabilities, Compute, Setting, SubmitOptions
 from nbbatch.errors import ShareError, ValidationError
 from nbbatch.execute.attempt import SHARE_FAILED, execute_run, kernel_launch
-from nbbatch.execute.gpus import GpuInfo, SlotPool, detect_gpus
+from nbbatch.execute.gpus import GpuInfo, GpuLease, MemoryNeeds, SlotPool, detect_gpus, is_gpu_oom
 from nbbatch.plan.runs import Run
 from nbbatch.store.lock import pid_alive
-from nbbatch.store.records import CancelRequests, cancel_requests
+from nbbatch.store.records import CancelRequests, cancel_requests, write_record
 from nbbatch.store.runrecord import ErrorKind, RunError, RunRecord, Status
 from nbbatch.store.share import Share
 
 if TYPE_CHECKING:
     from nbbatch.execute.kernels import KernelPool
+    from nbbatch.execute.mps import MpsDaemon
 
 
 logger = logging.getLogger(__name__)
 
-PRESTART_DEFAULT = 0  # kernels started ahead of the next CPU runs (opt-in: `backend: {name: local, prestart: 2}`)
+PRESTART_DEFAULT = 2  # kernels started ahead of the next runs (`backend: {name: local, prestart: N}`; 0: none)
 
 
 class LocalBackend(Backend):
@@ -42,7 +47,7 @@ class LocalBackend(Backend):
     capabilities: ClassVar[Capabilities] = Capabilities(gpu_slots=True)
     SETTINGS: ClassVar[dict[str, Setting]] = {
         "max_parallel": Setting(None, (int,), minimum=1),
-        "prestart": Setting(None, (int,), minimum=0),  # kernels started ahead of their CPU runs
+        "prestart": Setting(None, (int,), minimum=0),  # kernels started ahead of their runs
     }
     settings_hint: ClassVar[str] = "use resources: for gpus, runs_per_gpu, max_parallel"
 
@@ -69,22 +74,46 @@ class LocalBackend(Backend):
             slots=max(cpus, len(self.gpus)),
         )
 
-    def check(self, runs: Sequence[Run]) -> None:
+    def check(self, runs: Sequence[Run], options: SubmitOptions | None = None) -> None:
         """Refuse runs this machine cannot place, before anything starts."""
         need = max((r.gpus for r in runs), default=0)
         if need > len(self.gpus):
             have = f"{len(self.gpus)} GPU(s)" if self.gpus else "no NVIDIA GPU (NVML found none)"
             raise ValidationError(f"runs ask for {need} GPU(s) each but this machine has {have}; "
                                   "set resources.gpus to 0 to run on the CPU, or use another backend")
+        if options is None or not need:
+            return
+        if options.mps:
+            from nbbatch.execute.mps import check_mps
+
+            check_mps(self.gpus)
+        elif isinstance(options.runs_per_gpu, int) and options.runs_per_gpu > 1:
+            held = [g.index for g in self.gpus if g.compute_mode == "exclusive_process"]
+            if held:
+                raise ValidationError(
+                    f"GPU(s) {', '.join(map(str, held))} are in exclusive-process compute mode: one process at a time, "
+                    f"so resources.runs_per_gpu: {options.runs_per_gpu} cannot share them; set resources.mps: true "
+                    "(CUDA MPS lets runs share such a GPU), runs_per_gpu: 1, or `nvidia-smi -c DEFAULT`")
 
     def start(self, runs: Sequence[Run], share: Share, options: SubmitOptions) -> None:
         """Run every run in worker threads of this process, on GPU slots; return when all are final."""
-        pool = SlotPool([g.index for g in self.gpus], options.runs_per_gpu)
+        with contextlib.ExitStack() as stack:
+            daemon = None
+            if options.mps and any(r.gpus for r in runs):
+                from nbbatch.execute.mps import MpsDaemon
+
+                daemon = stack.enter_context(MpsDaemon([g.index for g in self.gpus]))
+            self._schedule(runs, share, options, daemon)
+
+    def _schedule(self, runs: Sequence[Run], share: Share, options: SubmitOptions, daemon: MpsDaemon | None) -> None:
+        pool = SlotPool(self.gpus, options.runs_per_gpu, mps=daemon is not None)
+        needs = MemoryNeeds(options.earlier if pool.auto else ())
         cpu_parallel = options.max_parallel or self.max_parallel or (os.cpu_count() or 1)
         gpu_parallel = options.max_parallel or self.max_parallel or max(pool.capacity, 1)
         pending = list(runs)
         active: dict[str, threading.Thread] = {}
         gpu_runs: set[str] = set()  # active runs holding GPU slots
+        out_of_memory: dict[str, str] = {}  # runs to run again alone: the error that ended their shared attempt
         cancel = threading.Event()
         changed = threading.Condition()
         notify = options.guarded_update  # a failing display never changes a run's record
@@ -92,6 +121,18 @@ class LocalBackend(Backend):
         from nbbatch.execute.kernels import KernelPool  # imports jupyter_client: not at module import
 
         kernels = KernelPool(PRESTART_DEFAULT if self.prestart is None else self.prestart)
+
+        def placement(run: Run, lease: GpuLease) -> tuple[bool, dict[str, str], dict[str, Any]]:
+            """Whether the run shares its GPUs, its MPS environment, and what run.json says about both."""
+            if not lease.gpu_ids:
+                return False, {}, {}
+            info: dict[str, Any] = {"runs_per_gpu": options.runs_per_gpu, "shared": pool.shared(lease),
+                                    "exclusive": lease.exclusive, "mps": daemon is not None}
+            if pool.auto:
+                info.update(need_mb=lease.need_mb, need_from=needs.source(run))
+            if lease.alone:
+                info.update(alone=True, retried_after=out_of_memory.get(run.run_id, ""))
+            return pool.shared(lease), daemon.client_env(lease.gpu_ids) if daemon else {}, info
 
         def end_pending(status: Status, error: RunError) -> None:
             for run in pending:
@@ -105,11 +146,17 @@ class LocalBackend(Backend):
         def cancel_pending(reason: str) -> None:
             end_pending(Status.CANCELLED, RunError("cancelled", "", reason=reason, kind=ErrorKind.CANCELLED))
 
-        def worker(run: Run, gpu_ids: list[int]) -> None:
+        def worker(run: Run, lease: GpuLease) -> None:
+            again = False
             try:
                 try:
-                    execute_run(run, share, gpu_ids=gpu_ids, shared_gpu=pool.shared(gpu_ids), cancel_event=cancel,
-                                on_update=notify, kernels=kernels)
+                    shared, gpu_env, info = placement(run, lease)
+                    record = execute_run(run, share, gpu_ids=lease.gpu_ids, shared_gpu=shared, cancel_event=cancel,
+                                         on_update=notify, kernels=kernels, gpu_env=gpu_env, gpu_share=info)
+                    needs.learn(record)
+                    again = self._out_of_memory_while_sharing(record, lease, pool, share, notify)
+                    if again and record.error is not None:
+                        out_of_memory[run.run_id] = record.error.summary()
                 except ShareError as exc:
                     share_failures.append(exc)
                     self.finalize(share, run, Status.FAILED, RunError("ShareError", str(exc), reason=SHARE_FAILED,
@@ -120,10 +167,12 @@ class LocalBackend(Backend):
             except ShareError as exc:  # not even the failure could be recorded; resubmitting reruns the run
                 share_failures.append(exc)
             finally:
-                pool.release(gpu_ids)
+                pool.release(lease)
                 with changed:
                     active.pop(run.run_id, None)
                     gpu_runs.discard(run.run_id)
+                    if again:
+                        pending.insert(0, run)
                     changed.notify_all()
 
         requests = _CancelWatch(share, runs[0].experiment if runs else "")
@@ -157,18 +206,19 @@ class LocalBackend(Backend):
                         running_cpu = len(active) - running_gpu
                         if run.gpus and running_gpu >= gpu_parallel or not run.gpus and running_cpu >= cpu_parallel:
                             continue
-                        gpu_ids = pool.acquire(run.gpus)
-                        if gpu_ids is None:
+                        lease = pool.acquire(run.gpus, needs.need_mb(run) if pool.auto and run.gpus else None,
+                                             alone=run.run_id in out_of_memory)
+                        if lease is None:
                             continue
                         pending.remove(run)
                         if run.gpus:
                             gpu_runs.add(run.run_id)
-                        thread = threading.Thread(target=worker, args=(run, gpu_ids), name=f"run-{run.run_id}",
+                        thread = threading.Thread(target=worker, args=(run, lease), name=f"run-{run.run_id}",
                                                   daemon=True)
                         active[run.run_id] = thread
                         thread.start()
                         started = True
-                    _prestart(kernels, pending)
+                    self._prestart(kernels, pending, pool, needs, out_of_memory, placement)
                     if not started:
                         changed.wait(timeout=0.5)
         except BaseException as exc:  # Ctrl-C, SIGTERM, or a defect: no run may be left `running`
@@ -183,22 +233,44 @@ class LocalBackend(Backend):
         if share_failures:
             raise share_failures[0]
 
+    @staticmethod
+    def _out_of_memory_while_sharing(record: RunRecord, lease: GpuLease, pool: SlotPool, share: Share,
+                                     notify: Callable[[RunRecord], None]) -> bool:
+        """Whether the run ran out of GPU memory beside other runs: then it is queued again, to run alone."""
+        if (record.status != Status.FAILED or lease.exclusive or not lease.gpu_ids or record.error is None
+                or not is_gpu_oom(record.error) or pool.capacity <= len(pool.load)):
+            return False
+        record.gpu_share["out_of_memory"] = record.error.summary()
+        record.status = Status.QUEUED  # its next attempt says why it runs alone
+        write_record(share, record)
+        notify(record)
+        return True
+
+    @staticmethod
+    def _prestart(kernels: KernelPool, pending: list[Run], pool: SlotPool, needs: MemoryNeeds,
+                  out_of_memory: dict[str, str], placement: Callable[..., tuple[bool, dict[str, str], dict[str, Any]]]
+                  ) -> None:
+        """Start the kernels of the next runs to start. A GPU run's kernel is started for the GPUs it will most
+        likely get; if it gets others, the kernel is not used (its environment does not match) and is killed."""
+        for run in pending[:kernels.size]:
+            if run.run_id in kernels:
+                continue
+            try:
+                gpu_ids = pool.preview(run.gpus)
+                lease = GpuLease(gpu_ids, needs.need_mb(run) if pool.auto else None,
+                                 exclusive=run.run_id in out_of_memory or (pool.auto and needs.need_mb(run) is None),
+                                 alone=run.run_id in out_of_memory)
+                shared, gpu_env, _info = placement(run, lease)
+                kernels.prestart(run.run_id, *kernel_launch(run, gpu_ids, shared, gpu_env=gpu_env))
+            except Exception:  # noqa: BLE001 - the run then starts its kernel itself
+                return
+
     def lost_runs(self, experiment: str, share: Share, records: Sequence[RunRecord]) -> dict[str, RunError]:
         """Runs left ``running`` or ``queued`` by a submitting process of this machine that is gone."""
         host = socket.gethostname()
         return {r.run_id: RunError("DriverDied", f"process {r.pid} that ran it is gone",
                                    reason="the submitting process died; resubmit to rerun", kind=ErrorKind.INFRA)
                 for r in records if r.host == host and r.pid and not pid_alive(r.pid)}
-
-
-def _prestart(kernels: KernelPool, pending: list[Run]) -> None:
-    """Start the kernels of the next CPU runs to start (GPU runs learn their GPUs only when they start)."""
-    for run in [r for r in pending if not r.gpus][:kernels.size]:
-        if run.run_id not in kernels:
-            try:
-                kernels.prestart(run.run_id, *kernel_launch(run))
-            except Exception:  # noqa: BLE001 - the run then starts its kernel itself
-                return
 
 
 class _CancelWatch:

@@ -69,7 +69,8 @@ class _LogSink(io.TextIOBase):
         super().close()
 
 
-def _kernel_env(run: Run, gpu_ids: list[int] | None, shared_gpu: bool) -> dict[str, str]:
+def _kernel_env(run: Run, gpu_ids: list[int] | None, shared_gpu: bool,
+                gpu_env: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     # A run's kernel gets no credentials of the driver: they would be readable from the notebook.
     for name in list(env):
@@ -78,8 +79,11 @@ def _kernel_env(run: Run, gpu_ids: list[int] | None, shared_gpu: bool) -> dict[s
     env.update(tracking_credentials(os.environ))  # only with MLFLOW_TRACKING_URI: nbbatch.record logs there
     env.update(run.env)
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids or [])
+    if gpu_ids:  # CUDA's default order puts the fastest GPU first; nbbatch's indices are NVML's, by PCI bus
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     if shared_gpu:
         env.update(run.shared_gpu_env)
+    env.update(gpu_env or {})  # a CUDA MPS daemon's pipe, and the devices as it numbers them
     env.update({"NBBATCH_RUN_ID": run.run_id, "NBBATCH_EXPERIMENT": run.experiment,
                 "PYDEVD_DISABLE_FILE_VALIDATION": "1"})
     parameters = json.dumps(run.parameters, default=str)
@@ -92,10 +96,10 @@ _MAX_PARAMETERS_ENV = 64 * 1024  # an environment variable much larger than this
 
 
 def kernel_launch(run: Run, gpu_ids: list[int] | None = None, shared_gpu: bool = False,
-                  project_root: Path | None = None) -> tuple[str, dict[str, str], str]:
+                  project_root: Path | None = None, gpu_env: dict[str, str] | None = None) -> tuple[str, dict[str, str], str]:
     """The kernel name, environment and working directory a run's kernel is started with."""
     cwd = run.cwd or str(run.resolve_notebook(project_root).parent)
-    return run.kernel, _kernel_env(run, gpu_ids, shared_gpu), cwd
+    return run.kernel, _kernel_env(run, gpu_ids, shared_gpu, gpu_env), cwd
 
 
 def _error_from(exc: BaseException) -> RunError:
@@ -133,29 +137,33 @@ def _pins(run: Run) -> list[str]:
 
 
 @contextlib.contextmanager
-def _gpu_telemetry(gpu_ids: list[int], stream: StreamedFile) -> Iterator[Any]:
+def _gpu_telemetry(gpu_ids: list[int], stream: StreamedFile, alone: bool) -> Iterator[Any]:
     try:
         from nbbatch.execute.telemetry import GpuSampler
     except ImportError:
         yield None
         return
-    with GpuSampler(gpu_ids, sink=stream.append) as sampler:
+    with GpuSampler(gpu_ids, sink=stream.append, alone=alone) as sampler:
         yield sampler
 
 
 def execute_run(run: Run, share: Share, *, gpu_ids: list[int] | None = None, shared_gpu: bool = False,
                 cancel_event: threading.Event | None = None, on_update: UpdateCallback | None = None,
                 backend: str = "local", project_root: Path | None = None, save_every: float = 1.0,
-                kernels: Any = None) -> RunRecord:
+                kernels: Any = None, gpu_env: dict[str, str] | None = None,
+                gpu_share: dict[str, Any] | None = None) -> RunRecord:
     """Execute ``run`` (retrying after kernel deaths up to ``run.retries``) and return its final record.
 
     ``kernels`` is an :class:`nbbatch.execute.kernels.KernelPool` that may hold a kernel started for this run.
+    ``gpu_env`` is added to the kernel's environment (a CUDA MPS daemon's); ``gpu_share`` says in run.json
+    how the run's GPUs were shared (``exclusive``: no other run on them, so their memory use is the run's).
     """
     record = read_record(share, run.experiment, run.run_id) or new_record(run, backend)
+    record.gpu_share = dict(gpu_share or {})
     attempts_left = run.retries + 1
     while True:
         record = _attempt(run, share, record, gpu_ids or [], shared_gpu, cancel_event, on_update, backend,
-                          project_root, save_every, kernels)
+                          project_root, save_every, kernels, gpu_env)
         kernels = None  # a retry starts a kernel of its own
         attempts_left -= 1
         died = record.status == Status.FAILED and record.error is not None and record.error.kind == ErrorKind.KERNEL_DIED
@@ -175,7 +183,8 @@ def _cancelled_meanwhile(run: Run, share: Share, cancel_event: threading.Event |
 
 def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shared_gpu: bool,
              cancel_event: threading.Event | None, on_update: UpdateCallback | None, backend: str,
-             project_root: Path | None, save_every: float, kernels: Any = None) -> RunRecord:
+             project_root: Path | None, save_every: float, kernels: Any = None,
+             gpu_env: dict[str, str] | None = None) -> RunRecord:
     from papermill.exceptions import PapermillExecutionError
     from papermill.execute import prepare_notebook_metadata, raise_for_execution_errors, remove_error_markers
     from papermill.iorw import load_notebook_node
@@ -221,7 +230,8 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
     telemetry_stream = StreamedFile(share, paths.telemetry, work / TELEMETRY_FILE, remote=remote, fresh=True)
     log = _LogSink(log_path)
     log.write(f"=== nbbatch run {run.run_id} attempt {record.attempts} on {record.host} "
-              f"(kernel {run.kernel}, CUDA_VISIBLE_DEVICES={','.join(map(str, gpu_ids))}) at {record.started_at}\n")
+              f"(kernel {run.kernel}, GPUs {','.join(map(str, gpu_ids)) or 'none'}{_sharing(record.gpu_share)}) "
+              f"at {record.started_at}\n")
     live = LiveRecord(share, record, notify, [log_stream, metrics_stream, telemetry_stream]).start()
 
     def save_notebook(nb: Any) -> None:
@@ -257,12 +267,16 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
         def on_kernel(km: Any) -> None:
             watchdog.km = km
             kernel_group[0] = REAPER.watch(km)
+            if sampler is not None:  # the GPU memory of the kernel's process group is the run's
+                sampler.process_group = getattr(getattr(km.provisioner, "process", None), "pid", None)
             if watchdog.reason:
                 kill_kernel_group(km)
 
-        kernel_name, kernel_env, kernel_cwd = kernel_launch(run, gpu_ids, shared_gpu, project_root)
+        kernel_name, kernel_env, kernel_cwd = kernel_launch(run, gpu_ids, shared_gpu, project_root, gpu_env)
         prestarted = kernels.take(run.run_id, kernel_name, kernel_env, kernel_cwd) if kernels is not None else None
-        with watchdog, _gpu_telemetry(gpu_ids, telemetry_stream) as sampler, open(log_path, "ab") as kernel_output:
+        alone = bool(record.gpu_share.get("exclusive"))
+        with watchdog, _gpu_telemetry(gpu_ids, telemetry_stream, alone) as sampler, \
+                open(log_path, "ab") as kernel_output:
             if sampler is not None and sampler.unavailable is None:
                 live.summary = sampler.summary
             try:
@@ -330,6 +344,20 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
     write_record(share, record)
     notify(record)
     return record
+
+
+def _sharing(gpu_share: dict[str, Any]) -> str:
+    """How the run's GPUs are shared, for the log's first line of an attempt."""
+    if not gpu_share:
+        return ""
+    parts = [f"runs per GPU {gpu_share.get('runs_per_gpu')}"]
+    if gpu_share.get("need_mb"):
+        parts.append(f"{gpu_share['need_mb']:.0f} MiB reserved ({gpu_share.get('need_from')})")
+    if gpu_share.get("exclusive"):
+        parts.append("alone on it" + (" after running out of GPU memory" if gpu_share.get("alone") else ""))
+    if gpu_share.get("mps"):
+        parts.append("under CUDA MPS")
+    return ": " + ", ".join(parts)
 
 
 def _point_recorder(record: RunRecord, live: LiveRecord, stream: StreamedFile, log: _LogSink

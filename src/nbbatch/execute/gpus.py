@@ -1,14 +1,31 @@
-"""GPUs of this machine (through NVML) and the slots runs are placed on.
+"""GPUs of this machine (through NVML), and how runs are packed onto them.
 
-Each GPU offers ``runs_per_gpu`` slots; a run asking for ``k`` GPUs takes one slot on each of the
-``k`` least-loaded GPUs. No GPU (or no NVML) means CPU-only runs, with ``CUDA_VISIBLE_DEVICES`` empty.
+A run asking for ``k`` GPUs takes a place on each of the ``k`` least-loaded GPUs that have room.
+Room is either a fixed number of runs per GPU (``runs_per_gpu: N``) or, with ``runs_per_gpu: auto``,
+memory: each run reserves what it needs (:class:`MemoryNeeds`: what an earlier run of the same
+notebook used, else its framework's estimate) against the GPU's free memory less a safety margin,
+never more than :data:`AUTO_CAP` runs per GPU (nor more than the CPU cores per GPU: each run's
+Python loop needs a core to keep the GPU fed). A run whose need is unknown gets its GPUs to itself;
+once it ends, its measured peak tells the next runs of that notebook what to reserve. No GPU (or no
+NVML) means CPU-only runs, with ``CUDA_VISIBLE_DEVICES`` empty.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nbbatch.plan.runs import Run
+    from nbbatch.store.runrecord import RunError, RunRecord
+
+AUTO = "auto"
+AUTO_CAP = 16  # runs per GPU at most under `auto`
+MEMORY_MARGIN = 0.10  # of each GPU's memory never reserved under `auto` (allocator slack, fragmentation)
+HEADROOM = 1.2  # a measured peak is reserved with this much to spare (data and batches vary)
 
 
 @dataclass(frozen=True)
@@ -19,6 +36,8 @@ class GpuInfo:
     name: str
     memory_mb: int
     uuid: str = ""
+    free_mb: int | None = None  # free when detected (None: unknown, taken as all of it)
+    compute_mode: str = "default"  # NVML's: default | exclusive_process | prohibited
 
 
 def _visible_filter() -> set[int] | None:
@@ -55,45 +74,177 @@ def detect_gpus() -> list[GpuInfo]:
             memory = pynvml.nvmlDeviceGetMemoryInfo(handle).total // (1024 * 1024)
             uuid = pynvml.nvmlDeviceGetUUID(handle)
             found.append(GpuInfo(index, name.decode() if isinstance(name, bytes) else str(name), int(memory),
-                                 uuid.decode() if isinstance(uuid, bytes) else str(uuid)))
+                                 uuid.decode() if isinstance(uuid, bytes) else str(uuid),
+                                 free_mb=_free_mb(pynvml, handle), compute_mode=_compute_mode(pynvml, handle)))
     finally:
         pynvml.nvmlShutdown()
     allowed = _visible_filter()
     return [g for g in found if allowed is None or g.index in allowed]
 
 
-class SlotPool:
-    """GPU slots: ``runs_per_gpu`` concurrent runs on each GPU of ``gpu_ids``."""
+_COMPUTE_MODES = {0: "default", 1: "exclusive_thread", 2: "prohibited", 3: "exclusive_process"}
 
-    def __init__(self, gpu_ids: list[int], runs_per_gpu: int = 1):
-        if runs_per_gpu < 1:
-            raise ValueError("runs_per_gpu must be ≥ 1")
+
+def _free_mb(pynvml: Any, handle: Any) -> int | None:
+    try:
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).free // (1024 * 1024))
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _compute_mode(pynvml: Any, handle: Any) -> str:
+    try:
+        return _COMPUTE_MODES.get(int(pynvml.nvmlDeviceGetComputeMode(handle)), "default")
+    except Exception:  # noqa: BLE001 - not reported: nothing known against sharing it
+        return "default"
+
+
+@dataclass
+class GpuLease:
+    """The GPUs one run holds, and what it reserved on them."""
+
+    gpu_ids: list[int]
+    need_mb: float | None = None  # reserved on each GPU (None: unknown, so the GPUs are the run's alone)
+    exclusive: bool = False  # no other run joins these GPUs while it runs
+    alone: bool = False  # retried after running out of GPU memory: not even its framework's sharing settings
+    info: dict[str, Any] = field(default_factory=dict)  # what run.json's gpu_share says
+
+
+class SlotPool:
+    """Places on GPUs: ``runs_per_gpu`` runs on each, or with ``"auto"`` as many as their memory needs allow."""
+
+    def __init__(self, gpus: Sequence[GpuInfo] | Sequence[int], runs_per_gpu: int | str = 1,
+                 cap: int | None = None, mps: bool = False):
+        if runs_per_gpu != AUTO and (not isinstance(runs_per_gpu, int) or runs_per_gpu < 1):
+            raise ValueError(f"runs_per_gpu must be ≥ 1 or {AUTO!r}")
+        infos = [g if isinstance(g, GpuInfo) else GpuInfo(int(g), f"GPU {g}", 0) for g in gpus]
         self.runs_per_gpu = runs_per_gpu
-        self.load: dict[int, int] = {g: 0 for g in gpu_ids}
+        self.auto = runs_per_gpu == AUTO
+        self.mps = mps
+        cap = cap if cap is not None else auto_cap(len(infos))
+        # Exclusive-process GPUs take one process each, unless MPS funnels the runs into one.
+        self.cap = {g.index: (1 if g.compute_mode == "exclusive_process" and not mps else cap) if self.auto
+                    else int(runs_per_gpu) for g in infos}
+        self.budget_mb = {g.index: _budget_mb(g) for g in infos}
+        self.load: dict[int, int] = {g.index: 0 for g in infos}
+        self.reserved_mb: dict[int, float] = {g.index: 0.0 for g in infos}
+        self.exclusive: set[int] = set()
         self._lock = threading.Lock()
 
     @property
     def capacity(self) -> int:
-        return len(self.load) * self.runs_per_gpu
+        return sum(self.cap.values())
 
-    def acquire(self, count: int) -> list[int] | None:
-        """Take a slot on ``count`` distinct GPUs (least loaded first), or None if none are free."""
+    def _fits(self, gpu: int, need_mb: float | None, exclusive: bool) -> bool:
+        if gpu in self.exclusive or self.load[gpu] >= self.cap[gpu]:
+            return False
+        if exclusive:
+            return self.load[gpu] == 0
+        return not self.auto or self.load[gpu] == 0 or self.reserved_mb[gpu] + (need_mb or 0.0) <= self.budget_mb[gpu]
+
+    def acquire(self, count: int, need_mb: float | None = None, alone: bool = False) -> GpuLease | None:
+        """A place on ``count`` distinct GPUs (least loaded first), or None while none has room.
+
+        ``need_mb`` is the memory the run needs on each (``auto`` only; None: unknown, so the run gets
+        its GPUs to itself); ``alone`` keeps every other run off its GPUs."""
+        exclusive = alone or (self.auto and need_mb is None)
         if count == 0:
-            return []
+            return GpuLease([], need_mb, exclusive, alone)
         with self._lock:
-            free = sorted((load, gpu) for gpu, load in self.load.items() if load < self.runs_per_gpu)
+            free = sorted((self.load[g], g) for g in self.load if self._fits(g, need_mb, exclusive))
             if len(free) < count:
                 return None
-            chosen = sorted(gpu for _, gpu in free[:count])
+            chosen = sorted(g for _, g in free[:count])
             for gpu in chosen:
                 self.load[gpu] += 1
-            return chosen
+                self.reserved_mb[gpu] += need_mb or 0.0
+                if exclusive:
+                    self.exclusive.add(gpu)
+            return GpuLease(chosen, need_mb, exclusive, alone)
 
-    def release(self, gpu_ids: list[int]) -> None:
+    def preview(self, count: int) -> list[int]:
+        """The GPUs a run would most likely get once there is room (for kernels started ahead of their run)."""
         with self._lock:
-            for gpu in gpu_ids:
-                self.load[gpu] -= 1
+            return sorted(g for _, g in sorted((self.load[g], g) for g in self.load)[:count])
 
-    def shared(self, gpu_ids: list[int]) -> bool:
-        """Whether runs may share these GPUs (so frameworks must not grab all their memory)."""
-        return self.runs_per_gpu > 1 and bool(gpu_ids)
+    def release(self, lease: GpuLease) -> None:
+        with self._lock:
+            for gpu in lease.gpu_ids:
+                self.load[gpu] -= 1
+                self.reserved_mb[gpu] = max(0.0, self.reserved_mb[gpu] - (lease.need_mb or 0.0))
+                if lease.exclusive:
+                    self.exclusive.discard(gpu)
+
+    def shared(self, lease: GpuLease) -> bool:
+        """Whether the run must leave room for others (its framework's ``shared_gpu_env``: no grabbing all memory).
+
+        Under ``auto`` every run does (also one alone for now, so that what it measures is what it needs),
+        except a run retried alone after running out of memory."""
+        if not lease.gpu_ids or lease.alone:
+            return False
+        return self.auto or int(self.runs_per_gpu) > 1
+
+
+def auto_cap(gpu_count: int, cpus: int | None = None) -> int:
+    """Runs per GPU at most under ``auto``: :data:`AUTO_CAP`, and no more than the CPU cores per GPU."""
+    cpus = cpus or os.cpu_count() or 1
+    return max(1, min(AUTO_CAP, cpus // max(1, gpu_count)))
+
+
+def _budget_mb(gpu: GpuInfo) -> float:
+    if not gpu.memory_mb:
+        return float("inf")  # no memory known (a GPU given by index only): counted by runs alone
+    free = gpu.free_mb if gpu.free_mb is not None else gpu.memory_mb
+    return max(0.0, free - MEMORY_MARGIN * gpu.memory_mb)
+
+
+class MemoryNeeds:
+    """The GPU memory a run needs, per GPU: the peak an earlier run of it (or else of the same notebook) used,
+    measured on its own processes, with :data:`HEADROOM`; else its framework's ``gpu_memory_mb``; else unknown.
+
+    Only peaks of runs that shared their GPU count: alone, frameworks such as JAX and TensorFlow take most of
+    a GPU's memory whether they need it or not."""
+
+    def __init__(self, records: Iterable[RunRecord] = ()):
+        self._by_run: dict[str, float] = {}
+        self._by_notebook: dict[str, float] = {}
+        self._lock = threading.Lock()
+        for record in records:
+            self.learn(record)
+
+    def learn(self, record: RunRecord) -> None:
+        """Remember what a finished run used."""
+        peak = record.telemetry.get("memory_run_max_mb") if isinstance(record.telemetry, dict) else None
+        if (record.status != "succeeded" or not record.gpu_share.get("shared") or isinstance(peak, bool)
+                or not isinstance(peak, (int, float)) or peak <= 0):
+            return
+        per_gpu = float(peak) / max(1, len(record.gpu_ids))
+        with self._lock:
+            self._by_run[record.run_id] = per_gpu
+            key = record.framework or record.notebook
+            self._by_notebook[key] = max(self._by_notebook.get(key, 0.0), per_gpu)
+
+    def need_mb(self, run: Run) -> float | None:
+        with self._lock:
+            measured = self._by_run.get(run.run_id) or self._by_notebook.get(run.framework or run.notebook_rel)
+        if measured:
+            return round(measured * HEADROOM, 1)
+        return float(run.gpu_memory_mb) if run.gpu_memory_mb else None
+
+    def source(self, run: Run) -> str:
+        """Where :meth:`need_mb` comes from: ``measured``, ``framework`` or ``unknown``."""
+        with self._lock:
+            if run.run_id in self._by_run or (run.framework or run.notebook_rel) in self._by_notebook:
+                return "measured"
+        return "framework" if run.gpu_memory_mb else "unknown"
+
+
+# How CUDA, cuDNN, XLA and the frameworks on them say that a GPU ran out of memory.
+_OUT_OF_MEMORY = ("out of memory", "outofmemoryerror", "resource_exhausted", "oom when allocating",
+                  "cuda_error_out_of_memory", "cudaerrormemoryallocation", "cudnn_status_alloc_failed")
+
+
+def is_gpu_oom(error: RunError) -> bool:
+    """Whether a run's error says a GPU ran out of memory."""
+    text = f"{error.ename} {error.evalue}".lower()
+    return any(marker in text for marker in _OUT_OF_MEMORY)

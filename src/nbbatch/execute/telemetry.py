@@ -11,10 +11,13 @@ Without a GPU, without NVML (``pynvml`` from nvidia-ml-py) or with no GPU ids th
 nothing and raises nothing: ``summary()`` says ``samples: 0`` and why. GPU ids are NVML indices
 (the order of ``nvidia-smi``), the same numbers the local backend puts in ``CUDA_VISIBLE_DEVICES``.
 Utilisation and memory are those of the whole GPU: runs that share a GPU see each other's load.
+The memory of the run itself is measured too, from the GPU processes in the run's process group
+(:attr:`GpuSampler.process_group`), or, for a run alone on its GPUs, from the growth of the used memory.
 
 The series file (:data:`TELEMETRY_FILE`, ``telemetry.jsonl``) holds one sample a line,
-``{"t", "gpu", "util_pct", "memory_mb", "power_w"}`` with ``t`` in seconds since the sampler started;
-a ``.csv`` path writes the samples as CSV with the same columns. :func:`read_series` reads either,
+``{"t", "gpu", "util_pct", "memory_mb", "power_w"}`` with ``t`` in seconds since the sampler started,
+plus ``"run_memory_mb"`` when the run's own processes were seen on that GPU; a ``.csv`` path writes the
+samples as CSV with the same columns (``run_memory_mb`` last, empty when unknown). :func:`read_series` reads either,
 and the single JSON document (``{"samples": [...]}``) that nbbatch wrote before it streamed.
 """
 
@@ -39,6 +42,8 @@ from nbbatch.store.layout import TELEMETRY_FILE
 __all__ = ["TELEMETRY_FILE", "GpuSampler", "read_series"]
 
 SERIES_FIELDS = ("t", "gpu", "util_pct", "memory_mb", "power_w")
+OPTIONAL_SERIES_FIELDS = ("run_memory_mb",)  # in a sample only when known
+_NOT_AVAILABLE = 2**63  # a raw NVML "not available" (2**64 - 1) from a pynvml that does not map it to None
 _MIN_INTERVAL_S = 0.1
 
 log = logging.getLogger(__name__)
@@ -52,10 +57,18 @@ class GpuSampler:
     a missing ``pynvml`` or a GPU that cannot be read only leaves fewer samples. ``sink``, when given,
     gets each round of samples as JSON Lines bytes as soon as they are taken; an exception it raises
     is logged and the sampling goes on.
+
+    ``process_group``, settable at any time (the kernel starts after the sampling), is the process
+    group of the run: the GPU memory of the processes in it is the run's (``run_memory_mb``). ``alone``
+    says no other run uses these GPUs, so that, when no process of the run can be seen (NVML often
+    lists none inside a container), the growth of the GPUs' used memory since the start is the run's.
     """
 
-    def __init__(self, gpu_ids: Sequence[int], interval_s: float = 1.0, sink: Callable[[bytes], None] | None = None):
+    def __init__(self, gpu_ids: Sequence[int], interval_s: float = 1.0, sink: Callable[[bytes], None] | None = None,
+                 *, alone: bool = False):
         self.gpu_ids = [int(g) for g in gpu_ids]
+        self.alone = alone
+        self.process_group: int | None = None
         self.sink = sink
         self.interval_s = max(float(interval_s), _MIN_INTERVAL_S)
         self.samples: list[dict[str, Any]] = []
@@ -67,6 +80,9 @@ class GpuSampler:
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
         self._lock = threading.Lock()
+        # per round: the GPUs' used memory {gpu: MB} and the run's own memory over them (None: unknown)
+        self._rounds: list[tuple[dict[int, float], float | None]] = []
+        self._latest: list[dict[str, Any]] = []  # the rows of the last round
 
     # -- context manager -------------------------------------------------------------------------
     def __enter__(self) -> GpuSampler:
@@ -133,7 +149,9 @@ class GpuSampler:
         if nvml is None:
             return
         t = round(time.monotonic() - self._t0, 3)
+        group = self.process_group
         taken = []
+        run_total: float | None = None
         for gpu, handle in self._handles:
             row: dict[str, Any] = {"t": t, "gpu": gpu, "util_pct": None, "memory_mb": None, "power_w": None}
             try:
@@ -148,32 +166,78 @@ class GpuSampler:
                 row["power_w"] = round(nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0, 1)
             except Exception:  # some GPUs do not report power
                 pass
-            if row["util_pct"] is None and row["memory_mb"] is None and row["power_w"] is None:
+            run_bytes = self._run_memory(handle, group) if group is not None else None
+            if run_bytes is not None:
+                row["run_memory_mb"] = round(run_bytes / 2**20, 1)
+                run_total = (run_total or 0.0) + run_bytes / 2**20
+            if all(row.get(name) is None for name in (*SERIES_FIELDS[2:], *OPTIONAL_SERIES_FIELDS)):
                 continue
             taken.append(row)
+        used = {r["gpu"]: r["memory_mb"] for r in taken if r["memory_mb"] is not None}
         with self._lock:
             self.samples.extend(taken)
+            if taken:  # a round is one sample, also two within the same millisecond
+                self._rounds.append((used, None if run_total is None else round(run_total, 1)))
+                self._latest = taken
         if taken and self.sink is not None:
             try:
                 self.sink(b"".join(jsonl_line(row) for row in taken))
             except Exception as exc:  # noqa: BLE001 - the share's trouble is the run's, not the sampler's
                 log.warning("GPU telemetry could not be streamed: %s", exc)
 
+    def _run_memory(self, handle: Any, group: int) -> int | None:
+        """Bytes of GPU memory the processes of ``group`` use on the GPU; ``None`` when none is seen with a known value."""
+        nvml = self._nvml
+        try:
+            listed = list(nvml.nvmlDeviceGetComputeRunningProcesses(handle))
+        except Exception:  # unknown this round, never the sampler's failure
+            return None
+        mps = getattr(nvml, "nvmlDeviceGetMPSComputeRunningProcesses", None)
+        if mps is not None:
+            try:  # under MPS the clients are listed here (the server in the list above)
+                listed += mps(handle)
+            except Exception:  # not supported by this GPU/driver: no MPS clients
+                pass
+        used: dict[int, int | None] = {}
+        for process in listed:
+            try:
+                pid, value = int(process.pid), process.usedGpuMemory
+            except Exception:  # a malformed entry is not ours
+                continue
+            known = value if isinstance(value, int) and 0 <= value < _NOT_AVAILABLE else None
+            if used.get(pid) is None:  # a pid in both lists counts once, with a known value if either has one
+                used[pid] = known
+        total: int | None = None
+        for pid, value in used.items():
+            if value is None:
+                continue  # unknown (NVML could not tell): not counted as 0
+            try:
+                if os.getpgid(pid) != group:
+                    continue
+            except OSError:  # ProcessLookupError (gone, or a pid of another namespace), PermissionError: not ours
+                continue
+            total = (total or 0) + value
+        return total
+
     # -- results ---------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
         """What run.json's ``telemetry`` holds.
 
         ``{"samples", "interval_s", "gpu_ids", "util_mean_pct", "util_max_pct", "memory_max_mb",
-        "power_mean_w"}`` over all sampled GPUs (a value is ``None`` when nothing was sampled),
-        plus ``"unavailable"`` saying why when nothing could be sampled.
+        "power_mean_w", "util_now_pct", "memory_now_mb", "memory_run_max_mb", "memory_run_source"}``
+        over all sampled GPUs (a value is ``None`` when nothing was sampled), plus ``"unavailable"``
+        saying why when nothing could be sampled. ``memory_run_max_mb`` is the peak memory of the run
+        itself over its GPUs, from its processes (``memory_run_source: "processes"``) or, when
+        ``alone``, from the growth of the used memory since the start (``"device"``); else ``None``.
         """
         with self._lock:
             rows = list(self.samples)
+            rounds = list(self._rounds)
         util = [r["util_pct"] for r in rows if r["util_pct"] is not None]
         memory = [r["memory_mb"] for r in rows if r["memory_mb"] is not None]
         power = [r["power_w"] for r in rows if r["power_w"] is not None]
         result: dict[str, Any] = {
-            "samples": len({r["t"] for r in rows}),
+            "samples": len(rounds),
             "interval_s": self.interval_s,
             "gpu_ids": list(self.gpu_ids),
             "util_mean_pct": round(sum(util) / len(util), 1) if util else None,
@@ -181,14 +245,28 @@ class GpuSampler:
             "memory_max_mb": max(memory) if memory else None,
             "power_mean_w": round(sum(power) / len(power), 1) if power else None,
         }
-        latest = [r for r in rows if rows and r["t"] == rows[-1]["t"]]
+        with self._lock:
+            latest = list(self._latest)
         util_now = [r["util_pct"] for r in latest if r["util_pct"] is not None]
         memory_now = [r["memory_mb"] for r in latest if r["memory_mb"] is not None]
         result["util_now_pct"] = round(sum(util_now) / len(util_now), 1) if util_now else None
         result["memory_now_mb"] = round(sum(memory_now), 1) if memory_now else None
+        result["memory_run_max_mb"], result["memory_run_source"] = self._run_peak(rounds)
         if self.unavailable:
             result["unavailable"] = self.unavailable
         return result
+
+    def _run_peak(self, rounds: list[tuple[dict[int, float], float | None]]) -> tuple[float | None, str | None]:
+        """The run's peak memory (MB) and where it comes from: ``"processes"``, ``"device"`` or ``None``."""
+        from_processes = [run for _, run in rounds if run is not None]
+        if from_processes:
+            return max(from_processes), "processes"
+        if not self.alone or not rounds or not rounds[0][0]:
+            return None, None
+        baseline = rounds[0][0]  # taken at start(), before the kernel exists
+        # per GPU, so that a GPU missing from a round does not count as freed memory
+        growth = [sum(used[g] - baseline[g] for g in baseline if g in used) for used, _ in rounds]
+        return round(max(0.0, *growth), 1), "device"
 
     def series_jsonl(self) -> bytes:
         """The whole series as JSON Lines (what the run's ``telemetry.jsonl`` holds at the end)."""
@@ -205,7 +283,7 @@ class GpuSampler:
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.suffix.lower() == ".csv":
             buffer = io.StringIO()
-            writer = csv.DictWriter(buffer, fieldnames=SERIES_FIELDS, lineterminator="\n")
+            writer = csv.DictWriter(buffer, fieldnames=(*SERIES_FIELDS, *OPTIONAL_SERIES_FIELDS), lineterminator="\n")
             writer.writeheader()
             with self._lock:
                 writer.writerows(self.samples)
@@ -221,7 +299,8 @@ class GpuSampler:
 def read_series(data: bytes | str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The samples of a series file (JSON Lines, CSV, or the older single JSON document), from its path or its bytes.
 
-    Each sample is ``{"t", "gpu", "util_pct", "memory_mb", "power_w"}`` with numbers (or ``None``).
+    Each sample is ``{"t", "gpu", "util_pct", "memory_mb", "power_w"}`` with numbers (or ``None``),
+    plus ``run_memory_mb`` where it is known.
     """
     if isinstance(data, bytes):
         text = data.decode()
@@ -244,5 +323,8 @@ def read_series(data: bytes | str | os.PathLike[str]) -> list[dict[str, Any]]:
                 sample[name] = None
             else:
                 sample[name] = int(value) if name == "gpu" else float(value)
+        for name in OPTIONAL_SERIES_FIELDS:  # as in JSON Lines: present only when known
+            if row.get(name) not in (None, ""):
+                sample[name] = float(row[name])
         samples.append(sample)
     return samples

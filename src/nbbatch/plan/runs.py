@@ -60,6 +60,7 @@ class Run:
     max_output_mb: float = 32.0  # printed output each cell keeps in the notebook (log.txt keeps all)
     env: dict[str, str] = field(default_factory=dict)  # variables for the kernel (on top of the kernelspec's)
     shared_gpu_env: dict[str, str] = field(default_factory=dict)  # added when the run shares its GPU
+    gpu_memory_mb: int | None = None  # the framework's estimate of the GPU memory a run needs (None: unknown)
     cwd: str | None = None  # kernel working directory (default: the notebook's folder)
 
     def to_dict(self) -> dict[str, Any]:
@@ -120,7 +121,7 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
         except ValueError:
             return path.name
 
-    targets: list[tuple[str, Path, str, str | None, str, dict[str, str]]] = []
+    targets: list[tuple[str, Path, str, str | None, str, dict[str, str], int | None]] = []
     for name in experiment.frameworks:
         framework = get_framework(name, project)
         if check_kernels:
@@ -130,16 +131,16 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
                                   "gpu: false) but the experiment asks for resources.gpus: "
                                   f"{experiment.gpus}; set gpus: 0 or drop `{name}`")
         targets.append((name, framework.notebook, framework.kernel_name, name, framework.fingerprint(),
-                        dict(framework.shared_gpu_env)))
+                        dict(framework.shared_gpu_env), framework.gpu_memory_mb))
     for entry in experiment.notebooks:
         info = inspect_notebook(entry.path)
         kernel = entry.kernel or info.kernel
         if not kernel:
             raise ValidationError(f"{entry.path.name} names no kernel in its metadata; give one with "
                                   f"`kernel:` in the experiment (known kernels: {', '.join(sorted(kernels))})")
-        targets.append((entry.label or entry.path.stem, entry.path, kernel, None, kernel, {}))
+        targets.append((entry.label or entry.path.stem, entry.path, kernel, None, kernel, {}, None))
 
-    for label, notebook, kernel, framework_name, env_lock, shared_env in targets:
+    for label, notebook, kernel, framework_name, env_lock, shared_env, memory_mb in targets:
         info = inspect_notebook(notebook)
         if check_kernels and kernel not in kernels:
             raise ValidationError(f"kernel `{kernel}` (for {notebook.name}) does not exist{did_you_mean(kernel, kernels)}; "
@@ -153,7 +154,7 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
                 kernel=kernel, parameters=dict(params), framework=framework_name, gpus=experiment.gpus,
                 timeout_s=experiment.timeout, cell_timeout_s=experiment.cell_timeout, retries=experiment.retries,
                 max_output_mb=experiment.max_output_mb,
-                env=dict(experiment.env), shared_gpu_env=shared_env,
+                env=dict(experiment.env), shared_gpu_env=shared_env, gpu_memory_mb=memory_mb,
             ))
     seen: dict[str, Run] = {}
     unique: list[Run] = []

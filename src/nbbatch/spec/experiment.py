@@ -24,6 +24,7 @@ from nbbatch.spec.sweep import expand_sweep
 
 _TOP_KEYS = schema_keys()
 _RESOURCE_KEYS = schema_keys("resources")
+AUTO = "auto"  # resources.runs_per_gpu: as many as fit in the GPU's memory
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
 
@@ -46,7 +47,8 @@ class Experiment:
     parameters: dict[str, Any] = field(default_factory=dict)
     sweep: dict[str, Any] = field(default_factory=dict)
     gpus: int = 0
-    runs_per_gpu: int = 1
+    runs_per_gpu: int | str = AUTO  # a number, or "auto": packed by memory (see nbbatch.execute.gpus)
+    mps: bool = False  # the runs on a GPU share it through a CUDA MPS daemon nbbatch starts
     max_parallel: int | None = None
     timeout: float | None = None
     cell_timeout: float | None = None
@@ -71,7 +73,13 @@ class Experiment:
                             "and/or `notebooks:`")
         _nonneg_int("resources.gpus", self.gpus)
         _nonneg_int("retries", self.retries)
-        _nonneg_int("resources.runs_per_gpu", self.runs_per_gpu, minimum=1)
+        if self.runs_per_gpu != AUTO:
+            _nonneg_int("resources.runs_per_gpu", self.runs_per_gpu, minimum=1, alternative=f" or `{AUTO}`")
+        if not isinstance(self.mps, bool):
+            raise SpecError(f"`resources.mps` must be true or false (got {reprlib.repr(self.mps)})")
+        if self.mps and not self.gpus:
+            raise SpecError("`resources.mps: true` shares GPUs between runs, but the runs ask for no GPU "
+                            "(resources.gpus is 0): set resources.gpus ≥ 1 or drop mps")
         if self.max_parallel is not None:
             _nonneg_int("resources.max_parallel", self.max_parallel, minimum=1)
         for key, value in (("timeout", self.timeout), ("cell_timeout", self.cell_timeout)):
@@ -119,7 +127,7 @@ class Experiment:
             raise SpecError("`frameworks` must be a list of framework names (or `all`)")
         resources = data.get("resources") or {}
         if not isinstance(resources, Mapping):
-            raise SpecError("`resources` must be a mapping with gpus, runs_per_gpu, max_parallel")
+            raise SpecError("`resources` must be a mapping with gpus, runs_per_gpu, mps, max_parallel")
         bad = [k for k in resources if k not in _RESOURCE_KEYS]
         if bad:
             raise SpecError(f"unknown key `resources.{bad[0]}`{did_you_mean(str(bad[0]), _RESOURCE_KEYS)}; "
@@ -150,7 +158,8 @@ class Experiment:
             parameters=_mapping(data.get("parameters"), "`parameters` must map names to values, e.g. parameters: {EPOCHS: 5}"),
             sweep=dict(data.get("sweep") or {}) if isinstance(data.get("sweep") or {}, Mapping) else _bad_sweep(),
             gpus=resources.get("gpus", 0),
-            runs_per_gpu=resources.get("runs_per_gpu", 1),
+            runs_per_gpu=resources.get("runs_per_gpu", AUTO),
+            mps=resources.get("mps", False),
             max_parallel=resources.get("max_parallel"),
             timeout=timeout,
             cell_timeout=cell_timeout,
@@ -185,9 +194,9 @@ def _bad_sweep() -> dict[str, Any]:
     raise SpecError("`sweep` must be a mapping with any of grid, zip, random")
 
 
-def _nonneg_int(key: str, value: Any, minimum: int = 0) -> None:
+def _nonneg_int(key: str, value: Any, minimum: int = 0, alternative: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise SpecError(f"`{key}` must be an integer ≥ {minimum} (got {value!r})")
+        raise SpecError(f"`{key}` must be an integer ≥ {minimum}{alternative} (got {reprlib.repr(value)})")
 
 
 def _as_list(value: Any, key: str) -> list[Any]:

@@ -18,7 +18,7 @@ from nbbatch.spec.project import Project, find_project
 FRAMEWORK_FILE = "framework.yaml"
 _KNOWN_KEYS = {
     "title", "notebook", "requirements", "setup_requirements", "pip_options", "kernel_env",
-    "shared_gpu_env", "gpu", "image", "base_image", "description", "python",
+    "shared_gpu_env", "gpu_memory_mb", "gpu", "image", "base_image", "description", "python",
 }
 
 
@@ -35,6 +35,7 @@ class Framework:
     pip_options: tuple[str, ...] = ()
     kernel_env: dict[str, str] = field(default_factory=dict)
     shared_gpu_env: dict[str, str] = field(default_factory=dict)
+    gpu_memory_mb: int | None = None  # what one run of its notebook needs on a GPU, before any run measured it
     gpu: bool = False
     image: str | None = None
     base_image: str | None = None
@@ -93,11 +94,20 @@ def _load(folder: Path, project: Project) -> Framework:
         pip_options=tuple(data.get("pip_options") or ()),
         kernel_env={str(k): str(v) for k, v in (data.get("kernel_env") or {}).items()},
         shared_gpu_env={str(k): str(v) for k, v in (data.get("shared_gpu_env") or {}).items()},
+        gpu_memory_mb=_memory_estimate(source, data.get("gpu_memory_mb")),
         gpu=bool(data.get("gpu", False)),
         image=data.get("image"),
         base_image=data.get("base_image"),
         description=str(data.get("description", "")),
     )
+
+
+def _memory_estimate(source: Path, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValidationError(f"{source}: `gpu_memory_mb` must be a whole number of MiB > 0 (got {value!r})")
+    return value
 
 
 def list_frameworks(project: Project | None = None) -> dict[str, Framework]:

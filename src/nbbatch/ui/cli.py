@@ -436,8 +436,19 @@ def _version() -> str:
     return __version__
 
 
+def _skip_iri_grammar() -> None:
+    """Keep jsonschema from loading its IRI grammar: about 1 s of every command that reads a notebook.
+
+    nbformat imports jsonschema, which registers format checkers for whatever optional packages are
+    installed; ``rfc3987_syntax`` (pulled in by JupyterLab's jupyter-events) builds a Lark grammar when
+    imported. Nothing nbbatch validates uses IRI formats, so a command process goes without it."""
+    if "jsonschema" not in sys.modules:
+        sys.modules.setdefault("rfc3987_syntax", None)  # type: ignore[arg-type]  # an import of it raises ImportError
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``nbbatch`` console script."""
+    _skip_iri_grammar()
     parser = build_parser()
     args = parser.parse_args(argv)
     # run-one is stopped by its backend (Ray, Azure ML), which records why: it keeps the default SIGTERM.

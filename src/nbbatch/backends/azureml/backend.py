@@ -172,8 +172,9 @@ class AzureMLBackend(Backend):
         """Jobs write to an Azure File share: refuse any other share before anything starts."""
         _azure_files_location(share)
 
-    def check(self, runs: Sequence[Run]) -> None:
+    def check(self, runs: Sequence[Run], options: SubmitOptions | None = None) -> None:
         """Fail before anything starts when a run has no environment to run in."""
+        super().check(runs, options)
         for run in runs:
             self._environment_for(run, register=False)
 

@@ -128,8 +128,9 @@ class RayBackend(Backend):
             details["total"] = dict(ray.cluster_resources())
         return Compute(backend=self.name, gpus=gpus, nodes=out_nodes, slots=max(slots, 1), details=details)
 
-    def check(self, runs: Sequence[Run]) -> None:
+    def check(self, runs: Sequence[Run], options: SubmitOptions | None = None) -> None:
         """Refuse secrets in ``env``, and runs that no node can hold (unless ``autoscaling``), before anything starts."""
+        super().check(runs, options)
         self.check_secrets(runs)
         if not runs or self.autoscaling:
             return

@@ -7,13 +7,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def gpu_request(gpus: int, runs_per_gpu: int) -> tuple[float, bool]:
+def gpu_request(gpus: int, runs_per_gpu: int | str) -> tuple[float, bool]:
     """Ray's ``num_gpus`` for a run asking ``gpus`` GPUs, and whether it shares its GPU with other runs.
 
     One-GPU runs with ``runs_per_gpu`` > 1 ask for ``1/runs_per_gpu`` (rounded down to Ray's 1e-4
-    granularity, so ``runs_per_gpu`` of them fit on one GPU); anything else asks for whole GPUs.
+    granularity, so ``runs_per_gpu`` of them fit on one GPU); anything else asks for whole GPUs. Ray
+    places runs itself and knows nothing of their memory, so ``auto`` asks for whole GPUs too.
     """
-    if gpus == 1 and runs_per_gpu > 1:
+    if gpus == 1 and isinstance(runs_per_gpu, int) and runs_per_gpu > 1:
         return math.floor(10_000 / runs_per_gpu) / 10_000, True
     return float(gpus), False
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import nbbatch.ui.widgets.display as display
+from nbbatch.execute.gpus import AUTO, auto_cap
 from nbbatch.redact import is_secret
 from nbbatch.results.status import format_metric
 
@@ -56,7 +57,7 @@ class Cluster:
 
     backend: str = "local"
     settings: dict[str, Any] = field(default_factory=dict)
-    runs_per_gpu: int | None = None
+    runs_per_gpu: int | str | None = None  # a number, or "auto" (packed by memory)
     max_parallel: int | None = None
 
     def get_backend(self) -> Backend:
@@ -125,10 +126,18 @@ class Cluster:
     def concurrency(self, compute: Compute) -> int:
         """How many runs execute at once on ``compute`` with these settings."""
         if compute.gpus:
-            capacity = len(compute.gpus) * (self.runs_per_gpu or 1)
+            per_gpu = self.runs_per_gpu or 1
+            if per_gpu == AUTO:  # at most: how many fit depends on each run's memory
+                per_gpu = auto_cap(len(compute.gpus), max((n.get("cpus") or 0 for n in compute.nodes), default=0) or None)
+            capacity = len(compute.gpus) * int(per_gpu)
         else:
             capacity = max(compute.slots, 1)
         return min(capacity, self.max_parallel) if self.max_parallel else capacity
+
+
+def _knob(key: str, value: Any) -> int | str:
+    """A form field's value as the cluster takes it: runs per GPU 0 is ``auto``."""
+    return AUTO if key == "runs_per_gpu" and int(value) == 0 else int(value)
 
 
 def _shown_setting(key: str, value: Any) -> bool:
@@ -249,8 +258,9 @@ class ClusterForm:
         self.knobs: set[str] = set()  # fields that set the cluster's runs_per_gpu and max_parallel
         controls: list[Any] = []
         if self.capabilities.gpu_slots:
-            self.fields["runs_per_gpu"] = w.BoundedIntText(value=cluster.runs_per_gpu or 1, min=1, max=64,
-                                                           description="runs per GPU", style=_STYLE)
+            per_gpu = cluster.runs_per_gpu if isinstance(cluster.runs_per_gpu, int) else 0
+            self.fields["runs_per_gpu"] = w.BoundedIntText(value=per_gpu, min=0, max=64,
+                                                           description="runs per GPU (0: auto, by memory)", style=_STYLE)
             self.fields["max_parallel"] = w.BoundedIntText(value=cluster.max_parallel or (os.cpu_count() or 1), min=1,
                                                            max=1024, description="max parallel runs", style=_STYLE)
             self.knobs = set(self.fields)
@@ -283,7 +293,7 @@ class ClusterForm:
 
     def _changed(self, key: str, value: Any) -> None:
         if key in self.knobs:
-            setattr(self.cluster, key, int(value))
+            setattr(self.cluster, key, _knob(key, value))
         else:
             self.cluster.settings[key] = value
         if self.compute is not None:
@@ -295,7 +305,7 @@ class ClusterForm:
     def start(self) -> None:
         """Ask the backend for its compute (in the background); keep polling a managed cluster while it provisions."""
         for key in self.knobs:
-            setattr(self.cluster, key, self.fields[key].value)
+            setattr(self.cluster, key, _knob(key, self.fields[key].value))
         self._in_thread(self._refresh)
 
     def stop(self) -> None:
@@ -311,7 +321,7 @@ class ClusterForm:
         if self.knobs:
             self.fields["runs_per_gpu"].disabled = not self.compute.gpus
             if self.compute.gpus and self.cluster.max_parallel == (os.cpu_count() or 1):
-                self.fields["max_parallel"].value = len(self.compute.gpus) * (self.cluster.runs_per_gpu or 1)
+                self.fields["max_parallel"].value = self.cluster.concurrency(self.compute)
         self.state.value = compute_html(self.compute, self.cluster)
         if self.capabilities.managed_cluster and not self._stop.is_set() and _provisioning(self.compute):
             self._stop.wait(self.poll_s)
