@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -121,7 +122,8 @@ def test_without_mlflow_installed_the_run_warns_once_and_succeeds(project, write
     blocker = project / "no_mlflow"
     blocker.mkdir()
     (blocker / "mlflow.py").write_text("raise ImportError('mlflow is not installed (test)')\n")
-    monkeypatch.setenv("PYTHONPATH", str(blocker))
+    # first on the path, before whatever else the kernel needs from PYTHONPATH
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(blocker), os.environ.get("PYTHONPATH")])))
     make_notebook(project / "nb.ipynb", [HISTORY_AND_FINAL])
     exp = write_experiment("experiment: untracked\nnotebooks: [nb.ipynb]\n")
     outcome = submit(exp, progress=False)
