@@ -77,6 +77,21 @@ def project(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+def widget_project(tmp_path, monkeypatch):
+    """A project folder of its own (registry, results) as the working directory, widgets in text mode, no
+    submissions or refreshers left from another test."""
+    from nbbatch.ui.widgets import jobs, submission
+
+    (tmp_path / ".nbbatch").mkdir()
+    monkeypatch.setenv("NBBATCH_PROJECT", str(tmp_path))
+    monkeypatch.delenv("NBBATCH_WIDGETS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(submission, "_SUBMISSIONS", {})
+    monkeypatch.setattr(jobs, "_REFRESHERS", {})
+    return tmp_path
+
+
+@pytest.fixture
 def write_experiment(project):
     def write(text: str, name: str = "exp.yaml") -> Path:
         path = project / name

@@ -21,8 +21,6 @@ from nbbatch.store.runrecord import RunRecord
 from nbbatch.store.share import FileShare
 from nbbatch.ui.widgets import JobsSummary, JobsSummaryModel, SummaryRefresher
 from nbbatch.ui.widgets import display as widget_display
-from nbbatch.ui.widgets import jobs as widget_jobs
-from nbbatch.ui.widgets import submission as widget_submission
 
 HOSTILE_RUN = "<script>alert('x')</script>\"[/x]"
 HOSTILE_METRIC = "<script>\"'[/x]</script>"
@@ -98,15 +96,8 @@ def share(tmp_path: Path) -> FileShare:
 
 
 @pytest.fixture
-def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A project folder of its own (registry, results), the working directory, text mode."""
-    (tmp_path / ".nbbatch").mkdir()
-    monkeypatch.setenv("NBBATCH_PROJECT", str(tmp_path))
-    monkeypatch.delenv("NBBATCH_WIDGETS", raising=False)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(widget_submission, "_SUBMISSIONS", {})
-    monkeypatch.setattr(widget_jobs, "_REFRESHERS", {})
-    return tmp_path
+def project(widget_project: Path) -> Path:
+    return widget_project
 
 
 def point(step: int, **metrics: float) -> dict[str, Any]:

@@ -35,7 +35,6 @@ from nbbatch.ui.widgets import (
     format_duration,
 )
 from nbbatch.ui.widgets import display as widget_display
-from nbbatch.ui.widgets import jobs as widget_jobs
 from nbbatch.ui.widgets import links as widget_links
 from nbbatch.ui.widgets import submission as widget_submission
 
@@ -48,15 +47,8 @@ def record(run_id: str, status: str = "queued", **fields) -> RunRecord:
 
 
 @pytest.fixture
-def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A project folder of its own (registry, results), the working directory, text mode."""
-    (tmp_path / ".nbbatch").mkdir()
-    monkeypatch.setenv("NBBATCH_PROJECT", str(tmp_path))
-    monkeypatch.delenv("NBBATCH_WIDGETS", raising=False)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(widget_submission, "_SUBMISSIONS", {})
-    monkeypatch.setattr(widget_jobs, "_REFRESHERS", {})
-    return tmp_path
+def project(widget_project: Path) -> Path:
+    return widget_project
 
 
 # --------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -107,7 +107,6 @@ class GpuLease:
     need_mb: float | None = None  # reserved on each GPU (None: unknown, so the GPUs are the run's alone)
     exclusive: bool = False  # no other run joins these GPUs while it runs
     alone: bool = False  # retried after running out of GPU memory: not even its framework's sharing settings
-    info: dict[str, Any] = field(default_factory=dict)  # what run.json's gpu_share says
 
 
 class SlotPool:
