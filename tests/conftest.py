@@ -60,7 +60,7 @@ def kernels_of(experiment: str, wait: float = 15.0) -> list[int]:
 def _isolated_home(tmp_path_factory, monkeypatch):
     cache = tmp_path_factory.getbasetemp() / "caches"
     for var, sub in (("KERAS_HOME", "keras"), ("MPLCONFIGDIR", "mpl"), ("XDG_CACHE_HOME", "xdg"),
-                     ("IPYTHONDIR", "ipython")):
+                     ("IPYTHONDIR", "ipython"), ("NBBATCH_CACHE_DIR", "nbbatch")):
         (cache / sub).mkdir(parents=True, exist_ok=True)
         monkeypatch.setenv(var, str(cache / sub))
 

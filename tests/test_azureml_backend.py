@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,7 @@ from nbbatch.backends.azureml import (  # noqa: E402
     job_yaml,
     map_job_status,
 )
+from nbbatch.containers.images import copy_sources, image_spec, render  # noqa: E402
 from nbbatch.errors import BackendError  # noqa: E402
 from nbbatch.plan.runs import Run  # noqa: E402
 from nbbatch.spec.frameworks import get_framework  # noqa: E402
@@ -39,6 +41,8 @@ from nbbatch.store.azfiles import AzureFileShare  # noqa: E402
 from nbbatch.store.layout import run_paths  # noqa: E402
 from nbbatch.store.records import read_record, write_record  # noqa: E402
 from nbbatch.store.runrecord import RunRecord  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = [pytest.mark.azure, pytest.mark.timeout(120)]
 
@@ -53,12 +57,17 @@ DATASTORE = f"nbbatch_{ACCOUNT}_results"
 def azproject(project):
     fw = project / "frameworks" / "toy"
     fw.mkdir(parents=True)
-    (fw / "framework.yaml").write_text("title: Toy\nnotebook: notebooks/Toy.ipynb\ngpu: true\n")
+    (fw / "framework.yaml").write_text("title: Toy\nnotebook: notebooks/Toy.ipynb\ngpu: true\n"
+                                       "base_image: nvidia/cuda:12.8.1-base-ubuntu24.04\n")
     (fw / "requirements.txt").write_text("numpy==2.4.6\n")
     make_notebook(project / "notebooks" / "Toy.ipynb", ["print(EPOCHS, LR)"], parameters="EPOCHS = 1\nLR = 0.1")
-    (project / "dockerfiles" / "toy").mkdir(parents=True)
-    (project / "dockerfiles" / "toy" / "Dockerfile").write_text("FROM python:3.11-slim\n")
+    (project / "dockerfiles").mkdir()
+    shutil.copy(ROOT / "dockerfiles" / "Dockerfile", project / "dockerfiles" / "Dockerfile")  # the real template
     return project
+
+
+def _image_version(azproject) -> str:
+    return image_spec(get_framework("toy", Project(azproject)), azproject / "dockerfiles").fingerprint
 
 
 def _run(root, run_id: str, lr: float, gpus: int = 1) -> Run:
@@ -180,7 +189,7 @@ def test_cluster_settings_validation():
 def test_environment_yaml_roundtrip(azproject):
     framework = get_framework("toy", Project(azproject))
     env = framework_environment(framework, azproject / "dockerfiles")
-    assert (env.name, env.version) == ("nbbatch-toy", framework.fingerprint())
+    assert (env.name, env.version) == ("nbbatch-toy", _image_version(azproject))
     text = io.StringIO()
     env.dump(text)
     loaded = load_environment(source=io.StringIO(text.getvalue()))
@@ -192,9 +201,9 @@ def test_environment_yaml_roundtrip(azproject):
 
 
 def test_missing_dockerfile_is_reported_before_submitting(aml, azproject, runs):
-    (azproject / "dockerfiles/toy/Dockerfile").unlink()
+    (azproject / "dockerfiles/Dockerfile").unlink()
     backend = AzureMLBackend(ml_client=aml.ml_client())
-    with pytest.raises(BackendError, match="Docker build context"):
+    with pytest.raises(BackendError, match="no Dockerfile for framework `toy`"):
         backend.check(runs)
     assert not aml.transport.calls
     AzureMLBackend(ml_client=aml.ml_client(), environments={"toy": "azureml:pytorch:3"}).check(runs)
@@ -298,7 +307,7 @@ def test_cluster_cli_arguments(aml, capsys):
     assert "gpu-t4" not in aml.computes
 
 
-def test_submit_statuses_cancel_resubmit(aml, backend, share, runs, files, env_upload):
+def test_submit_statuses_cancel_resubmit(aml, backend, share, runs, files, env_upload, azproject):
     _queue(share, runs)
     updates = []
     backend.submit(runs, share, _options(on_update=updates.append))
@@ -307,7 +316,14 @@ def test_submit_statuses_cancel_resubmit(aml, backend, share, runs, files, env_u
     assert aml.computes["gpu-a100"]["properties"]["properties"]["vmPriority"] == "LowPriority"
     assert aml.datastores[DATASTORE]["properties"]["fileShareName"] == "results"
     assert list(aml.environments) == [("nbbatch-toy", backend._environment_refs["toy"].rsplit(":", 1)[1])]
-    assert env_upload == [["Dockerfile", "frameworks/toy/framework.yaml", "frameworks/toy/requirements.txt"]]
+    # The uploaded build context holds everything the Dockerfile copies (the first real build would fail otherwise).
+    [uploaded] = env_upload
+    assert {"Dockerfile", "frameworks/toy/framework.yaml", "frameworks/toy/requirements.txt", "context/uv",
+            "context/nbbatch-requirements.txt", "src/nbbatch/ui/cli.py"} <= set(uploaded)
+    staged_dockerfile = render((azproject / "dockerfiles/Dockerfile").read_text(), image_spec(
+        get_framework("toy", Project(azproject)), azproject / "dockerfiles").args)
+    for source in copy_sources(staged_dockerfile):
+        assert source in uploaded or any(f.startswith(source.rstrip("/") + "/") for f in uploaded), source
     assert len(aml.jobs) == 3 and len(updates) == 3
     names = _job_names(share, runs)
     for run in runs:
@@ -370,7 +386,7 @@ def test_submit_statuses_cancel_resubmit(aml, backend, share, runs, files, env_u
 
 
 def _existing_environment(aml, azproject) -> str:
-    version = get_framework("toy", Project(azproject)).fingerprint()
+    version = _image_version(azproject)
     aml.environments[("nbbatch-toy", version)] = {
         "id": f"{aml.ws_path}/environments/nbbatch-toy/versions/{version}",
         "name": version, "properties": {"image": "myacr.azurecr.io/nbbatch-toy:1"}}
@@ -562,7 +578,7 @@ def test_environment_is_reused_when_it_exists(aml, backend, azproject):
     _existing_environment(aml, azproject)
 
     env = ensure_environment(backend.ml_client, framework, azproject / "dockerfiles")
-    assert isinstance(env, Environment) and env.version == framework.fingerprint()
+    assert isinstance(env, Environment) and env.version == _image_version(azproject)
     assert not [c for c in aml.transport.calls if c.method == "PUT"]
 
 

@@ -1,19 +1,26 @@
-"""Static checks of the per-framework images (Docker cannot build on the test machines).
+"""The framework images, checked without building them (``test_containers_real.py`` builds one for real).
 
-Each ``dockerfiles/<name>/Dockerfile`` must build from a base pinned by tag, install exactly the pins
-of ``frameworks/<name>/requirements.txt`` (a GPU variant of the same package at the same version is
-allowed, e.g. ``tensorflow-cpu==X`` → ``tensorflow[and-cuda]==X``), register the kernel
-``nbbatch-<name>`` with the framework's kernel variables, and run as a non-root user.
+One template, ``dockerfiles/Dockerfile``, filled from each ``framework.yaml``: a base pinned by tag (the
+framework's ``base_image``), the pins installed by ``nbbatch envs create`` (GPU builds only as listed in
+``gpu_packages``, each the same package at the same version), a non-root final user, and a build
+context, as the azureml backend stages it, that holds every path the Dockerfile copies.
 """
 
 from __future__ import annotations
 
 import re
-import shlex
 from pathlib import Path
 
 import pytest
 
+from nbbatch.containers.images import (
+    TEMPLATE,
+    copy_sources,
+    image_spec,
+    render,
+    stage_context,
+)
+from nbbatch.errors import ContainerError
 from nbbatch.spec.frameworks import Framework, list_frameworks
 from nbbatch.spec.project import Project
 
@@ -28,28 +35,26 @@ def frameworks() -> dict[str, Framework]:
         return list_frameworks(Project(ROOT))
 
 
-def instructions(path: Path) -> list[tuple[str, str]]:
+@pytest.fixture(params=sorted(p.parent.name for p in (ROOT / "frameworks").glob("*/framework.yaml")))
+def spec(request, frameworks):
+    return image_spec(frameworks[request.param], DOCKERFILES)
+
+
+def instructions(text: str) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) pairs, with line continuations joined and comments dropped."""
     out: list[tuple[str, str]] = []
     pending = ""
-    for raw in path.read_text().splitlines():
+    for raw in text.splitlines():
         line = raw.strip()
         if not pending and (not line or line.startswith("#")):
             continue
         if line.endswith("\\"):
             pending += line[:-1] + " "
             continue
-        line = pending + line
+        keyword, _, rest = (pending + line).partition(" ")
         pending = ""
-        keyword, _, rest = line.partition(" ")
         out.append((keyword.upper(), rest.strip()))
     return out
-
-
-def images_used(steps: list[tuple[str, str]]) -> list[str]:
-    used = [args.split()[0] for kw, args in steps if kw == "FROM"]
-    used += re.findall(r"--from=(\S+)", " ".join(args for kw, args in steps if kw == "COPY"))
-    return used
 
 
 def package(spec: str) -> str:
@@ -58,104 +63,100 @@ def package(spec: str) -> str:
 
 
 def gpu_variant_ok(original: str, variant: str) -> bool:
-    """A GPU variant of the same package: the same name with an extra or a CUDA suffix."""
+    """A GPU build of the same package: the same name with an extra or a CUDA suffix, or without -cpu."""
     base, var = package(original), package(variant)
     return var == base or var.startswith(base + "-cu") or base.endswith("-cpu") and var == base[:-4]
 
 
-def test_every_framework_has_a_dockerfile_and_no_dockerfile_is_orphaned(frameworks):
-    assert frameworks, "no frameworks found"
-    have = {p.parent.name for p in DOCKERFILES.glob("*/Dockerfile")}
-    assert set(frameworks) == have, f"without a Dockerfile: {sorted(set(frameworks) - have)}; " \
-                                    f"without a framework: {sorted(have - set(frameworks))}"
+def test_one_template_and_no_per_framework_copies():
+    assert (DOCKERFILES / TEMPLATE).is_file()
+    assert not list(DOCKERFILES.glob("*/Dockerfile")), "frameworks' images come from the one template"
 
 
-@pytest.fixture(params=sorted(p.parent.name for p in DOCKERFILES.glob("*/Dockerfile")))
-def case(request, frameworks):
-    name = request.param
-    if name not in frameworks:
-        pytest.fail(f"dockerfiles/{name} has no frameworks/{name}/framework.yaml")
-    return frameworks[name], instructions(DOCKERFILES / name / "Dockerfile")
+def test_the_base_is_framework_yamls_and_pinned_by_tag(spec):
+    steps = instructions(spec.text)
+    froms = [args for kw, args in steps if kw == "FROM"]
+    assert froms == ["${BASE_IMAGE}"]
+    assert spec.args["BASE_IMAGE"] == spec.framework.base_image
+    name, _, tag = spec.framework.base_image.rpartition(":")
+    assert name and tag and "/" not in tag and tag != "latest", f"{spec.framework.base_image} is not pinned by a tag"
+    assert f'ARG BASE_IMAGE="{spec.framework.base_image}"' in spec.text
+    if spec.framework.gpu:
+        assert "cuda" in spec.framework.base_image, "a GPU framework builds on a CUDA base image"
 
 
-def test_images_are_pinned_by_tag(case):
-    fw, steps = case
-    used = images_used(steps)
-    assert used, "no FROM"
-    for image in used:
-        name, _, tag = image.rpartition(":") if "@" not in image else (image, "", "digest")
-        assert name and tag and "/" not in tag, f"{image} is not pinned by a tag"
-        assert tag != "latest", f"{image} uses the moving tag `latest`"
+def test_the_environment_is_built_by_nbbatch_envs_create(spec):
+    run = " ".join(args for kw, args in instructions(spec.text) if kw == "RUN")
+    assert re.search(r"python -m nbbatch envs create \"\$\{FRAMEWORK\}\" \$\( \[ \"\$\{GPU\}\" = 1 \] && echo --gpu \)",
+                     run), "the framework's env must come from `nbbatch envs create` (the venvs' own code)"
+    assert spec.args["GPU"] == ("1" if spec.framework.gpu else "0")
+    # The only packages installed outside it are nbbatch's own requirements, from the staged file.
+    runs = [args for kw, args in instructions(spec.text) if kw == "RUN"]
+    others = [cmd.strip() for args in runs for cmd in args.split("&&") if "pip install" in cmd]
+    assert others == ["uv pip install --python /opt/nbbatch/venv/bin/python -r /opt/nbbatch/requirements.txt"]
 
 
-def test_base_image_is_the_one_framework_yaml_names(case):
-    fw, steps = case
-    froms = [args.split()[0] for kw, args in steps if kw == "FROM"]
-    assert froms[-1] == fw.base_image, f"framework.yaml says base_image {fw.base_image}, the Dockerfile uses {froms[-1]}"
+def test_gpu_builds_are_the_same_packages_at_the_same_versions(frameworks):
+    for fw in frameworks.values():
+        pinned = {package(line): line for line in fw.pinned()}
+        for original, variant in fw.gpu_packages.items():
+            assert original in pinned, f"{fw.name}: gpu_packages names {original}, which is not pinned"
+            assert gpu_variant_ok(original, variant), f"{fw.name}: {original} → {variant} is not a GPU build of it"
+        swapped = fw.requirement_lines(gpu=True)
+        assert [line.split("==")[1] for line in swapped] == [line.split("==")[1] for line in fw.pinned()]
+        if fw.gpu_packages or fw.gpu_pip_options:
+            assert fw.fingerprint(gpu=True) != fw.fingerprint()
 
 
-def test_installs_exactly_the_frameworks_requirements(case):
-    fw, steps = case
-    name = fw.name
-    copies = [args.split() for kw, args in steps if kw == "COPY" and f"frameworks/{name}/" in args]
-    assert copies, f"the Dockerfile must COPY frameworks/{name}/{fw.requirements.name}"
-    sources = [a for c in copies for a in c[:-1] if not a.startswith("--")]
-    assert sources == [f"frameworks/{name}/{fw.requirements.name}"], f"copies {sources}, not the pins file alone"
-    copied_to = copies[0][-1]
-    run = " && ".join(args for kw, args in steps if kw == "RUN")
-    # The files pip/uv install from: the copied pins, or a copy rewritten by sed to GPU variants.
-    rewrites = re.findall(r"sed\s+(?:-E\s+)?-e\s+'s/\^([^/]+)==/([^/]+)==/'\s+(\S+)\s*>\s*(\S+)", run)
-    installed_files = {copied_to}
-    for original, variant, source, target in rewrites:
-        assert source == copied_to, f"sed rewrites {source}, not the copied pins"
-        assert original.replace("\\", "") in {p.split("==")[0] for p in fw.pinned()}, f"{original} is not pinned"
-        assert gpu_variant_ok(original, variant), f"{original} → {variant} is not a GPU variant of the same package"
-        installed_files.add(target)
-    installs = [cmd for cmd in re.split(r"&&|;", run) if re.search(r"\bpip\b.*\binstall\b", cmd)]
-    assert installs, "nothing is installed"
-    requirement_files = set()
-    for cmd in installs:
-        tokens = shlex.split(cmd)
-        requirement_files |= {tok for flag, tok in zip(tokens, tokens[1:], strict=False) if flag == "-r"}
-    assert requirement_files, "the pins are not installed with -r"
-    assert requirement_files <= installed_files, f"installs {requirement_files - installed_files}, not the pins"
-    # No other pinned package sneaks in beside the file: only the setup requirements and ipykernel.
-    allowed = {package(r) for r in fw.setup_requirements} | {"ipykernel"}
-    for cmd in installs:
-        for token in shlex.split(cmd):
-            if re.match(r"^[A-Za-z0-9_.\-\[\]]+\s*(==|>=|<=|~=)", token):
-                assert package(token) in allowed, f"`{token}` is installed beside the pins file"
-    for requirement in fw.setup_requirements:
-        assert requirement in run, f"setup requirement {requirement} is not installed first"
-    for option in fw.pip_options:
-        assert option in run, f"pip option {option} from framework.yaml is not used"
-
-
-def test_registers_the_kernel_with_the_frameworks_variables(case):
-    fw, steps = case
-    run = " ".join(args for kw, args in steps if kw == "RUN")
-    match = re.search(r"ipykernel install (.*?)(?:&&|$)", run)
-    assert match, "no `python -m ipykernel install`"
-    args = shlex.split(match.group(1))
-    assert args[args.index("--name") + 1] == fw.kernel_name
-    env = {args[i + 1]: args[i + 2] for i, a in enumerate(args) if a == "--env"}
-    assert env == fw.kernel_env, f"kernel variables {env} differ from framework.yaml's {fw.kernel_env}"
-
-
-def test_runs_as_a_non_root_user(case):
-    fw, steps = case
+def test_runs_as_a_non_root_user(spec):
+    steps = instructions(spec.text)
     users = [(i, args.split(":")[0]) for i, (kw, args) in enumerate(steps) if kw == "USER"]
-    assert users, "no USER: the image would run as root"
-    last_index, last_user = users[-1]
-    assert last_user not in {"root", "0"}, "the last USER is root"
-    last_run = max(i for i, (kw, _) in enumerate(steps) if kw == "RUN")
-    assert last_index > last_run, "the final USER must come after the install steps"
+    assert users and users[-1][1] not in {"root", "0"}, "the image would run as root"
+    assert users[-1][0] > max(i for i, (kw, _) in enumerate(steps) if kw == "RUN")
 
 
-def test_gpu_claims_are_explained(case):
-    fw, steps = case
-    text = (DOCKERFILES / fw.name / "Dockerfile").read_text()
-    if fw.gpu:
-        assert "GPU" in text and "cuda" in fw.base_image.lower(), "a GPU framework builds from a CUDA base image"
-    else:
-        assert "NO GPU" in text, "a CPU-only framework's Dockerfile says so"
+def test_the_staged_context_holds_everything_the_dockerfile_copies(spec, tmp_path):
+    """What the azureml backend uploads for Azure ML's image build: every COPY source must be in it."""
+    from nbbatch.backends.azureml.images import framework_environment
+
+    pytest.importorskip("azure.ai.ml")
+    env = framework_environment(spec.framework, DOCKERFILES, build_dir=tmp_path / "ctx")
+    context = Path(env.build.path)
+    sources = copy_sources((context / "Dockerfile").read_text())
+    assert {"context/uv", "context/nbbatch-requirements.txt", "src/nbbatch", f"frameworks/{spec.framework.name}"} <= set(sources)
+    assert [s for s in sources if not (context / s).exists()] == []
+    assert env.version == spec.fingerprint
+    uv = (context / "context" / "uv").read_bytes()
+    assert uv[:4] == b"\x7fELF" and uv[18] == 0x3E, "Azure ML's nodes need uv's linux/x86_64 binary"
+
+
+def test_copy_sources_reads_args_and_skips_other_stages():
+    text = render('ARG NAME\nFROM x\nCOPY --from=other /a /b\nCOPY dir/${NAME} one.txt /dst/\nADD $NAME/f /g\n',
+                  {"NAME": "fw"})
+    assert copy_sources(text) == ["dir/fw", "one.txt", "fw/f"]
+
+
+def test_a_missing_copy_source_is_refused_before_any_build(frameworks, tmp_path, monkeypatch):
+    dockerfiles = tmp_path / "dockerfiles"
+    dockerfiles.mkdir()
+    (dockerfiles / TEMPLATE).write_text((DOCKERFILES / TEMPLATE).read_text() + "COPY notes/extra.txt /opt/\n")
+    spec = image_spec(frameworks["chainer"], dockerfiles)
+    monkeypatch.setenv("NBBATCH_CACHE_DIR", str(tmp_path / "cache"))
+    fake_uv = tmp_path / "cache" / "uv-0.13.8-x86_64" / "uv"
+    fake_uv.parent.mkdir(parents=True)
+    fake_uv.write_bytes(b"\x7fELF")
+    with pytest.raises(ContainerError, match="notes/extra.txt"):
+        stage_context(spec, tmp_path / "ctx", Project(ROOT), arch="x86_64")
+
+
+def test_the_fingerprint_follows_pins_base_and_template(frameworks, tmp_path):
+    fw = frameworks["pytorch"]
+    gpu, cpu = image_spec(fw, DOCKERFILES), image_spec(fw, DOCKERFILES, gpu=False)
+    assert gpu.fingerprint != cpu.fingerprint and cpu.args == {**gpu.args, "GPU": "0", "BASE_IMAGE": "ubuntu:24.04"}
+    assert image_spec(fw, DOCKERFILES, base="debian:12").fingerprint != gpu.fingerprint
+    assert gpu.ref == f"nbbatch/pytorch:{gpu.fingerprint}" and gpu.build_command == "nbbatch images build pytorch"
+    assert cpu.build_command == "nbbatch images build pytorch --cpu"
+    dockerfiles = tmp_path / "dockerfiles"
+    dockerfiles.mkdir()
+    (dockerfiles / TEMPLATE).write_text((DOCKERFILES / TEMPLATE).read_text() + "# changed\n")
+    assert image_spec(fw, dockerfiles).fingerprint != gpu.fingerprint

@@ -91,12 +91,8 @@ def prepare(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], bu
     spec = _as_experiment(experiment)
     project = find_project(spec.base_dir)
     backend = get_backend(spec.backend, **spec.backend_settings)
-    local_kernels = backend.capabilities.local_kernels
-    if build_envs and spec.frameworks and local_kernels:
-        from nbbatch.execute.envs import build_envs as build
-
-        build(spec.frameworks, project, progress=progress)
-    the_plan = plan(spec, project, check_kernels=local_kernels)
+    backend.prepare_environments(spec.frameworks, project, build=build_envs, progress=progress)
+    the_plan = plan(spec, project, check_kernels=backend.capabilities.local_kernels)
     backend.check(the_plan.runs, submit_options(spec))
     share = open_share(spec.share)
     backend.check_share(share)  # e.g. a local-only folder on a multi-node Ray cluster

@@ -40,6 +40,10 @@ class BackendError(NbbatchError):
     """A backend cannot do what was asked."""
 
 
+class ContainerError(NbbatchError):
+    """No usable container engine, image or GPU passthrough."""
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """Return `` (did you mean `x`?)`` for the closest choice, or an empty string."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)

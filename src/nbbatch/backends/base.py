@@ -27,7 +27,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from nbbatch.errors import BackendError, did_you_mean
 from nbbatch.plan.runs import Run
@@ -45,6 +45,9 @@ from nbbatch.store.records import (
 )
 from nbbatch.store.runrecord import RunError, RunRecord, Status
 from nbbatch.store.share import Share
+
+if TYPE_CHECKING:
+    from nbbatch.spec.project import Project
 
 UpdateCallback = Callable[[RunRecord], None]
 
@@ -139,6 +142,7 @@ class Capabilities:
     detached: bool = False  # runs outlive the submitting process (``submit --no-wait`` returns at once)
     gpu_slots: bool = False  # places runs on this machine's GPU slots: runs_per_gpu and max_parallel are its knobs
     managed_cluster: bool = False  # has a cluster nbbatch creates, resizes and deletes (``backend.cluster``)
+    containers: bool = False  # runs execute inside the frameworks' images (``nbbatch images``)
 
 
 @dataclass(frozen=True)
@@ -264,6 +268,16 @@ class Backend(ABC):
     def check_share(self, share: Share) -> None:
         """Refuse a share the backend's runs cannot reach, before anything starts."""
         return None
+
+    def prepare_environments(self, frameworks: Sequence[str], project: Project, build: bool = False,
+                             progress: bool = True) -> None:
+        """Before planning: build the frameworks' missing environments when ``build`` (``submit --build-envs``).
+
+        By default these are this machine's venvs, for a backend whose runs use :attr:`Capabilities.local_kernels`."""
+        if build and frameworks and self.capabilities.local_kernels:
+            from nbbatch.execute.envs import build_envs
+
+            build_envs(frameworks, project, progress=progress)
 
     def in_flight(self, share: Share, record: RunRecord) -> bool:
         """Whether an unfinished run is still queued or running in this backend (so it is not started twice)."""

@@ -7,21 +7,26 @@ past durations, GPU runs get ``CUDA_VISIBLE_DEVICES`` from a :class:`~nbbatch.ex
 GPU memory while sharing its GPU is run again, alone. With ``resources.mps`` the runs are clients of
 a CUDA MPS daemon started for the batch. Ctrl-C cancels: kernels are killed, runs are marked
 ``cancelled``, finished output stays, the MPS daemon is stopped.
+
+With ``container: true`` each run executes ``nbbatch run-one`` inside its framework's image
+(:mod:`nbbatch.containers`) instead of a kernel of this machine's venv; placement is the same.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from nbbatch.backends.base import Backend, Capabilities, Compute, Setting, SubmitOptions
-from nbbatch.errors import ShareError, ValidationError
+from nbbatch.errors import ContainerError, ShareError, ValidationError
 from nbbatch.execute.attempt import SHARE_FAILED, execute_run, kernel_launch
 from nbbatch.execute.gpus import GpuInfo, GpuLease, MemoryNeeds, SlotPool, detect_gpus, is_gpu_oom
 from nbbatch.plan.runs import Run
@@ -31,8 +36,11 @@ from nbbatch.store.runrecord import ErrorKind, RunError, RunRecord, Status
 from nbbatch.store.share import Share
 
 if TYPE_CHECKING:
+    from nbbatch.containers.engines import Engine
+    from nbbatch.containers.images import ImageSpec
     from nbbatch.execute.kernels import KernelPool
     from nbbatch.execute.mps import MpsDaemon
+    from nbbatch.spec.project import Project
 
 
 logger = logging.getLogger(__name__)
@@ -48,16 +56,27 @@ class LocalBackend(Backend):
     SETTINGS: ClassVar[dict[str, Setting]] = {
         "max_parallel": Setting(None, (int,), minimum=1),
         "prestart": Setting(None, (int,), minimum=0),  # kernels started ahead of their runs
+        "container": Setting(False, (bool,)),  # run each run inside its framework's image
+        "engine": Setting("auto", (str,), choices=("auto", "docker", "podman")),  # the container engine
+        "cpu_image": Setting(False, (bool,)),  # the frameworks' CPU images (the pins as the venvs have them)
+        "base_image": Setting(None, (str,)),  # build the images on this base instead of framework.yaml's
     }
     settings_hint: ClassVar[str] = "use resources: for gpus, runs_per_gpu, max_parallel"
 
     def __init__(self, gpus: list[GpuInfo] | None = None, max_parallel: int | None = None,
-                 prestart: int | None = None, **unknown: object):
+                 prestart: int | None = None, container: bool = False, engine: str = "auto",
+                 cpu_image: bool = False, base_image: str | None = None, **unknown: object):
         """``gpus`` replaces NVML's list (for tests); the rest are the experiment's ``backend:`` settings."""
-        super().__init__(max_parallel=max_parallel, prestart=prestart, **unknown)
+        super().__init__(max_parallel=max_parallel, prestart=prestart, container=container, engine=engine,
+                         cpu_image=cpu_image, base_image=base_image, **unknown)
         self._gpus = gpus
         self.max_parallel = max_parallel
         self.prestart = prestart  # None: PRESTART_DEFAULT
+        self.container = bool(container)
+        if self.container:  # the runs' kernels are the images', not this machine's venvs
+            self.capabilities = dataclasses.replace(self.capabilities, local_kernels=False, containers=True)
+        self._engine: Engine | None = None
+        self._images: dict[str, tuple[str, str]] = {}  # framework → (image, image id)
 
     @property
     def gpus(self) -> list[GpuInfo]:
@@ -76,6 +95,8 @@ class LocalBackend(Backend):
 
     def check(self, runs: Sequence[Run], options: SubmitOptions | None = None) -> None:
         """Refuse runs this machine cannot place, before anything starts."""
+        if self.container:
+            self._check_containers(runs, options)
         need = max((r.gpus for r in runs), default=0)
         if need > len(self.gpus):
             have = f"{len(self.gpus)} GPU(s)" if self.gpus else "no NVIDIA GPU (NVML found none)"
@@ -94,6 +115,79 @@ class LocalBackend(Backend):
                     f"GPU(s) {', '.join(map(str, held))} are in exclusive-process compute mode: one process at a time, "
                     f"so resources.runs_per_gpu: {options.runs_per_gpu} cannot share them; set resources.mps: true "
                     "(CUDA MPS lets runs share such a GPU), runs_per_gpu: 1, or `nvidia-smi -c DEFAULT`")
+
+    # --- container: true --------------------------------------------------------------------------------
+
+    def check_share(self, share: Share) -> None:
+        if self.container and share.local_path("") is None:
+            raise ContainerError(f"container: true bind-mounts the share into each run's container, so it must be a "
+                                 f"folder on this machine; {share.url} is not: use a local folder as `share:`, or "
+                                 "run without containers")
+
+    def prepare_environments(self, frameworks: Sequence[str], project: Project, build: bool = False,
+                             progress: bool = True) -> None:
+        if not self.container:
+            return super().prepare_environments(frameworks, project, build, progress)
+        if build and frameworks:
+            from nbbatch.containers.images import build_image
+            from nbbatch.spec.frameworks import get_framework
+
+            for name in frameworks:
+                build_image(self._container_engine(), self._image_spec(get_framework(name, project), project), project)
+
+    def _container_engine(self) -> Engine:
+        if self._engine is None:
+            from nbbatch.containers.engines import find_engine
+
+            self._engine = find_engine(self.settings["engine"])
+        return self._engine
+
+    def _image_spec(self, framework: Any, project: Project) -> ImageSpec:
+        from nbbatch.containers.images import image_spec
+
+        return image_spec(framework, project.root / "dockerfiles", gpu=not self.settings["cpu_image"],
+                          base=self.settings["base_image"])
+
+    def _check_containers(self, runs: Sequence[Run], options: SubmitOptions | None) -> None:
+        """The engine runs, the GPUs can reach containers, every framework's image is ready: before any run starts."""
+        from nbbatch.containers.images import require_image
+        from nbbatch.spec.frameworks import get_framework
+        from nbbatch.spec.project import Project
+
+        if options is not None and options.mps:
+            raise ValidationError("resources.mps cannot be combined with container: true (the MPS daemon's pipe is not "
+                                  "shared with containers); drop one of them")
+        loose = next((r for r in runs if not r.framework), None)
+        if loose is not None:
+            raise ValidationError(f"container: true runs each notebook in its framework's image, and {loose.notebook_rel} "
+                                  f"(kernel {loose.kernel}) belongs to no framework; list it under `frameworks:`, or run "
+                                  "without containers")
+        engine = self._container_engine()
+        if any(r.gpus for r in runs):
+            engine.check_gpus()
+        for run in runs:
+            if run.framework and run.framework not in self._images:
+                project = Project(run.project_root())
+                status = require_image(engine, self._image_spec(get_framework(run.framework, project), project))
+                self._images[run.framework] = (status.ref, status.image_id or "")
+
+    def _execute(self, run: Run, share: Share, lease: GpuLease, shared: bool, gpu_env: dict[str, str],
+                 info: dict[str, Any], cancel: threading.Event, notify: Callable[[RunRecord], None],
+                 kernels: KernelPool) -> RunRecord:
+        """One run: in a kernel of this machine's venv, or with ``container: true`` inside its framework's image."""
+        if not self.container:
+            return execute_run(run, share, gpu_ids=lease.gpu_ids, shared_gpu=shared, cancel_event=cancel,
+                               on_update=notify, kernels=kernels, gpu_env=gpu_env, gpu_share=info)
+        from nbbatch.containers.runner import execute_in_container
+
+        if run.framework not in self._images:
+            self._check_containers([run], None)
+        image, image_id = self._images[run.framework or ""]
+        return execute_in_container(self._container_engine(), image, image_id, run, share, Path(run.project_root()),
+                                    gpu_ids=lease.gpu_ids, shared_gpu=shared, gpu_share=info, cancel_event=cancel,
+                                    notify=notify)
+
+    # --- scheduling -------------------------------------------------------------------------------------
 
     def start(self, runs: Sequence[Run], share: Share, options: SubmitOptions) -> None:
         """Run every run in worker threads of this process, on GPU slots; return when all are final."""
@@ -120,7 +214,8 @@ class LocalBackend(Backend):
         share_failures: list[ShareError] = []  # the share cannot be written (full): start no more runs
         from nbbatch.execute.kernels import KernelPool  # imports jupyter_client: not at module import
 
-        kernels = KernelPool(PRESTART_DEFAULT if self.prestart is None else self.prestart)
+        # A container starts its run's kernel itself: nothing to start ahead.
+        kernels = KernelPool(0 if self.container else PRESTART_DEFAULT if self.prestart is None else self.prestart)
 
         def placement(run: Run, lease: GpuLease) -> tuple[bool, dict[str, str], dict[str, Any]]:
             """Whether the run shares its GPUs, its MPS environment, and what run.json says about both."""
@@ -151,8 +246,7 @@ class LocalBackend(Backend):
             try:
                 try:
                     shared, gpu_env, info = placement(run, lease)
-                    record = execute_run(run, share, gpu_ids=lease.gpu_ids, shared_gpu=shared, cancel_event=cancel,
-                                         on_update=notify, kernels=kernels, gpu_env=gpu_env, gpu_share=info)
+                    record = self._execute(run, share, lease, shared, gpu_env, info, cancel, notify, kernels)
                     needs.learn(record)
                     again = self._out_of_memory_while_sharing(record, lease, pool, share, notify)
                     if again and record.error is not None:

@@ -151,19 +151,23 @@ def execute_run(run: Run, share: Share, *, gpu_ids: list[int] | None = None, sha
                 cancel_event: threading.Event | None = None, on_update: UpdateCallback | None = None,
                 backend: str = "local", project_root: Path | None = None, save_every: float = 1.0,
                 kernels: Any = None, gpu_env: dict[str, str] | None = None,
-                gpu_share: dict[str, Any] | None = None) -> RunRecord:
+                gpu_share: dict[str, Any] | None = None, container: dict[str, Any] | None = None,
+                recorded_gpu_ids: list[int] | None = None) -> RunRecord:
     """Execute ``run`` (retrying after kernel deaths up to ``run.retries``) and return its final record.
 
     ``kernels`` is an :class:`nbbatch.execute.kernels.KernelPool` that may hold a kernel started for this run.
     ``gpu_env`` is added to the kernel's environment (a CUDA MPS daemon's); ``gpu_share`` says in run.json
     how the run's GPUs were shared (``exclusive``: no other run on them, so their memory use is the run's).
+    In a container, ``container`` names its image, and ``recorded_gpu_ids`` are the GPUs' indices on the
+    host (``gpu_ids`` are the container's own, numbered from 0).
     """
     record = read_record(share, run.experiment, run.run_id) or new_record(run, backend)
     record.gpu_share = dict(gpu_share or {})
+    record.container = dict(container or {})
     attempts_left = run.retries + 1
     while True:
         record = _attempt(run, share, record, gpu_ids or [], shared_gpu, cancel_event, on_update, backend,
-                          project_root, save_every, kernels, gpu_env)
+                          project_root, save_every, kernels, gpu_env, recorded_gpu_ids)
         kernels = None  # a retry starts a kernel of its own
         attempts_left -= 1
         died = record.status == Status.FAILED and record.error is not None and record.error.kind == ErrorKind.KERNEL_DIED
@@ -184,7 +188,7 @@ def _cancelled_meanwhile(run: Run, share: Share, cancel_event: threading.Event |
 def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shared_gpu: bool,
              cancel_event: threading.Event | None, on_update: UpdateCallback | None, backend: str,
              project_root: Path | None, save_every: float, kernels: Any = None,
-             gpu_env: dict[str, str] | None = None) -> RunRecord:
+             gpu_env: dict[str, str] | None = None, recorded_gpu_ids: list[int] | None = None) -> RunRecord:
     from papermill.exceptions import PapermillExecutionError
     from papermill.execute import prepare_notebook_metadata, raise_for_execution_errors, remove_error_markers
     from papermill.iorw import load_notebook_node
@@ -199,7 +203,7 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
     record.attempts += 1
     record.started_at, record.ended_at, record.duration_s = utc_now(), None, None
     record.host, record.pid, record.backend = socket.gethostname(), os.getpid(), backend
-    record.gpu_ids = list(gpu_ids)
+    record.gpu_ids = list(gpu_ids if recorded_gpu_ids is None else recorded_gpu_ids)
     record.cells_done = 0
     record.environment = _environment_versions(run)
     write_record(share, record)
@@ -230,7 +234,8 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
     telemetry_stream = StreamedFile(share, paths.telemetry, work / TELEMETRY_FILE, remote=remote, fresh=True)
     log = _LogSink(log_path)
     log.write(f"=== nbbatch run {run.run_id} attempt {record.attempts} on {record.host} "
-              f"(kernel {run.kernel}, GPUs {','.join(map(str, gpu_ids)) or 'none'}{_sharing(record.gpu_share)}) "
+              f"(kernel {run.kernel}, GPUs {','.join(map(str, record.gpu_ids)) or 'none'}{_sharing(record.gpu_share)}"
+              f"{_image(record.container)}) "
               f"at {record.started_at}\n")
     live = LiveRecord(share, record, notify, [log_stream, metrics_stream, telemetry_stream]).start()
 
@@ -344,6 +349,10 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
     write_record(share, record)
     notify(record)
     return record
+
+
+def _image(container: dict[str, Any]) -> str:
+    return f", in {container.get('engine')} image {container.get('image')}" if container else ""
 
 
 def _sharing(gpu_share: dict[str, Any]) -> str:

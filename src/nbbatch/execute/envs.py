@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import nbbatch
 from nbbatch.errors import EnvironmentNotReady, NbbatchError
@@ -38,6 +39,7 @@ class EnvStatus:
     fingerprint: str
     built_fingerprint: str | None = None
     built_at: str | None = None
+    gpu: bool = False  # built with the framework's GPU builds (``nbbatch envs create --gpu``)
 
     @property
     def fix_command(self) -> str:
@@ -60,14 +62,14 @@ def env_status(framework: Framework, project: Project | None = None) -> EnvStatu
     """Whether ``framework``'s env is built from its current pins."""
     project = project or find_project()
     path = env_path(framework, project)
-    fingerprint = framework.fingerprint()
     marker = path / MARKER
-    built: dict[str, str] = {}
+    built: dict[str, Any] = {}
     if marker.exists():
         try:
             built = json.loads(marker.read_text())
         except ValueError:
             built = {}
+    fingerprint = framework.fingerprint(gpu=bool(built.get("gpu")))  # an env built with --gpu stays one
     if not built or not env_python(path).exists() or not (kernel_dir(framework, project) / "kernel.json").exists():
         state = "missing"
     elif built.get("fingerprint") != fingerprint:
@@ -75,7 +77,7 @@ def env_status(framework: Framework, project: Project | None = None) -> EnvStatu
     else:
         state = "ready"
     return EnvStatus(framework.name, state, path, framework.kernel_name, fingerprint,
-                     built.get("fingerprint"), built.get("built_at"))
+                     built.get("fingerprint"), built.get("built_at"), bool(built.get("gpu")))
 
 
 def list_envs(project: Project | None = None) -> list[EnvStatus]:
@@ -135,7 +137,7 @@ def _link_nbbatch(python: Path, log) -> None:
     log.write(f"linked nbbatch from {package}\n")
 
 
-def _write_kernel(framework: Framework, project: Project, python: Path) -> Path:
+def _write_kernel(framework: Framework, project: Project, python: Path, gpu: bool = False) -> Path:
     folder = kernel_dir(framework, project)
     folder.mkdir(parents=True, exist_ok=True)
     spec = {
@@ -143,7 +145,7 @@ def _write_kernel(framework: Framework, project: Project, python: Path) -> Path:
         "display_name": f"nbbatch {framework.title}",
         "language": "python",
         "env": dict(framework.kernel_env),
-        "metadata": {"nbbatch": {"framework": framework.name, "fingerprint": framework.fingerprint()}},
+        "metadata": {"nbbatch": {"framework": framework.name, "fingerprint": framework.fingerprint(gpu=gpu)}},
     }
     tmp = folder / "kernel.json.tmp"
     tmp.write_text(json.dumps(spec, indent=2))
@@ -161,11 +163,16 @@ def _package_versions(python: Path) -> dict[str, str]:
 
 
 def build_env(framework: Framework, project: Project | None = None, force: bool = False,
-              on_step: Callable[[str], None] | None = None) -> EnvStatus:
-    """Create (or rebuild) the env and kernel of ``framework``; idempotent while pins are unchanged."""
+              on_step: Callable[[str], None] | None = None, gpu: bool | None = None) -> EnvStatus:
+    """Create (or rebuild) the env and kernel of ``framework``; idempotent while pins are unchanged.
+
+    ``gpu=True`` installs the framework's GPU builds (``gpu_packages``, ``gpu_pip_options``) instead of
+    the packages they replace, as its image does; ``False`` the pins as they are; ``None`` keeps what
+    the env was built with (the pins, for a new one)."""
     project = project or find_project()
     status = env_status(framework, project)
-    if status.state == "ready" and not force:
+    gpu = status.gpu if gpu is None else gpu
+    if status.state == "ready" and not force and status.gpu == gpu:
         return status
     path = status.path
     project.envs_dir.mkdir(parents=True, exist_ok=True)
@@ -185,7 +192,7 @@ def build_env(framework: Framework, project: Project | None = None, force: bool 
 
         try:
             (path / MARKER).unlink(missing_ok=True)
-            if path.exists() and (force or status.state == "stale"):
+            if path.exists() and (force or status.state != "ready" or status.gpu != gpu):
                 shutil.rmtree(path)
             python = env_python(path)
             if not python.exists():
@@ -195,14 +202,20 @@ def build_env(framework: Framework, project: Project | None = None, force: bool 
                     run([sys.executable, "-m", "venv", str(path)], "creating the venv")
             if framework.setup_requirements:
                 run(_install_cmd(python, list(framework.setup_requirements)), "installing setup requirements")
-            run(_install_cmd(python, [*framework.pip_options, *KERNEL_REQUIREMENTS, "-r", str(framework.requirements)]),
-                "installing pinned requirements")
+            requirements = framework.requirements
+            if gpu:
+                requirements = path / "requirements-gpu.txt"
+                requirements.write_text("\n".join(framework.requirement_lines(gpu=True)) + "\n")
+            options = [*framework.pip_options, *(framework.gpu_pip_options if gpu else ())]
+            run(_install_cmd(python, [*options, *KERNEL_REQUIREMENTS, "-r", str(requirements)]),
+                "installing pinned requirements" + (" (GPU builds)" if gpu else ""))
             step("registering the kernel")
             _link_nbbatch(python, log)
-            _write_kernel(framework, project, python)
+            _write_kernel(framework, project, python, gpu)
             marker = {
                 "framework": framework.name,
-                "fingerprint": framework.fingerprint(),
+                "fingerprint": framework.fingerprint(gpu=gpu),
+                "gpu": gpu,
                 "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "installer": installer(),
                 "packages": _package_versions(python),
@@ -214,11 +227,12 @@ def build_env(framework: Framework, project: Project | None = None, force: bool 
 
 
 def build_envs(names: Iterable[str], project: Project | None = None, force: bool = False,
-               parallel: int | None = None, progress: bool = True) -> list[EnvStatus]:
+               parallel: int | None = None, progress: bool = True, gpu: bool | None = None) -> list[EnvStatus]:
     """Build several envs in parallel (with a rich progress display); raise if any failed, naming their logs."""
     project = project or find_project()
     frameworks = [get_framework(n, project) for n in dict.fromkeys(names)]
-    todo = [fw for fw in frameworks if force or env_status(fw, project).state != "ready"]
+    todo = [fw for fw in frameworks
+            if force or (state := env_status(fw, project)).state != "ready" or gpu is not None and state.gpu != gpu]
     failures: list[str] = []
     if todo:
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -230,7 +244,7 @@ def build_envs(names: Iterable[str], project: Project | None = None, force: bool
             def one(fw: Framework) -> None:
                 task = tasks[fw.name]
                 try:
-                    build_env(fw, project, force=force,
+                    build_env(fw, project, force=force, gpu=gpu,
                               on_step=lambda msg: bar.update(task, description=f"{fw.name}: {msg}"))
                     bar.update(task, description=f"{fw.name}: ready", completed=1)
                 except NbbatchError as exc:

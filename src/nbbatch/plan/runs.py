@@ -73,6 +73,15 @@ class Run:
     def from_dict(cls, data: dict[str, Any]) -> Run:
         return cls(**data)
 
+    def project_root(self) -> Path:
+        """The project the run's notebook belongs to (its path minus its project-relative path)."""
+        notebook, rel = Path(self.notebook), Path(self.notebook_rel)
+        if notebook.is_absolute() and not rel.is_absolute() and notebook.parts[-len(rel.parts):] == rel.parts:
+            return notebook.parents[len(rel.parts) - 1]
+        from nbbatch.spec.project import find_project
+
+        return find_project().root
+
     def resolve_notebook(self, project_root: Path | None = None) -> Path:
         """The notebook on this machine: the absolute path if present, else relative to the project."""
         absolute = Path(self.notebook)

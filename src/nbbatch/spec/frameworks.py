@@ -6,6 +6,7 @@ Adding a framework is a folder and a notebook; nothing here knows any framework 
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,10 @@ FRAMEWORK_FILE = "framework.yaml"
 _KNOWN_KEYS = {
     "title", "notebook", "requirements", "setup_requirements", "pip_options", "kernel_env",
     "shared_gpu_env", "gpu_memory_mb", "gpu", "image", "base_image", "description", "python",
+    "gpu_packages", "gpu_pip_options",
 }
+DEFAULT_PYTHON = "3.11"  # the Python of the environments and images, unless framework.yaml says `python:`
+_PACKAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # the distribution name a pin line starts with
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,11 @@ class Framework:
     image: str | None = None
     base_image: str | None = None
     description: str = ""
+    python: str = DEFAULT_PYTHON
+    # The GPU build of a pinned package, installed instead at the same version where GPUs are wanted (the
+    # images; `nbbatch envs create --gpu`): e.g. {"tensorflow-cpu": "tensorflow[and-cuda]"}.
+    gpu_packages: dict[str, str] = field(default_factory=dict)
+    gpu_pip_options: tuple[str, ...] = ()  # installer options for those builds (a wheel index of their own)
 
     @property
     def kernel_name(self) -> str:
@@ -55,18 +64,32 @@ class Framework:
                 lines.append(line)
         return lines
 
-    def fingerprint(self) -> str:
-        """A hash of everything that shapes the environment: when it changes the env is stale."""
+    def fingerprint(self, gpu: bool = False) -> str:
+        """A hash of everything that shapes the environment: when it changes the env is stale.
+
+        ``gpu``: of the environment with the framework's GPU builds (``gpu_packages``)."""
         digest = hashlib.sha256()
-        for part in (
+        parts = [
             self.requirements.read_bytes(),
             "\n".join(self.setup_requirements).encode(),
             "\n".join(self.pip_options).encode(),
             repr(sorted(self.kernel_env.items())).encode(),
-        ):
+        ]
+        if gpu:
+            parts += [repr(sorted(self.gpu_packages.items())).encode(), "\n".join(self.gpu_pip_options).encode()]
+        for part in parts:
             digest.update(part)
             digest.update(b"\0")
         return digest.hexdigest()[:16]
+
+    def requirement_lines(self, gpu: bool = False) -> list[str]:
+        """The pins to install: with ``gpu``, each package of ``gpu_packages`` swapped for its GPU build."""
+        lines = []
+        for line in self.pinned():
+            name = _PACKAGE.match(line)
+            build = self.gpu_packages.get(name.group(0).lower()) if gpu and name else None
+            lines.append(build + line[name.end():] if name and build else line)
+        return lines
 
 
 def _load(folder: Path, project: Project) -> Framework:
@@ -99,7 +122,19 @@ def _load(folder: Path, project: Project) -> Framework:
         image=data.get("image"),
         base_image=data.get("base_image"),
         description=str(data.get("description", "")),
+        python=str(data.get("python", DEFAULT_PYTHON)),
+        gpu_packages=_gpu_packages(source, data.get("gpu_packages")),
+        gpu_pip_options=tuple(str(o) for o in data.get("gpu_pip_options") or ()),
     )
+
+
+def _gpu_packages(source: Path, value: Any) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise ValidationError(f"{source}: `gpu_packages` must map a pinned package to its GPU build, "
+                              "e.g. {tensorflow-cpu: 'tensorflow[and-cuda]'}")
+    return {k.lower(): v for k, v in value.items()}
 
 
 def _memory_estimate(source: Path, value: Any) -> int | None:

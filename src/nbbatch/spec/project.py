@@ -36,6 +36,11 @@ class Project:
         return Path(os.environ.get("NBBATCH_JUPYTER_DIR") or self.state_dir / "jupyter")
 
     @property
+    def cache_dir(self) -> Path:
+        """Downloads kept between commands (uv's binary for the images)."""
+        return Path(os.environ.get("NBBATCH_CACHE_DIR") or self.state_dir / "cache")
+
+    @property
     def results_dir(self) -> Path:
         return self.root / "results"
 

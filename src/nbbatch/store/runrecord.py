@@ -109,6 +109,7 @@ class RunRecord:
     timeout_s: float | None = None
     telemetry: dict[str, Any] = field(default_factory=dict)
     gpu_share: dict[str, Any] = field(default_factory=dict)  # how its GPUs were shared: runs_per_gpu, shared, mps…
+    container: dict[str, Any] = field(default_factory=dict)  # the image it ran in: engine, image, image_id, name
     schema_version: int = SCHEMA_VERSION
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -178,7 +179,7 @@ _FIELD_TYPES: dict[str, tuple[str, Any]] = {
     "ended_at": _OPT_STR, "duration_s": _OPT_NUM, "host": _OPT_STR, "pid": _OPT_INT, "backend": _STR,
     "gpu_ids": ("a list of integers", list), "environment": _DICT, "error": ("a JSON object or null", (dict, type(None))),
     "metrics": _DICT, "cells_done": _INT, "cells_total": _INT, "timeout_s": _OPT_NUM, "telemetry": _DICT,
-    "gpu_share": _DICT, "schema_version": _INT,
+    "gpu_share": _DICT, "container": _DICT, "schema_version": _INT,
 }
 _ERROR_TYPES: dict[str, tuple[str, Any]] = {
     "ename": _STR, "evalue": _STR, "cell_index": _OPT_INT, "cell_source": _OPT_STR, "reason": _OPT_STR,

@@ -234,8 +234,10 @@ def cmd_run_one(args: argparse.Namespace) -> int:
     project = find_project(args.project) if args.project else find_project()
     project.activate_kernels()
     gpu_ids = [int(g) for g in args.gpus.split(",") if g.strip()] if args.gpus else []
+    placement = json.loads(Path(args.placement_file).read_text()) if args.placement_file else {}
     record = execute_run(run, open_share(args.share), gpu_ids=gpu_ids, shared_gpu=args.shared_gpu,
-                         backend=args.backend, project_root=project.root)
+                         backend=args.backend, project_root=project.root, gpu_share=placement.get("gpu_share"),
+                         container=placement.get("container"), recorded_gpu_ids=placement.get("gpu_ids"))
     print(f"{record.run_id}: {record.status}" + (f" ({record.error.summary()})" if record.error else ""))
     return 0 if record.status == Status.SUCCEEDED else 1
 
@@ -265,7 +267,7 @@ def cmd_envs(args: argparse.Namespace) -> int:
     if not names:
         raise NbbatchError(f"name the framework(s) to {args.action}, or --all")
     if args.action == "create":
-        statuses = build_envs(names, force=args.force, parallel=args.parallel)
+        statuses = build_envs(names, force=args.force, parallel=args.parallel, gpu=args.gpu)
         for env in statuses:
             print(f"{env.framework}: {env.state} (kernel {env.kernel})")
         return 0
@@ -370,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shared-gpu", action="store_true", help="the GPU is shared with other runs")
     p.add_argument("--backend", default="local")
     p.add_argument("--project", help="project root (default: found from the working directory)")
+    p.add_argument("--placement-file", help="JSON written by the backend: gpu_share, container, gpu_ids (the host's)")
     p.set_defaults(func=cmd_run_one)
 
     p = sub.add_parser("envs", help="framework environments: create | list | remove")
@@ -378,7 +381,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true")
     p.add_argument("--force", action="store_true", help="rebuild even if ready")
     p.add_argument("--parallel", type=int, help="builds at once (default: CPU count)")
+    variant = p.add_mutually_exclusive_group()
+    variant.add_argument("--gpu", action="store_true", default=None,
+                         help="install the framework's GPU builds (framework.yaml gpu_packages), as its image does")
+    variant.add_argument("--cpu", dest="gpu", action="store_false", help="install the pins as they are (the default)")
     p.set_defaults(func=cmd_envs)
+
+    from nbbatch.ui.images_commands import add_images_parser
+
+    add_images_parser(sub)
 
     p = sub.add_parser("cluster", help="the azureml backend's compute cluster: create | status | scale | delete")
     p.add_argument("action", choices=["create", "status", "scale", "delete"])

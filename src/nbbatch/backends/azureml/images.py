@@ -24,27 +24,28 @@ _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.pyo", ".ipynb_checkp
 
 
 def framework_environment(framework: Any, dockerfiles_dir: Path, build_dir: Path | None = None) -> Environment:
-    """The Azure ML environment of a framework: built from ``dockerfiles/<name>/``, versioned by its pins.
+    """The Azure ML environment of a framework: its GPU image (:mod:`nbbatch.containers.images`), versioned by
+    the image's fingerprint (its pins, the filled-in Dockerfile, uv and nbbatch's requirements).
 
-    With ``build_dir`` the Docker build context is staged there: the files of ``dockerfiles/<name>/``
-    plus the framework's folder as ``frameworks/<name>/``, so a Dockerfile can
-    ``COPY frameworks/<name>/requirements.txt`` and install the very pins the local environments use.
+    With ``build_dir`` the build context is staged there, the same context ``nbbatch images build`` builds
+    from (the Dockerfile with the framework's values, and everything it copies), for the linux/x86_64
+    nodes Azure ML runs.
     """
-    context = Path(dockerfiles_dir) / framework.name
-    if not (context / "Dockerfile").is_file():
-        raise BackendError(
-            f"framework `{framework.name}` has no Docker build context {context}/Dockerfile; the azureml backend "
-            f"builds its image from there (or name an existing Azure ML environment under `environments:`)"
-        )
-    path = context
-    if build_dir is not None:
-        shutil.copytree(context, build_dir, ignore=_IGNORE, dirs_exist_ok=True)
-        shutil.copytree(framework.folder, build_dir / "frameworks" / framework.name, ignore=_IGNORE,
-                        dirs_exist_ok=True)
-        path = build_dir
+    from nbbatch.containers.images import image_spec, stage_context
+    from nbbatch.errors import ContainerError
+    from nbbatch.spec.project import find_project
+
+    try:
+        spec = image_spec(framework, Path(dockerfiles_dir))
+        path = Path(dockerfiles_dir)
+        if build_dir is not None:
+            path = stage_context(spec, build_dir, find_project(), arch="x86_64")
+    except ContainerError as exc:
+        raise BackendError(f"{exc} (the azureml backend builds each framework's image from there; or name an existing "
+                           "Azure ML environment under `environments:`)") from exc
     return Environment(
         name=f"nbbatch-{framework.name}",
-        version=framework.fingerprint(),
+        version=spec.fingerprint,
         build=BuildContext(path=str(path), dockerfile_path="Dockerfile"),
         description=f"nbbatch {framework.title} environment (kernel {framework.kernel_name})",
         tags={"nbbatch": "1", "framework": framework.name, "kernel": framework.kernel_name},
@@ -111,13 +112,8 @@ def ensure_datastore(ml_client: MLClient, name: str, account: str, share: str) -
 
 
 def project_root_of(run: Run) -> Path:
-    """The project a run's notebook belongs to (its path minus its project-relative path)."""
-    notebook, rel = Path(run.notebook), Path(run.notebook_rel)
-    if notebook.is_absolute() and not rel.is_absolute() and notebook.parts[-len(rel.parts):] == rel.parts:
-        return notebook.parents[len(rel.parts) - 1]
-    from nbbatch.spec.project import find_project
-
-    return find_project().root
+    """The project a run's notebook belongs to."""
+    return run.project_root()
 
 
 def build_code_snapshot(runs: Sequence[Run], dest: Path, project_root: Path | None = None) -> Path:

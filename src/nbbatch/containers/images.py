@@ -1,0 +1,294 @@
+"""Framework images: one Dockerfile template filled from ``framework.yaml``, one build context for every builder.
+
+A framework's image is ``dockerfiles/Dockerfile`` (or the framework's own ``dockerfiles/<name>/Dockerfile``)
+with its ARGs given the framework's values as defaults, built from a staged context that holds exactly
+what the Dockerfile copies: nbbatch's source, ``frameworks/<name>/``, uv's binary and nbbatch's
+requirements. Local builds (Docker, Podman) and Azure ML's image build use the same context. An image
+is tagged ``<repository>:<fingerprint>``, the fingerprint covering the pins, the filled-in Dockerfile,
+uv's version and nbbatch's requirements: ``ready`` when that tag exists, ``stale`` when only older
+builds of the framework do, else ``missing``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nbbatch.containers.engines import Engine, build_ca_bundle
+from nbbatch.errors import ContainerError
+from nbbatch.spec.frameworks import Framework
+from nbbatch.spec.project import Project
+
+TEMPLATE = "Dockerfile"  # in the project's dockerfiles/ folder
+UV_VERSION = "0.13.8"  # the uv an image installs with (its PyPI wheel carries the binary)
+CPU_BASE_IMAGE = "ubuntu:24.04"  # the base of a CPU image (``--cpu``) unless another is named
+LABEL_FRAMEWORK = "nbbatch.framework"
+LABEL_FINGERPRINT = "nbbatch.fingerprint"
+LABEL_ENV = "nbbatch.env"  # the framework environment's fingerprint (its pins), as in run ids
+_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.pyo", ".ipynb_checkpoints")
+_ARG = re.compile(r"^(\s*ARG\s+)([A-Za-z_][A-Za-z0-9_]*)(=.*)?$")
+_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """What one framework image is built from: the Dockerfile filled in, and the tag that names it."""
+
+    framework: Framework
+    dockerfile: Path  # the template (or the framework's own Dockerfile)
+    args: dict[str, str]  # the ARG values written into it
+    gpu: bool  # with the framework's GPU builds
+    fingerprint: str = ""
+    text: str = field(default="", repr=False)  # the Dockerfile with the values filled in
+
+    @property
+    def repository(self) -> str:
+        image = self.framework.image or f"nbbatch/{self.framework.name}"
+        return image.rsplit(":", 1)[0] if ":" in image.rsplit("/", 1)[-1] else image
+
+    @property
+    def ref(self) -> str:
+        """The image's tag: ``<repository>:<fingerprint>``."""
+        return f"{self.repository}:{self.fingerprint}"
+
+    @property
+    def build_command(self) -> str:
+        """The command that builds this image."""
+        default = image_spec_args(self.framework, self.gpu, None)["BASE_IMAGE"]
+        return (f"nbbatch images build {self.framework.name}" + ("" if self.gpu or not self.framework.gpu else " --cpu")
+                + ("" if self.args["BASE_IMAGE"] == default else f" --base {self.args['BASE_IMAGE']}"))
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return {LABEL_FRAMEWORK: self.framework.name, LABEL_FINGERPRINT: self.fingerprint,
+                LABEL_ENV: self.framework.fingerprint(gpu=self.gpu)}
+
+
+@dataclass(frozen=True)
+class ImageStatus:
+    """The state of one framework's image on an engine."""
+
+    framework: str
+    state: str  # ready | stale | missing
+    ref: str
+    image_id: str | None = None
+    older: tuple[str, ...] = ()  # other builds of the framework (stale ones)
+
+
+def dockerfile_of(framework: Framework, dockerfiles_dir: Path) -> Path:
+    """The framework's own ``<dir>/<name>/Dockerfile`` if it has one, else the template ``<dir>/Dockerfile``."""
+    own = Path(dockerfiles_dir) / framework.name / "Dockerfile"
+    if own.is_file():
+        return own
+    template = Path(dockerfiles_dir) / TEMPLATE
+    if not template.is_file():
+        raise ContainerError(f"no Dockerfile for framework `{framework.name}`: neither {template} (the template every "
+                             f"framework's image is built from) nor {own} exists")
+    return template
+
+
+def image_spec(framework: Framework, dockerfiles_dir: Path, gpu: bool = True, base: str | None = None) -> ImageSpec:
+    """The image of ``framework``: with its GPU builds (``gpu``) or the pins as they are, on ``base`` or its own."""
+    gpu = gpu and framework.gpu
+    dockerfile = dockerfile_of(framework, dockerfiles_dir)
+    args = image_spec_args(framework, gpu, base)
+    if not args["BASE_IMAGE"] and re.search(r"^\s*ARG\s+BASE_IMAGE\b", dockerfile.read_text(), re.MULTILINE):
+        raise ContainerError(f"frameworks/{framework.name}/framework.yaml names no `base_image` for its image; "
+                             "add one (e.g. nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04), or pass --base IMAGE")
+    text = render(dockerfile.read_text(), args)
+    digest = hashlib.sha256()
+    for part in (framework.fingerprint(gpu=gpu), text, "\n".join(nbbatch_requirements()), UV_VERSION):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return ImageSpec(framework, dockerfile, args, gpu, digest.hexdigest()[:16], text)
+
+
+def image_spec_args(framework: Framework, gpu: bool, base: str | None) -> dict[str, str]:
+    """The Dockerfile's ARG values for ``framework``: its base image (or ``base``), Python, GPU builds or not."""
+    base = base or (framework.base_image if gpu or not framework.gpu else CPU_BASE_IMAGE) or ""
+    return {"BASE_IMAGE": base, "FRAMEWORK": framework.name, "PYTHON_VERSION": framework.python, "GPU": "1" if gpu else "0"}
+
+
+def render(text: str, args: dict[str, str]) -> str:
+    """The Dockerfile with ``args`` as its ARGs' defaults (Azure ML's image build takes no build args)."""
+    lines = []
+    for line in text.splitlines():
+        match = _ARG.match(line)
+        if match and match.group(2) in args:
+            line = f"{match.group(1)}{match.group(2)}={json.dumps(args[match.group(2)])}"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def copy_sources(text: str) -> list[str]:
+    """The context paths a Dockerfile's COPY and ADD instructions read (ARG defaults substituted)."""
+    defaults: dict[str, str] = {}
+    sources: list[str] = []
+    for keyword, rest in _instructions(text):
+        if keyword == "ARG":
+            name, _, value = rest.partition("=")
+            defaults[name.strip()] = json.loads(value) if value.startswith('"') else value
+        elif keyword in ("COPY", "ADD"):
+            words = rest.split()
+            if any(w.startswith("--from") for w in words):
+                continue
+            paths = [w for w in words if not w.startswith("--")][:-1]
+            sources += [_VARIABLE.sub(lambda m: defaults.get(m.group(1) or m.group(2), ""), p) for p in paths]
+    return sources
+
+
+def _instructions(text: str) -> list[tuple[str, str]]:
+    out, pending = [], ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        keyword, _, rest = (pending + line).partition(" ")
+        pending = ""
+        out.append((keyword.upper(), rest.strip()))
+    return out
+
+
+def stage_context(spec: ImageSpec, dest: Path, project: Project, arch: str | None = None) -> Path:
+    """Write the build context of ``spec`` into ``dest``: the filled-in Dockerfile and all it copies.
+
+    Raises :class:`ContainerError` naming any path the Dockerfile copies that the context lacks, so a
+    build never fails half-way for want of a file.
+    """
+    import nbbatch
+
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "Dockerfile").write_text(spec.text)
+    shutil.copytree(Path(nbbatch.__file__).resolve().parent, dest / "src" / "nbbatch", ignore=_IGNORE, dirs_exist_ok=True)
+    shutil.copytree(spec.framework.folder, dest / "frameworks" / spec.framework.name, ignore=_IGNORE, dirs_exist_ok=True)
+    own = spec.dockerfile.parent
+    if own.name == spec.framework.name:  # a framework's own Dockerfile may copy files beside it
+        shutil.copytree(own, dest, ignore=_IGNORE, dirs_exist_ok=True)
+        (dest / "Dockerfile").write_text(spec.text)
+    sources = copy_sources(spec.text)
+    (dest / "context").mkdir(exist_ok=True)
+    (dest / "context" / "nbbatch-requirements.txt").write_text("\n".join(nbbatch_requirements()) + "\n")
+    if "context/uv" in sources:
+        shutil.copy2(uv_binary(project, arch), dest / "context" / "uv")
+    missing = [src for src in sources if not (dest / src).exists()]
+    if missing:
+        raise ContainerError(f"{spec.dockerfile} copies {', '.join(missing)}, which the build context of "
+                             f"`{spec.framework.name}` does not hold; copy only from src/, frameworks/<name>/, "
+                             "context/ or files beside the framework's own Dockerfile")
+    return dest
+
+
+def nbbatch_requirements() -> list[str]:
+    """nbbatch's own requirements (no extras): what runs ``nbbatch run-one`` in an image."""
+    from importlib import metadata
+
+    try:
+        declared = metadata.requires("nbbatch") or []
+    except metadata.PackageNotFoundError as exc:
+        raise ContainerError("nbbatch is not installed as a package here (only on PYTHONPATH), so its requirements "
+                             "are unknown; install it (`pip install -e .`) to build images") from exc
+    return sorted(r.split(";")[0].strip() for r in declared if "extra ==" not in r)
+
+
+def machine_arch(machine: str | None = None) -> str:
+    """The CPU architecture as wheel tags name it (``x86_64``, ``aarch64``)."""
+    machine = (machine or platform.machine()).lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+
+
+def uv_binary(project: Project, arch: str | None = None) -> Path:
+    """uv's Linux binary for ``arch`` (this machine's by default), from its PyPI wheel, cached in the project."""
+    arch = machine_arch(arch)
+    cached = project.cache_dir / f"uv-{UV_VERSION}-{arch}" / "uv"
+    if cached.is_file():
+        return cached
+    with tempfile.TemporaryDirectory(prefix="nbbatch-uv-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", f"uv=={UV_VERSION}", "--no-deps", "--only-binary=:all:",
+               "--platform", f"manylinux2014_{arch}", "--python-version", "3.11", "--dest", tmp,
+               "--disable-pip-version-check", "--quiet"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("uv-*.whl"))
+        if done.returncode != 0 or not wheels:
+            raise ContainerError(f"cannot fetch uv {UV_VERSION}'s wheel for linux/{arch} from the package index "
+                                 f"(`{' '.join(cmd[2:6])} …`): {(done.stderr or done.stdout).strip()[-500:]}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            member = next((n for n in wheel.namelist() if re.search(r"\.data/scripts/uv$", n)), None)
+            if member is None:
+                raise ContainerError(f"{wheels[0].name} holds no uv binary")
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            part = cached.with_suffix(".part")
+            part.write_bytes(wheel.read(member))
+            part.chmod(0o755)
+            os.replace(part, cached)
+    return cached
+
+
+def image_status(engine: Engine, spec: ImageSpec) -> ImageStatus:
+    """Whether ``spec``'s image is built (``ready``), only older builds are (``stale``), or none (``missing``)."""
+    image_id = engine.image_id(spec.ref)
+    older = tuple(ref for ref, _ in engine.images_labelled(LABEL_FRAMEWORK, spec.framework.name)
+                  if not ref.endswith(":" + spec.fingerprint))
+    state = "ready" if image_id else "stale" if older else "missing"
+    return ImageStatus(spec.framework.name, state, spec.ref, image_id, older)
+
+
+def build_image(engine: Engine, spec: ImageSpec, project: Project, force: bool = False,
+                on_line: Callable[[str], None] | None = None) -> ImageStatus:
+    """Build ``spec``'s image unless it is ready (or ``force``); the engine's output goes to a log in the project."""
+    status = image_status(engine, spec)
+    if status.state == "ready" and not force:
+        return status
+    logs = project.state_dir / "images"
+    logs.mkdir(parents=True, exist_ok=True)
+    log_path = logs / f"{spec.framework.name}.log"
+    with tempfile.TemporaryDirectory(prefix=f"nbbatch-image-{spec.framework.name}-") as tmp:
+        context = stage_context(spec, Path(tmp) / "context", project)
+        cmd = engine.command("build", "--file", str(context / "Dockerfile"), "--tag", spec.ref,
+                             *[arg for k, v in spec.labels.items() for arg in ("--label", f"{k}={v}")],
+                             *engine.build_mounts(build_ca_bundle()), str(context))
+        started = time.monotonic()
+        with open(log_path, "w") as log:
+            log.write(f"$ {' '.join(cmd)}\n")
+            log.flush()
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    stdin=subprocess.DEVNULL)
+            assert proc.stdout is not None
+            tail: list[str] = []
+            for line in proc.stdout:
+                log.write(line)
+                tail = [*tail[-14:], line.rstrip()]
+                if on_line:
+                    on_line(line.rstrip())
+            code = proc.wait()
+            log.write(f"# exit {code} after {time.monotonic() - started:.1f} s\n")
+    if code != 0:
+        raise ContainerError(f"building the image of `{spec.framework.name}` with {engine.name} failed (exit {code}); "
+                             f"the last lines of {log_path}:\n" + "\n".join(tail))
+    return image_status(engine, spec)
+
+
+def require_image(engine: Engine, spec: ImageSpec) -> ImageStatus:
+    """The ready image of ``spec``, or an error naming the command that builds it."""
+    status = image_status(engine, spec)
+    if status.state != "ready":
+        why = (f"only older builds exist ({', '.join(status.older)}): its pins, Dockerfile or base changed"
+               if status.state == "stale" else "it was never built")
+        raise ContainerError(f"the image of framework `{spec.framework.name}` ({spec.ref}) is not ready on "
+                             f"{engine.name}: {why}. Build it with `{spec.build_command}`, or submit "
+                             "with --build-envs")
+    return status

@@ -1,0 +1,200 @@
+"""One run inside its framework's image: ``nbbatch run-one`` in a container, for ``backend: {name: local, container: true}``.
+
+The container sees the share read-write and the project, the notebook and any path a parameter names
+read-only, all at their paths on this machine, so run.json, log.txt and the executed notebook are the
+same as from a venv. It shares the host's network, PID and IPC namespaces: the image is for the
+environment, not for isolation, so the run records this host and its real process ids (lost-run
+detection and per-process GPU memory work as for a venv), a tracking server on localhost is reachable
+and PyTorch's data loaders get the host's shared memory. Files it writes belong to the invoking user.
+Cancel, the driver's Ctrl-C and a run that outlives its timeout kill the container; ``--rm`` removes it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from nbbatch.containers.engines import Engine
+from nbbatch.plan.runs import Run
+from nbbatch.redact import is_secret, tracking_credentials
+from nbbatch.store.records import read_record_or_none
+from nbbatch.store.runrecord import ErrorKind, RunError, RunRecord, Status
+from nbbatch.store.share import Share
+
+HOST_NBBATCH = "/opt/nbbatch/host"  # where the driver's own nbbatch is mounted: the run uses the same code
+OUTPUT_TAIL = 3000  # characters of the container's output kept for an error
+TIMEOUT_GRACE_S = 60.0  # past the run's own timeout (which run-one enforces) the container is killed
+# Variables passed from the driver (by name: values never appear on a command line): what tunes the
+# frameworks, tracks runs, or configures nbbatch. Paths of this machine's Python and Jupyter are not passed.
+PASSED_PREFIXES = ("MLFLOW_", "NBBATCH_", "TF_", "XLA_", "KERAS_", "JAX_", "PYTORCH_", "TORCH_", "NCCL_", "OMP_",
+                   "MKL_", "OPENBLAS_", "HF_", "LC_", "TZ", "LANG")
+HOST_ONLY = {"NBBATCH_PROJECT", "NBBATCH_ENVS_DIR", "NBBATCH_JUPYTER_DIR", "NBBATCH_FRAMEWORKS_DIR"}
+
+_running: dict[str, Engine] = {}  # containers this process started and has not seen end
+_running_lock = threading.Lock()
+
+
+def passed_variables(environ: dict[str, str] | None = None) -> list[str]:
+    """The names of the driver's variables a run's container gets (secrets only where MLflow needs them)."""
+    environ = dict(os.environ if environ is None else environ)
+    names = {n for n, v in environ.items() if n.startswith(PASSED_PREFIXES) and n not in HOST_ONLY and not is_secret(n, v)}
+    names |= set(tracking_credentials(environ))  # only with MLFLOW_TRACKING_URI, as a venv run's kernel gets them
+    return sorted(names)
+
+
+def read_only_paths(run: Run, project_root: Path) -> list[Path]:
+    """What a run reads besides the share: the project, its notebook and working folder, paths its parameters name."""
+    wanted = [project_root, Path(run.notebook).parent]
+    if run.cwd:
+        wanted.append(Path(run.cwd))
+    for value in run.parameters.values():
+        if isinstance(value, str) and os.path.isabs(value) and os.path.exists(value):
+            wanted.append(Path(value))
+    return _outermost(p.resolve() for p in wanted if p.exists())
+
+
+def _outermost(paths: Iterable[Path]) -> list[Path]:
+    kept: list[Path] = []
+    for path in sorted(set(paths), key=lambda p: len(p.parts)):
+        if not any(path == k or k in path.parents for k in kept):
+            kept.append(path)
+    return kept
+
+
+def container_command(engine: Engine, image: str, name: str, run: Run, share_root: Path, project_root: Path,
+                      private: Path, gpu_ids: list[int], shared_gpu: bool, labels: dict[str, str]) -> list[str]:
+    """The ``run`` command of a run's container (``private`` holds its spec and placement files)."""
+    import nbbatch
+
+    share_root = share_root.resolve()
+    mounts = ["--volume", f"{share_root}:{share_root}:rw",
+              "--volume", f"{private}:{private}:ro",
+              "--volume", f"{Path(nbbatch.__file__).resolve().parent}:{HOST_NBBATCH}/nbbatch:ro"]
+    for path in read_only_paths(run, project_root):
+        if path != share_root and share_root not in path.parents:
+            mounts += ["--volume", f"{path}:{path}:ro"]
+    variables = ["--env", "HOME=/tmp", "--env", f"PYTHONPATH={HOST_NBBATCH}"]
+    variables += [arg for n in passed_variables() for arg in ("--env", n)]
+    inside = ",".join(str(i) for i in range(len(gpu_ids)))  # the container sees only its GPUs, numbered from 0
+    return engine.command(
+        "run", "--rm", "--name", name, "--network", "host", "--pid", "host", "--ipc", "host",
+        *[arg for k, v in labels.items() for arg in ("--label", f"{k}={v}")],
+        *engine.user_args(), "--workdir", str(project_root), *mounts, *variables, *engine.gpu_args(gpu_ids),
+        image, "python", "-m", "nbbatch", "run-one", "--spec-file", str(private / "spec.json"),
+        "--placement-file", str(private / "placement.json"), "--share", str(share_root), "--gpus", inside,
+        "--project", str(project_root), "--backend", "local", *(["--shared-gpu"] if shared_gpu else []))
+
+
+def execute_in_container(engine: Engine, image: str, image_id: str, run: Run, share: Share, project_root: Path, *,
+                         gpu_ids: list[int], shared_gpu: bool, gpu_share: dict[str, Any],
+                         cancel_event: threading.Event, notify: Callable[[RunRecord], None]) -> RunRecord:
+    """Execute ``run`` with ``nbbatch run-one`` in a container of ``image``; return its final record."""
+    share_root = share.local_path("")
+    if share_root is None:
+        raise RuntimeError("container runs need a share that is a folder on this machine")  # Backend.check refuses it
+    name = f"nbbatch-{re.sub(r'[^a-zA-Z0-9_.-]', '-', run.run_id)[:60]}-{uuid.uuid4().hex[:6]}"
+    private = Path(tempfile.mkdtemp(prefix="nbbatch-container-"))  # 0700: the run's parameters are nobody else's
+    tail: collections.deque[str] = collections.deque(maxlen=200)
+    try:
+        (private / "spec.json").write_text(run.to_json())
+        container = {"engine": engine.name, "image": image, "image_id": image_id, "name": name}
+        (private / "placement.json").write_text(json.dumps({"gpu_share": gpu_share, "container": container,
+                                                            "gpu_ids": gpu_ids}))
+        cmd = container_command(engine, image, name, run, Path(share_root), project_root, private, gpu_ids, shared_gpu,
+                                {"nbbatch.experiment": run.experiment, "nbbatch.run": run.run_id})
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                text=True, errors="replace")
+        with _running_lock:
+            _running[name] = engine
+        reader = threading.Thread(target=lambda: tail.extend(proc.stdout or ()), daemon=True)
+        reader.start()
+        stopped = _watch(proc, engine, name, run, share, cancel_event, notify)
+        reader.join(timeout=5)
+    finally:
+        with _running_lock:
+            _running.pop(name, None)
+        shutil.rmtree(private, ignore_errors=True)
+    record = read_record_or_none(share, run.experiment, run.run_id)
+    if record is not None and record.final:
+        return record
+    output = "".join(tail).strip()[-OUTPUT_TAIL:]
+    if stopped:
+        if stopped == "cancelled":
+            return _ended(share, run, Status.CANCELLED, RunError("cancelled", "", reason="cancelled: its container was "
+                                                                 "stopped", kind=ErrorKind.CANCELLED))
+        return _ended(share, run, Status.TIMED_OUT, RunError(
+            "RunTimeout", output, reason=f"its container outlived the run's timeout ({run.timeout_s:g} s) by "
+                                         f"{TIMEOUT_GRACE_S:g} s and was stopped", kind=ErrorKind.TIMEOUT))
+    return _ended(share, run, Status.FAILED, RunError(
+        "ContainerFailed", output, reason=f"its container ({engine.name}, {image}) exited with {proc.returncode} "
+                                          f"before the run ended{_hint(output)}", kind=ErrorKind.INFRA))
+
+
+def _watch(proc: subprocess.Popen[str], engine: Engine, name: str, run: Run, share: Share,
+           cancel_event: threading.Event, notify: Callable[[RunRecord], None]) -> str:
+    """Wait for the container, passing record changes to ``notify``; kill it on cancel or past the run's timeout.
+
+    Returns why it was stopped (``cancelled``, ``timed_out``) or an empty string."""
+    deadline = time.monotonic() + run.timeout_s + TIMEOUT_GRACE_S if run.timeout_s else None
+    seen: tuple[Any, ...] = ()
+    stopped = ""
+    while proc.poll() is None:
+        if not stopped and cancel_event.is_set():
+            stopped = "cancelled"
+        elif not stopped and deadline is not None and time.monotonic() > deadline:
+            stopped = "timed_out"
+        if stopped:
+            stop_container(engine, name)
+        with contextlib.suppress(Exception):
+            record = read_record_or_none(share, run.experiment, run.run_id)
+            state = (record.status, record.attempts, record.cells_done) if record else ()
+            if record is not None and state != seen:
+                seen = state
+                notify(record)
+        try:
+            proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            pass
+    return stopped
+
+
+def stop_container(engine: Engine, name: str) -> None:
+    """Kill a container now (its processes with it); ``--rm`` then removes it."""
+    engine.query("kill", name, timeout=30)
+    engine.query("rm", "--force", name, timeout=30)
+
+
+def _ended(share: Share, run: Run, status: Status, error: RunError) -> RunRecord:
+    from nbbatch.store.records import finalize_record
+
+    return finalize_record(share, run, status, error, backend="local")
+
+
+def _hint(output: str) -> str:
+    if "rlimit" in output and "operation not permitted" in output:
+        return (" (the engine may not raise the container's ulimits on this machine: set default_ulimits in "
+                "containers.conf, see docs/containers.md)")
+    if "No module named" in output:
+        return " (the image lacks a module: rebuild it with `nbbatch images build --force`)"
+    return ""
+
+
+@atexit.register
+def _stop_leftovers() -> None:  # pragma: no cover - a driver that exits with containers still running
+    with _running_lock:
+        left = dict(_running)
+    for name, engine in left.items():
+        stop_container(engine, name)
