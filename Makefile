@@ -28,7 +28,7 @@ test: envs  ## the whole test suite (framework envs are built once above)
 	$(BIN)/python -m pytest -q
 
 test-fast: setup  ## tests that need no framework env, no browser and no cluster
-	$(BIN)/python -m pytest -q -m "not slow and not browser and not ray"
+	$(BIN)/python -m pytest -q -m "not slow and not browser and not ray and not container"
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks
@@ -42,11 +42,8 @@ bench: setup  ## the CPU benchmarks (benchmarks/*.py; GPU ones: see docs/benchma
 	$(BIN)/python benchmarks/memory.py
 	$(BIN)/python benchmarks/makespan.py --simulate
 
-# One GPU image per framework: dockerfiles/<name>/Dockerfile, tagged with framework.yaml's `image:` (needs a Docker engine).
-FRAMEWORK_NAMES := $(patsubst frameworks/%/framework.yaml,%,$(wildcard frameworks/*/framework.yaml))
-images: $(addprefix image-,$(FRAMEWORK_NAMES))
-image-%:
-	docker build -f dockerfiles/$*/Dockerfile -t $$(sed -n 's/^image: *//p' frameworks/$*/framework.yaml) .
+images: setup  ## one GPU image per framework from dockerfiles/Dockerfile, with Docker or Podman (docs/containers.md)
+	$(NBBATCH) images build --all
 
 clean:
 	rm -rf results .pytest_cache test-artifacts

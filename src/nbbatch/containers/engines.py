@@ -66,13 +66,14 @@ class Engine:
         done = self.query("image", "inspect", "--format", "{{.Id}}", ref)
         return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
 
-    def images_labelled(self, label: str, value: str) -> list[tuple[str, str]]:
-        """``(reference, id)`` of the local images carrying ``label=value``."""
-        done = self.query("images", "--filter", f"label={label}={value}", "--format", "{{.Repository}}:{{.Tag}}\t{{.ID}}")
+    def images_labelled(self, labels: dict[str, str]) -> list[tuple[str, str]]:
+        """``(reference, id)`` of the local tagged images carrying all these labels."""
+        filters = [arg for k, v in labels.items() for arg in ("--filter", f"label={k}={v}")]
+        done = self.query("images", *filters, "--format", "{{.Repository}}:{{.Tag}}\t{{.ID}}")
         found = []
         for line in done.stdout.splitlines() if done.returncode == 0 else []:
             ref, _, image_id = line.partition("\t")
-            if ref and image_id:
+            if ref and image_id and "<none>" not in ref:
                 found.append((ref.strip(), image_id.strip()))
         return found
 

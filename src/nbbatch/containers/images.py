@@ -36,7 +36,8 @@ UV_VERSION = "0.13.8"  # the uv an image installs with (its PyPI wheel carries t
 CPU_BASE_IMAGE = "ubuntu:24.04"  # the base of a CPU image (``--cpu``) unless another is named
 LABEL_FRAMEWORK = "nbbatch.framework"
 LABEL_FINGERPRINT = "nbbatch.fingerprint"
-LABEL_ENV = "nbbatch.env"  # the framework environment's fingerprint (its pins), as in run ids
+LABEL_VARIANT = "nbbatch.variant"  # GPU builds or not, and the base: builds of one variant replace each other
+LABEL_ENV = "nbbatch.env"  # the fingerprint of the framework environment inside (its pins; GPU builds included)
 _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.pyo", ".ipynb_checkpoints")
 _ARG = re.compile(r"^(\s*ARG\s+)([A-Za-z_][A-Za-z0-9_]*)(=.*)?$")
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
@@ -72,8 +73,12 @@ class ImageSpec:
 
     @property
     def labels(self) -> dict[str, str]:
-        return {LABEL_FRAMEWORK: self.framework.name, LABEL_FINGERPRINT: self.fingerprint,
+        return {LABEL_FRAMEWORK: self.framework.name, LABEL_VARIANT: self.variant, LABEL_FINGERPRINT: self.fingerprint,
                 LABEL_ENV: self.framework.fingerprint(gpu=self.gpu)}
+
+    @property
+    def variant(self) -> str:
+        return f"{'gpu' if self.gpu else 'cpu'}:{self.args['BASE_IMAGE']}"
 
 
 @dataclass(frozen=True)
@@ -118,7 +123,8 @@ def image_spec(framework: Framework, dockerfiles_dir: Path, gpu: bool = True, ba
 def image_spec_args(framework: Framework, gpu: bool, base: str | None) -> dict[str, str]:
     """The Dockerfile's ARG values for ``framework``: its base image (or ``base``), Python, GPU builds or not."""
     base = base or (framework.base_image if gpu or not framework.gpu else CPU_BASE_IMAGE) or ""
-    return {"BASE_IMAGE": base, "FRAMEWORK": framework.name, "PYTHON_VERSION": framework.python, "GPU": "1" if gpu else "0"}
+    return {"BASE_IMAGE": base, "FRAMEWORK": framework.name, "PYTHON_VERSION": framework.python,
+            "GPU": "1" if gpu else "0", "SYSTEM_PACKAGES": " ".join(framework.system_packages)}
 
 
 def render(text: str, args: dict[str, str]) -> str:
@@ -241,8 +247,8 @@ def uv_binary(project: Project, arch: str | None = None) -> Path:
 def image_status(engine: Engine, spec: ImageSpec) -> ImageStatus:
     """Whether ``spec``'s image is built (``ready``), only older builds are (``stale``), or none (``missing``)."""
     image_id = engine.image_id(spec.ref)
-    older = tuple(ref for ref, _ in engine.images_labelled(LABEL_FRAMEWORK, spec.framework.name)
-                  if not ref.endswith(":" + spec.fingerprint))
+    builds = engine.images_labelled({LABEL_FRAMEWORK: spec.framework.name, LABEL_VARIANT: spec.variant})
+    older = tuple(ref for ref, _ in builds if not ref.endswith(":" + spec.fingerprint))
     state = "ready" if image_id else "stale" if older else "missing"
     return ImageStatus(spec.framework.name, state, spec.ref, image_id, older)
 

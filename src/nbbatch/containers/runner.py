@@ -42,6 +42,10 @@ TIMEOUT_GRACE_S = 60.0  # past the run's own timeout (which run-one enforces) th
 PASSED_PREFIXES = ("MLFLOW_", "NBBATCH_", "TF_", "XLA_", "KERAS_", "JAX_", "PYTORCH_", "TORCH_", "NCCL_", "OMP_",
                    "MKL_", "OPENBLAS_", "HF_", "LC_", "TZ", "LANG")
 HOST_ONLY = {"NBBATCH_PROJECT", "NBBATCH_ENVS_DIR", "NBBATCH_JUPYTER_DIR", "NBBATCH_FRAMEWORKS_DIR"}
+# The image's own folders: a parameter naming one of them (or "/", "/tmp") is not mounted over it.
+SYSTEM_TOPS = {"bin", "boot", "dev", "etc", "lib", "lib32", "lib64", "libx32", "opt", "proc", "run", "sbin", "sys", "usr"}
+SYSTEM_ITSELF = {Path("/"), Path("/tmp"), Path("/home"), Path("/var"), Path("/root"), Path("/mnt"), Path("/media"),
+                 Path("/srv")}
 
 _running: dict[str, Engine] = {}  # containers this process started and has not seen end
 _running_lock = threading.Lock()
@@ -63,7 +67,12 @@ def read_only_paths(run: Run, project_root: Path) -> list[Path]:
     for value in run.parameters.values():
         if isinstance(value, str) and os.path.isabs(value) and os.path.exists(value):
             wanted.append(Path(value))
-    return _outermost(p.resolve() for p in wanted if p.exists())
+    return _outermost(p for p in (w.resolve() for w in wanted if w.exists()) if not _system_folder(p))
+
+
+def _system_folder(path: Path) -> bool:
+    """Whether mounting ``path`` would hide the image's own files (``/``, ``/usr/…``, ``/tmp`` itself…)."""
+    return path in SYSTEM_ITSELF or len(path.parts) > 1 and path.parts[1] in SYSTEM_TOPS
 
 
 def _outermost(paths: Iterable[Path]) -> list[Path]:

@@ -20,10 +20,11 @@ FRAMEWORK_FILE = "framework.yaml"
 _KNOWN_KEYS = {
     "title", "notebook", "requirements", "setup_requirements", "pip_options", "kernel_env",
     "shared_gpu_env", "gpu_memory_mb", "gpu", "image", "base_image", "description", "python",
-    "gpu_packages", "gpu_pip_options",
+    "gpu_packages", "gpu_pip_options", "system_packages",
 }
 DEFAULT_PYTHON = "3.11"  # the Python of the environments and images, unless framework.yaml says `python:`
 _PACKAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # the distribution name a pin line starts with
+_SYSTEM_PACKAGE = re.compile(r"[a-z0-9][a-z0-9.+-]+")  # a Debian package name
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Framework:
     # images; `nbbatch envs create --gpu`): e.g. {"tensorflow-cpu": "tensorflow[and-cuda]"}.
     gpu_packages: dict[str, str] = field(default_factory=dict)
     gpu_pip_options: tuple[str, ...] = ()  # installer options for those builds (a wheel index of their own)
+    system_packages: tuple[str, ...] = ()  # Debian/Ubuntu packages of the libraries its wheels load (in images)
 
     @property
     def kernel_name(self) -> str:
@@ -87,7 +89,7 @@ class Framework:
         lines = []
         for line in self.pinned():
             name = _PACKAGE.match(line)
-            build = self.gpu_packages.get(name.group(0).lower()) if gpu and name else None
+            build = self.gpu_packages.get(normalized(name.group(0))) if gpu and name else None
             lines.append(build + line[name.end():] if name and build else line)
         return lines
 
@@ -125,7 +127,17 @@ def _load(folder: Path, project: Project) -> Framework:
         python=str(data.get("python", DEFAULT_PYTHON)),
         gpu_packages=_gpu_packages(source, data.get("gpu_packages")),
         gpu_pip_options=tuple(str(o) for o in data.get("gpu_pip_options") or ()),
+        system_packages=_system_packages(source, data.get("system_packages")),
     )
+
+
+def _system_packages(source: Path, value: Any) -> tuple[str, ...]:
+    names = tuple(str(p) for p in value or ())
+    bad = [n for n in names if not _SYSTEM_PACKAGE.fullmatch(n)]
+    if not isinstance(value, (list, type(None))) or bad:
+        raise ValidationError(f"{source}: `system_packages` must be a list of Debian/Ubuntu package names "
+                              f"(e.g. [libquadmath0]); not {bad[0] if bad else value!r}")
+    return names
 
 
 def _gpu_packages(source: Path, value: Any) -> dict[str, str]:
@@ -134,7 +146,12 @@ def _gpu_packages(source: Path, value: Any) -> dict[str, str]:
     if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
         raise ValidationError(f"{source}: `gpu_packages` must map a pinned package to its GPU build, "
                               "e.g. {tensorflow-cpu: 'tensorflow[and-cuda]'}")
-    return {k.lower(): v for k, v in value.items()}
+    return {normalized(k): v for k, v in value.items()}
+
+
+def normalized(package: str) -> str:
+    """A distribution name as package indexes compare them (PEP 503): ``Tensorflow_CPU`` → ``tensorflow-cpu``."""
+    return re.sub(r"[-_.]+", "-", package).lower()
 
 
 def _memory_estimate(source: Path, value: Any) -> int | None:

@@ -461,7 +461,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``nbbatch`` console script."""
     _skip_iri_grammar()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "names") and not any(e.startswith("-") for e in extra):
+        args.names = [*args.names, *extra]  # `images build --cpu pytorch`: names after options
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     # run-one is stopped by its backend (Ray, Azure ML), which records why: it keeps the default SIGTERM.
     previous = _terminate_like_ctrl_c() if args.command != "run-one" else None
     try:
