@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -133,7 +134,10 @@ class LocalBackend(Backend):
             from nbbatch.spec.frameworks import get_framework
 
             for name in frameworks:
-                build_image(self._container_engine(), self._image_spec(get_framework(name, project), project), project)
+                spec = self._image_spec(get_framework(name, project), project)
+                if progress:
+                    print(f"image of {name}: {spec.ref} (build log: .nbbatch/images/{name}.log)", file=sys.stderr)
+                build_image(self._container_engine(), spec, project)
 
     def _container_engine(self) -> Engine:
         if self._engine is None:

@@ -5,8 +5,9 @@ This is deep_bait's Batch AI flow on today's service (Azure ML, SDK v2 ``azure-a
 * a **cluster** (:class:`AzureMLCluster`, :mod:`.cluster`): an ``AmlCompute`` cluster that scales
   between ``min_nodes`` and ``max_nodes`` VMs of ``vm_size`` (dedicated or low-priority);
 * an **environment** per framework (:mod:`.images`): an Azure ML ``Environment`` named
-  ``nbbatch-<framework>``, built by Azure ML from ``dockerfiles/<framework>/`` (the Docker build
-  context), versioned by the framework's pins fingerprint and reused while the pins are unchanged;
+  ``nbbatch-<framework>``, built by Azure ML from the build context :mod:`nbbatch.containers.images`
+  stages (``dockerfiles/Dockerfile`` filled from framework.yaml, and all it copies), versioned by the
+  image's fingerprint and reused while it is unchanged;
 * a **job** per run (:class:`AzureMLBackend`, :mod:`.backend`): a ``command`` job whose code is a
   snapshot of the run's notebooks, the frameworks' data and nbbatch's own source, and whose command
   is ``nbbatch run-one`` — the same executor every backend uses — writing ``output.ipynb``,

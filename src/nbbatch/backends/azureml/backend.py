@@ -118,7 +118,7 @@ class AzureMLBackend(Backend):
         ``idle_time_before_scale_down`` (seconds). ``datastore`` names the workspace datastore of
         the experiment's file share (default ``nbbatch_<account>_<share>``). ``environments`` maps a
         framework (or ``"*"``) to an existing Azure ML environment (``azureml:name:version``)
-        instead of building ``dockerfiles/<framework>/``. ``poll_seconds`` is how often waiting
+        instead of building the framework's image from ``dockerfiles/``. ``poll_seconds`` is how often waiting
         reads job states. ``share_mode`` is ``mount`` (the share is the job's rw_mount output) or
         ``direct`` (the job opens ``azfiles://`` itself with the cluster's managed identity).
         ``ml_client``/``credential``/``client_kwargs`` are for Python callers and tests.
