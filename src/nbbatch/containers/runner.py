@@ -159,14 +159,15 @@ def _watch(proc: subprocess.Popen[str], engine: Engine, name: str, run: Run, sha
     Returns why it was stopped (``cancelled``, ``timed_out``) or an empty string."""
     deadline = time.monotonic() + run.timeout_s + TIMEOUT_GRACE_S if run.timeout_s else None
     seen: tuple[Any, ...] = ()
-    stopped = ""
+    stopped, killed_at = "", 0.0
     while proc.poll() is None:
         if not stopped and cancel_event.is_set():
             stopped = "cancelled"
         elif not stopped and deadline is not None and time.monotonic() > deadline:
             stopped = "timed_out"
-        if stopped:
+        if stopped and time.monotonic() - killed_at > 5:  # again if the container was still being created
             stop_container(engine, name)
+            killed_at = time.monotonic()
         with contextlib.suppress(Exception):
             record = read_record_or_none(share, run.experiment, run.run_id)
             state = (record.status, record.attempts, record.cells_done) if record else ()
