@@ -98,14 +98,20 @@ def repo_frameworks(monkeypatch):
 
 def fake_podman_with_images(write, state: Path) -> Path:
     """A podman whose images are files in ``state``: ``ready`` holds the one reference `image inspect` knows,
-    ``images`` the lines `images --filter label=nbbatch.framework=chainer` prints."""
+    ``images`` the lines `images --filter label=nbbatch.framework=chainer` prints, ``labels`` each
+    reference's labels (``REF<TAB>JSON``)."""
     state.mkdir(exist_ok=True)
     return write("podman", f"""\
 STATE="{state}"
 case "$1" in
   info) echo "runc"; exit 0;;
   image)
-    if [ "$2" = inspect ] && [ "$3" = --format ] && [ -f "$STATE/ready" ]; then
+    if [ "$2" = inspect ] && [ "$4" = "{{{{json .Config.Labels}}}}" ] && [ -f "$STATE/labels" ]; then
+      while IFS="$(printf '\t')" read -r ref json; do
+        if [ "$ref" = "$5" ]; then echo "$json"; exit 0; fi
+      done < "$STATE/labels"
+    fi
+    if [ "$2" = inspect ] && [ "$4" = "{{{{.Id}}}}" ] && [ -f "$STATE/ready" ]; then
       read -r want < "$STATE/ready"
       if [ "$5" = "$want" ]; then echo "sha256:feedface0123"; exit 0; fi
     fi
@@ -384,8 +390,12 @@ def test_image_status_missing_stale_ready(chainer, fake_bin, tmp_path):
     missing = image_status(engine, spec)
     assert (missing.state, missing.ref, missing.image_id, missing.older) == ("missing", spec.ref, None, ())
 
-    (state / "images").write_text("localhost/nbbatch/chainer:0123456789abcdef\tdeadbeef\n")
-    stale = image_status(engine, spec)
+    older, other_base = "localhost/nbbatch/chainer:0123456789abcdef", "localhost/nbbatch/chainer:fedcba9876543210"
+    (state / "images").write_text(f"{older}\tdeadbeef\n{other_base}\tbeefdead\n")
+    (state / "labels").write_text(
+        f"{older}\t{json.dumps({'nbbatch.framework': 'chainer', 'nbbatch.variant': spec.variant})}\n"
+        f"{other_base}\t{json.dumps({'nbbatch.framework': 'chainer', 'nbbatch.variant': 'cpu:debian:12'})}\n")
+    stale = image_status(engine, spec)  # a build on another base is another variant, not an older build
     assert stale.state == "stale" and stale.older == ("localhost/nbbatch/chainer:0123456789abcdef",)
     with pytest.raises(ContainerError, match="only older builds exist"):
         require_image(engine, spec)

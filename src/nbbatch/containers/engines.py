@@ -9,6 +9,7 @@ when its daemon answers, else Podman, else says what to install.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import subprocess
@@ -67,15 +68,27 @@ class Engine:
         return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
 
     def images_labelled(self, labels: dict[str, str]) -> list[tuple[str, str]]:
-        """``(reference, id)`` of the local tagged images carrying all these labels."""
-        filters = [arg for k, v in labels.items() for arg in ("--filter", f"label={k}={v}")]
-        done = self.query("images", *filters, "--format", "{{.Repository}}:{{.Tag}}\t{{.ID}}")
+        """``(reference, id)`` of the local tagged images carrying all these labels.
+
+        The engine filters by the first label (Podman ORs repeated label filters); the rest are read back."""
+        label, value = next(iter(labels.items()))
+        done = self.query("images", "--filter", f"label={label}={value}", "--format", "{{.Repository}}:{{.Tag}}\t{{.ID}}")
         found = []
         for line in done.stdout.splitlines() if done.returncode == 0 else []:
             ref, _, image_id = line.partition("\t")
-            if ref and image_id and "<none>" not in ref:
+            if ref and image_id and "<none>" not in ref and self._has_labels(ref.strip(), labels):
                 found.append((ref.strip(), image_id.strip()))
         return found
+
+    def _has_labels(self, ref: str, labels: dict[str, str]) -> bool:
+        if len(labels) == 1:
+            return True
+        done = self.query("image", "inspect", "--format", "{{json .Config.Labels}}", ref)
+        try:
+            have = json.loads(done.stdout.strip().splitlines()[0]) if done.returncode == 0 else None
+        except (ValueError, IndexError):
+            have = None
+        return isinstance(have, dict) and all(have.get(k) == v for k, v in labels.items())
 
 
 class Docker(Engine):
