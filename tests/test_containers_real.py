@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import kernels_of
 
 from nbbatch.containers.images import image_spec
 from nbbatch.spec.frameworks import list_frameworks
@@ -107,19 +108,6 @@ def _containers_of(name: str) -> list[str]:
     return _podman("ps", "--all", "--filter", f"label=nbbatch.experiment={name}", "--format", "{{.Names}}").stdout.split()
 
 
-def _kernels_of(name: str) -> list[int]:
-    import psutil
-
-    found = []
-    for process in psutil.process_iter(["pid"]):
-        try:
-            if process.environ().get("NBBATCH_EXPERIMENT") == name:
-                found.append(process.pid)
-        except (psutil.Error, OSError):
-            continue
-    return found
-
-
 def test_images_are_built_once_and_listed(chainer_image):
     log = ROOT / ".nbbatch" / "images" / "chainer.log"
     before = log.stat().st_mtime_ns if log.exists() else None
@@ -148,7 +136,7 @@ def test_runs_execute_inside_the_image_and_land_on_the_share(chainer_image, tmp_
         notebook = json.loads((folder / "output.ipynb").read_text())
         assert any("accuracy" in json.dumps(c.get("outputs", [])) for c in notebook["cells"])
         assert {p.stat().st_uid for p in folder.iterdir()} == {os.getuid()}
-    assert _containers_of("ctr-ok") == [] and _kernels_of("ctr-ok") == []
+    assert _containers_of("ctr-ok") == [] and kernels_of("ctr-ok") == []
 
 
 def _wait_running(tmp_path: Path, name: str, timeout: float = 180) -> None:
@@ -189,7 +177,7 @@ def test_timeout_cancel_and_ctrl_c_leave_nothing_running(chainer_image, tmp_path
     while time.monotonic() < deadline and any(_containers_of(n) for n in ("ctr-timeout", "ctr-cancel", "ctr-sigterm")):
         time.sleep(0.5)
     for name in ("ctr-timeout", "ctr-cancel", "ctr-sigterm"):
-        assert _containers_of(name) == [] and _kernels_of(name) == [], name
+        assert _containers_of(name) == [] and kernels_of(name) == [], name
 
 
 def test_the_cpu_image_of_a_gpu_framework(podman_env, tmp_path):

@@ -17,6 +17,7 @@ from nbbatch.containers.images import (
     TEMPLATE,
     copy_sources,
     image_spec,
+    instructions,
     render,
     stage_context,
 )
@@ -38,23 +39,6 @@ def frameworks() -> dict[str, Framework]:
 @pytest.fixture(params=sorted(p.parent.name for p in (ROOT / "frameworks").glob("*/framework.yaml")))
 def spec(request, frameworks):
     return image_spec(frameworks[request.param], DOCKERFILES)
-
-
-def instructions(text: str) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) pairs, with line continuations joined and comments dropped."""
-    out: list[tuple[str, str]] = []
-    pending = ""
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not pending and (not line or line.startswith("#")):
-            continue
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
-            continue
-        keyword, _, rest = (pending + line).partition(" ")
-        pending = ""
-        out.append((keyword.upper(), rest.strip()))
-    return out
 
 
 def package(spec: str) -> str:

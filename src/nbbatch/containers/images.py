@@ -38,7 +38,7 @@ LABEL_FRAMEWORK = "nbbatch.framework"
 LABEL_FINGERPRINT = "nbbatch.fingerprint"
 LABEL_VARIANT = "nbbatch.variant"  # GPU builds or not, and the base: builds of one variant replace each other
 LABEL_ENV = "nbbatch.env"  # the fingerprint of the framework environment inside (its pins; GPU builds included)
-_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.pyo", ".ipynb_checkpoints")
+IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.pyo", ".ipynb_checkpoints")
 _ARG = re.compile(r"^(\s*ARG\s+)([A-Za-z_][A-Za-z0-9_]*)(=.*)?$")
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 
@@ -142,7 +142,7 @@ def copy_sources(text: str) -> list[str]:
     """The context paths a Dockerfile's COPY and ADD instructions read (ARG defaults substituted)."""
     defaults: dict[str, str] = {}
     sources: list[str] = []
-    for keyword, rest in _instructions(text):
+    for keyword, rest in instructions(text):
         if keyword == "ARG":
             name, _, value = rest.partition("=")
             defaults[name.strip()] = json.loads(value) if value.startswith('"') else value
@@ -155,7 +155,8 @@ def copy_sources(text: str) -> list[str]:
     return sources
 
 
-def _instructions(text: str) -> list[tuple[str, str]]:
+def instructions(text: str) -> list[tuple[str, str]]:
+    """A Dockerfile's ``(INSTRUCTION, arguments)`` pairs, continuation lines joined, comments dropped."""
     out, pending = [], ""
     for raw in text.splitlines():
         line = raw.strip()
@@ -180,11 +181,11 @@ def stage_context(spec: ImageSpec, dest: Path, project: Project, arch: str | Non
 
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "Dockerfile").write_text(spec.text)
-    shutil.copytree(Path(nbbatch.__file__).resolve().parent, dest / "src" / "nbbatch", ignore=_IGNORE, dirs_exist_ok=True)
-    shutil.copytree(spec.framework.folder, dest / "frameworks" / spec.framework.name, ignore=_IGNORE, dirs_exist_ok=True)
+    shutil.copytree(Path(nbbatch.__file__).resolve().parent, dest / "src" / "nbbatch", ignore=IGNORE, dirs_exist_ok=True)
+    shutil.copytree(spec.framework.folder, dest / "frameworks" / spec.framework.name, ignore=IGNORE, dirs_exist_ok=True)
     own = spec.dockerfile.parent
     if own.name == spec.framework.name:  # a framework's own Dockerfile may copy files beside it
-        shutil.copytree(own, dest, ignore=_IGNORE, dirs_exist_ok=True)
+        shutil.copytree(own, dest, ignore=IGNORE, dirs_exist_ok=True)
         (dest / "Dockerfile").write_text(spec.text)
     sources = copy_sources(spec.text)
     (dest / "context").mkdir(exist_ok=True)

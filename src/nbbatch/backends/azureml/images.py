@@ -16,11 +16,11 @@ from azure.ai.ml.entities import AccountKeyConfiguration, AzureFileDatastore, Bu
 from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
 
 from nbbatch.backends.azureml.workspace import error_text
+from nbbatch.containers.images import IGNORE
 from nbbatch.errors import BackendError
 from nbbatch.plan.runs import Run
 
 KEY_ENV = "AZURE_STORAGE_KEY"
-_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.pyo", ".ipynb_checkpoints")
 
 
 def framework_environment(framework: Any, dockerfiles_dir: Path, build_dir: Path | None = None) -> Environment:
@@ -126,7 +126,7 @@ def build_code_snapshot(runs: Sequence[Run], dest: Path, project_root: Path | No
     import nbbatch
 
     dest.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(Path(nbbatch.__file__).parent, dest / "src" / "nbbatch", ignore=_IGNORE, dirs_exist_ok=True)
+    shutil.copytree(Path(nbbatch.__file__).parent, dest / "src" / "nbbatch", ignore=IGNORE, dirs_exist_ok=True)
     frameworks = sorted({r.framework for r in runs if r.framework})
     for run in runs:
         rel = Path(run.notebook_rel)
@@ -148,5 +148,5 @@ def build_code_snapshot(runs: Sequence[Run], dest: Path, project_root: Path | No
         known = list_frameworks(Project(root))
         for name in frameworks:
             if name in known:
-                shutil.copytree(known[name].folder, dest / "frameworks" / name, ignore=_IGNORE, dirs_exist_ok=True)
+                shutil.copytree(known[name].folder, dest / "frameworks" / name, ignore=IGNORE, dirs_exist_ok=True)
     return dest
