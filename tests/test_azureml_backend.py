@@ -4,6 +4,7 @@ entities it builds checked by the SDK's own YAML loaders, and the results share 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import shutil
@@ -33,7 +34,7 @@ from nbbatch.backends.azureml import (  # noqa: E402
     map_job_status,
 )
 from nbbatch.containers.images import copy_sources, image_spec, render  # noqa: E402
-from nbbatch.errors import BackendError  # noqa: E402
+from nbbatch.errors import BackendError, ValidationError  # noqa: E402
 from nbbatch.plan.runs import Run  # noqa: E402
 from nbbatch.spec.frameworks import get_framework  # noqa: E402
 from nbbatch.spec.project import Project  # noqa: E402
@@ -606,3 +607,56 @@ def test_through_nbbatch_submit(aml, files, azproject, write_experiment, env_upl
     again = submit(exp, progress=False, wait=False)  # refreshes first: both succeeded, nothing resubmitted
     assert again.skipped == result.started and not again.started and len(aml.jobs) == 2
     assert {read_record(share, "viaapi", r).status for r in result.started} == {"succeeded"}
+
+
+# --- inputs: share folders mounted read-only, bound to notebook parameters ------------------------------
+
+
+def test_inputs_are_read_only_mounts_bound_to_their_parameters(backend, runs, tmp_path):
+    run = dataclasses.replace(runs[0], inputs={"DATA_DIR": f"azfiles://{ACCOUNT}/results/data/cifar",
+                                               "EXTRA": f"azfiles://{ACCOUNT}/other"})
+    job = backend.build_job(run, "azureml:nbbatch-toy:abc", tmp_path, datastore=DATASTORE, share_url=SHARE_URL,
+                            share_prefix="nbbatch")
+    loaded = load_job(source=io.StringIO(job_yaml(job)))
+    assert loaded._to_job()._to_dict() == job._to_job()._to_dict()
+    data, extra = loaded.inputs["DATA_DIR"], loaded.inputs["EXTRA"]
+    assert (data.type, data.mode, data.path) == ("uri_folder", "ro_mount",
+                                                 f"azureml://datastores/{DATASTORE}/paths/data/cifar/")
+    assert (extra.type, extra.mode) == ("uri_folder", "ro_mount")
+    assert extra.path == f"azureml://datastores/nbbatch_{ACCOUNT}_other/paths/"  # another share: its own datastore
+    assert "--input DATA_DIR=${{inputs.DATA_DIR}}" in loaded.command
+    assert "--input EXTRA=${{inputs.EXTRA}}" in loaded.command
+
+
+def test_a_local_input_is_refused_with_the_push_command(backend, runs, azproject):
+    run = dataclasses.replace(runs[0], inputs={"DATA_DIR": str(azproject / "data")})
+    with pytest.raises(ValidationError, match=r"input `DATA_DIR` is .*a folder on this machine.*nbbatch data push"):
+        backend.check([run], _options())
+
+
+def test_submit_mounts_a_pushed_input_and_refuses_a_missing_one(aml, files, azproject, write_experiment, env_upload,
+                                                                monkeypatch):
+    import nbbatch.backends as backends
+    from nbbatch.api import submit
+    from nbbatch.store.sync import push
+
+    monkeypatch.setitem(backends._REGISTRY, "azureml",
+                        lambda **settings: AzureMLBackend(ml_client=aml.ml_client(), **settings))
+    make_notebook(azproject / "notebooks" / "Toy.ipynb", ["print(DATA_DIR)"], parameters="EPOCHS = 1\nDATA_DIR = 'd'")
+    data_url = f"azfiles://{ACCOUNT}/datasets/cifar"
+    exp = write_experiment("experiment: withdata\nframeworks: [toy]\n"
+                           f"inputs: {{DATA_DIR: '{data_url}'}}\n"
+                           "backend: {name: azureml, compute: gpu-t4, poll_seconds: 0}\n"
+                           f"share: {SHARE_URL}\n")
+    with pytest.raises(ValidationError, match=f"input `DATA_DIR`: nothing at {data_url}.*nbbatch data push"):
+        submit(exp, progress=False, wait=False)
+    assert not aml.jobs
+    (azproject / "data").mkdir()
+    (azproject / "data" / "batch_1").write_bytes(b"\x00" * 1000)
+    push(azproject / "data", AzureFileShare(data_url))
+    result = submit(exp, progress=False, wait=False)
+    (job,) = aml.jobs.values()
+    assert job["properties"]["inputs"]["DATA_DIR"]["uri"] == f"azureml://datastores/nbbatch_{ACCOUNT}_datasets/paths/cifar/"
+    assert job["properties"]["inputs"]["DATA_DIR"]["mode"] == "ReadOnlyMount"
+    assert f"nbbatch_{ACCOUNT}_datasets" in aml.datastores  # the input's share got its datastore
+    assert result.started == [job["properties"]["displayName"]]

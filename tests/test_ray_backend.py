@@ -510,6 +510,23 @@ def test_refresh_fails_a_run_whose_task_is_gone(cluster, tmp_path):
     assert after.status == "failed" and after.error.ename == "RayTaskLost" and "resubmit" in after.error.reason
 
 
+def test_an_input_on_the_share_reaches_the_runs_on_the_nodes(cluster, project, tmp_path):
+    """The Ray task carries the run's inputs; the node binds the parameter to the share's folder."""
+    share = tmp_path / "results"
+    (share / "data").mkdir(parents=True)
+    (share / "data" / "x.txt").write_text("41")
+    make_notebook(project / "probe.ipynb", [
+        "import os, nbbatch\nprint('NODE=' + os.environ['NBBATCH_RAY_NODE_ID'])\n"
+        "nbbatch.record(x=int(open(os.path.join(DATA_DIR, 'x.txt')).read()) + 1, where=DATA_DIR)",
+    ], parameters="SEED = 0\nDATA_DIR = 'data'")
+    exp = _experiment("inputs", share, cluster.address, gpus=2, seeds=2, inputs={"DATA_DIR": str(share / "data")})
+    result = api.submit(exp, wait=True, progress=False)
+    assert {r.status for r in result.records} == {"succeeded"}
+    assert [r.metrics["x"] for r in result.records] == [42, 42]
+    assert {r.metrics["where"] for r in result.records} == {str(share / "data")}
+    assert all(r.inputs["DATA_DIR"]["path"] == str(share / "data") for r in result.records)
+
+
 def test_node_death_mid_run_retries_on_the_head(cluster, probe, tmp_path):
     """Kill the second node's raylet while a run executes there: it is retried on the head (or failed with why)."""
     share = tmp_path / "results"
@@ -538,6 +555,7 @@ def test_node_death_mid_run_retries_on_the_head(cluster, probe, tmp_path):
     assert all(r.status not in ("running", "queued") for r in records)
     if lost.status == "succeeded":  # retried by Ray on the head
         assert lost.attempts == 2 and _placement(share, lost)[1] == cluster.head_id
+        assert [e["status"] for e in lost.attempt_log] == ["lost", "succeeded"]  # an infrastructure failure
         assert f"NODE={cluster.worker_id}" in (share / "victim" / victim / "log.txt").read_text()
     else:
         assert lost.status == "failed" and "node" in lost.error.reason, lost.error

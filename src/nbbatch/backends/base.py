@@ -344,7 +344,10 @@ class Backend(ABC):
         todo = order_longest_first(runs, options.earlier)
         clear_run_cancels(share, todo[0].experiment, [r.run_id for r in todo])  # before the queued records
         notify = options.guarded_update
+        earlier = {r.run_id: r for r in options.earlier}
         for run in todo:
+            if run.run_id in earlier:
+                clear_run_folders(share, run, fresh=options.force or earlier[run.run_id].status == Status.SUCCEEDED)
             record = new_record(run, self.name)
             write_record(share, record)
             notify(record)
@@ -425,3 +428,12 @@ def order_longest_first(runs: Sequence[Run], records: Sequence[RunRecord]) -> li
 
 __all__ = ["Backend", "Capabilities", "Compute", "Setting", "SubmitOptions", "SubmitOutcome", "guarded",
            "order_longest_first"]
+
+
+def clear_run_folders(share: Share, run: Run, fresh: bool) -> None:
+    """Before a run starts again: its old outputs go; its checkpoints too when it starts ``fresh`` (forced, or
+    rerunning a succeeded run), else the new attempt resumes from them (a run that failed or was lost)."""
+    paths = run_paths(run.experiment, run.run_id)
+    share.remove(paths.outputs)
+    if fresh:
+        share.remove(paths.checkpoints)

@@ -166,6 +166,12 @@ class LocalBackend(Backend):
             raise ValidationError(f"container: true runs each notebook in its framework's image, and {loose.notebook_rel} "
                                   f"(kernel {loose.kernel}) belongs to no framework; list it under `frameworks:`, or run "
                                   "without containers")
+        remote = next(((r, n, u) for r in runs for n, u in r.inputs.items() if "://" in u), None)
+        if remote is not None:
+            run, name, url = remote
+            raise ValidationError(f"input `{name}` is the share folder {url}, which a container cannot pull into the "
+                                  f"(read-only) project; bring it here first (`nbbatch data pull {url} ./{name.lower()}`) "
+                                  f"and name that folder in `inputs:`, or run without containers")
         engine = self._container_engine()
         if any(r.gpus for r in runs):
             engine.check_gpus()
@@ -316,7 +322,7 @@ class LocalBackend(Backend):
                         active[run.run_id] = thread
                         thread.start()
                         started = True
-                    self._prestart(kernels, pending, pool, needs, out_of_memory, placement)
+                    self._prestart(kernels, pending, pool, needs, out_of_memory, placement, share)
                     if not started:
                         changed.wait(timeout=0.5)
         except BaseException as exc:  # Ctrl-C, SIGTERM, or a defect: no run may be left `running`
@@ -346,8 +352,8 @@ class LocalBackend(Backend):
 
     @staticmethod
     def _prestart(kernels: KernelPool, pending: list[Run], pool: SlotPool, needs: MemoryNeeds,
-                  out_of_memory: dict[str, str], placement: Callable[..., tuple[bool, dict[str, str], dict[str, Any]]]
-                  ) -> None:
+                  out_of_memory: dict[str, str], placement: Callable[..., tuple[bool, dict[str, str], dict[str, Any]]],
+                  share: Share) -> None:
         """Start the kernels of the next runs to start. A GPU run's kernel is started for the GPUs it will most
         likely get; if it gets others, the kernel is not used (its environment does not match) and is killed."""
         for run in pending[:kernels.size]:
@@ -359,7 +365,7 @@ class LocalBackend(Backend):
                                  exclusive=run.run_id in out_of_memory or (pool.auto and needs.need_mb(run) is None),
                                  alone=run.run_id in out_of_memory)
                 shared, gpu_env, _info = placement(run, lease)
-                kernels.prestart(run.run_id, *kernel_launch(run, gpu_ids, shared, gpu_env=gpu_env))
+                kernels.prestart(run.run_id, *kernel_launch(run, gpu_ids, shared, gpu_env=gpu_env, share=share))
             except Exception:  # noqa: BLE001 - the run then starts its kernel itself
                 return
 

@@ -60,11 +60,12 @@ def passed_variables(environ: dict[str, str] | None = None) -> list[str]:
 
 
 def read_only_paths(run: Run, project_root: Path) -> list[Path]:
-    """What a run reads besides the share: the project, its notebook and working folder, paths its parameters name."""
+    """What a run reads besides the share: the project, its notebook and working folder, its inputs, paths its
+    parameters name."""
     wanted = [project_root, Path(run.notebook).parent]
     if run.cwd:
         wanted.append(Path(run.cwd))
-    for value in run.parameters.values():
+    for value in [*run.parameters.values(), *run.inputs.values()]:
         if isinstance(value, str) and os.path.isabs(value) and os.path.exists(value):
             wanted.append(Path(value))
     return _outermost(p for p in (w.resolve() for w in wanted if w.exists()) if not _system_folder(p))

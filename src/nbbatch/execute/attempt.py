@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from nbbatch.errors import ShareError
+from nbbatch.errors import NbbatchError, ShareError
 from nbbatch.execute.kernels import kill_kernel_group
 from nbbatch.execute.live import LiveRecord, StreamedFile
 from nbbatch.execute.watchdog import REAPER, Watchdog
@@ -96,10 +96,19 @@ _MAX_PARAMETERS_ENV = 64 * 1024  # an environment variable much larger than this
 
 
 def kernel_launch(run: Run, gpu_ids: list[int] | None = None, shared_gpu: bool = False,
-                  project_root: Path | None = None, gpu_env: dict[str, str] | None = None) -> tuple[str, dict[str, str], str]:
-    """The kernel name, environment and working directory a run's kernel is started with."""
+                  project_root: Path | None = None, gpu_env: dict[str, str] | None = None,
+                  share: Share | None = None) -> tuple[str, dict[str, str], str]:
+    """The kernel name, environment and working directory a run's kernel is started with.
+
+    With ``share``, the environment names the run's output and checkpoint folders.
+    """
+    from nbbatch.execute.folders import folder_env
+
     cwd = run.cwd or str(run.resolve_notebook(project_root).parent)
-    return run.kernel, _kernel_env(run, gpu_ids, shared_gpu, gpu_env), cwd
+    env = _kernel_env(run, gpu_ids, shared_gpu, gpu_env)
+    if share is not None:
+        env.update(folder_env(run, share))
+    return run.kernel, env, cwd
 
 
 def _error_from(exc: BaseException) -> RunError:
@@ -152,7 +161,7 @@ def execute_run(run: Run, share: Share, *, gpu_ids: list[int] | None = None, sha
                 backend: str = "local", project_root: Path | None = None, save_every: float = 1.0,
                 kernels: Any = None, gpu_env: dict[str, str] | None = None,
                 gpu_share: dict[str, Any] | None = None, container: dict[str, Any] | None = None,
-                recorded_gpu_ids: list[int] | None = None) -> RunRecord:
+                recorded_gpu_ids: list[int] | None = None, input_paths: dict[str, str] | None = None) -> RunRecord:
     """Execute ``run`` (retrying after kernel deaths up to ``run.retries``) and return its final record.
 
     ``kernels`` is an :class:`nbbatch.execute.kernels.KernelPool` that may hold a kernel started for this run.
@@ -161,18 +170,51 @@ def execute_run(run: Run, share: Share, *, gpu_ids: list[int] | None = None, sha
     In a container, ``container`` names its image, and ``recorded_gpu_ids`` are the GPUs' indices on the
     host (``gpu_ids`` are the container's own, numbered from 0).
     """
+    from nbbatch.execute.folders import RunFolders
+
     record = read_record(share, run.experiment, run.run_id) or new_record(run, backend)
     record.gpu_share = dict(gpu_share or {})
     record.container = dict(container or {})
+    _note_lost_attempt(record)
+    try:
+        folders = RunFolders(run, share, input_paths=input_paths, project_root=project_root)
+    except NbbatchError as exc:  # an input missing here, or a share that would not give the checkpoints
+        return _failed_before_start(share, record, exc, on_update)
+    record.inputs = dict(folders.inputs)
     attempts_left = run.retries + 1
-    while True:
-        record = _attempt(run, share, record, gpu_ids or [], shared_gpu, cancel_event, on_update, backend,
-                          project_root, save_every, kernels, gpu_env, recorded_gpu_ids)
-        kernels = None  # a retry starts a kernel of its own
-        attempts_left -= 1
-        died = record.status == Status.FAILED and record.error is not None and record.error.kind == ErrorKind.KERNEL_DIED
-        if not died or attempts_left <= 0 or _cancelled_meanwhile(run, share, cancel_event):
-            return record
+    try:
+        while True:
+            record = _attempt(run, share, record, gpu_ids or [], shared_gpu, cancel_event, on_update, backend,
+                              project_root, save_every, kernels, gpu_env, recorded_gpu_ids, folders)
+            kernels = None  # a retry starts a kernel of its own
+            attempts_left -= 1
+            died = record.status == Status.FAILED and record.error is not None and \
+                record.error.kind == ErrorKind.KERNEL_DIED
+            if not died or attempts_left <= 0 or _cancelled_meanwhile(run, share, cancel_event):
+                return record
+    finally:
+        folders.close()
+
+
+def _note_lost_attempt(record: RunRecord) -> None:
+    """An attempt that never ended (its node or job was lost, then restarted this one) goes in the attempt log."""
+    if record.status != Status.RUNNING or not record.attempts:
+        return
+    entry = next((e for e in record.attempt_log if e.get("attempt") == record.attempts), None)
+    if entry is None:
+        entry = {"attempt": record.attempts, "host": record.host, "started_at": record.started_at}
+        record.attempt_log.append(entry)
+    entry.update(status="lost", kind=str(ErrorKind.INFRA))
+
+
+def _failed_before_start(share: Share, record: RunRecord, exc: NbbatchError,
+                         on_update: UpdateCallback | None) -> RunRecord:
+    record.status, record.ended_at = Status.FAILED, utc_now()
+    record.error = RunError(type(exc).__name__, str(exc), reason="the run could not start here", kind=ErrorKind.INFRA)
+    write_record(share, record)
+    if on_update is not None:
+        on_update(record)
+    return record
 
 
 def _cancelled_meanwhile(run: Run, share: Share, cancel_event: threading.Event | None) -> bool:
@@ -188,7 +230,8 @@ def _cancelled_meanwhile(run: Run, share: Share, cancel_event: threading.Event |
 def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shared_gpu: bool,
              cancel_event: threading.Event | None, on_update: UpdateCallback | None, backend: str,
              project_root: Path | None, save_every: float, kernels: Any = None,
-             gpu_env: dict[str, str] | None = None, recorded_gpu_ids: list[int] | None = None) -> RunRecord:
+             gpu_env: dict[str, str] | None = None, recorded_gpu_ids: list[int] | None = None,
+             folders: Any = None) -> RunRecord:
     from papermill.exceptions import PapermillExecutionError
     from papermill.execute import prepare_notebook_metadata, raise_for_execution_errors, remove_error_markers
     from papermill.iorw import load_notebook_node
@@ -206,6 +249,10 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
     record.gpu_ids = list(gpu_ids if recorded_gpu_ids is None else recorded_gpu_ids)
     record.cells_done = 0
     record.environment = _environment_versions(run)
+    resumed = folders.checkpoint_summary() if folders is not None else None
+    entry: dict[str, Any] = {"attempt": record.attempts, "host": record.host, "started_at": record.started_at,
+                             "resumed_from": resumed}
+    record.attempt_log.append(entry)
     write_record(share, record)
     notify(record)
 
@@ -236,7 +283,7 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
     log.write(f"=== nbbatch run {run.run_id} attempt {record.attempts} on {record.host} "
               f"(kernel {run.kernel}, GPUs {','.join(map(str, record.gpu_ids)) or 'none'}{_sharing(record.gpu_share)}"
               f"{_image(record.container)}) "
-              f"at {record.started_at}\n")
+              f"at {record.started_at}{_resuming(resumed)}\n")
     live = LiveRecord(share, record, notify, [log_stream, metrics_stream, telemetry_stream]).start()
 
     def save_notebook(nb: Any) -> None:
@@ -261,8 +308,8 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
     try:
         notebook_path = run.resolve_notebook(project_root)
         nb = load_notebook_node(str(notebook_path))
-        nb = parameterize_notebook(nb, run.parameters, kernel_name=run.kernel, language="python") \
-            if run.parameters else nb
+        parameters = {**run.parameters, **(folders.parameters if folders is not None else {})}
+        nb = parameterize_notebook(nb, parameters, kernel_name=run.kernel, language="python") if parameters else nb
         nb = prepare_notebook_metadata(nb, str(notebook_path), OUTPUT_NOTEBOOK)
         nb = remove_error_markers(nb)
         _set_kernelspec(nb, run.kernel)
@@ -277,9 +324,11 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
             if watchdog.reason:
                 kill_kernel_group(km)
 
-        kernel_name, kernel_env, kernel_cwd = kernel_launch(run, gpu_ids, shared_gpu, project_root, gpu_env)
+        kernel_name, kernel_env, kernel_cwd = kernel_launch(run, gpu_ids, shared_gpu, project_root, gpu_env, share)
         prestarted = kernels.take(run.run_id, kernel_name, kernel_env, kernel_cwd) if kernels is not None else None
         alone = bool(record.gpu_share.get("exclusive"))
+        if folders is not None:
+            folders.start()
         with watchdog, _gpu_telemetry(gpu_ids, telemetry_stream, alone) as sampler, \
                 open(log_path, "ab") as kernel_output:
             if sampler is not None and sampler.unavailable is None:
@@ -307,6 +356,8 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
 
             log.write(traceback.format_exc())
     finally:
+        if folders is not None:
+            folders.stop()
         live.stop()  # the final record and files are written below, after every live write
         if sampler is not None:  # stopped: its summary has the last sample
             record.telemetry = sampler.summary()
@@ -334,7 +385,15 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
             status, error = Status.FAILED, share_error(exc)
     if log.error is not None and status == Status.SUCCEEDED:
         status, error = Status.FAILED, share_error(f"cannot write {LOG_FILE} in the share: {log.error}")
+    if folders is not None:
+        try:
+            record.outputs = folders.save()
+        except (NbbatchError, OSError) as exc:  # the notebook is on the share; its outputs are not all there
+            log.write(f"=== nbbatch: cannot save the outputs and checkpoints to the share: {exc}\n")
+            if status == Status.SUCCEEDED:
+                status, error = Status.FAILED, share_error(f"cannot save the run's outputs to the share: {exc}")
     record.status, record.error = status, error
+    entry.update(ended_at=record.ended_at, status=str(status), kind=str(error.kind) if error and error.kind else None)
     summary = error.summary() if error else "ok"
     log.write(f"=== {status} after {record.duration_s:.2f} s: {summary}\n")
     log.close()
@@ -349,6 +408,12 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
     write_record(share, record)
     notify(record)
     return record
+
+
+def _resuming(checkpoint: dict[str, Any] | None) -> str:
+    if not checkpoint:
+        return ""
+    return f", resuming from {checkpoint['latest']} ({checkpoint['files']} checkpoint file(s))"
 
 
 def _image(container: dict[str, Any]) -> str:

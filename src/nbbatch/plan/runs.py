@@ -24,12 +24,12 @@ def _slug(text: str) -> str:
 
 
 def run_id_for(label: str, notebook_bytes: bytes, parameters: dict[str, Any], env_lock: str,
-               env: dict[str, str] | None = None, gpus: int = 0) -> str:
+               env: dict[str, str] | None = None, gpus: int = 0, inputs: dict[str, str] | None = None) -> str:
     """``<label>-<10 hex>`` from everything that can change a run's result.
 
     That is the notebook's content, its parameters, the environment's lock, the kernel's extra
-    variables (``env:``) and the GPUs it asks for. ``env`` and ``gpus`` enter the hash only when
-    set, so ids of runs without them stay what they were.
+    variables (``env:``), the GPUs it asks for and where its inputs are. ``env``, ``gpus`` and
+    ``inputs`` enter the hash only when set, so ids of runs without them stay what they were.
     """
     digest = hashlib.sha256()
     digest.update(notebook_bytes)
@@ -39,6 +39,8 @@ def run_id_for(label: str, notebook_bytes: bytes, parameters: dict[str, Any], en
         digest.update(b"\0env" + json.dumps(env, sort_keys=True).encode())
     if gpus:
         digest.update(f"\0gpus={gpus}".encode())
+    if inputs:
+        digest.update(b"\0inputs" + json.dumps(inputs, sort_keys=True).encode())
     return f"{_slug(label)}-{digest.hexdigest()[:10]}"
 
 
@@ -62,6 +64,7 @@ class Run:
     shared_gpu_env: dict[str, str] = field(default_factory=dict)  # added when the run shares its GPU
     gpu_memory_mb: int | None = None  # the framework's estimate of the GPU memory a run needs (None: unknown)
     cwd: str | None = None  # kernel working directory (default: the notebook's folder)
+    inputs: dict[str, str] = field(default_factory=dict)  # parameter -> folder or share URL (bound where it runs)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -113,12 +116,14 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
     """
     from nbbatch.errors import ValidationError, did_you_mean
     from nbbatch.execute.envs import require_ready
+    from nbbatch.plan.inputs import check_inputs, input_identities
     from nbbatch.plan.notebook import inspect_notebook, validate_parameters
     from nbbatch.spec.frameworks import get_framework
     from nbbatch.spec.project import find_project
 
     project = project or find_project(experiment.base_dir)
     project.activate_kernels()
+    check_inputs(experiment.inputs)
     combos = experiment.combinations()
     kernels = _known_kernels() if check_kernels else {}
     runs: list[Run] = []
@@ -156,14 +161,17 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
                                   f"known kernels: {', '.join(sorted(kernels)) or '(none)'}. "
                                   "List them with `jupyter kernelspec list`.")
         for params in combos:
-            warnings.extend(w for w in validate_parameters(info, params) if w not in warnings)
-            run_id = run_id_for(label, info.content, params, env_lock, experiment.env, experiment.gpus)
+            bound = {**params, **experiment.inputs}  # an input is a parameter too: its name is checked the same way
+            warnings.extend(w for w in validate_parameters(info, bound) if w not in warnings)
+            run_id = run_id_for(label, info.content, params, env_lock, experiment.env, experiment.gpus,
+                                input_identities(experiment.inputs, project.root))
             runs.append(Run(
                 run_id=run_id, experiment=experiment.name, notebook=str(notebook), notebook_rel=notebook_rel(notebook),
                 kernel=kernel, parameters=dict(params), framework=framework_name, gpus=experiment.gpus,
                 timeout_s=experiment.timeout, cell_timeout_s=experiment.cell_timeout, retries=experiment.retries,
                 max_output_mb=experiment.max_output_mb,
                 env=dict(experiment.env), shared_gpu_env=shared_env, gpu_memory_mb=memory_mb,
+                inputs=dict(experiment.inputs),
             ))
     seen: dict[str, Run] = {}
     unique: list[Run] = []

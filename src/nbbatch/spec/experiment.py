@@ -45,6 +45,7 @@ class Experiment:
     frameworks: list[str] = field(default_factory=list)
     notebooks: list[NotebookEntry] = field(default_factory=list)
     parameters: dict[str, Any] = field(default_factory=dict)
+    inputs: dict[str, str] = field(default_factory=dict)  # parameter -> folder (absolute path) or share URL
     sweep: dict[str, Any] = field(default_factory=dict)
     gpus: int = 0
     runs_per_gpu: int | str = AUTO  # a number, or "auto": packed by memory (see nbbatch.execute.gpus)
@@ -99,6 +100,20 @@ class Experiment:
         combos = self.combinations()
         if not combos:
             raise SpecError(f"experiment `{self.name}`: the sweep is empty")
+        self._validate_inputs(combos[0])
+
+    def _validate_inputs(self, parameters: Mapping[str, Any]) -> None:
+        if not isinstance(self.inputs, Mapping):
+            raise SpecError("`inputs` must map notebook parameters to folders, e.g. inputs: {DATA_DIR: ./data}")
+        for name, where in self.inputs.items():
+            if not isinstance(name, str) or not name.isidentifier():
+                raise SpecError(f"input name {name!r} must be a notebook parameter (a Python identifier)")
+            if not isinstance(where, str) or not where.strip():
+                raise SpecError(f"input `{name}` must be a folder path or a share URL such as "
+                                f"azfiles://account/share/data (got {reprlib.repr(where)})")
+            if name in parameters:
+                raise SpecError(f"`{name}` is both an input and a parameter (or swept); an input sets the parameter "
+                                f"to the folder's path as the run sees it: drop `{name}` from one of them")
 
     def combinations(self) -> list[dict[str, Any]]:
         """The parameter dicts every framework/notebook runs with (fixed parameters, then the sweep)."""
@@ -156,6 +171,7 @@ class Experiment:
             frameworks=list(frameworks),
             notebooks=[_notebook_entry(n, base) for n in _as_list(data.get("notebooks"), "notebooks")],
             parameters=_mapping(data.get("parameters"), "`parameters` must map names to values, e.g. parameters: {EPOCHS: 5}"),
+            inputs=_inputs(data.get("inputs"), base),
             sweep=dict(data.get("sweep") or {}) if isinstance(data.get("sweep") or {}, Mapping) else _bad_sweep(),
             gpus=resources.get("gpus", 0),
             runs_per_gpu=resources.get("runs_per_gpu", AUTO),
@@ -172,6 +188,13 @@ class Experiment:
                                                                                             Mapping) else data["env"],
             base_dir=base,
         )
+
+
+def _inputs(value: Any, base: Path) -> dict[str, str]:
+    """``inputs:`` with every folder path made absolute (relative to the experiment file); URLs kept."""
+    inputs = _mapping(value, "`inputs` must map notebook parameters to folders, e.g. inputs: {DATA_DIR: ./data}")
+    return {name: str((base / os.path.expanduser(where)).resolve()) if isinstance(where, str) and where.strip()
+            and "://" not in where else where for name, where in inputs.items()}
 
 
 def _string_keys(value: Any, where: str) -> None:

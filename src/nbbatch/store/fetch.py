@@ -5,11 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from nbbatch.errors import NbbatchError
+from nbbatch.store.layout import OUTPUTS_FOLDER, run_paths
 from nbbatch.store.share import FILE_MODE, Share, write_file_atomic
 
 
 def fetch(share: Share, experiment: str, dest: Path, names: tuple[str, ...] | None = None) -> list[Path]:
-    """Download every run's files (or only ``names``) to ``dest/<experiment>/<run>/``; return the paths written."""
+    """Download every run's files (or only ``names``) to ``dest/<experiment>/<run>/``; return the paths written.
+
+    A run's ``outputs/`` folder comes whole (files already there unchanged are kept); its ``checkpoints/`` stay
+    on the share: they are for resuming the run, not results.
+    """
     if not _plain_name(experiment):
         raise NbbatchError(f"`{experiment}` is not an experiment name (a path was given?); pass the name, e.g. "
                            f"`nbbatch fetch digits ./out`, or the experiment's YAML file")
@@ -20,6 +25,9 @@ def fetch(share: Share, experiment: str, dest: Path, names: tuple[str, ...] | No
         for name in share.list(f"{experiment}/{run_id}"):
             if (names and name not in names) or not _plain_name(name):
                 continue
+            if name == OUTPUTS_FOLDER:
+                written.extend(_fetch_outputs(share, run_paths(experiment, run_id).outputs, dest / experiment / run_id))
+                continue
             try:
                 data = share.read_bytes(f"{experiment}/{run_id}/{name}")
             except (FileNotFoundError, IsADirectoryError):
@@ -29,6 +37,14 @@ def fetch(share: Share, experiment: str, dest: Path, names: tuple[str, ...] | No
             write_file_atomic(target, data, FILE_MODE)
             written.append(target)
     return written
+
+
+def _fetch_outputs(share: Share, folder: str, run_dest: Path) -> list[Path]:
+    from nbbatch.store.sync import pull
+
+    target = run_dest / OUTPUTS_FOLDER
+    result = pull(share, folder, target)
+    return [target / name for name in result.copied]
 
 
 def _plain_name(name: str) -> bool:

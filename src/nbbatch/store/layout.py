@@ -12,6 +12,8 @@
     <experiment>/<run id>/log.txt        the kernel's stdout/stderr as it ran
     <experiment>/<run id>/metrics.jsonl  the metric history (``record(step=…)``), streamed as the run goes
     <experiment>/<run id>/telemetry.jsonl GPU samples, streamed as the run goes
+    <experiment>/<run id>/outputs/       what the notebook wrote to NBBATCH_OUTPUT_DIR (a model, figures)
+    <experiment>/<run id>/checkpoints/   NBBATCH_CHECKPOINT_DIR: kept across the attempts of the run
     <experiment>/<run id>/<backend file> what a backend keeps about the run (e.g. azureml.json)
 
 Paths are ``/``-separated and relative to the share's root; every other module asks here.
@@ -32,6 +34,8 @@ MANIFEST = "experiment.json"
 LOCK_FILE = ".lock"
 CANCEL_FOLDER = ".cancel"
 LEASE_FILE = ".lease"
+OUTPUTS_FOLDER = "outputs"
+CHECKPOINTS_FOLDER = "checkpoints"
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,16 @@ class RunPaths:
     @property
     def telemetry(self) -> str:
         return self.file(TELEMETRY_FILE)
+
+    @property
+    def outputs(self) -> str:
+        """The folder of what the notebook wrote to ``NBBATCH_OUTPUT_DIR``."""
+        return self.file(OUTPUTS_FOLDER)
+
+    @property
+    def checkpoints(self) -> str:
+        """The folder behind ``NBBATCH_CHECKPOINT_DIR``, kept across the run's attempts."""
+        return self.file(CHECKPOINTS_FOLDER)
 
     @property
     def cancel(self) -> str:

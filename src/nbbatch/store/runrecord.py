@@ -110,6 +110,9 @@ class RunRecord:
     telemetry: dict[str, Any] = field(default_factory=dict)
     gpu_share: dict[str, Any] = field(default_factory=dict)  # how its GPUs were shared: runs_per_gpu, shared, mps…
     container: dict[str, Any] = field(default_factory=dict)  # the image it ran in: engine, image, image_id, name
+    inputs: dict[str, Any] = field(default_factory=dict)  # parameter -> {source, path}: the folders it read
+    outputs: list[dict[str, Any]] = field(default_factory=list)  # {name, bytes, sha256} under outputs/
+    attempt_log: list[dict[str, Any]] = field(default_factory=list)  # one entry per attempt: how it ended, resumed_from
     schema_version: int = SCHEMA_VERSION
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -179,7 +182,8 @@ _FIELD_TYPES: dict[str, tuple[str, Any]] = {
     "ended_at": _OPT_STR, "duration_s": _OPT_NUM, "host": _OPT_STR, "pid": _OPT_INT, "backend": _STR,
     "gpu_ids": ("a list of integers", list), "environment": _DICT, "error": ("a JSON object or null", (dict, type(None))),
     "metrics": _DICT, "cells_done": _INT, "cells_total": _INT, "timeout_s": _OPT_NUM, "telemetry": _DICT,
-    "gpu_share": _DICT, "container": _DICT, "schema_version": _INT,
+    "gpu_share": _DICT, "container": _DICT, "inputs": _DICT, "outputs": ("a list", list),
+    "attempt_log": ("a list", list), "schema_version": _INT,
 }
 _ERROR_TYPES: dict[str, tuple[str, Any]] = {
     "ename": _STR, "evalue": _STR, "cell_index": _OPT_INT, "cell_source": _OPT_STR, "reason": _OPT_STR,

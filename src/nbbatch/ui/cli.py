@@ -235,9 +235,11 @@ def cmd_run_one(args: argparse.Namespace) -> int:
     project.activate_kernels()
     gpu_ids = [int(g) for g in args.gpus.split(",") if g.strip()] if args.gpus else []
     placement = json.loads(Path(args.placement_file).read_text()) if args.placement_file else {}
+    input_paths = dict(item.partition("=")[::2] for item in args.input or [])
     record = execute_run(run, open_share(args.share), gpu_ids=gpu_ids, shared_gpu=args.shared_gpu,
                          backend=args.backend, project_root=project.root, gpu_share=placement.get("gpu_share"),
-                         container=placement.get("container"), recorded_gpu_ids=placement.get("gpu_ids"))
+                         container=placement.get("container"), recorded_gpu_ids=placement.get("gpu_ids"),
+                         input_paths=input_paths)
     print(f"{record.run_id}: {record.status}" + (f" ({record.error.summary()})" if record.error else ""))
     return 0 if record.status == Status.SUCCEEDED else 1
 
@@ -373,6 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="local")
     p.add_argument("--project", help="project root (default: found from the working directory)")
     p.add_argument("--placement-file", help="JSON written by the backend: gpu_share, container, gpu_ids (the host's)")
+    p.add_argument("--input", action="append", metavar="NAME=PATH",
+                   help="where an input of the run is on this machine (an Azure ML mount); repeatable")
     p.set_defaults(func=cmd_run_one)
 
     p = sub.add_parser("envs", help="framework environments: create | list | remove")
@@ -390,6 +394,10 @@ def build_parser() -> argparse.ArgumentParser:
     from nbbatch.ui.images_commands import add_images_parser
 
     add_images_parser(sub)
+
+    from nbbatch.ui.data_commands import add_data_parser
+
+    add_data_parser(sub)
 
     p = sub.add_parser("cluster", help="the azureml backend's compute cluster: create | status | scale | delete")
     p.add_argument("action", choices=["create", "status", "scale", "delete"])

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from azure.ai.ml import MLClient, Output, command
+from azure.ai.ml import Input, MLClient, Output, command
 from azure.ai.ml.entities import Command
 from azure.core.exceptions import AzureError, HttpResponseError, ResourceNotFoundError
 
@@ -35,7 +35,7 @@ from nbbatch.backends.azureml.jobs import JOB_FILE, JobState, job_status_text, m
 from nbbatch.backends.azureml.logstream import stream_job
 from nbbatch.backends.azureml.workspace import connect, error_text
 from nbbatch.backends.base import Backend, Capabilities, Compute, Setting, SubmitOptions
-from nbbatch.errors import BackendError
+from nbbatch.errors import BackendError, ValidationError
 from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret, is_secret_value
 from nbbatch.store.layout import run_paths
@@ -177,6 +177,8 @@ class AzureMLBackend(Backend):
         super().check(runs, options)
         for run in runs:
             self._environment_for(run, register=False)
+            for name, location in run.inputs.items():
+                _input_location(name, location)
 
     def in_flight(self, share: Share, record: RunRecord) -> bool:
         """Whether the run's job is still queued or running in Azure ML (asked again, not taken from the file)."""
@@ -194,6 +196,9 @@ class AzureMLBackend(Backend):
         datastore = self.datastore or datastore_name_for(location.account, location.share)
         if self.share_mode == "mount":
             ensure_datastore(self.ml_client, datastore, location.account, location.share)
+        inputs = {_input_location(n, u) for r in runs for n, u in r.inputs.items()}
+        for place in sorted({(i.account, i.share) for i in inputs} - {(location.account, location.share)}):
+            ensure_datastore(self.ml_client, datastore_name_for(*place), *place)
         with tempfile.TemporaryDirectory(prefix="nbbatch-code-") as tmp:
             code_dir = build_code_snapshot(runs, Path(tmp) / "code")
             for run in runs:
@@ -306,8 +311,15 @@ class AzureMLBackend(Backend):
             parts += ["--gpus", gpus]
         outputs = {}
         if self.share_mode == "mount":
-            path = f"azureml://datastores/{datastore}/paths/{share_prefix.strip('/')}"
-            outputs["share"] = Output(type="uri_folder", path=path.rstrip("/") + "/", mode="rw_mount")
+            outputs["share"] = Output(type="uri_folder", path=_datastore_path(datastore, share_prefix), mode="rw_mount")
+        inputs = {}
+        share_place = _azure_files_location_of(share_url)
+        for name, url in sorted(run.inputs.items()):
+            place = _input_location(name, url)
+            store = datastore if (place.account, place.share) == share_place else datastore_name_for(place.account,
+                                                                                                     place.share)
+            inputs[name] = Input(type="uri_folder", path=_datastore_path(store, place.prefix), mode="ro_mount")
+            parts += ["--input", f"{name}=${{{{inputs.{name}}}}}"]
         tags = {"nbbatch": "1", "run_id": run.run_id, "experiment": run.experiment,
                 "framework": run.framework or "", "notebook": run.notebook_rel,
                 "parameters": json.dumps(run.parameters, sort_keys=True, default=str)[:1000]}
@@ -320,6 +332,7 @@ class AzureMLBackend(Backend):
             command=" ".join(parts),
             environment=environment,
             compute=self.cluster_settings.name,
+            inputs=inputs,
             outputs=outputs,
             tags=tags,
             instance_count=1,
@@ -385,6 +398,31 @@ def command_json(value: Any) -> str:
     ``\\u0024`` is the same character to any JSON reader, and it means nothing to the shell in quotes.
     """
     return json.dumps(value, sort_keys=True, separators=(",", ":")).replace("$", "\\u0024")
+
+
+def _datastore_path(datastore: str, prefix: str) -> str:
+    """A folder of a datastore as Azure ML names it (``azureml://datastores/<name>/paths/<folder>/``)."""
+    return f"azureml://datastores/{datastore}/paths/{prefix.strip('/')}".rstrip("/") + "/"
+
+
+def _azure_files_location_of(url: str) -> tuple[str, str]:
+    from nbbatch.store.azfiles import parse_azfiles_url
+
+    location = parse_azfiles_url(url)
+    return location.account, location.share
+
+
+def _input_location(name: str, location: str) -> AzureFilesLocation:
+    """Where input ``name`` is, as an Azure Files location; a local folder or another share is refused."""
+    from nbbatch.store.azfiles import parse_azfiles_url
+
+    if not location.startswith("azfiles://"):
+        where = "a folder on this machine" if "://" not in location else "not an Azure File share"
+        raise ValidationError(
+            f"input `{name}` is {location}, {where}; Azure ML jobs mount their inputs from Azure File shares. Upload it "
+            f"once with `nbbatch data push {location} azfiles://<account>/<share>/<folder>` and name that URL in "
+            "`inputs:`")
+    return parse_azfiles_url(location)
 
 
 def _azure_files_location(share: Share) -> AzureFilesLocation:

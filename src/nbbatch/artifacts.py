@@ -1,0 +1,70 @@
+"""Where a notebook puts what it makes: ``output_dir()`` for results, ``checkpoint_dir()`` to resume.
+
+Kernel side (light: the standard library only). nbbatch gives every run two folders through the
+environment:
+
+* ``NBBATCH_OUTPUT_DIR``: what the notebook writes here (a trained model, figures) lands in
+  ``<share>/<experiment>/<run id>/outputs/``, is listed in run.json and comes back with ``nbbatch fetch``;
+* ``NBBATCH_CHECKPOINT_DIR``: kept across the attempts of one run (``<run id>/checkpoints/``), so an
+  attempt after a kernel death, a lost node or a preempted VM continues from the last checkpoint.
+
+Outside nbbatch (a notebook opened by hand) ``output_dir()`` is ``./outputs`` and ``checkpoint_dir()``
+is None: nothing to resume from, nothing kept. Write checkpoints with :func:`atomic_path`, so a kernel
+killed mid-write leaves the previous checkpoint whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+OUTPUT_DIR_ENV = "NBBATCH_OUTPUT_DIR"
+CHECKPOINT_DIR_ENV = "NBBATCH_CHECKPOINT_DIR"
+DEFAULT_OUTPUT_DIR = "outputs"  # outside nbbatch, relative to the notebook's working directory
+
+
+def output_dir() -> Path:
+    """The folder for the run's results (created): ``NBBATCH_OUTPUT_DIR``, else ``./outputs``."""
+    folder = Path(os.environ.get(OUTPUT_DIR_ENV) or DEFAULT_OUTPUT_DIR)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def checkpoint_dir() -> Path | None:
+    """The folder kept across the run's attempts (created), or None outside nbbatch (do not checkpoint)."""
+    value = os.environ.get(CHECKPOINT_DIR_ENV)
+    if not value:
+        return None
+    folder = Path(value)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def checkpoint_path(name: str) -> Path | None:
+    """``checkpoint_dir() / name``, or None outside nbbatch."""
+    folder = checkpoint_dir()
+    return folder / name if folder is not None else None
+
+
+@contextlib.contextmanager
+def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
+    """A temporary path beside ``target`` to write to; renamed over ``target`` when the block ends without error.
+
+    ``with atomic_path(ckpt) as tmp: torch.save(state, tmp)``: a reader (or the next attempt) sees the
+    old file or the new one, never half of one. The temporary name keeps ``target``'s suffix, for
+    savers that choose a format by it (Keras' ``.keras``).
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem}.", suffix=f".part{target.suffix}")
+    os.close(fd)
+    os.unlink(tmp)  # savers that refuse to overwrite find no file; the name stays ours (random, hidden)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)

@@ -1,0 +1,202 @@
+"""A run's folders beyond its notebook: the inputs it reads, and its outputs and checkpoints on the share.
+
+Where the share is a folder on this machine (a local share, an NFS mount, Azure ML's mount of the
+file share), ``NBBATCH_OUTPUT_DIR`` and ``NBBATCH_CHECKPOINT_DIR`` are the run's own ``outputs/``
+and ``checkpoints/`` in the share: written as the run goes, they outlive a lost node. Otherwise (an
+Azure File share over HTTPS) both are folders on this machine: the checkpoints are pulled before the
+first attempt, pushed while the run goes (when they changed) and after every attempt; the outputs are
+pushed after every attempt. Inputs are bound to the path the run sees: a folder here, a folder of the
+project on this machine, or a share URL pulled into the project's cache (unchanged files are kept).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from nbbatch.artifacts import CHECKPOINT_DIR_ENV, OUTPUT_DIR_ENV
+from nbbatch.errors import NbbatchError
+from nbbatch.plan.inputs import is_share_url
+from nbbatch.plan.runs import Run
+from nbbatch.store.layout import run_paths
+from nbbatch.store.share import Share
+
+PUSH_EVERY_S = 30.0  # how often changed checkpoints go to a remote share while the run goes
+
+
+class InputError(NbbatchError):
+    """An input of a run is not where the run executes."""
+
+
+class RunFolders:
+    """The inputs, outputs and checkpoints of one run, for all of its attempts in this process."""
+
+    def __init__(self, run: Run, share: Share, *, input_paths: dict[str, str] | None = None,
+                 project_root: Path | None = None, cache_dir: Path | None = None, push_every_s: float = PUSH_EVERY_S):
+        self.run, self.share = run, share
+        self.paths = run_paths(run.experiment, run.run_id)
+        self.inputs = {name: resolve_input(run, name, location, input_paths or {}, project_root, cache_dir)
+                       for name, location in run.inputs.items()}
+        self.outputs, self.checkpoints, self.remote = run_folders(run, share)
+        if self.remote:
+            import shutil
+
+            shutil.rmtree(self.outputs.parent, ignore_errors=True)  # left by a process of this pid long gone
+            self.outputs.parent.mkdir(mode=0o700)  # the run's files, not for other users of the machine
+        for folder in (self.outputs, self.checkpoints):
+            folder.mkdir(parents=True, mode=0o700, exist_ok=True)
+        if self.remote and share.exists(self.paths.checkpoints):
+            from nbbatch.store.sync import pull
+
+            pull(share, self.paths.checkpoints, self.checkpoints)
+        self._push_every = push_every_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pushed: tuple[Any, ...] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What the kernel's environment gets: ``NBBATCH_OUTPUT_DIR`` and ``NBBATCH_CHECKPOINT_DIR``."""
+        return folder_env(self.run, self.share)
+
+    @property
+    def parameters(self) -> dict[str, str]:
+        """Each input's parameter with its folder's path here."""
+        return {name: bound["path"] for name, bound in self.inputs.items()}
+
+    def checkpoint_summary(self) -> dict[str, Any] | None:
+        """What an attempt resumes from (files, bytes, the newest file), or None when there is no checkpoint."""
+        files = [p for p in self.checkpoints.rglob("*") if p.is_file() and not _hidden(p, self.checkpoints)]
+        if not files:
+            return None
+        newest = max(files, key=lambda p: p.stat().st_mtime_ns)
+        return {"files": len(files), "bytes": sum(p.stat().st_size for p in files),
+                "latest": newest.relative_to(self.checkpoints).as_posix()}
+
+    # --- while an attempt runs ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        """On a remote share: push changed checkpoints every ``push_every_s`` until :meth:`stop`."""
+        if not self.remote or self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._push_loop, name=f"nbbatch-checkpoints-{self.run.run_id}",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _push_loop(self) -> None:
+        while not self._stop.wait(self._push_every):
+            with contextlib.suppress(NbbatchError, OSError):  # the next round, or the attempt's end, tries again
+                self._push_checkpoints()
+
+    def _push_checkpoints(self) -> None:
+        from nbbatch.store.sync import push
+
+        with self._lock:
+            seen = _snapshot(self.checkpoints)
+            if seen != self._pushed:
+                push(self.checkpoints, self.share, self.paths.checkpoints, delete=True)
+                self._pushed = seen
+
+    # --- after an attempt ----------------------------------------------------------------------------
+
+    def save(self) -> list[dict[str, Any]]:
+        """Bring the outputs (and checkpoints) to the share when it is remote; the outputs' listing for run.json."""
+        from nbbatch.store.sync import push, tree_listing
+
+        if self.remote:
+            self._push_checkpoints()
+            push(self.outputs, self.share, self.paths.outputs, delete=True)
+        return [entry.to_dict() for entry in tree_listing(self.outputs)]
+
+    def close(self) -> None:
+        self.stop()
+        if self.remote:
+            import shutil
+
+            shutil.rmtree(self.outputs.parent, ignore_errors=True)
+
+
+def run_folders(run: Run, share: Share) -> tuple[Path, Path, bool]:
+    """(outputs, checkpoints, remote): the run's folders in the share, or on this machine when the share is remote.
+
+    The same for the same run and process, so a kernel started ahead of the run gets the same environment.
+    """
+    paths = run_paths(run.experiment, run.run_id)
+    outputs, checkpoints = share.local_path(paths.outputs), share.local_path(paths.checkpoints)
+    if outputs is not None and checkpoints is not None:
+        return outputs, checkpoints, False
+    scratch = Path(tempfile.gettempdir(), f"nbbatch-{os.getpid()}-{run.run_id}")
+    return scratch / "outputs", scratch / "checkpoints", True
+
+
+def folder_env(run: Run, share: Share) -> dict[str, str]:
+    """``NBBATCH_OUTPUT_DIR`` and ``NBBATCH_CHECKPOINT_DIR`` of a run's kernel."""
+    outputs, checkpoints, _ = run_folders(run, share)
+    return {OUTPUT_DIR_ENV: str(outputs), CHECKPOINT_DIR_ENV: str(checkpoints)}
+
+
+def _hidden(path: Path, root: Path) -> bool:
+    return any(part.startswith(".") for part in path.relative_to(root).parts)  # a checkpoint being written
+
+
+def _snapshot(folder: Path) -> tuple[Any, ...]:
+    return tuple(sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns)
+                        for p in folder.rglob("*") if p.is_file() and not _hidden(p, folder)))
+
+
+def resolve_input(run: Run, name: str, location: str, given: dict[str, str], project_root: Path | None,
+                  cache_dir: Path | None) -> dict[str, str]:
+    """``{"source", "path"}``: where input ``name`` is for the run here (raises :class:`InputError`)."""
+    if name in given:  # the backend mounted it (Azure ML's ro_mount)
+        return {"source": location, "path": given[name]}
+    if is_share_url(location):
+        return {"source": location, "path": str(_pulled(name, location, cache_dir, project_root))}
+    folder = Path(location)
+    if folder.is_dir():
+        return {"source": location, "path": str(folder)}
+    if project_root is not None:  # the same folder of the project, cloned elsewhere (a Ray node's `project:`)
+        with contextlib.suppress(ValueError):
+            here = project_root / folder.relative_to(run.project_root())
+            if here.is_dir():
+                return {"source": location, "path": str(here)}
+    import socket
+
+    raise InputError(f"input `{name}`: the folder {location} is not on {socket.gethostname()}, where the run "
+                     "executes; put it on the share (`nbbatch data push <folder> <share URL>`) and name that URL "
+                     "in `inputs:`, or make the folder visible at the same path on every node")
+
+
+def _pulled(name: str, url: str, cache_dir: Path | None, project_root: Path | None) -> Path:
+    """A copy of the share folder ``url`` in the cache, brought up to date (one puller at a time per machine)."""
+    from nbbatch.spec.project import Project, find_project
+    from nbbatch.store.share import open_share
+    from nbbatch.store.sync import pull
+
+    share = open_share(url)
+    local = share.local_path("")
+    if local is not None:
+        return local
+    cache = cache_dir or (Project(project_root) if project_root else find_project()).cache_dir
+    folder = cache / "inputs" / hashlib.sha256(url.encode()).hexdigest()[:16]
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # runs starting together on one machine pull once, not over each other
+        try:
+            pull(share, "", folder, delete=True)
+        except NbbatchError as exc:
+            raise InputError(f"input `{name}`: cannot bring {url} to this machine: {exc}") from exc
+    return folder

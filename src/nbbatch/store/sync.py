@@ -1,0 +1,464 @@
+"""Copy a folder tree to a share and back (``nbbatch data push | pull``), skipping unchanged files, resumable.
+
+:func:`push` keeps a manifest in the synced folder on the share, ``<prefix>/.nbbatch-sync.json``::
+
+    {"version": 1, "files": {"<name>": {"bytes": <size>, "sha256": "<hex>"}}}
+
+A file is uploaded only when its entry differs in size or checksum, or the share has lost the file. Each
+upload is atomic (:meth:`~nbbatch.store.share.Share.write_bytes`), and an entry is added only after its file
+is written; entries of files about to be overwritten or deleted are taken out first. So every entry of the
+share's manifest is true of the share at any moment (unless something else writes there), and a push cut
+off at any point, even killed outright, uploads again at most the files copied since its last manifest write
+(every :data:`MANIFEST_INTERVAL` seconds, after the last file, and on an error).
+
+:func:`pull` downloads what the manifest lists, verifying each file's checksum; a folder without a manifest
+(uploaded by another tool) is listed and downloaded whole, files whose local copy has the same bytes left
+untouched.
+
+Names are ``/``-separated paths relative to the synced folder; a name that is absolute, holds ``..`` or
+empty parts is refused, so neither a hostile manifest nor a hostile share listing writes outside ``dest``.
+Two pushes to the same folder at the same time are not coordinated (the last manifest written wins); a
+pull's checksum check catches the mix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nbbatch.errors import ShareError
+from nbbatch.store.share import FILE_MODE, Share, write_file_atomic
+
+__all__ = ["FileEntry", "SyncResult", "MANIFEST", "MANIFEST_INTERVAL", "tree_listing", "push", "pull"]
+
+MANIFEST = ".nbbatch-sync.json"  # hidden: Share.list leaves it out
+MANIFEST_VERSION = 1
+MANIFEST_INTERVAL = 5.0  # seconds between manifest writes while copying: the most work a killed push loses
+CHUNK = 1024 * 1024  # hashing reads files in chunks of this size
+_TEMP = re.compile(r"^\..*\.part")  # `.<name>.<random>.part`: a write in progress (write_file_atomic, Azure Files)
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a synced tree: its ``/``-separated name relative to the folder, size and SHA-256."""
+
+    name: str
+    bytes: int
+    sha256: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"name", "bytes", "sha256"}``."""
+        return {"name": self.name, "bytes": self.bytes, "sha256": self.sha256}
+
+
+@dataclass
+class SyncResult:
+    """What a :func:`push` or :func:`pull` did; names are relative to the synced folder, sorted."""
+
+    copied: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # unchanged: already there with the same bytes
+    removed: list[str] = field(default_factory=list)  # deleted at the destination (``delete=True``)
+    bytes_copied: int = 0
+    files: list[FileEntry] = field(default_factory=list)  # push: the source's files; pull: the share's
+
+
+# --- names --------------------------------------------------------------------------------------------
+
+
+def _bad_name(name: str) -> bool:
+    """Whether ``name`` is not a plain relative ``/``-separated path (it could steer a write elsewhere)."""
+    return (not isinstance(name, str) or not name or name.startswith("/") or "\\" in name or "\0" in name
+            or re.match(r"^[A-Za-z]:", name) is not None
+            or any(part in ("", ".", "..") for part in name.split("/")))
+
+
+def _clean_prefix(prefix: str) -> str:
+    """The folder on the share as ``a/b`` (no empty or ``.`` parts); ShareError for ``..``."""
+    parts = [p for p in str(prefix or "").replace("\\", "/").split("/") if p and p != "."]
+    if ".." in parts:
+        raise ShareError(f"the folder `{prefix}` on the share must not contain `..`: name a folder inside the share, "
+                         "e.g. `datasets/mnist`")
+    return "/".join(parts)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}/{name}" if prefix and name else prefix or name
+
+
+def _where(share: Share, path: str) -> str:
+    return f"{share.url.rstrip('/')}/{path}" if path else share.url
+
+
+# --- the local tree -----------------------------------------------------------------------------------
+
+
+def _skipped_name(filename: str) -> bool:
+    return filename == MANIFEST or _TEMP.match(filename) is not None
+
+
+def _raise_walk_error(exc: OSError) -> None:
+    # os.walk skips unreadable folders silently by default: a push would then miss files without a word.
+    raise ShareError(f"cannot read the folder {exc.filename}: {exc.strerror or exc}")
+
+
+def _walk_files(folder: Path) -> Iterator[tuple[str, Path]]:
+    """(name, path) of every regular file under ``folder``, symlinks to files followed, linked folders not entered."""
+    for root, dirs, files in os.walk(folder, onerror=_raise_walk_error):  # followlinks=False: no cycles, no surprise trees
+        dirs.sort()
+        base = Path(root)
+        for filename in sorted(files):
+            path = base / filename
+            if _skipped_name(filename) or not path.is_file():  # is_file: not a dangling link, FIFO or socket
+                continue
+            yield path.relative_to(folder).as_posix(), path
+
+
+def _hash_file(path: Path) -> tuple[int, str]:
+    """(size, sha256) of a file, read in chunks (a file of any size in constant memory)."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def tree_listing(folder: Path) -> list[FileEntry]:
+    """Every regular file under ``folder`` with its size and SHA-256, sorted by name.
+
+    Left out: hidden temporary ``.*.part*`` files (writes in progress) and sync manifests. A symlink to a
+    file counts as that file, wherever it points (the content is copied under the link's name, like
+    ``cp -L``); a symlink to a folder is not entered (no cycles, no unexpected trees), nor are dangling
+    links, FIFOs and sockets. A name holding a backslash is kept as it is; :func:`push` refuses it.
+    """
+    folder = Path(folder)
+    entries = []
+    for name, path in _walk_files(folder):
+        try:
+            size, digest = _hash_file(path)
+        except OSError as exc:
+            raise ShareError(f"cannot read {path}: {exc.strerror or exc}") from exc
+        entries.append(FileEntry(name, size, digest))
+    return sorted(entries, key=lambda e: e.name)
+
+
+def _same_local(path: Path, entry: FileEntry) -> bool:
+    """Whether ``path`` is a file holding exactly ``entry``'s bytes (the checksum only when the size matches)."""
+    try:
+        return path.is_file() and path.stat().st_size == entry.bytes and _hash_file(path)[1] == entry.sha256
+    except OSError:
+        return False  # unreadable: write it again (a real problem then shows as a write error)
+
+
+def _write_local(dest: Path, name: str, data: bytes) -> None:
+    target = dest / name
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_file_atomic(target, data, FILE_MODE)  # a reader (or a crash) never sees half a file
+    except OSError as exc:
+        raise ShareError(f"cannot write {target}: {exc.strerror or exc}") from exc
+
+
+def _delete_local(dest: Path, keep: set[str], visible_only: bool) -> list[str]:
+    """Delete files under ``dest`` not in ``keep`` (with ``visible_only``, hidden ones stay); prune emptied folders."""
+    removed = []
+    if not dest.is_dir():
+        return removed
+    for name, path in list(_walk_files(dest)):
+        if name in keep or (visible_only and any(p.startswith(".") for p in name.split("/"))):
+            continue
+        try:
+            path.unlink()
+        except OSError as exc:
+            raise ShareError(f"cannot delete {path}: {exc.strerror or exc}") from exc
+        removed.append(name)
+        folder = path.parent
+        while folder != dest and dest in folder.parents:
+            try:
+                folder.rmdir()  # only when empty
+            except OSError:
+                break
+            folder = folder.parent
+    return sorted(removed)
+
+
+def _check_overlap(local: Path, share: Share, prefix: str, verb: str) -> None:
+    """Refuse a local folder and a share folder (a FileShare) that hold one another: a copy would feed on itself."""
+    there = share.local_path(prefix)
+    if there is None:
+        return
+    here, there = local.resolve(), Path(there).resolve()
+    if here == there or here in there.parents or there in here.parents:
+        raise ShareError(f"cannot {verb}: {local} and the share folder {there} hold one another; "
+                         "pick a folder outside the other")
+
+
+# --- the manifest -------------------------------------------------------------------------------------
+
+
+def _read_manifest(share: Share, prefix: str) -> dict[str, FileEntry] | None:
+    """The manifest's entries by name; None when there is none. ShareError when it is malformed or hostile."""
+    path = _join(prefix, MANIFEST)
+    where = _where(share, path)
+    try:
+        raw = share.read_bytes(path)
+    except (FileNotFoundError, NotADirectoryError):  # NotADirectoryError: the prefix is a file (told later)
+        return None
+    except IsADirectoryError as exc:
+        raise ShareError(f"{where} is a folder, where nbbatch keeps its sync manifest; remove or rename it") from exc
+    fix = f"delete {where} (the next push then uploads everything again)"
+    try:
+        doc = json.loads(raw)
+        version, files = doc["version"], doc["files"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ShareError(f"the sync manifest {where} is not valid ({exc}); {fix}") from exc
+    if version != MANIFEST_VERSION:
+        raise ShareError(f"the sync manifest {where} has version {version!r}, this nbbatch reads version "
+                         f"{MANIFEST_VERSION}; upgrade nbbatch, or {fix}")
+    if not isinstance(files, dict):
+        raise ShareError(f"the sync manifest {where} is not valid (`files` is not a mapping); {fix}")
+    entries = {}
+    for name, item in files.items():
+        if _bad_name(name):
+            raise ShareError(f"the sync manifest {where} lists `{name}`, which is not a relative file name "
+                             f"(absolute, `..` or empty parts): refused, nothing is written outside the destination; {fix}")
+        size = item.get("bytes") if isinstance(item, dict) else None
+        digest = item.get("sha256") if isinstance(item, dict) else None
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0 \
+                or not isinstance(digest, str) or not _SHA256.match(digest):
+            raise ShareError(f"the sync manifest {where} has a malformed entry for `{name}`; {fix}")
+        entries[name] = FileEntry(name, size, digest)
+    return entries
+
+
+def _write_manifest(share: Share, prefix: str, entries: dict[str, FileEntry]) -> None:
+    doc = {"version": MANIFEST_VERSION,
+           "files": {n: {"bytes": e.bytes, "sha256": e.sha256} for n, e in sorted(entries.items())}}
+    share.write_bytes(_join(prefix, MANIFEST), json.dumps(doc, indent=1, sort_keys=True).encode())
+
+
+class _OnShare:
+    """Whether files exist on the share: one ``list()`` per folder rather than a request per file."""
+
+    def __init__(self, share: Share, prefix: str) -> None:
+        self.share, self.prefix = share, prefix
+        self.folders: dict[str, set[str]] = {}
+
+    def __contains__(self, name: str) -> bool:
+        folder, _, base = name.rpartition("/")
+        if base.startswith("."):  # list() leaves hidden names out: ask for this one
+            return self.share.exists(_join(self.prefix, name))
+        if folder not in self.folders:
+            self.folders[folder] = set(self.share.list(_join(self.prefix, folder)))
+        return base in self.folders[folder]
+
+
+# --- push ---------------------------------------------------------------------------------------------
+
+
+def push(source: Path, share: Share, prefix: str = "", *, delete: bool = False,
+         progress: Progress | None = None) -> SyncResult:
+    """Copy the folder ``source`` to ``prefix`` in ``share``, uploading only new or changed files.
+
+    A file is skipped when the share's manifest lists it with the same size and SHA-256 and the share still
+    has it. With ``delete``, files the manifest lists that ``source`` no longer has are removed from the
+    share (files the manifest does not list are never touched; entries leave the manifest before their files
+    go, so a push cut off while removing may leave a few unlisted files). Without ``delete`` those files stay,
+    and listed. ``progress(name, done_bytes, total_bytes)`` is called once with name ``""`` and 0 done
+    before the first upload, then after each uploaded file (bytes of uploads only). ``result.files`` is the
+    source's tree as uploaded. Raises :class:`ShareError` for a missing source, a source that is a file, a
+    prefix with ``..``, an unusable file name, or a share that fails.
+    """
+    source = Path(source).expanduser()
+    if not source.exists():
+        raise ShareError(f"cannot push {source}: no such folder; check the path (the folder of files to copy)")
+    if not source.is_dir():
+        raise ShareError(f"cannot push {source}: it is a file, not a folder; put it in a folder and push that")
+    prefix = _clean_prefix(prefix)
+    _check_overlap(source, share, prefix, "push")
+    listing = tree_listing(source)
+    for entry in listing:
+        if _bad_name(entry.name):
+            raise ShareError(f"cannot push {source / entry.name}: its name holds a backslash or another character "
+                             "shares take as a separator; rename it")
+    old = _read_manifest(share, prefix) or {}
+    on_share = _OnShare(share, prefix)
+    todo = [e for e in listing if not (old.get(e.name) == e and e.name in on_share)]
+    todo_names = {e.name for e in todo}
+    names = {e.name for e in listing}
+    result = SyncResult(skipped=[e.name for e in listing if e.name not in todo_names])
+    files = {e.name: e for e in listing}
+    manifest = dict(old)
+    stale = [e.name for e in todo if e.name in manifest]
+    if stale:  # about to be overwritten: out of the manifest first, so it never lists a file's new bytes as old
+        for name in stale:
+            del manifest[name]
+        _write_manifest(share, prefix, manifest)
+    gone = sorted(n for n in old if n not in names) if delete else []
+    total = sum(e.bytes for e in todo)
+    done = 0
+    dirty = False
+    last_write = time.monotonic()
+    if todo and progress:
+        progress("", 0, total)
+    try:
+        for entry in todo:
+            # The whole file in memory, once: Share.write_bytes takes bytes (atomic per file). Hashing
+            # these bytes again records what was really uploaded, should the file have changed since listed.
+            try:
+                data = (source / entry.name).read_bytes()
+            except OSError as exc:
+                raise ShareError(f"cannot read {source / entry.name}: {exc.strerror or exc} "
+                                 "(did it change during the push? push again)") from exc
+            sent = FileEntry(entry.name, len(data), hashlib.sha256(data).hexdigest())
+            share.write_bytes(_join(prefix, entry.name), data)
+            del data
+            manifest[entry.name] = files[entry.name] = sent  # only now that the file is written
+            dirty = True
+            result.copied.append(entry.name)
+            result.bytes_copied += sent.bytes
+            done += sent.bytes
+            if progress:
+                progress(entry.name, done, max(total, done))
+            if time.monotonic() - last_write >= MANIFEST_INTERVAL:
+                _write_manifest(share, prefix, manifest)
+                dirty, last_write = False, time.monotonic()
+        for name in gone:  # out of the manifest before the share loses them: it never lists a missing file
+            del manifest[name]
+        if dirty or gone:
+            _write_manifest(share, prefix, manifest)
+            dirty = False
+        for name in gone:  # after the uploads: a push cut off early has lost nothing
+            share.remove(_join(prefix, name))
+            result.removed.append(name)
+    except BaseException:
+        if dirty:  # keep what was copied, so a rerun skips it
+            try:
+                _write_manifest(share, prefix, manifest)
+            except Exception:  # noqa: BLE001 - the share is failing: the error at hand says why
+                pass
+        raise
+    result.files = sorted(files.values(), key=lambda e: e.name)
+    return result
+
+
+# --- pull ---------------------------------------------------------------------------------------------
+
+
+def pull(share: Share, prefix: str, dest: Path, *, delete: bool = False,
+         progress: Progress | None = None) -> SyncResult:
+    """Copy the folder ``prefix`` of ``share`` to the local folder ``dest`` (created when absent).
+
+    With a sync manifest (written by :func:`push`), each listed file whose local copy is missing or
+    differs in size or SHA-256 is downloaded, its checksum verified (:class:`ShareError` naming the file on
+    a mismatch) and written atomically. Without one (a folder uploaded by another tool) the folder is
+    listed recursively and every file downloaded; a local file with the same bytes is not rewritten and
+    counts as skipped (sizes alone are not trusted: a rewritten file often keeps its size). Hidden files are
+    not listed by shares, so they are not pulled then. With ``delete``, local files the share lacks are
+    deleted (without a manifest, hidden local files stay). ``progress`` as for :func:`push`; ``total_bytes``
+    is 0 (unknown) without a manifest. Raises :class:`ShareError` when nothing is at ``prefix``.
+    """
+    prefix = _clean_prefix(prefix)
+    dest = Path(dest).expanduser()
+    if dest.exists() and not dest.is_dir():
+        raise ShareError(f"cannot pull into {dest}: it is a file; name a folder (created when absent)")
+    _check_overlap(dest, share, prefix, "pull")
+    manifest = _read_manifest(share, prefix)
+    if manifest is None:
+        return _pull_unlisted(share, prefix, dest, delete, progress)
+    where = _where(share, prefix)
+    entries = sorted(manifest.values(), key=lambda e: e.name)
+    result = SyncResult(files=entries)
+    todo = []
+    for entry in entries:
+        if _same_local(dest / entry.name, entry):
+            result.skipped.append(entry.name)
+        else:
+            todo.append(entry)
+    total = sum(e.bytes for e in todo)
+    if todo and progress:
+        progress("", 0, total)
+    for entry in todo:
+        try:
+            data = share.read_bytes(_join(prefix, entry.name))
+        except (FileNotFoundError, IsADirectoryError) as exc:
+            raise ShareError(f"`{entry.name}` is listed in the sync manifest of {where} but is not a file there; "
+                             "push the folder again (nbbatch data push), then pull") from exc
+        digest = hashlib.sha256(data).hexdigest()
+        if len(data) != entry.bytes or digest != entry.sha256:
+            raise ShareError(f"`{entry.name}` in {where} does not match its sync manifest ({len(data)} bytes, "
+                             f"sha256 {digest[:12]}…; expected {entry.bytes} bytes, {entry.sha256[:12]}…): it was "
+                             "changed after the last push, or damaged; push it again, then pull")
+        _write_local(dest, entry.name, data)
+        result.copied.append(entry.name)
+        result.bytes_copied += len(data)
+        if progress:
+            progress(entry.name, result.bytes_copied, total)
+    if delete:
+        result.removed = _delete_local(dest, set(manifest), visible_only=False)
+    return result
+
+
+def _pull_unlisted(share: Share, prefix: str, dest: Path, delete: bool, progress: Progress | None) -> SyncResult:
+    """Pull a folder that has no sync manifest: list it, download every file, rewrite those that differ."""
+    where = _where(share, prefix)
+    top = share.list(prefix)
+    if not top:
+        if not share.exists(prefix):
+            raise ShareError(f"nothing at {where}: check the URL and folder, or push there first "
+                             f"(nbbatch data push FOLDER {where})")
+        if prefix:
+            try:
+                share.read_bytes(prefix)
+            except (FileNotFoundError, IsADirectoryError):
+                pass  # an empty folder
+            else:
+                raise ShareError(f"{where} is a file; pull names a folder (its parent, say)")
+    result = SyncResult()
+    seen: dict[str, FileEntry] = {}
+    for name, data in _walk_share(share, prefix, "", top):
+        entry = FileEntry(name, len(data), hashlib.sha256(data).hexdigest())
+        seen[name] = entry
+        if _same_local(dest / name, entry):
+            result.skipped.append(name)
+            continue
+        _write_local(dest, name, data)
+        result.copied.append(name)
+        result.bytes_copied += entry.bytes
+        if progress:
+            progress(name, result.bytes_copied, 0)
+    result.files = sorted(seen.values(), key=lambda e: e.name)
+    if delete:  # hidden names: list() never shows them, so the share may well have them
+        result.removed = _delete_local(dest, set(seen), visible_only=True)
+    return result
+
+
+def _walk_share(share: Share, prefix: str, rel: str, children: list[str]) -> Iterator[tuple[str, bytes]]:
+    """(name, bytes) of every file under ``prefix/rel``, depth first in name order.
+
+    Reading each name first tells files from folders with the Share protocol alone: a folder raises
+    IsADirectoryError (a FileShare, Azure Files) or FileNotFoundError (some servers), and is then listed.
+    """
+    for child in children:
+        if _bad_name(child) or "/" in child:
+            raise ShareError(f"{_where(share, _join(prefix, rel))} lists an entry named `{child}`, which is not a "
+                             "file name: refused, nothing is written outside the destination")
+        name = _join(rel, child)
+        try:
+            data = share.read_bytes(_join(prefix, name))
+        except (IsADirectoryError, FileNotFoundError):
+            below = share.list(_join(prefix, name))  # empty: an empty folder, or a file gone meanwhile
+            yield from _walk_share(share, prefix, name, below)
+            continue
+        yield name, data
