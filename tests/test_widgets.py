@@ -408,6 +408,17 @@ def test_links_point_at_the_jupyter_server_that_serves_the_file(tmp_path: Path,
     assert links.download_url == "/files/results/exp/run%201/output.ipynb?download=1"
     assert 'href="/lab/tree/results/exp/run%201/output.ipynb"' in links.html()
     assert widget_links.notebook_links_for(FileShare(root / "results"), "exp", "missing").html() == ""
+    # the run's outputs: a download link each (the first three, then how many more)
+    outputs = notebook.parent / "outputs"
+    (outputs / "figs").mkdir(parents=True)
+    names = ["model.pt", "figs/curve.png", "a.txt", "b.txt"]
+    for name in names:
+        (outputs / name).write_text("x")
+    links = widget_links.notebook_links_for(FileShare(root / "results"), "exp", "run 1", [{"name": n} for n in names])
+    assert links.outputs[0] == ("model.pt", "/files/results/exp/run%201/outputs/model.pt?download=1")
+    html = links.html()
+    assert 'href="/files/results/exp/run%201/outputs/figs/curve.png?download=1" download>figs/curve.png</a>' in html
+    assert "b.txt" not in html and "+1" in html
 
 
 # --------------------------------------------------------------------------------------------------

@@ -547,7 +547,7 @@ def print_jobs_summary(experiment: Any, share: str | Share | None = None, interv
     ``accuracy``, else the first metric recorded with ``nbbatch.record(step=...)``).
     """
     name, the_share, submission = resolve(experiment, share)
-    model = JobsSummaryModel(name, links=lambda r: notebook_links_for(the_share, name, r.run_id))
+    model = JobsSummaryModel(name, links=lambda r: notebook_links_for(the_share, name, r.run_id, r.outputs))
     summary = JobsSummary(model, the_share, submission, metric=metric)
     try:
         model.replace_all(summary.load())

@@ -26,6 +26,7 @@ class NotebookLinks:
     path: Path | None  # the file, when the share is a local folder
     open_url: str | None = None  # opens it in JupyterLab (a path on the server: ``/lab/tree/...``)
     download_url: str | None = None  # downloads it (``/files/...?download=1``)
+    outputs: tuple[tuple[str, str | None], ...] = ()  # what the run wrote to NBBATCH_OUTPUT_DIR: (name, download URL)
 
     def html(self) -> str:
         """``open · ⤓`` (download) links, or the file's name when no Jupyter server serves it."""
@@ -90,13 +91,22 @@ def server_urls(path: Path) -> tuple[str, str] | None:
     return (best[1], best[2]) if best else None
 
 
-def notebook_links_for(share: Share, experiment: str, run_id: str) -> NotebookLinks:
-    """The executed notebook of a run (a full id) in ``share``, as a path and server URLs."""
-    local = share.local_path(run_paths(experiment, run_id).notebook)
+def notebook_links_for(share: Share, experiment: str, run_id: str,
+                       outputs: Sequence[dict[str, Any]] = ()) -> NotebookLinks:
+    """The executed notebook of a run (a full id) in ``share``, as a path and server URLs; with ``outputs``
+    (run.json's list), download URLs of those files too (None where no Jupyter server reaches them)."""
+    paths = run_paths(experiment, run_id)
+    local = share.local_path(paths.notebook)
     if local is None or not local.exists():
-        return NotebookLinks(None)
+        return NotebookLinks(None, outputs=tuple((str(o.get("name")), None) for o in outputs))
     urls = server_urls(local)
-    return NotebookLinks(local, *(urls or (None, None)))
+    folder = share.local_path(paths.outputs)
+    offered = []
+    for entry in outputs:
+        name = str(entry.get("name"))
+        served = server_urls(folder / name) if folder is not None and (folder / name).is_file() else None
+        offered.append((name, served[1] if served else None))
+    return NotebookLinks(local, *(urls or (None, None)), outputs=tuple(offered))
 
 
 def notebook_links(experiment: str, run: str, share: str | Share | None = None) -> NotebookLinks:
