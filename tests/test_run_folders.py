@@ -8,7 +8,7 @@ import json
 
 import nbformat
 import pytest
-from conftest import kernels_of, make_notebook
+from conftest import REPO, kernels_of, make_notebook
 
 from nbbatch.api import submit
 from nbbatch.errors import SpecError, ValidationError
@@ -203,3 +203,40 @@ def test_on_a_remote_share_a_lost_attempt_resumes_and_inputs_and_outputs_travel(
                             input_paths={"DATA_DIR": str(data)})
         assert again.status == "succeeded" and again.inputs["DATA_DIR"]["path"] == str(data)
         assert not any("/datasets/" in r.path for r in server.requests[requests:])
+
+
+@pytest.mark.slow
+def test_the_pytorch_notebook_trains_on_cifar_pushed_to_a_share_and_its_model_comes_back(
+        pytorch_env, project, monkeypatch, tmp_path, capsys):
+    """What a user does for a cluster: `nbbatch data push` CIFAR-10 (here a small synthetic one, same format) to an
+    Azure File share (the fake), name its URL as the input, and get the trained model back with `nbbatch fetch`."""
+    import subprocess
+
+    from fakes.azure_files_server import ACCOUNT, FAKE_KEY, FakeAzureFiles
+
+    from nbbatch.data import write_cifar10_batches
+    from nbbatch.ui.cli import main
+
+    with FakeAzureFiles() as server:
+        monkeypatch.setenv("NBBATCH_AZFILES_ENDPOINT", server.endpoint)
+        monkeypatch.setenv("AZURE_STORAGE_KEY", FAKE_KEY)
+        monkeypatch.setenv("NBBATCH_PROJECT", str(REPO))  # the real frameworks and their envs
+        write_cifar10_batches(tmp_path / "data", n_train_per_batch=40, n_test=20)  # data/cifar-10-batches-py/
+        url = f"azfiles://{ACCOUNT}/datasets/cifar10"
+        assert main(["data", "push", str(tmp_path / "data"), url, "-q"]) == 0
+        assert "pushed 6 file(s)" in capsys.readouterr().out  # 5 training batches and the test batch
+        exp = tmp_path / "cifar.yaml"
+        exp.write_text("experiment: cifar-in\nframeworks: [pytorch]\n"
+                       "parameters: {DATASET: cifar10, EPOCHS: 1, MAX_SAMPLES: 64}\n"
+                       f"inputs: {{DATA_DIR: '{url}'}}\nshare: results\n")
+        assert main(["submit", str(exp), "-q"]) == 0
+        assert main(["fetch", str(exp), str(tmp_path / "fetched")]) == 0
+    (run,) = (tmp_path / "fetched" / "cifar-in").iterdir()
+    record = json.loads((run / "run.json").read_text())
+    assert record["status"] == "succeeded" and record["inputs"]["DATA_DIR"]["source"] == url
+    shapes = subprocess.run(  # the saved state dict, loaded by the framework's own torch
+        [str(pytorch_env.path / "bin" / "python"), "-c", "import sys, torch; state = torch.load(sys.argv[1]); "
+         "print([tuple(t.shape) for t in state.values()])", str(run / "outputs" / "model.pt")],
+        capture_output=True, text=True, check=True).stdout
+    assert "(10, 512)" in shapes  # the last layer: N_CLASSES × 512
+    assert {e["name"] for e in record["outputs"]} >= {"model.pt"}

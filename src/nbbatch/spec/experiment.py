@@ -62,6 +62,8 @@ class Experiment:
     base_dir: Path = field(default_factory=Path.cwd)
 
     def __post_init__(self) -> None:
+        if isinstance(self.inputs, Mapping):  # folders relative to base_dir, also for experiments built in Python
+            self.inputs = _inputs(self.inputs, Path(self.base_dir))
         self.validate()
 
     def validate(self) -> None:
@@ -171,7 +173,7 @@ class Experiment:
             frameworks=list(frameworks),
             notebooks=[_notebook_entry(n, base) for n in _as_list(data.get("notebooks"), "notebooks")],
             parameters=_mapping(data.get("parameters"), "`parameters` must map names to values, e.g. parameters: {EPOCHS: 5}"),
-            inputs=_inputs(data.get("inputs"), base),
+            inputs=data.get("inputs") or {},
             sweep=dict(data.get("sweep") or {}) if isinstance(data.get("sweep") or {}, Mapping) else _bad_sweep(),
             gpus=resources.get("gpus", 0),
             runs_per_gpu=resources.get("runs_per_gpu", AUTO),
