@@ -100,13 +100,17 @@ def test_a_cell_error_is_never_retried_and_a_resubmission_resumes(project, write
     assert record.status == "failed" and record.attempt_log[0]["resumed_from"] is None
 
 
-def test_an_input_folder_is_bound_to_its_parameter(project, write_experiment):
+def test_an_input_folder_is_bound_to_its_parameter(project, write_experiment, capsys):
     (project / "data").mkdir()
     (project / "data" / "x.txt").write_text("41")
     make_notebook(project / "nb.ipynb", ["import os, nbbatch\n"
                                          "x = int(open(os.path.join(DATA_DIR, 'x.txt')).read())\n"
                                          "nbbatch.record(x=x + 1, where=DATA_DIR)"], parameters="DATA_DIR = 'nowhere'")
     exp = write_experiment("experiment: inp\nnotebooks: [nb.ipynb]\ninputs: {DATA_DIR: ./data}\n")
+    from nbbatch.ui.cli import main
+
+    assert main(["plan", str(exp)]) == 0
+    assert f"input DATA_DIR ← {project / 'data'}" in capsys.readouterr().out
     (record,) = submit(exp, progress=False).records
     assert record.status == "succeeded" and record.metrics["x"] == 42
     assert record.metrics["where"] == str(project / "data")
@@ -240,3 +244,11 @@ def test_the_pytorch_notebook_trains_on_cifar_pushed_to_a_share_and_its_model_co
         capture_output=True, text=True, check=True).stdout
     assert "(10, 512)" in shapes  # the last layer: N_CLASSES × 512
     assert {e["name"] for e in record["outputs"]} >= {"model.pt"}
+
+
+def test_an_input_url_with_a_token_is_refused(project, write_experiment):
+    make_notebook(project / "nb.ipynb", ["print(DATA_DIR)"], parameters="DATA_DIR = 'data'")
+    exp = write_experiment("experiment: tok\nnotebooks: [nb.ipynb]\n"
+                           "inputs: {DATA_DIR: 'azfiles://acct/share/data?sv=2024&sig=abc'}\n")
+    with pytest.raises(SpecError, match="SAS token.*never from the experiment file"):
+        submit(exp, progress=False)

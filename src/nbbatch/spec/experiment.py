@@ -113,6 +113,10 @@ class Experiment:
             if not isinstance(where, str) or not where.strip():
                 raise SpecError(f"input `{name}` must be a folder path or a share URL such as "
                                 f"azfiles://account/share/data (got {reprlib.repr(where)})")
+            if "://" in where and any(mark in where for mark in ("?", "@", "#")):
+                raise SpecError(f"input `{name}`: the URL holds a query, a user or a fragment (a SAS token?); name "
+                                "only the folder (azfiles://account/share/folder): credentials come from "
+                                "AZURE_STORAGE_KEY or your Azure sign-in, never from the experiment file")
             if name in parameters:
                 raise SpecError(f"`{name}` is both an input and a parameter (or swept); an input sets the parameter "
                                 f"to the folder's path as the run sees it: drop `{name}` from one of them")

@@ -126,6 +126,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                                       run.gpus)))
     console = _console()
     console.print(table)
+    for name, location in the_plan.experiment.inputs.items():
+        console.print(Text(f"input {name} ← {location}"), soft_wrap=True)
     for warning in the_plan.warnings:
         console.print(_warning(warning))
     return 0
