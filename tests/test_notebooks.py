@@ -5,12 +5,17 @@ of tests/conftest_frameworks.py). The defaults train on scikit-learn's bundled d
 downloaded; each notebook records its metrics with ``nbbatch.record``, read back here from the
 executed notebook, and one point of its history per epoch (``nbbatch.record(step=epoch, loss=...,
 train_accuracy=...)``; the points of one cell update one output, so the executed notebook holds the last).
+
+Each notebook saves its trained model into ``NBBATCH_OUTPUT_DIR`` (``nbbatch.artifacts.output_dir()``), and five of
+them checkpoint every epoch into ``NBBATCH_CHECKPOINT_DIR`` and resume from it: papermill starts the kernel with
+this process's environment, so the tests set both variables as nbbatch does for a run.
 """
 
 from __future__ import annotations
 
 import ast
 import math
+import re
 import time
 from pathlib import Path
 
@@ -24,6 +29,20 @@ from nbbatch.record import HISTORY_MIME, METRICS_MIME, metrics_from_notebook
 ROOT = Path(__file__).resolve().parents[1]
 FRAMEWORKS = selected_frameworks(p.name for p in (ROOT / "frameworks").iterdir() if (p / "framework.yaml").exists())
 MIN_ACCURACY = 0.9
+# What each notebook saves in output_dir(), in its framework's own format (a path relative to output_dir()).
+MODEL_FILES = {
+    "chainer": "model.npz",  # chainer.serializers.save_npz
+    "gluon": "model.params",  # HybridSequential.save_parameters
+    "jax-flax": "model.msgpack",  # flax.serialization.to_bytes of the parameters
+    "keras-jax": "model.keras",
+    "keras-tf": "model.keras",
+    "lightning": "model.ckpt",  # Trainer.save_checkpoint(weights_only=True)
+    "mxnet": "model.params",  # Module.save_params
+    "pytorch": "model.pt",  # the state_dict
+    "tensorflow": "saved_model/saved_model.pb",  # a SavedModel folder
+}
+# The notebooks that checkpoint every epoch into checkpoint_dir() and resume from there.
+CHECKPOINTING = [name for name in FRAMEWORKS if name in {"jax-flax", "keras-jax", "keras-tf", "lightning", "pytorch"}]
 
 
 def default_parameter(nb, name: str):
@@ -46,10 +65,37 @@ def is_number(value) -> bool:
 
 
 def kernel_environment(monkeypatch, home: Path) -> None:
-    """Keep what frameworks write at import (``~/.keras``, caches) out of the user's home."""
+    """Keep what frameworks write at import (``~/.keras``, caches) out of the user's home, and the notebook's
+    outputs (its model) in ``home/outputs``; no checkpoints unless a test asks for them."""
     monkeypatch.setenv("KERAS_HOME", str(home / "keras"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(home / "cache"))
     monkeypatch.setenv("MPLCONFIGDIR", str(home / "matplotlib"))
+    monkeypatch.setenv("NBBATCH_OUTPUT_DIR", str(home / "outputs"))
+    monkeypatch.delenv("NBBATCH_CHECKPOINT_DIR", raising=False)
+
+
+def run_notebook(fw, folder: Path, name: str, **parameters):
+    """Execute ``fw``'s notebook with papermill in ``folder`` (its working directory); the executed notebook."""
+    output = folder / f"{name}.out.ipynb"
+    try:
+        papermill.execute_notebook(
+            str(fw.notebook), str(output), kernel_name=fw.kernel_name, cwd=str(folder), parameters=parameters,
+            progress_bar=False, log_output=False,
+        )
+    except papermill.PapermillExecutionError as exc:
+        pytest.fail(f"{fw.notebook.name} failed in cell {exc.exec_count}: {exc.ename}: {exc.evalue}")
+    return nbformat.read(output, as_version=4)
+
+
+def printed(nb) -> str:
+    """What the notebook's cells printed (their stream outputs), in order."""
+    return "".join(out.get("text", "") for cell in nb.cells for out in cell.get("outputs", []) or []
+                   if out.get("output_type") == "stream")
+
+
+def partial_files(folder: Path) -> list[str]:
+    """Names in ``folder`` that ``atomic_path`` leaves only when a write did not finish (hidden ``.<stem>.*.part*``)."""
+    return [p.name for p in folder.iterdir() if p.name.startswith(".") and ".part" in p.name]
 
 
 @pytest.mark.slow
@@ -57,17 +103,9 @@ def kernel_environment(monkeypatch, home: Path) -> None:
 def test_notebook_reaches_accuracy_on_digits(framework, framework_envs, tmp_path, monkeypatch, record_property):
     fw = framework_envs.framework(framework)
     kernel_environment(monkeypatch, tmp_path)
-    output = tmp_path / f"{fw.notebook.stem}.out.ipynb"
     start = time.perf_counter()
-    try:
-        papermill.execute_notebook(
-            str(fw.notebook), str(output), kernel_name=fw.kernel_name, cwd=str(tmp_path),
-            progress_bar=False, log_output=False,
-        )
-    except papermill.PapermillExecutionError as exc:
-        pytest.fail(f"{fw.notebook.name} failed in cell {exc.exec_count}: {exc.ename}: {exc.evalue}")
+    executed = run_notebook(fw, tmp_path, fw.notebook.stem)
     seconds = time.perf_counter() - start
-    executed = nbformat.read(output, as_version=4)
     metrics = metrics_from_notebook(executed)
     record_property("notebook_seconds", round(seconds, 1))
     record_property("metrics", metrics)
@@ -88,6 +126,57 @@ def test_notebook_reaches_accuracy_on_digits(framework, framework_envs, tmp_path
     assert is_number(last.get("train_accuracy")) and 0 <= last["train_accuracy"] <= 1, f"last epoch: {last}"
     # The test accuracy is the run's accuracy (the history has its own name for the training accuracy).
     assert metrics["accuracy"] == recorded(executed, METRICS_MIME)[-1]["accuracy"]
+    assert "resumed_from_epoch" not in metrics, "no checkpoint folder, nothing to resume from"
+
+    # The trained model, in the framework's own format, in NBBATCH_OUTPUT_DIR (and nothing half-written beside it).
+    outputs = tmp_path / "outputs"
+    model = outputs / MODEL_FILES[framework]
+    assert model.is_file() and model.stat().st_size > 0, f"{fw.notebook.name} saved no {model.relative_to(tmp_path)}"
+    assert not partial_files(outputs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", CHECKPOINTING)
+def test_notebook_resumes_from_its_checkpoint(framework, framework_envs, tmp_path, monkeypatch):
+    """A later attempt of a run finds the checkpoint of the one before and trains only the epochs left.
+
+    As nbbatch does across the attempts of one run, three executions share NBBATCH_CHECKPOINT_DIR: one epoch
+    (nothing to resume from), then two epochs (resumes after the first, trains the second), then two again
+    (all done, as when the kernel died during the evaluation: no training, the evaluation and the record still).
+    """
+    fw = framework_envs.framework(framework)
+    kernel_environment(monkeypatch, tmp_path)
+    checkpoints = tmp_path / "checkpoints"
+    monkeypatch.setenv("NBBATCH_CHECKPOINT_DIR", str(checkpoints))
+    quick = {"MAX_SAMPLES": 256}
+
+    first = run_notebook(fw, tmp_path, "first", EPOCHS=1, **quick)
+    assert "resumed_from_epoch" not in metrics_from_notebook(first), "nothing to resume from on the first attempt"
+    assert "resuming from epoch" not in printed(first)
+    assert any(checkpoints.iterdir()), f"{fw.notebook.name} wrote no checkpoint into NBBATCH_CHECKPOINT_DIR"
+    assert not partial_files(checkpoints)
+
+    second = run_notebook(fw, tmp_path, "second", EPOCHS=2, **quick)
+    metrics = metrics_from_notebook(second)
+    assert metrics.get("resumed_from_epoch") == 1, metrics
+    assert "resuming from epoch 1 (checkpoint " in printed(second)
+    steps = {point["step"] for point in recorded(second, HISTORY_MIME)}
+    assert 2 in steps and 1 not in steps, f"history points of the resumed run: {steps}"
+    assert re.search(r"(?i)\bepoch 2/2\b", printed(second)), "the second epoch was trained"
+    assert not re.search(r"(?i)\bepoch 1/2\b", printed(second)), "the first epoch was trained again"
+    assert metrics["train_seconds"] > 0 and metrics["images_per_second"] > 0
+    assert not partial_files(checkpoints)
+
+    # All epochs done: the checkpoint the second run left holds epoch 2; training is skipped, the rest runs.
+    third = run_notebook(fw, tmp_path, "third", EPOCHS=2, **quick)
+    resumed = metrics_from_notebook(third)
+    assert resumed.get("resumed_from_epoch") == 2, resumed
+    assert not recorded(third, HISTORY_MIME), "no epoch is left to train"
+    assert is_number(resumed.get("accuracy")) and 0 <= resumed["accuracy"] <= 1, resumed
+    assert resumed["train_seconds"] > 0 and resumed["images_per_second"] > 0, resumed
+    assert resumed["train_seconds"] == pytest.approx(metrics["train_seconds"]), "the times of the epochs, as saved"
+    model = tmp_path / "outputs" / MODEL_FILES[framework]
+    assert model.is_file() and model.stat().st_size > 0
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,16 +56,27 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
 
     ``with atomic_path(ckpt) as tmp: torch.save(state, tmp)``: a reader (or the next attempt) sees the
     old file or the new one, never half of one. The temporary name keeps ``target``'s suffix, for
-    savers that choose a format by it (Keras' ``.keras``).
+    savers that choose a format by it (Keras' ``.keras``). A folder (a TensorFlow SavedModel) works too:
+    the old folder is moved aside, the new one renamed in, then the old one removed.
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem}.", suffix=f".part{target.suffix}")
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem}.", suffix=f".part{target.suffix}")
     os.close(fd)
-    os.unlink(tmp)  # savers that refuse to overwrite find no file; the name stays ours (random, hidden)
+    os.unlink(name)  # savers that refuse to overwrite find no file; the name stays ours (random, hidden)
+    tmp = Path(name)
     try:
-        yield Path(tmp)
-        os.replace(tmp, target)
+        yield tmp
+        if tmp.is_dir() and target.is_dir():
+            old = tmp.with_name(tmp.name + ".old")
+            os.replace(target, old)  # a folder cannot be renamed over a folder that has files
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()

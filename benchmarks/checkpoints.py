@@ -1,0 +1,102 @@
+"""What checkpointing every epoch costs the framework notebooks, and what resuming saves.
+
+    python benchmarks/checkpoints.py [--frameworks pytorch,lightning,jax-flax,keras-jax,keras-tf] [--rounds 2]
+
+Each framework's notebook runs on digits (its defaults, ``EPOCHS`` 4) with papermill in its kernel, in
+alternating order: without ``NBBATCH_CHECKPOINT_DIR`` (no checkpoints) and with it (one checkpoint per
+epoch, a fresh folder each time). Then once more with EPOCHS 4 on the checkpoint of epoch 2 (what the
+attempt after a kernel death at epoch 3 does). Prints a markdown table: medians of ``train_seconds`` as
+the notebook records it, the checkpoint's size, and the resumed attempt's training time.
+Needs the framework environments (``nbbatch envs create``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from machine import describe, median
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+
+def execute(notebook: Path, kernel: str, work: Path, checkpoints: Path | None, epochs: int) -> dict:
+    import papermill
+
+    from nbbatch.record import metrics_from_notebook
+
+    env = {"NBBATCH_OUTPUT_DIR": str(work / "outputs")}
+    if checkpoints is not None:
+        env["NBBATCH_CHECKPOINT_DIR"] = str(checkpoints)
+    saved = {k: os.environ.get(k) for k in ("NBBATCH_OUTPUT_DIR", "NBBATCH_CHECKPOINT_DIR")}
+    os.environ.pop("NBBATCH_CHECKPOINT_DIR", None)
+    os.environ.update(env)
+    try:
+        out = work / "out.ipynb"
+        nb = papermill.execute_notebook(str(notebook), str(out), parameters={"EPOCHS": epochs}, kernel_name=kernel,
+                                        cwd=str(work), progress_bar=False, log_output=False)
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key, None)
+            if value is not None:
+                os.environ[key] = value
+    return metrics_from_notebook(nb)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--frameworks", default="pytorch,lightning,jax-flax,keras-jax,keras-tf")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=4)
+    args = parser.parse_args()
+    from nbbatch.spec.frameworks import get_framework
+    from nbbatch.spec.project import Project
+
+    project = Project(ROOT)
+    project.activate_kernels()
+    print(describe("checkpoints of the framework notebooks (digits)"))
+    print(f"\n| framework | train_seconds, no checkpoints | with a checkpoint per epoch | checkpoint size | "
+          f"resumed at epoch {args.epochs // 2} of {args.epochs}: train_seconds of that attempt |")
+    print("|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="nbbatch-bench-ckpt-") as tmp:
+        os.environ.setdefault("KERAS_HOME", str(Path(tmp) / "keras"))
+        for name in args.frameworks.split(","):
+            framework = get_framework(name, project)
+            plain, checkpointed, size = [], [], 0
+            for round_ in range(args.rounds):
+                for with_checkpoints in ((False, True) if round_ % 2 == 0 else (True, False)):
+                    work = Path(tmp) / f"{name}-{round_}-{with_checkpoints}"
+                    work.mkdir()
+                    folder = work / "checkpoints" if with_checkpoints else None
+                    metrics = execute(framework.notebook, framework.kernel_name, work, folder, args.epochs)
+                    (checkpointed if with_checkpoints else plain).append(metrics["train_seconds"])
+                    if folder is not None:
+                        size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+            half = Path(tmp) / f"{name}-half"
+            half.mkdir()
+            execute(framework.notebook, framework.kernel_name, half, half / "checkpoints", args.epochs // 2)
+            resumed = Path(tmp) / f"{name}-resumed"
+            shutil.copytree(half / "checkpoints", resumed / "checkpoints")
+            metrics = execute(framework.notebook, framework.kernel_name, resumed, resumed / "checkpoints", args.epochs)
+            assert metrics.get("resumed_from_epoch") == args.epochs // 2, metrics
+            # train_seconds of a resumed run includes the saved epochs' times; this attempt's are the rest
+            print(f"| {name} | {median(plain):.2f} s | {median(checkpointed):.2f} s "
+                  f"({median(checkpointed) / median(plain):.2f}×) | {size / 2**20:.1f} MiB | "
+                  f"{metrics['train_seconds'] - _saved_seconds(half):.2f} s |", flush=True)
+
+
+def _saved_seconds(half: Path) -> float:
+    import nbformat
+
+    from nbbatch.record import metrics_from_notebook
+
+    return float(metrics_from_notebook(nbformat.read(half / "out.ipynb", as_version=4))["train_seconds"])
+
+
+if __name__ == "__main__":
+    main()
