@@ -252,3 +252,25 @@ def test_an_input_url_with_a_token_is_refused(project, write_experiment):
                            "inputs: {DATA_DIR: 'azfiles://acct/share/data?sv=2024&sig=abc'}\n")
     with pytest.raises(SpecError, match="SAS token.*never from the experiment file"):
         submit(exp, progress=False)
+
+
+def test_atomic_path_replaces_files_and_folders_whole_and_leaves_nothing_on_failure(tmp_path):
+    from nbbatch.artifacts import atomic_path
+
+    target = tmp_path / "model.keras"
+    with atomic_path(target) as tmp:
+        assert tmp.suffix == ".keras" and tmp.parent == tmp_path and not tmp.exists()
+        tmp.write_text("v1")
+    with pytest.raises(RuntimeError), atomic_path(target) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("killed mid-save")
+    assert target.read_text() == "v1"
+    for version in ("v1", "v2"):  # a SavedModel folder, saved twice
+        with atomic_path(tmp_path / "saved") as tmp:
+            tmp.mkdir()
+            (tmp / "weights").write_text(version)
+    assert (tmp_path / "saved" / "weights").read_text() == "v2"
+    with pytest.raises(RuntimeError), atomic_path(tmp_path / "saved") as tmp:
+        tmp.mkdir()
+        raise RuntimeError("killed mid-save")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.keras", "saved"]  # no temporary left
