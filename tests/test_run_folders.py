@@ -67,7 +67,7 @@ def test_a_killed_kernel_resumes_from_its_checkpoint_and_the_outputs_land(projec
     folder = _run_folder(project, "resume", record)
     log = (folder / "log.txt").read_text()
     assert "attempt 2" in log and "resuming from state.json" in log and "resuming from epoch 3" in log
-    assert json.loads((folder / "checkpoints" / "state.json").read_text())["epoch"] == 5
+    assert not (folder / "checkpoints").exists()  # a run that succeeded needs them no more
     # outputs: on the share, listed in run.json with their size and checksum
     model = folder / "outputs" / "model.json"
     listed = {entry["name"]: entry for entry in record.outputs}
@@ -177,8 +177,9 @@ def test_on_a_remote_share_a_lost_attempt_resumes_and_inputs_and_outputs_travel(
         (data / "x.txt").write_text("41")
         push(data, AzureFileShare(f"azfiles://{ACCOUNT}/datasets/digits"))
         notebook = make_notebook(project / "train.ipynb", [
-            TRAIN, "import os\nrecord(x=int(open(os.path.join(DATA_DIR, 'x.txt')).read()) + 1)"],
-            parameters="EPOCHS = 5\nKILL_AFTER = 0\nDATA_DIR = 'data'")
+            TRAIN, "import os\nrecord(x=int(open(os.path.join(DATA_DIR, 'x.txt')).read()) + 1)",
+            "assert not FAIL_AT_END, 'fails after training'"],
+            parameters="EPOCHS = 5\nKILL_AFTER = 0\nDATA_DIR = 'data'\nFAIL_AT_END = False")
         run = Run(run_id="train-remote", experiment="far", notebook=str(notebook), notebook_rel="train.ipynb",
                   kernel="python3", inputs={"DATA_DIR": f"azfiles://{ACCOUNT}/datasets/digits"})
         # what the lost node left: a running record of attempt 1, and its checkpoint of epoch 2 on the share
@@ -190,8 +191,7 @@ def test_on_a_remote_share_a_lost_attempt_resumes_and_inputs_and_outputs_travel(
         assert record.metrics["resumed_from_epoch"] == 2 and record.metrics["weights"] == 15
         assert record.metrics["x"] == 42  # the input, pulled from its share into the project's cache
         assert record.inputs["DATA_DIR"]["source"] == f"azfiles://{ACCOUNT}/datasets/digits"
-        assert (json.loads(share.read_bytes("far/train-remote/checkpoints/state.json")) ==
-                {"epoch": 5, "weights": 15})  # pushed back
+        assert not share.exists("far/train-remote/checkpoints")  # removed once the run succeeded
         lost, resumed = record.attempt_log
         assert lost == {"attempt": 1, "host": "lost-node", "started_at": "2026-01-01T00:00:00", "status": "lost",
                         "kind": "infra"}
@@ -203,10 +203,12 @@ def test_on_a_remote_share_a_lost_attempt_resumes_and_inputs_and_outputs_travel(
         assert (dest / "far" / "train-remote" / "outputs" / "figures" / "curve.txt").read_text() == "1 2 3"
         # given a mount (Azure ML's ro_mount), the input is that folder and nothing is pulled
         requests = len(server.requests)
-        again = execute_run(dataclasses.replace(run, run_id="train-mounted"), share, project_root=project,
-                            input_paths={"DATA_DIR": str(data)})
-        assert again.status == "succeeded" and again.inputs["DATA_DIR"]["path"] == str(data)
+        again = execute_run(dataclasses.replace(run, run_id="train-mounted", parameters={"FAIL_AT_END": True}),
+                            share, project_root=project, input_paths={"DATA_DIR": str(data)})
+        assert again.status == "failed" and again.inputs["DATA_DIR"]["path"] == str(data)
         assert not any("/datasets/" in r.path for r in server.requests[requests:])
+        # a run that did not succeed keeps its checkpoints on the share, pushed after the attempt
+        assert json.loads(share.read_bytes("far/train-mounted/checkpoints/state.json")) == {"epoch": 5, "weights": 15}
 
 
 @pytest.mark.slow

@@ -6,7 +6,8 @@ environment:
 * ``NBBATCH_OUTPUT_DIR``: what the notebook writes here (a trained model, figures) lands in
   ``<share>/<experiment>/<run id>/outputs/``, is listed in run.json and comes back with ``nbbatch fetch``;
 * ``NBBATCH_CHECKPOINT_DIR``: kept across the attempts of one run (``<run id>/checkpoints/``), so an
-  attempt after a kernel death, a lost node or a preempted VM continues from the last checkpoint.
+  attempt after a kernel death, a lost node or a preempted VM continues from the last checkpoint
+  (removed once the run succeeds).
 
 Outside nbbatch (a notebook opened by hand) ``output_dir()`` is ``./outputs`` and ``checkpoint_dir()``
 is None: nothing to resume from, nothing kept. Write checkpoints with :func:`atomic_path`, so a kernel

@@ -191,9 +191,13 @@ def execute_run(run: Run, share: Share, *, gpu_ids: list[int] | None = None, sha
             died = record.status == Status.FAILED and record.error is not None and \
                 record.error.kind == ErrorKind.KERNEL_DIED
             if not died or attempts_left <= 0 or _cancelled_meanwhile(run, share, cancel_event):
-                return record
+                break
     finally:
         folders.close()
+    if record.status == Status.SUCCEEDED:  # checkpoints are for resuming a run, not its results
+        with contextlib.suppress(ShareError, OSError):
+            share.remove(run_paths(run.experiment, run.run_id).checkpoints)
+    return record
 
 
 def _note_lost_attempt(record: RunRecord) -> None:

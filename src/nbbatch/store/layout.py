@@ -13,7 +13,7 @@
     <experiment>/<run id>/metrics.jsonl  the metric history (``record(step=…)``), streamed as the run goes
     <experiment>/<run id>/telemetry.jsonl GPU samples, streamed as the run goes
     <experiment>/<run id>/outputs/       what the notebook wrote to NBBATCH_OUTPUT_DIR (a model, figures)
-    <experiment>/<run id>/checkpoints/   NBBATCH_CHECKPOINT_DIR: kept across the attempts of the run
+    <experiment>/<run id>/checkpoints/   NBBATCH_CHECKPOINT_DIR: kept across the attempts of the run, until it succeeds
     <experiment>/<run id>/<backend file> what a backend keeps about the run (e.g. azureml.json)
 
 Paths are ``/``-separated and relative to the share's root; every other module asks here.
