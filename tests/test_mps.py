@@ -437,7 +437,9 @@ def test_ctrl_c_during_a_batch_stops_the_daemon(fake, two_gpus, project, write_e
     import nbbatch
     from nbbatch.api import submit
 
-    make_notebook(project / "nb.ipynb", [RECORD_CLIENT], parameters="A = 1\nSLEEP = 60.0")
+    # The runs sleep far longer than the presser waits: Ctrl-C always comes while the batch runs, also on a
+    # machine so loaded that the presser never sees a run's first cell done.
+    make_notebook(project / "nb.ipynb", [RECORD_CLIENT], parameters="A = 1\nSLEEP = 600.0")
     exp = write_experiment("experiment: mpsctrlc\nnotebooks: [nb.ipynb]\nsweep: {grid: {A: [1, 2]}}\n"
                            "resources: {gpus: 1, mps: true}\n")
 
