@@ -435,5 +435,6 @@ def clear_run_folders(share: Share, run: Run, fresh: bool) -> None:
     rerunning a succeeded run), else the new attempt resumes from them (a run that failed or was lost)."""
     paths = run_paths(run.experiment, run.run_id)
     share.remove(paths.outputs)
+    share.remove(paths.ranks)  # a distributed run's gang markers and ranks' files are of one launch
     if fresh:
         share.remove(paths.checkpoints)

@@ -10,6 +10,10 @@ a CUDA MPS daemon started for the batch. Ctrl-C cancels: kernels are killed, run
 
 With ``container: true`` each run executes ``nbbatch run-one`` inside its framework's image
 (:mod:`nbbatch.containers`) instead of a kernel of this machine's venv; placement is the same.
+
+A distributed run (:mod:`nbbatch.execute.ranks`) takes its GPUs as one gang, to itself, and counts as
+its ranks against ``max_parallel``; its ranks rendezvous on free ports of 127.0.0.1. This machine is one
+node; ``NBBATCH_SIMULATE_NODES=1`` (for tests) runs every node of a run here, each a launcher of its own.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PRESTART_DEFAULT = 2  # kernels started ahead of the next runs (`backend: {name: local, prestart: N}`; 0: none)
+SIMULATE_NODES_ENV = "NBBATCH_SIMULATE_NODES"  # tests: every node of a distributed run on this machine
 
 
 class LocalBackend(Backend):
@@ -98,7 +103,8 @@ class LocalBackend(Backend):
         """Refuse runs this machine cannot place, before anything starts."""
         if self.container:
             self._check_containers(runs, options)
-        need = max((r.gpus for r in runs), default=0)
+        self._check_distributed(runs)
+        need = max((r.gpus * _nodes_here(r) for r in runs), default=0)
         if need > len(self.gpus):
             have = f"{len(self.gpus)} GPU(s)" if self.gpus else "no NVIDIA GPU (NVML found none)"
             raise ValidationError(f"runs ask for {need} GPU(s) each but this machine has {have}; "
@@ -116,6 +122,16 @@ class LocalBackend(Backend):
                     f"GPU(s) {', '.join(map(str, held))} are in exclusive-process compute mode: one process at a time, "
                     f"so resources.runs_per_gpu: {options.runs_per_gpu} cannot share them; set resources.mps: true "
                     "(CUDA MPS lets runs share such a GPU), runs_per_gpu: 1, or `nvidia-smi -c DEFAULT`")
+
+    def _check_distributed(self, runs: Sequence[Run]) -> None:
+        spread = next((r for r in runs if r.distribution and r.distribution["nodes"] > 1), None)
+        if spread is not None and not os.environ.get(SIMULATE_NODES_ENV):
+            raise ValidationError(f"run {spread.run_id} spans {spread.distribution['nodes']} nodes, but the local backend "
+                                  "is this one machine; set resources.nodes: 1 (processes_per_node ranks here), or use "
+                                  "a backend with nodes (ray, azureml)")
+        if self.container and any(r.distribution for r in runs):
+            raise ValidationError("container: true runs one kernel per container, and a distributed run has one per "
+                                  "rank; run distributed runs without containers (or on azureml, whose images they use)")
 
     # --- container: true --------------------------------------------------------------------------------
 
@@ -185,6 +201,8 @@ class LocalBackend(Backend):
                  info: dict[str, Any], cancel: threading.Event, notify: Callable[[RunRecord], None],
                  kernels: KernelPool) -> RunRecord:
         """One run: in a kernel of this machine's venv, or with ``container: true`` inside its framework's image."""
+        if run.distribution:
+            return _execute_distributed(run, share, lease.gpu_ids, cancel, notify)
         if not self.container:
             return execute_run(run, share, gpu_ids=lease.gpu_ids, shared_gpu=shared, cancel_event=cancel,
                                on_update=notify, kernels=kernels, gpu_env=gpu_env, gpu_share=info)
@@ -215,6 +233,7 @@ class LocalBackend(Backend):
         cpu_parallel = options.max_parallel or self.max_parallel or (os.cpu_count() or 1)
         gpu_parallel = options.max_parallel or self.max_parallel or max(pool.capacity, 1)
         pending = list(runs)
+        weight = {r.run_id: r.world_size if r.distribution and not r.gpus else 1 for r in runs}  # CPUs a run keeps busy
         active: dict[str, threading.Thread] = {}
         gpu_runs: set[str] = set()  # active runs holding GPU slots
         out_of_memory: dict[str, str] = {}  # runs to run again alone: the error that ended their shared attempt
@@ -307,11 +326,13 @@ class LocalBackend(Backend):
                                 share_failures.append(exc)
                             continue
                         running_gpu = sum(1 for r in active if r in gpu_runs)
-                        running_cpu = len(active) - running_gpu
-                        if run.gpus and running_gpu >= gpu_parallel or not run.gpus and running_cpu >= cpu_parallel:
+                        running_cpu = sum(weight[r] for r in active if r not in gpu_runs)
+                        if run.gpus and running_gpu >= gpu_parallel or not run.gpus and running_cpu and \
+                                running_cpu + weight[run.run_id] > cpu_parallel:
                             continue
-                        lease = pool.acquire(run.gpus, needs.need_mb(run) if pool.auto and run.gpus else None,
-                                             alone=run.run_id in out_of_memory)
+                        lease = pool.acquire(run.gpus * _nodes_here(run),
+                                             needs.need_mb(run) if pool.auto and run.gpus else None,
+                                             alone=run.run_id in out_of_memory or bool(run.distribution))
                         if lease is None:
                             continue
                         pending.remove(run)
@@ -357,7 +378,7 @@ class LocalBackend(Backend):
         """Start the kernels of the next runs to start. A GPU run's kernel is started for the GPUs it will most
         likely get; if it gets others, the kernel is not used (its environment does not match) and is killed."""
         for run in pending[:kernels.size]:
-            if run.run_id in kernels:
+            if run.run_id in kernels or run.distribution:  # a distributed run starts a kernel per rank itself
                 continue
             try:
                 gpu_ids = pool.preview(run.gpus)
@@ -375,6 +396,38 @@ class LocalBackend(Backend):
         return {r.run_id: RunError("DriverDied", f"process {r.pid} that ran it is gone",
                                    reason="the submitting process died; resubmit to rerun", kind=ErrorKind.INFRA)
                 for r in records if r.host == host and r.pid and not pid_alive(r.pid)}
+
+
+def _nodes_here(run: Run) -> int:
+    """How many of the run's nodes run on this machine: one, or all of them when simulated."""
+    return int(run.distribution["nodes"]) if run.distribution and os.environ.get(SIMULATE_NODES_ENV) else 1
+
+
+def _execute_distributed(run: Run, share: Share, gpu_ids: list[int], cancel: threading.Event,
+                         notify: Callable[[RunRecord], None]) -> RunRecord:
+    """Every node of a distributed run this machine runs: node 0 here, simulated others in threads beside it."""
+    from nbbatch.execute.ranks import execute_node, local_placements
+
+    placements = local_placements(run)[:_nodes_here(run)]
+    per_node = run.gpus
+
+    def fresh_endpoints() -> tuple[str, ...]:
+        return local_placements(run)[0].endpoints
+
+    def node(index: int) -> RunRecord:
+        return execute_node(run, share, placements[index], gpu_ids=gpu_ids[index * per_node:(index + 1) * per_node],
+                            cancel_event=cancel, on_update=notify if index == 0 else None,
+                            new_endpoints=fresh_endpoints if len(placements) == 1 else None)
+
+    others = [threading.Thread(target=node, args=(i,), name=f"node-{run.run_id}-{i}", daemon=True)
+              for i in range(1, len(placements))]
+    for thread in others:
+        thread.start()
+    try:
+        return node(0)
+    finally:
+        for thread in others:
+            thread.join()
 
 
 class _CancelWatch:

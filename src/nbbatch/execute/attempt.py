@@ -161,7 +161,8 @@ def execute_run(run: Run, share: Share, *, gpu_ids: list[int] | None = None, sha
                 backend: str = "local", project_root: Path | None = None, save_every: float = 1.0,
                 kernels: Any = None, gpu_env: dict[str, str] | None = None,
                 gpu_share: dict[str, Any] | None = None, container: dict[str, Any] | None = None,
-                recorded_gpu_ids: list[int] | None = None, input_paths: dict[str, str] | None = None) -> RunRecord:
+                recorded_gpu_ids: list[int] | None = None, input_paths: dict[str, str] | None = None,
+                placement: Any = None) -> RunRecord:
     """Execute ``run`` (retrying after kernel deaths up to ``run.retries``) and return its final record.
 
     ``kernels`` is an :class:`nbbatch.execute.kernels.KernelPool` that may hold a kernel started for this run.
@@ -169,8 +170,17 @@ def execute_run(run: Run, share: Share, *, gpu_ids: list[int] | None = None, sha
     how the run's GPUs were shared (``exclusive``: no other run on them, so their memory use is the run's).
     In a container, ``container`` names its image, and ``recorded_gpu_ids`` are the GPUs' indices on the
     host (``gpu_ids`` are the container's own, numbered from 0).
+    A distributed run starts this node's ranks (:mod:`nbbatch.execute.ranks`): ``placement`` says where the node
+    is in the gang, else the environment its backend set does.
     """
     from nbbatch.execute.folders import RunFolders
+
+    if run.distribution:
+        from nbbatch.execute.ranks import execute_node, placement_from_env
+
+        return execute_node(run, share, placement or placement_from_env(run, os.environ), gpu_ids=gpu_ids,
+                            cancel_event=cancel_event, on_update=on_update, backend=backend, project_root=project_root,
+                            save_every=save_every, recorded_gpu_ids=recorded_gpu_ids, input_paths=input_paths)
 
     record = read_record(share, run.experiment, run.run_id) or new_record(run, backend)
     record.gpu_share = dict(gpu_share or {})
@@ -235,7 +245,11 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
              cancel_event: threading.Event | None, on_update: UpdateCallback | None, backend: str,
              project_root: Path | None, save_every: float, kernels: Any = None,
              gpu_env: dict[str, str] | None = None, recorded_gpu_ids: list[int] | None = None,
-             folders: Any = None) -> RunRecord:
+             folders: Any = None, rank: Any = None) -> RunRecord:
+    """One attempt of ``run`` (with ``rank``, a :class:`~nbbatch.execute.ranks.Rank`: of that rank of a distributed run).
+
+    A rank's files go to ``ranks/<rank>/`` (rank 0's are the run's own); only rank 0 saves the run's outputs.
+    """
     from papermill.exceptions import PapermillExecutionError
     from papermill.execute import prepare_notebook_metadata, raise_for_execution_errors, remove_error_markers
     from papermill.iorw import load_notebook_node
@@ -245,7 +259,8 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
     from nbbatch.record import metrics_from_notebook
 
     notify = on_update or (lambda _r: None)
-    paths = run_paths(run.experiment, run.run_id)
+    paths = run_paths(run.experiment, run.run_id, rank.files if rank is not None else None)
+    primary = rank is None or rank.rank == 0  # the attempt that keeps the run's outputs and checkpoints
     record.status, record.error, record.metrics = Status.RUNNING, None, {}
     record.attempts += 1
     record.started_at, record.ended_at, record.duration_s = utc_now(), None, None
@@ -285,7 +300,8 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
     telemetry_stream = StreamedFile(share, paths.telemetry, work / TELEMETRY_FILE, remote=remote, fresh=True)
     log = _LogSink(log_path)
     log.write(f"=== nbbatch run {run.run_id} attempt {record.attempts} on {record.host} "
-              f"(kernel {run.kernel}, GPUs {','.join(map(str, record.gpu_ids)) or 'none'}{_sharing(record.gpu_share)}"
+              f"(kernel {run.kernel}{rank.describe() if rank is not None else ''}, "
+              f"GPUs {','.join(map(str, record.gpu_ids)) or 'none'}{_sharing(record.gpu_share)}"
               f"{_image(record.container)}) "
               f"at {record.started_at}{_resuming(resumed)}\n")
     live = LiveRecord(share, record, notify, [log_stream, metrics_stream, telemetry_stream]).start()
@@ -329,11 +345,14 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
                 kill_kernel_group(km)
 
         kernel_name, kernel_env, kernel_cwd = kernel_launch(run, gpu_ids, shared_gpu, project_root, gpu_env, share)
+        if rank is not None:  # after the secret filter, which would drop names such as NCCL_IB_PKEY
+            kernel_env.update(rank.env)
         prestarted = kernels.take(run.run_id, kernel_name, kernel_env, kernel_cwd) if kernels is not None else None
         alone = bool(record.gpu_share.get("exclusive"))
-        if folders is not None:
+        if folders is not None and primary:
             folders.start()
-        with watchdog, _gpu_telemetry(gpu_ids, telemetry_stream, alone) as sampler, \
+        sampled = gpu_ids if rank is None or rank.local_rank == 0 else []  # one sampler per node watches its GPUs
+        with watchdog, _gpu_telemetry(sampled, telemetry_stream, alone) as sampler, \
                 open(log_path, "ab") as kernel_output:
             if sampler is not None and sampler.unavailable is None:
                 live.summary = sampler.summary
@@ -360,7 +379,7 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
 
             log.write(traceback.format_exc())
     finally:
-        if folders is not None:
+        if folders is not None and primary:
             folders.stop()
         live.stop()  # the final record and files are written below, after every live write
         if sampler is not None:  # stopped: its summary has the last sample
@@ -389,7 +408,7 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
             status, error = Status.FAILED, share_error(exc)
     if log.error is not None and status == Status.SUCCEEDED:
         status, error = Status.FAILED, share_error(f"cannot write {LOG_FILE} in the share: {log.error}")
-    if folders is not None:
+    if folders is not None and primary:
         try:
             record.outputs = folders.save()
         except (NbbatchError, OSError) as exc:  # the notebook is on the share; its outputs are not all there

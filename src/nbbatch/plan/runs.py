@@ -24,12 +24,14 @@ def _slug(text: str) -> str:
 
 
 def run_id_for(label: str, notebook_bytes: bytes, parameters: dict[str, Any], env_lock: str,
-               env: dict[str, str] | None = None, gpus: int = 0, inputs: dict[str, str] | None = None) -> str:
+               env: dict[str, str] | None = None, gpus: int = 0, inputs: dict[str, str] | None = None,
+               distribution: dict[str, Any] | None = None) -> str:
     """``<label>-<10 hex>`` from everything that can change a run's result.
 
     That is the notebook's content, its parameters, the environment's lock, the kernel's extra
-    variables (``env:``), the GPUs it asks for and where its inputs are. ``env``, ``gpus`` and
-    ``inputs`` enter the hash only when set, so ids of runs without them stay what they were.
+    variables (``env:``), the GPUs it asks for, where its inputs are and what a distributed run spans.
+    ``env``, ``gpus``, ``inputs`` and ``distribution`` enter the hash only when set, so ids of runs
+    without them stay what they were.
     """
     digest = hashlib.sha256()
     digest.update(notebook_bytes)
@@ -41,6 +43,8 @@ def run_id_for(label: str, notebook_bytes: bytes, parameters: dict[str, Any], en
         digest.update(f"\0gpus={gpus}".encode())
     if inputs:
         digest.update(b"\0inputs" + json.dumps(inputs, sort_keys=True).encode())
+    if distribution:
+        digest.update(b"\0distribution" + json.dumps(distribution, sort_keys=True).encode())
     return f"{_slug(label)}-{digest.hexdigest()[:10]}"
 
 
@@ -65,6 +69,14 @@ class Run:
     gpu_memory_mb: int | None = None  # the framework's estimate of the GPU memory a run needs (None: unknown)
     cwd: str | None = None  # kernel working directory (default: the notebook's folder)
     inputs: dict[str, str] = field(default_factory=dict)  # parameter -> folder or share URL (bound where it runs)
+    # A distributed run: {type, nodes, processes_per_node, gpus_per_node} (``gpus`` is then per node); {}: one kernel
+    distribution: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks (kernels) the run has: 1 unless it is distributed."""
+        d = self.distribution
+        return int(d["nodes"]) * int(d["processes_per_node"]) if d else 1
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -140,6 +152,11 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
         framework = get_framework(name, project)
         if check_kernels:
             require_ready(framework, project)
+        if experiment.distribution and experiment.distribution not in framework.distribution:
+            can = (f"its notebook runs as {', '.join(framework.distribution)}" if framework.distribution
+                   else framework.no_distribution or f"frameworks/{name}/framework.yaml lists no `distribution:`")
+            raise ValidationError(f"framework `{name}` cannot run as distribution `{experiment.distribution}`: {can}; "
+                                  "drop it from this experiment or change distribution.type")
         if experiment.gpus and not framework.gpu:
             raise ValidationError(f"framework `{name}` cannot use a GPU (frameworks/{name}/framework.yaml says "
                                   "gpu: false) but the experiment asks for resources.gpus: "
@@ -164,14 +181,14 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
             bound = {**params, **experiment.inputs}  # an input is a parameter too: its name is checked the same way
             warnings.extend(w for w in validate_parameters(info, bound) if w not in warnings)
             run_id = run_id_for(label, info.content, params, env_lock, experiment.env, experiment.gpus,
-                                input_identities(experiment.inputs, project.root))
+                                input_identities(experiment.inputs, project.root), experiment.world())
             runs.append(Run(
                 run_id=run_id, experiment=experiment.name, notebook=str(notebook), notebook_rel=notebook_rel(notebook),
                 kernel=kernel, parameters=dict(params), framework=framework_name, gpus=experiment.gpus,
                 timeout_s=experiment.timeout, cell_timeout_s=experiment.cell_timeout, retries=experiment.retries,
                 max_output_mb=experiment.max_output_mb,
                 env=dict(experiment.env), shared_gpu_env=shared_env, gpu_memory_mb=memory_mb,
-                inputs=dict(experiment.inputs),
+                inputs=dict(experiment.inputs), distribution=experiment.world(),
             ))
     seen: dict[str, Run] = {}
     unique: list[Run] = []

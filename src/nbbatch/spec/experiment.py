@@ -25,6 +25,7 @@ from nbbatch.spec.sweep import expand_sweep
 _TOP_KEYS = schema_keys()
 _RESOURCE_KEYS = schema_keys("resources")
 AUTO = "auto"  # resources.runs_per_gpu: as many as fit in the GPU's memory
+DISTRIBUTIONS = ("torch", "jax", "tensorflow", "mpi")  # distribution.type
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
 
@@ -51,6 +52,10 @@ class Experiment:
     runs_per_gpu: int | str = AUTO  # a number, or "auto": packed by memory (see nbbatch.execute.gpus)
     mps: bool = False  # the runs on a GPU share it through a CUDA MPS daemon nbbatch starts
     max_parallel: int | None = None
+    distribution: str | None = None  # torch | jax | tensorflow | mpi: each run spans processes, GPUs and nodes
+    nodes: int = 1
+    processes_per_node: int | None = None  # None: gpus_per_node, or 1
+    gpus_per_node: int | None = None  # None: gpus
     timeout: float | None = None
     cell_timeout: float | None = None
     retries: int = 0
@@ -78,6 +83,7 @@ class Experiment:
         _nonneg_int("retries", self.retries)
         if self.runs_per_gpu != AUTO:
             _nonneg_int("resources.runs_per_gpu", self.runs_per_gpu, minimum=1, alternative=f" or `{AUTO}`")
+        self._validate_distribution()
         if not isinstance(self.mps, bool):
             raise SpecError(f"`resources.mps` must be true or false (got {reprlib.repr(self.mps)})")
         if self.mps and not self.gpus:
@@ -103,6 +109,53 @@ class Experiment:
         if not combos:
             raise SpecError(f"experiment `{self.name}`: the sweep is empty")
         self._validate_inputs(combos[0])
+
+    def _validate_distribution(self) -> None:
+        _nonneg_int("resources.nodes", self.nodes, minimum=1)
+        for key in ("processes_per_node", "gpus_per_node"):
+            if getattr(self, key) is not None:
+                _nonneg_int(f"resources.{key}", getattr(self, key), minimum=int(key == "processes_per_node"))
+        if self.distribution is None:
+            asked = [k for k in ("nodes", "processes_per_node", "gpus_per_node")
+                     if getattr(self, k) not in (None, 1 if k == "nodes" else None)]
+            if asked:
+                raise SpecError(f"`resources.{asked[0]}` spreads a run over several processes, but the experiment has no "
+                                f"`distribution:`; add distribution: {{type: torch}} (or {', '.join(DISTRIBUTIONS[1:])}), "
+                                "or drop it (resources.gpus gives a run its GPUs)")
+            return
+        if self.distribution not in DISTRIBUTIONS:
+            raise SpecError(f"`distribution.type` must be one of {', '.join(DISTRIBUTIONS)} "
+                            f"(got {reprlib.repr(self.distribution)}){did_you_mean(str(self.distribution), DISTRIBUTIONS)}")
+        if self.gpus_per_node is not None and self.gpus not in (0, self.gpus_per_node):
+            raise SpecError(f"`resources.gpus: {self.gpus}` and `gpus_per_node: {self.gpus_per_node}` disagree; a "
+                            "distributed run's GPUs are per node: give only gpus_per_node")
+        gpus = self.gpus if self.gpus_per_node is None else self.gpus_per_node
+        self.gpus = self.gpus_per_node = gpus  # what each node of a run gets, for every backend
+        one_per_node = self.distribution in ("jax", "tensorflow")
+        if self.processes_per_node is None:
+            self.processes_per_node = 1 if one_per_node else max(gpus, 1)
+        ranks = self.processes_per_node
+        if one_per_node and ranks != 1:
+            raise SpecError(f"distribution `{self.distribution}` runs one process per node, which drives all the node's "
+                            f"GPUs (resources.processes_per_node is {ranks}); set processes_per_node: 1 and "
+                            "gpus_per_node to the GPUs each node gives, or use nodes: for more processes")
+        if not one_per_node and gpus and ranks != gpus:
+            raise SpecError(f"`resources.processes_per_node: {ranks}` with gpus_per_node: {gpus}: each rank drives one "
+                            "GPU (NCCL cannot share a GPU between ranks); make them equal")
+        if self.runs_per_gpu != AUTO and self.runs_per_gpu > 1:
+            raise SpecError(f"`resources.runs_per_gpu: {self.runs_per_gpu}` shares GPUs between runs, but a distributed "
+                            "run's ranks need their GPUs to themselves (NCCL cannot share a GPU between processes); "
+                            "drop runs_per_gpu or distribution")
+        if self.mps:
+            raise SpecError("`resources.mps: true` shares GPUs between runs, but a distributed run's ranks need their GPUs "
+                            "to themselves; drop mps or distribution")
+
+    def world(self) -> dict[str, Any]:
+        """What a distributed run spans (``{}`` for a one-process run): type, nodes, processes and GPUs per node."""
+        if self.distribution is None:
+            return {}
+        return {"type": self.distribution, "nodes": self.nodes, "processes_per_node": self.processes_per_node,
+                "gpus_per_node": self.gpus}
 
     def _validate_inputs(self, parameters: Mapping[str, Any]) -> None:
         if not isinstance(self.inputs, Mapping):
@@ -183,6 +236,10 @@ class Experiment:
             runs_per_gpu=resources.get("runs_per_gpu", AUTO),
             mps=resources.get("mps", False),
             max_parallel=resources.get("max_parallel"),
+            distribution=_distribution_type(data.get("distribution")),
+            nodes=resources.get("nodes", 1),
+            processes_per_node=resources.get("processes_per_node"),
+            gpus_per_node=resources.get("gpus_per_node"),
             timeout=timeout,
             cell_timeout=cell_timeout,
             retries=data.get("retries", 0),
@@ -194,6 +251,21 @@ class Experiment:
                                                                                             Mapping) else data["env"],
             base_dir=base,
         )
+
+
+def _distribution_type(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):  # `distribution: torch`, short for {type: torch}
+        return value
+    if not isinstance(value, Mapping) or "type" not in value:
+        raise SpecError(f"`distribution` must be {{type: torch}} (or {', '.join(DISTRIBUTIONS[1:])}); "
+                        f"got {reprlib.repr(value)}")
+    bad = [k for k in value if k != "type"]
+    if bad:
+        raise SpecError(f"unknown key `distribution.{bad[0]}`; the only key is type ({', '.join(DISTRIBUTIONS)}); "
+                        "nodes, processes_per_node and gpus_per_node go under resources:")
+    return value["type"]
 
 
 def _inputs(value: Any, base: Path) -> dict[str, str]:

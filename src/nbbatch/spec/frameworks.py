@@ -20,7 +20,7 @@ FRAMEWORK_FILE = "framework.yaml"
 _KNOWN_KEYS = {
     "title", "notebook", "requirements", "setup_requirements", "pip_options", "kernel_env",
     "shared_gpu_env", "gpu_memory_mb", "gpu", "image", "base_image", "description", "python",
-    "gpu_packages", "gpu_pip_options", "system_packages",
+    "gpu_packages", "gpu_pip_options", "system_packages", "distribution",
 }
 DEFAULT_PYTHON = "3.11"  # the Python of the environments and images, unless framework.yaml says `python:`
 _PACKAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # the distribution name a pin line starts with
@@ -51,6 +51,9 @@ class Framework:
     gpu_packages: dict[str, str] = field(default_factory=dict)
     gpu_pip_options: tuple[str, ...] = ()  # installer options for those builds (a wheel index of their own)
     system_packages: tuple[str, ...] = ()  # Debian/Ubuntu packages of the libraries its wheels load (in images)
+    # The `distribution.type`s its notebook can run as (``[torch]``), or why it runs in one process only.
+    distribution: tuple[str, ...] = ()
+    no_distribution: str = ""
 
     @property
     def kernel_name(self) -> str:
@@ -128,7 +131,24 @@ def _load(folder: Path, project: Project) -> Framework:
         gpu_packages=_gpu_packages(source, data.get("gpu_packages")),
         gpu_pip_options=tuple(str(o) for o in data.get("gpu_pip_options") or ()),
         system_packages=_system_packages(source, data.get("system_packages")),
+        **_distribution(source, data.get("distribution")),
     )
+
+
+
+
+def _distribution(source: Path, value: Any) -> dict[str, Any]:
+    """``distribution: [torch, mpi]`` (the types its notebook can run as) or a sentence saying why it cannot."""
+    from nbbatch.spec.experiment import DISTRIBUTIONS
+
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        return {"no_distribution": value.strip()}
+    if not isinstance(value, list) or not all(v in DISTRIBUTIONS for v in value):
+        raise ValidationError(f"{source}: `distribution` must list types of {', '.join(DISTRIBUTIONS)} "
+                              f"(e.g. [torch]) or be a sentence saying why it cannot run distributed; not {value!r}")
+    return {"distribution": tuple(value)}
 
 
 def _system_packages(source: Path, value: Any) -> tuple[str, ...]:

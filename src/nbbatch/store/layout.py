@@ -14,6 +14,9 @@
     <experiment>/<run id>/telemetry.jsonl GPU samples, streamed as the run goes
     <experiment>/<run id>/outputs/       what the notebook wrote to NBBATCH_OUTPUT_DIR (a model, figures)
     <experiment>/<run id>/checkpoints/   NBBATCH_CHECKPOINT_DIR: kept across the attempts of the run, until it succeeds
+    <experiment>/<run id>/ranks/<rank>/  a distributed run's rank: its output.ipynb, log.txt, run.json (rank 0's
+                                         are also the run's own, above)
+    <experiment>/<run id>/ranks/stop-<n> the first rank that failed in the gang's attempt n: every node stops its ranks
     <experiment>/<run id>/<backend file> what a backend keeps about the run (e.g. azureml.json)
 
 Paths are ``/``-separated and relative to the share's root; every other module asks here.
@@ -36,6 +39,7 @@ CANCEL_FOLDER = ".cancel"
 LEASE_FILE = ".lease"
 OUTPUTS_FOLDER = "outputs"
 CHECKPOINTS_FOLDER = "checkpoints"
+RANKS_FOLDER = "ranks"
 
 
 @dataclass(frozen=True)
@@ -81,10 +85,30 @@ class RunPaths:
 
     experiment: str
     run_id: str
+    rank: int | None = None  # the files of one rank of a distributed run (its notebook, log, record)
 
     @property
     def folder(self) -> str:
+        run = f"{self.experiment}/{self.run_id}"
+        return run if self.rank is None else f"{run}/{RANKS_FOLDER}/{self.rank}"
+
+    @property
+    def run_folder(self) -> str:
+        """The run's folder (also for one rank's paths)."""
         return f"{self.experiment}/{self.run_id}"
+
+    def of_rank(self, rank: int | None) -> RunPaths:
+        """The paths of one rank of this run (``None``: the run's own)."""
+        return RunPaths(self.experiment, self.run_id, rank)
+
+    @property
+    def ranks(self) -> str:
+        """The folder of a distributed run's ranks."""
+        return f"{self.run_folder}/{RANKS_FOLDER}"
+
+    def gang_stop(self, attempt: int) -> str:
+        """The marker naming the first rank that failed in attempt ``attempt`` of the gang: every node stops its ranks."""
+        return f"{self.ranks}/stop-{attempt}.json"
 
     def file(self, name: str) -> str:
         """A file in the run's folder (a backend's own file, or one of the names below)."""
@@ -113,12 +137,12 @@ class RunPaths:
     @property
     def outputs(self) -> str:
         """The folder of what the notebook wrote to ``NBBATCH_OUTPUT_DIR``."""
-        return self.file(OUTPUTS_FOLDER)
+        return f"{self.run_folder}/{OUTPUTS_FOLDER}"
 
     @property
     def checkpoints(self) -> str:
         """The folder behind ``NBBATCH_CHECKPOINT_DIR``, kept across the run's attempts."""
-        return self.file(CHECKPOINTS_FOLDER)
+        return f"{self.run_folder}/{CHECKPOINTS_FOLDER}"
 
     @property
     def cancel(self) -> str:
@@ -131,9 +155,9 @@ class RunPaths:
         return ExperimentPaths(self.experiment).cancel, self.cancel
 
 
-def run_paths(experiment: str, run_id: str) -> RunPaths:
-    """The paths of run ``run_id`` of ``experiment``."""
-    return RunPaths(experiment, run_id)
+def run_paths(experiment: str, run_id: str, rank: int | None = None) -> RunPaths:
+    """The paths of run ``run_id`` of ``experiment`` (with ``rank``: of that rank of a distributed run)."""
+    return RunPaths(experiment, run_id, rank)
 
 
 def experiment_paths(experiment: str) -> ExperimentPaths:

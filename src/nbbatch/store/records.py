@@ -17,9 +17,9 @@ if TYPE_CHECKING:
     from nbbatch.plan.runs import Run
 
 
-def read_record(share: Share, experiment: str, run_id: str) -> RunRecord | None:
-    """The run's ``run.json``, or None when it has none yet (a corrupt one raises ShareError)."""
-    path = run_paths(experiment, run_id).record
+def read_record(share: Share, experiment: str, run_id: str, rank: int | None = None) -> RunRecord | None:
+    """The run's ``run.json`` (with ``rank``: that rank's), or None when it has none yet (a corrupt one raises ShareError)."""
+    path = run_paths(experiment, run_id, rank).record
     try:
         data = share.read_bytes(path)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
@@ -37,14 +37,14 @@ def read_record_or_none(share: Share, experiment: str, run_id: str) -> RunRecord
 
 def write_record(share: Share, record: RunRecord) -> None:
     """Write a run's ``run.json`` atomically."""
-    share.write_bytes(run_paths(record.experiment, record.run_id).record, record.to_json())
+    share.write_bytes(run_paths(record.experiment, record.run_id, record.rank).record, record.to_json())
 
 
 def new_record(run: Run, backend: str = "local") -> RunRecord:
     """A ``queued`` record for a run that is about to be scheduled."""
     return RunRecord(run_id=run.run_id, experiment=run.experiment, notebook=run.notebook_rel, kernel=run.kernel,
                      framework=run.framework, parameters=dict(run.parameters), status=Status.QUEUED,
-                     queued_at=utc_now(), backend=backend, timeout_s=run.timeout_s)
+                     queued_at=utc_now(), backend=backend, timeout_s=run.timeout_s, world_size=run.world_size)
 
 
 def run_ids(share: Share, experiment: str) -> list[str]:

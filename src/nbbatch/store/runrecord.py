@@ -69,6 +69,7 @@ class RunError:
     cell_source: str | None = None  # the first lines of the failing cell
     reason: str | None = None  # for failures outside a cell: kernel death, timeout, cancel (for people)
     kind: ErrorKind | None = None  # what kind of failure (for code)
+    rank: int | None = None  # the rank of a distributed run that failed first
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "kind" and value is not None:
@@ -77,6 +78,7 @@ class RunError:
 
     def summary(self) -> str:
         where = f"cell {self.cell_index}: " if self.cell_index is not None else ""
+        where = f"rank {self.rank}: {where}" if self.rank is not None else where
         text = f"{where}{self.ename}: {self.evalue}".strip()
         return f"{text} ({self.reason})" if self.reason else text
 
@@ -113,6 +115,9 @@ class RunRecord:
     inputs: dict[str, Any] = field(default_factory=dict)  # parameter -> {source, path}: the folders it read
     outputs: list[dict[str, Any]] = field(default_factory=list)  # {name, bytes, sha256} under outputs/
     attempt_log: list[dict[str, Any]] = field(default_factory=list)  # one entry per attempt: how it ended, resumed_from
+    world_size: int = 1  # ranks of a distributed run (one kernel each)
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # a distributed run's {rank, host, gpus, status, error}
+    rank: int | None = None  # set in ranks/<rank>/run.json: the record of that rank alone
     schema_version: int = SCHEMA_VERSION
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -183,11 +188,12 @@ _FIELD_TYPES: dict[str, tuple[str, Any]] = {
     "gpu_ids": ("a list of integers", list), "environment": _DICT, "error": ("a JSON object or null", (dict, type(None))),
     "metrics": _DICT, "cells_done": _INT, "cells_total": _INT, "timeout_s": _OPT_NUM, "telemetry": _DICT,
     "gpu_share": _DICT, "container": _DICT, "inputs": _DICT, "outputs": ("a list", list),
-    "attempt_log": ("a list", list), "schema_version": _INT,
+    "attempt_log": ("a list", list), "world_size": _INT, "ranks": ("a list", list), "rank": _OPT_INT,
+    "schema_version": _INT,
 }
 _ERROR_TYPES: dict[str, tuple[str, Any]] = {
     "ename": _STR, "evalue": _STR, "cell_index": _OPT_INT, "cell_source": _OPT_STR, "reason": _OPT_STR,
-    "kind": _OPT_STR,
+    "kind": _OPT_STR, "rank": _OPT_INT,
 }
 
 

@@ -22,6 +22,8 @@ from nbbatch.backends.azureml.cluster import (
     VM_SIZES,
     AzureMLCluster,
     ClusterSettings,
+    vm_gpus,
+    vm_sizes_with,
 )
 from nbbatch.backends.azureml.images import (
     build_code_snapshot,
@@ -31,7 +33,15 @@ from nbbatch.backends.azureml.images import (
     framework_environment,
     project_root_of,
 )
-from nbbatch.backends.azureml.jobs import JOB_FILE, JobState, job_status_text, map_job_status, new_job_name, reconcile
+from nbbatch.backends.azureml.jobs import (
+    JOB_FILE,
+    JobState,
+    job_distribution,
+    job_status_text,
+    map_job_status,
+    new_job_name,
+    reconcile,
+)
 from nbbatch.backends.azureml.logstream import stream_job
 from nbbatch.backends.azureml.workspace import connect, error_text
 from nbbatch.backends.base import Backend, Capabilities, Compute, Setting, SubmitOptions
@@ -173,12 +183,49 @@ class AzureMLBackend(Backend):
         _azure_files_location(share)
 
     def check(self, runs: Sequence[Run], options: SubmitOptions | None = None) -> None:
-        """Fail before anything starts when a run has no environment to run in."""
+        """Fail before anything starts when a run has no environment to run in, or the cluster cannot hold it."""
         super().check(runs, options)
         for run in runs:
             self._environment_for(run, register=False)
             for name, location in run.inputs.items():
                 _input_location(name, location)
+        self._check_placement(runs)
+
+    def _check_placement(self, runs: Sequence[Run]) -> None:
+        """Refuse a run spanning more nodes than the cluster scales to, or wanting more GPUs per node than its VMs have.
+
+        Only runs that are distributed or want several GPUs ask Azure ML (an existing cluster keeps its own VM size
+        and node range; a missing one will be created from the settings), so checking ordinary runs stays offline.
+        """
+        wide = [r for r in runs if r.distribution or r.gpus > 1]
+        if not wide:
+            return
+        name = self.cluster_settings.name
+        try:
+            vm_size, max_nodes, exists = self.cluster.capacity()
+        except AzureError as exc:
+            raise BackendError(f"cannot read cluster `{name}` to check that it can hold the runs: "
+                               f"{error_text(exc) if isinstance(exc, HttpResponseError) else exc}") from exc
+        for run in wide:
+            nodes = int(run.distribution.get("nodes", 1)) if run.distribution else 1
+            if nodes > max_nodes:
+                fix = (f"raise it with `nbbatch cluster scale --name {name} --max-nodes {nodes}` (`max_nodes:` under "
+                       "`backend:` only sizes a cluster nbbatch creates)" if exists else
+                       f"set `max_nodes: {nodes}` under `backend:` (nbbatch creates the cluster with it)")
+                raise ValidationError(
+                    f"run {run.run_id} spans {nodes} nodes (resources.nodes: {nodes}), but cluster `{name}` scales to "
+                    f"at most {max_nodes} (max_nodes: {max_nodes}), and all of a run's nodes must run at once; {fix}, "
+                    "or lower resources.nodes. Nothing was submitted")
+            have = vm_gpus(vm_size)
+            if have is not None and run.gpus > have:
+                where = "gpus_per_node" if run.distribution else "gpus"
+                sizes = ", ".join(vm_sizes_with(run.gpus)[:3])
+                size = f"`vm_size:` under `backend:` to a size with at least {run.gpus} GPUs{f' (e.g. {sizes})' if sizes else ''}"
+                fix = (f"a cluster's VM size cannot change: delete it (`nbbatch cluster delete --name {name}`) and "
+                       f"submit again with {size}, or name another cluster with `compute:`" if exists else f"set {size}")
+                raise ValidationError(
+                    f"run {run.run_id} wants {run.gpus} GPU(s) per node (resources.{where}: {run.gpus}), but a node of "
+                    f"cluster `{name}` is a {vm_size} with {have}; {fix}, or lower resources.{where}. Nothing was submitted")
 
     def in_flight(self, share: Share, record: RunRecord) -> bool:
         """Whether the run's job is still queued or running in Azure ML (asked again, not taken from the file)."""
@@ -323,6 +370,9 @@ class AzureMLBackend(Backend):
         tags = {"nbbatch": "1", "run_id": run.run_id, "experiment": run.experiment,
                 "framework": run.framework or "", "notebook": run.notebook_rel,
                 "parameters": json.dumps(run.parameters, sort_keys=True, default=str)[:1000]}
+        instance_count, distribution = job_distribution(run.distribution)
+        if distribution is not None:
+            tags["distribution"] = json.dumps(run.distribution, sort_keys=True)
         return command(
             name=new_job_name(run.run_id),
             display_name=run.run_id,
@@ -335,7 +385,8 @@ class AzureMLBackend(Backend):
             inputs=inputs,
             outputs=outputs,
             tags=tags,
-            instance_count=1,
+            instance_count=instance_count,
+            distribution=distribution,
             shm_size=self.shm_size,
             timeout=int(run.timeout_s) + 600 if run.timeout_s else None,
         )

@@ -19,6 +19,33 @@ DEFAULT_VM_SIZE = "Standard_NC4as_T4_v3"
 TIERS = ("dedicated", "low_priority")  # ClusterSettings also takes "low-priority", "LowPriority", "spot"
 VM_SIZES = ("Standard_NC4as_T4_v3", "Standard_NC6s_v3", "Standard_NC24ads_A100_v4", "Standard_ND96asr_v4",
             "Standard_D4s_v5")  # what a form offers (any size the region has is allowed)
+# GPUs of one VM of the sizes nbbatch knows (Azure's size names are case-insensitive). A size not here is not
+# checked; sizes with a fraction of a GPU (Standard_NV6ads_A10_v5 …) are left out on purpose.
+VM_GPUS = {
+    "Standard_NC4as_T4_v3": 1, "Standard_NC8as_T4_v3": 1, "Standard_NC16as_T4_v3": 1, "Standard_NC64as_T4_v3": 4,
+    "Standard_NC6s_v3": 1, "Standard_NC12s_v3": 2, "Standard_NC24s_v3": 4, "Standard_NC24rs_v3": 4,
+    "Standard_ND40rs_v2": 8,
+    "Standard_NC24ads_A100_v4": 1, "Standard_NC48ads_A100_v4": 2, "Standard_NC96ads_A100_v4": 4,
+    "Standard_ND96asr_v4": 8, "Standard_ND96amsr_A100_v4": 8,
+    "Standard_NC40ads_H100_v5": 1, "Standard_NC80adis_H100_v5": 2,
+    "Standard_ND96isr_H100_v5": 8, "Standard_ND96isr_H200_v5": 8,
+    "Standard_NV36ads_A10_v5": 1, "Standard_NV72ads_A10_v5": 2,
+}
+_VM_GPUS_LOWER = {name.lower(): n for name, n in VM_GPUS.items()}
+_CPU_ONLY = re.compile(r"standard_[def]s?\d", re.IGNORECASE)  # D, DS, E, F families: general purpose, no GPU
+
+
+def vm_gpus(vm_size: str) -> int | None:
+    """How many GPUs one VM of ``vm_size`` has (None: a size nbbatch does not know)."""
+    known = _VM_GPUS_LOWER.get(vm_size.lower())
+    if known is not None:
+        return known
+    return 0 if _CPU_ONLY.match(vm_size) else None
+
+
+def vm_sizes_with(gpus: int) -> list[str]:
+    """Known VM sizes with at least ``gpus`` GPUs, fewest GPUs first."""
+    return [name for n, name in sorted((n, name) for name, n in VM_GPUS.items() if n >= gpus)]
 
 
 @dataclass
@@ -137,6 +164,14 @@ class AzureMLCluster:
                                    "Check the VM size is offered in the workspace's region and that the "
                                    "subscription has quota for its family (docs/azure.md)") from exc
         return self.status()
+
+    def capacity(self) -> tuple[str, int, bool]:
+        """``(vm_size, max_nodes, exists)``: the existing cluster's own (:meth:`create` keeps them), else the settings'."""
+        compute = self._get()
+        if compute is None:
+            return self.settings.vm_size, self.settings.max_nodes, False
+        max_nodes = compute.max_instances if compute.max_instances is not None else self.settings.max_nodes
+        return compute.size or self.settings.vm_size, int(max_nodes), True
 
     def ensure(self) -> ClusterStatus:
         """The cluster's status, creating it first when missing."""

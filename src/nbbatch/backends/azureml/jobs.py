@@ -6,11 +6,14 @@ import dataclasses
 import io
 import json
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from azure.ai.ml import MpiDistribution, PyTorchDistribution, TensorFlowDistribution
 from azure.ai.ml.entities import Command
 
+from nbbatch.errors import BackendError
 from nbbatch.store.runrecord import ErrorKind, RunError, RunRecord, Status
 
 JOB_FILE = "azureml.json"  # in the run's folder: run_paths(experiment, run_id).file(JOB_FILE)
@@ -106,6 +109,33 @@ def reconcile(record: RunRecord, state: JobState) -> tuple[Status, RunError | No
         error = RunError("Cancelled", f"Azure ML job {state.job_name}", reason="cancelled in Azure ML",
                          kind=ErrorKind.CANCELLED)
     return state.status, error
+
+
+def job_distribution(
+    distribution: Mapping[str, Any],
+) -> tuple[int, PyTorchDistribution | TensorFlowDistribution | MpiDistribution | None]:
+    """``(instance_count, distribution)`` of the command job of a run spanning ``distribution`` (``Run.distribution``).
+
+    Every node runs one nbbatch node launcher (the job's ``run-one`` command), which starts that node's ranks:
+
+    * torch, jax: ``PyTorchDistribution`` with one process per instance; Azure ML sets ``MASTER_ADDR``,
+      ``MASTER_PORT``, ``NODE_RANK`` (and ``WORLD_SIZE``/``RANK`` counting launchers, i.e. nodes, not ranks);
+    * tensorflow: ``TensorFlowDistribution`` with one worker per node; Azure ML sets ``TF_CONFIG``;
+    * mpi: ``MpiDistribution`` with one MPI process per rank (``processes_per_node`` per node), each running the
+      command for its own rank; mpirun sets ``OMPI_COMM_WORLD_RANK``, ``…_LOCAL_RANK``, ``…_SIZE``.
+
+    An ordinary run (``{}``): one instance, no distribution.
+    """
+    if not distribution:
+        return 1, None
+    kind, nodes = distribution.get("type"), int(distribution["nodes"])
+    if kind in ("torch", "jax"):
+        return nodes, PyTorchDistribution(process_count_per_instance=1)
+    if kind == "tensorflow":
+        return nodes, TensorFlowDistribution(worker_count=nodes, parameter_server_count=0)
+    if kind == "mpi":
+        return nodes, MpiDistribution(process_count_per_instance=int(distribution["processes_per_node"]))
+    raise BackendError(f"distribution `{kind}` has no Azure ML job form (torch, jax, tensorflow or mpi)")
 
 
 def new_job_name(run_id: str) -> str:
