@@ -660,3 +660,126 @@ def test_submit_mounts_a_pushed_input_and_refuses_a_missing_one(aml, files, azpr
     assert job["properties"]["inputs"]["DATA_DIR"]["mode"] == "ReadOnlyMount"
     assert f"nbbatch_{ACCOUNT}_datasets" in aml.datastores  # the input's share got its datastore
     assert result.started == [job["properties"]["displayName"]]
+
+
+# --- distributed runs: one job over several nodes, one nbbatch node launcher per node (or per MPI rank) ----------
+
+WORLDS = {  # distribution.type -> (Run.distribution, the SDK class, its counts)
+    "torch": ({"type": "torch", "nodes": 2, "processes_per_node": 4, "gpus_per_node": 4},
+              "PyTorchDistribution", {"process_count_per_instance": 1}),
+    "jax": ({"type": "jax", "nodes": 2, "processes_per_node": 1, "gpus_per_node": 4},
+            "PyTorchDistribution", {"process_count_per_instance": 1}),
+    "tensorflow": ({"type": "tensorflow", "nodes": 2, "processes_per_node": 1, "gpus_per_node": 4},
+                   "TensorFlowDistribution", {"worker_count": 2, "parameter_server_count": 0}),
+    "mpi": ({"type": "mpi", "nodes": 2, "processes_per_node": 4, "gpus_per_node": 4},
+            "MpiDistribution", {"process_count_per_instance": 4}),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(WORLDS))
+def test_distributed_job_yaml_roundtrip(aml, runs, tmp_path, kind):
+    world, cls, counts = WORLDS[kind]
+    backend = AzureMLBackend(ml_client=aml.ml_client(), compute="gpu-a100", shm_size="16g")
+    run = dataclasses.replace(runs[0], distribution=world, gpus=4)
+    job = backend.build_job(run, "azureml:nbbatch-toy:abc", tmp_path, datastore=DATASTORE, share_url=SHARE_URL,
+                            share_prefix="nbbatch")
+    loaded = load_job(source=io.StringIO(job_yaml(job)))
+    assert loaded._to_job()._to_dict() == job._to_job()._to_dict()
+    assert type(loaded.distribution).__name__ == cls
+    assert {k: getattr(loaded.distribution, k) for k in counts} == counts
+    assert loaded.resources.instance_count == 2 and loaded.resources.shm_size == "16g"
+    assert "--gpus 0,1,2,3" in loaded.command  # the GPUs of each node
+    spec = json.loads(loaded.command.split("--spec ", 1)[1].split(" --share", 1)[0].strip("'"))
+    assert spec["distribution"] == world  # the node launcher reads its gang from the run itself
+    assert json.loads(loaded.tags["distribution"]) == world
+
+
+def test_an_ordinary_run_has_no_distribution(aml, runs, tmp_path):
+    backend = AzureMLBackend(ml_client=aml.ml_client(), shm_size="16g")
+    loaded = load_job(source=io.StringIO(job_yaml(backend.build_job(
+        runs[0], "azureml:e:1", tmp_path, datastore=DATASTORE, share_url=SHARE_URL))))
+    assert loaded.distribution is None and "distribution" not in loaded.tags
+    assert loaded.resources.instance_count == 1 and loaded.resources.shm_size == "16g"
+
+
+def test_ordinary_runs_are_checked_offline(aml, backend, runs):
+    backend.check(runs, _options())  # one GPU each: no question to Azure ML (`nbbatch plan` needs no login)
+    assert not aml.transport.calls
+
+
+@pytest.fixture
+def distproject(azproject):
+    (azproject / "frameworks/toy/framework.yaml").write_text(
+        "title: Toy\nnotebook: notebooks/Toy.ipynb\ngpu: true\nbase_image: nvidia/cuda:12.8.1-base-ubuntu24.04\n"
+        "distribution: [torch, jax, tensorflow, mpi]\n")
+    return azproject
+
+
+def _azureml_via(aml, monkeypatch):
+    import nbbatch.backends as backends
+
+    monkeypatch.setitem(backends._REGISTRY, "azureml",
+                        lambda **settings: AzureMLBackend(ml_client=aml.ml_client(), **settings))
+
+
+def _dist_experiment(write_experiment, nodes: int, backend: str, gpus: int = 1, kind: str = "torch"):
+    return write_experiment(f"experiment: dist\nframeworks: [toy]\n"
+                            f"resources: {{nodes: {nodes}, gpus_per_node: {gpus}}}\ndistribution: {{type: {kind}}}\n"
+                            f"backend: {{name: azureml, compute: gpu-t4, poll_seconds: 0, {backend}}}\n"
+                            f"share: {SHARE_URL}\n")
+
+
+def test_too_many_nodes_are_refused_before_anything_is_created(aml, files, distproject, write_experiment,
+                                                               monkeypatch):
+    from nbbatch.api import submit
+
+    _azureml_via(aml, monkeypatch)
+    exp = _dist_experiment(write_experiment, 3, "max_nodes: 2")
+    with pytest.raises(ValidationError, match=r"spans 3 nodes .* scales to at most 2 .*set `max_nodes: 3` under "
+                                              r"`backend:`.*Nothing was submitted"):
+        submit(exp, progress=False, wait=False)
+    assert not aml.jobs and not aml.computes and not aml.datastores
+    assert not [c for c in aml.transport.calls if c.method != "GET"]
+    assert not AzureFileShare(SHARE_URL).exists("dist")  # no record, no manifest
+
+    # an existing cluster keeps its own node range: the settings cannot raise it, `nbbatch cluster scale` does
+    AzureMLCluster(aml.ml_client(), ClusterSettings("gpu-t4", "Standard_NC4as_T4_v3", 0, 2)).create()
+    exp = _dist_experiment(write_experiment, 3, "max_nodes: 4")
+    with pytest.raises(ValidationError, match=r"cluster `gpu-t4` scales to at most 2 .*"
+                                              r"`nbbatch cluster scale --name gpu-t4 --max-nodes 3`"):
+        submit(exp, progress=False, wait=False)
+    assert not aml.jobs
+
+
+def test_more_gpus_per_node_than_the_vm_has_are_refused(aml, backend, runs):
+    world = {"type": "torch", "nodes": 2, "processes_per_node": 4, "gpus_per_node": 4}
+    wide = dataclasses.replace(runs[0], distribution=world, gpus=4)
+    with pytest.raises(ValidationError, match=r"wants 4 GPU\(s\) per node \(resources.gpus_per_node: 4\).*"
+                                              r"Standard_NC24ads_A100_v4 with 1; set `vm_size:` under `backend:` .*"
+                                              r"Standard_NC24s_v3"):
+        backend.check([wide], _options())
+    two = dataclasses.replace(runs[0], gpus=2)  # an ordinary run's GPUs are checked the same way
+    with pytest.raises(ValidationError, match=r"resources.gpus: 2"):
+        backend.check([two], _options())
+    assert not [c for c in aml.transport.calls if c.method != "GET"]
+    big = AzureMLBackend(ml_client=aml.ml_client(), compute="gpu-a100", vm_size="Standard_NC96ads_A100_v4",
+                         max_nodes=2)
+    big.check([wide, two], _options())  # a node of four GPUs holds them
+    backend.cluster.create()  # one GPU a node
+    with pytest.raises(ValidationError, match=r"Standard_NC24ads_A100_v4 with 1; a cluster's VM size cannot change: "
+                                              r"delete it \(`nbbatch cluster delete --name gpu-a100`\)"):
+        big.check([wide], _options())  # the existing cluster's VM size counts, not the settings'
+
+
+def test_a_distributed_run_is_one_job_over_its_nodes(aml, files, distproject, write_experiment, env_upload,
+                                                     monkeypatch):
+    from nbbatch.api import submit
+
+    _azureml_via(aml, monkeypatch)
+    exp = _dist_experiment(write_experiment, 2, "max_nodes: 2, shm_size: 8g")
+    result = submit(exp, progress=False, wait=False)
+    (job,) = aml.jobs.values()
+    body = job["properties"]
+    assert body["resources"]["instanceCount"] == 2 and body["resources"]["shmSize"] == "8g"
+    assert body["distribution"] == {"distributionType": "PyTorch", "processCountPerInstance": 1}
+    assert result.started == [body["displayName"]] and "--gpus 0" in body["command"]

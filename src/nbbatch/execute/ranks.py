@@ -111,8 +111,10 @@ def placement_from_env(run: Run, environ: Mapping[str, str]) -> NodePlacement:
     if "OMPI_COMM_WORLD_RANK" in environ:  # MPI started one process per rank: this launcher is that rank's
         rank = int(environ["OMPI_COMM_WORLD_RANK"])
         local = int(environ.get("OMPI_COMM_WORLD_LOCAL_RANK", rank % per_node))
-        master = environ.get("MASTER_ADDR") or environ.get("AZ_BATCHAI_MPI_MASTER_NODE") or "127.0.0.1"
-        port = environ.get("MASTER_PORT") or str(DEFAULT_PORT)
+        # Azure ML names the master "addr:port" (AZ_BATCH_MASTER_NODE), or only its address on one node
+        master, _, port = (environ.get("AZ_BATCH_MASTER_NODE") or "").partition(":")
+        master = master or environ.get("AZ_BATCHAI_MPI_MASTER_NODE") or environ.get("MASTER_ADDR") or "127.0.0.1"
+        port = port or environ.get("MASTER_PORT") or str(DEFAULT_PORT)
         return NodePlacement(rank // per_node, (f"{master}:{port}",), (local,))
     if environ.get("TF_CONFIG") and run.distribution["type"] == "tensorflow":
         config = json.loads(environ["TF_CONFIG"])

@@ -47,6 +47,7 @@ class RayBackend(Backend):
         "autoscaling": Setting(False, (bool,)),  # do not refuse runs that no current node can hold
         "cancel_grace_s": Setting(15.0, (int, float), minimum=0),  # before a cancelled run's task is killed
         "linger_s": Setting(60.0, (int, float), minimum=0),  # how long an idle supervisor waits for more runs
+        "gang_timeout_s": Setting(300.0, (int, float), minimum=1),  # a distributed run's nodes, all at once, by then
         "poll_s": Setting(None, (int, float), minimum=0),  # how often waiting reads the records
     }
 
@@ -54,12 +55,12 @@ class RayBackend(Backend):
                  shared_folder: bool = False, project: str | None = None, resources: dict[str, float] | None = None,
                  env: dict[str, str] | None = None, runtime_env: dict[str, Any] | None = None,
                  autoscaling: bool = False, cancel_grace_s: float = 15.0, linger_s: float = 60.0,
-                 poll_s: float | None = None, **unknown: Any):
+                 poll_s: float | None = None, gang_timeout_s: float = 300.0, **unknown: Any):
         """The experiment's ``backend:`` settings (see :mod:`nbbatch.backends.ray`); mistakes raise BackendError."""
         super().__init__(address=address, num_cpus=num_cpus, max_retries=max_retries, shared_folder=shared_folder,
                          project=project, resources=resources, env=env, runtime_env=runtime_env,
                          autoscaling=autoscaling, cancel_grace_s=cancel_grace_s, linger_s=linger_s, poll_s=poll_s,
-                         **unknown)
+                         gang_timeout_s=gang_timeout_s, **unknown)
         self.address = address or "auto"
         self.num_cpus = num_cpus
         self.max_retries = max_retries
@@ -72,6 +73,7 @@ class RayBackend(Backend):
         self.cancel_grace_s = float(cancel_grace_s)
         self.linger_s = float(linger_s)
         self.poll_s = poll_s or None
+        self.gang_timeout_s = float(gang_timeout_s)
 
     # --- the cluster ------------------------------------------------------------------------------
 
@@ -137,11 +139,22 @@ class RayBackend(Backend):
         alive = self._alive_nodes()
         need_gpus = max(r.gpus for r in runs)
 
-        def fits(node: dict[str, Any]) -> bool:
+        def fits(node: dict[str, Any], gpus: float = need_gpus) -> bool:
             res = node.get("Resources") or {}
-            return (res.get("GPU", 0) >= need_gpus and res.get("CPU", 0) >= self.num_cpus
+            return (res.get("GPU", 0) >= gpus and res.get("CPU", 0) >= self.num_cpus
                     and all(res.get(k, 0) >= v for k, v in self.resources.items()))
 
+        gang = max((r for r in runs if r.distribution), key=lambda r: (r.distribution["nodes"], r.gpus), default=None)
+        if gang is not None and gang.distribution["nodes"] > len(alive):
+            raise ValidationError(
+                f"run {gang.run_id} spans {gang.distribution['nodes']} nodes (resources.nodes, one Ray node each), but "
+                f"the Ray cluster at `{self.address}` has {len(alive)} alive node(s); lower resources.nodes, add "
+                "nodes, or set `autoscaling: true` in the backend settings when the cluster adds nodes on demand")
+        if gang is not None and gang.distribution["nodes"] > (large := sum(1 for n in alive if fits(n, gang.gpus))):
+            raise ValidationError(
+                f"run {gang.run_id} spans {gang.distribution['nodes']} nodes with {gang.gpus} GPU(s) and "
+                f"{self.num_cpus:g} CPU(s) each, but only {large} of the {len(alive)} alive node(s) of the Ray cluster "
+                f"at `{self.address}` have that; lower resources.nodes or gpus_per_node, or set `autoscaling: true`")
         if not any(fits(n) for n in alive):
             largest = max((n.get("Resources", {}).get("GPU", 0) for n in alive), default=0)
             extra = f" and {self.resources}" if self.resources else ""
@@ -249,13 +262,15 @@ class RayBackend(Backend):
         num_gpus, shared = gpu_request(run.gpus, options.runs_per_gpu)
         # the experiment's `retries: 0` means no second run of the notebook, after a kernel or a worker death alike
         max_retries = self.max_retries if self.max_retries is not None else run.retries
+        if run.distribution:  # a gang: whole GPUs per node, and no Ray retry (its launchers retry the gang)
+            num_gpus, shared, max_retries = float(run.gpus), False, 0
         source = None
         with contextlib.suppress(OSError):
             source = Path(run.notebook).read_text(encoding="utf-8")
         return RayTaskSpec(run=run.to_dict(), share=share.url, project=project, num_gpus=num_gpus,
                            num_cpus=self.num_cpus, shared_gpu=shared, max_retries=max_retries,
                            resources=dict(self.resources), env=dict(self.env), runtime_env=self.runtime_env,
-                           notebook_source=source)
+                           notebook_source=source, gang_timeout_s=self.gang_timeout_s)
 
     # --- the Backend hooks --------------------------------------------------------------------------
 

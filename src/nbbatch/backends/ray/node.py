@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,24 +23,31 @@ from nbbatch.store.share import open_share
 NODE_ID_ENV = "NBBATCH_RAY_NODE_ID"  # set for the run (and its kernel): the Ray node it executes on
 OUTPUT_TAIL = 3000  # characters of run-one's output a task returns
 SPEC_FILE = "spec.json"  # the run, for run-one --spec-file, in the task's private folder
+RENDEZVOUS_POLL_S = 0.5  # how often a gang's node asks the supervisor whether every node has published
 
 
 def execute_on_node(spec: dict[str, Any]) -> dict[str, Any]:
     """The body of a run's Ray task: run ``nbbatch run-one`` for it on this node, pinned to Ray's GPUs.
 
     ``spec`` is a :class:`~nbbatch.backends.ray.task.RayTaskSpec` as a dict. Returns ``{"exit_code",
-    "output" (its tail), "node_id", "gpu_ids"}``. The subprocess dies with this worker (Linux), so a
-    cancelled or lost task never leaves a run executing.
+    "output" (its tail), "node_id", "gpu_ids"}`` (and ``"error"`` when a gang's node could not join it). The
+    subprocess dies with this worker (Linux), so a cancelled or lost task never leaves a run executing.
+
+    A node of a distributed run (``spec["gang"]``: its ``node_rank``, the gang's ``token`` and supervisor)
+    first meets the other nodes (:func:`rendezvous`), then its ``run-one`` starts this node's ranks with
+    ``NBBATCH_NODE_RANK`` and ``NBBATCH_ENDPOINTS`` set.
     """
     import ray
 
     run = spec["run"]
+    gang = spec.get("gang")
     node_id = ray.get_runtime_context().get_node_id()
     share = open_share(spec["share"])
     if cancel_requested(share, run["experiment"], run["run_id"]):
-        finalize_record(share, Run.from_dict(run), Status.CANCELLED,
-                        RunError("cancelled", "", reason="cancelled before it started", kind=ErrorKind.CANCELLED),
-                        backend="ray")
+        if not gang or gang["node_rank"] == 0:  # the run's record is node 0's to write
+            finalize_record(share, Run.from_dict(run), Status.CANCELLED,
+                            RunError("cancelled", "", reason="cancelled before it started", kind=ErrorKind.CANCELLED),
+                            backend="ray")
         return {"exit_code": 0, "output": "cancelled before it started", "node_id": node_id, "gpu_ids": []}
     gpu_ids: list[int] = []
     if spec["num_gpus"]:
@@ -54,6 +62,12 @@ def execute_on_node(spec: dict[str, Any]) -> dict[str, Any]:
     env = dict(os.environ)
     env.update(spec.get("env") or {})
     env.update({"CUDA_VISIBLE_DEVICES": devices, NODE_ID_ENV: node_id})
+    if gang:
+        try:
+            env.update(rendezvous(gang, node_id))
+        except GangError as exc:
+            return {"exit_code": 2, "output": str(exc), "node_id": node_id, "gpu_ids": gpu_ids,
+                    "error": {"ename": "GangRendezvous", "reason": str(exc)}}
     folder = private_folder(run["run_id"])  # this task's own: the spec and the notebook's copy, removed after
     try:
         run = _with_notebook_here(run, spec.get("project"), spec.get("notebook_source"), folder)
@@ -67,6 +81,50 @@ def execute_on_node(spec: dict[str, Any]) -> dict[str, Any]:
         shutil.rmtree(folder, ignore_errors=True)
     return {"exit_code": proc.returncode, "output": output.decode("utf-8", "replace")[-OUTPUT_TAIL:],
             "node_id": node_id, "gpu_ids": gpu_ids}
+
+
+class GangError(Exception):
+    """A node of a distributed run could not meet the others."""
+
+
+def rendezvous(gang: dict[str, Any], node_id: str) -> dict[str, str]:
+    """Meet the other nodes of a gang: publish this node's rendezvous endpoint (its IP and a TCP port free here)
+    through the experiment's supervisor, wait for every node's, and return run-one's placement variables.
+
+    Raises :class:`GangError` when the gang is stopped, the supervisor is gone, or the other nodes do not
+    publish theirs within ``gang["timeout_s"]``.
+    """
+    import ray
+    from ray.util import get_node_ip_address
+
+    from nbbatch.execute.ranks import free_port
+
+    node, nodes, timeout_s = int(gang["node_rank"]), int(gang["nodes"]), float(gang["timeout_s"])
+    ip = get_node_ip_address()
+    endpoint = f"{ip}:{free_port(ip)}"
+    try:
+        supervisor = ray.get_actor(gang["supervisor"], namespace=gang["namespace"])
+        if not ray.get(supervisor.publish.remote(gang["token"], node, endpoint, node_id), timeout=60):
+            raise GangError(f"node {node} of {nodes}: its gang was stopped before it could join")
+        deadline, have = time.monotonic() + timeout_s, []
+        while True:
+            state = ray.get(supervisor.endpoints.remote(gang["token"]), timeout=60)
+            if state.get("endpoints"):
+                return {"NBBATCH_NODE_RANK": str(node), "NBBATCH_ENDPOINTS": ",".join(state["endpoints"])}
+            if state.get("gone"):
+                raise GangError(f"node {node} of {nodes}: its gang was stopped while it waited for the other nodes")
+            have = state.get("have") or have
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(nodes)) - set(have))
+                raise GangError(f"node {node} of {nodes} (at {endpoint}) waited {timeout_s:g} s for the rendezvous "
+                                f"endpoints of the other nodes; node(s) {', '.join(map(str, missing))} never "
+                                "published theirs (their task did not start: runtime_env setup, a lost node?)")
+            time.sleep(RENDEZVOUS_POLL_S)
+    except GangError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the supervisor is gone, or did not answer
+        raise GangError(f"node {node} of {nodes}: cannot reach the experiment's supervisor `{gang['supervisor']}` "
+                        f"for the rendezvous ({type(exc).__name__}: {exc})") from exc
 
 
 def run_one_command(spec: dict[str, Any], spec_file: str | os.PathLike[str],

@@ -34,6 +34,7 @@ class RayTaskSpec:
     env: dict[str, str] = field(default_factory=dict)
     runtime_env: dict[str, Any] | None = None
     notebook_source: str | None = None  # the notebook, for nodes that do not have it at its path
+    gang_timeout_s: float = 300.0  # a distributed run: how long its nodes may take to be given (and to meet)
 
     @property
     def run_id(self) -> str:
@@ -41,3 +42,18 @@ class RayTaskSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+def gang_size(spec: dict[str, Any]) -> int:
+    """How many nodes a task spec's run spans as a gang (0: an ordinary run, one task)."""
+    distribution = spec["run"].get("distribution") or {}
+    return int(distribution["nodes"]) if distribution else 0
+
+
+def gang_bundles(spec: dict[str, Any]) -> list[dict[str, float]]:
+    """The placement group bundles of a distributed run: one per node, each holding that node's task."""
+    bundle: dict[str, float] = {"CPU": float(spec["num_cpus"]) or 0.001}  # Ray refuses a bundle of zeros
+    if spec["num_gpus"]:
+        bundle["GPU"] = float(spec["num_gpus"])
+    bundle.update({str(k): float(v) for k, v in (spec.get("resources") or {}).items()})
+    return [dict(bundle) for _ in range(gang_size(spec))]
