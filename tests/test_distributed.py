@@ -16,12 +16,13 @@ import nbformat
 import pytest
 from conftest import kernels_of, make_notebook
 
-from nbbatch.api import submit
+from nbbatch.api import logs, submit
 from nbbatch.errors import NbbatchError, SpecError, ValidationError
 from nbbatch.execute import ranks as ranks_module
 from nbbatch.execute.ranks import CONTRACT, NodePlacement, placement_from_env, rank_env
 from nbbatch.plan.runs import Run
 from nbbatch.record import metrics_from_notebook
+from nbbatch.store.fetch import fetch
 from nbbatch.store.records import write_cancel_markers
 from nbbatch.store.share import FileShare
 
@@ -86,7 +87,7 @@ def _rank_notebook(project, experiment: str, record, rank: int):
     return nbformat.read(project / "results" / experiment / record.run_id / "ranks" / str(rank) / "output.ipynb", 4)
 
 
-def test_every_rank_gets_the_torchrun_contract_and_its_own_files(project, ranks_notebook, write_experiment):
+def test_every_rank_gets_the_torchrun_contract_and_its_own_files(project, ranks_notebook, write_experiment, tmp_path):
     exp = _experiment(write_experiment, "contract", "{processes_per_node: 3}")
     (record,) = submit(exp, progress=False).records
     assert record.status == "succeeded", record.error
@@ -109,6 +110,11 @@ def test_every_rank_gets_the_torchrun_contract_and_its_own_files(project, ranks_
     assert metrics_from_notebook(nbformat.read(folder / "output.ipynb", 4))["rank"] == 0
     saved = json.loads((folder / "run.json").read_text())
     assert saved["world_size"] == 3 and len(saved["ranks"]) == 3
+    assert "rank 2 of 3" in "".join(logs("contract", record.run_id, rank=2))  # nbbatch logs --rank 2
+    fetched = {p.relative_to(tmp_path / "got" / "contract" / record.run_id).as_posix()
+               for p in fetch(FileShare(project / "results"), "contract", tmp_path / "got")}
+    assert {f"ranks/{r}/{f}" for r in (1, 2) for f in ("output.ipynb", "log.txt", "run.json")} <= fetched
+    assert {"ranks/0/output.ipynb", "ranks/0/log.txt", "output.ipynb", "outputs/env-1.json"} <= fetched
     assert kernels_of("contract") == []
 
 
@@ -284,3 +290,39 @@ def test_jax_and_tensorflow_ranks_get_their_coordinator_and_cluster():
     tf = json.loads(rank_env(_run("tensorflow"), placement, 0)["TF_CONFIG"])
     assert tf == {"cluster": {"worker": ["10.0.0.4:7000", "10.0.0.5:7001"]}, "task": {"type": "worker", "index": 1}}
     assert "TF_CONFIG" not in rank_env(_run("torch"), placement, 0)
+
+
+# --- the framework notebooks' own distributed paths ------------------------------------------------------------
+
+
+def _framework_run(tmp_path, monkeypatch, name: str, frameworks: str, resources: str, kind: str, parameters: str):
+    from conftest import REPO
+
+    monkeypatch.setenv("NBBATCH_PROJECT", str(REPO))  # the real frameworks and their envs
+    exp = tmp_path / f"{name}.yaml"
+    exp.write_text(f"experiment: {name}\nframeworks: [{frameworks}]\nresources: {resources}\n"
+                   f"distribution: {{type: {kind}}}\nparameters: {parameters}\nshare: results\n")
+    (record,) = submit(exp, progress=False).records
+    folder = tmp_path / "results" / name / record.run_id
+    return record, folder
+
+
+def _rank_metrics(folder, world: int) -> list[dict]:
+    return [metrics_from_notebook(nbformat.read(folder / "ranks" / str(r) / "output.ipynb", 4)) for r in range(world)]
+
+
+@pytest.mark.slow
+def test_the_pytorch_notebook_trains_over_two_gloo_ranks_to_identical_weights(pytorch_env, tmp_path, monkeypatch):
+    record, folder = _framework_run(tmp_path, monkeypatch, "ddp", "pytorch", "{processes_per_node: 2}", "torch",
+                                    "{DATASET: digits, EPOCHS: 2, MAX_SAMPLES: 400}")
+    assert record.status == "succeeded", record.error
+    assert record.world_size == 2 and [r["status"] for r in record.ranks] == ["succeeded", "succeeded"]
+    zero, one = _rank_metrics(folder, 2)
+    assert zero["world_size"] == one["world_size"] == 2
+    # DDP's all-reduce keeps the replicas equal; training moved them away from where they started
+    assert zero["weights_checksum"] == pytest.approx(one["weights_checksum"], rel=1e-6)
+    assert zero["initial_weights_checksum"] == pytest.approx(one["initial_weights_checksum"], rel=1e-6)
+    assert abs(zero["weights_checksum"] - zero["initial_weights_checksum"]) > 1e-3
+    assert record.metrics["accuracy"] > 0.5
+    assert (folder / "outputs" / "model.pt").exists()  # rank 0 saved the model, once
+    assert kernels_of("ddp") == []

@@ -196,23 +196,25 @@ def status(experiment: str, share: str | Share | None = None, refresh: bool = Tr
 
 
 def logs(experiment: str, run: str, follow: bool = False, tail: int | None = None,
-         share: str | Share | None = None) -> Iterator[str]:
-    """A run's log (``log.txt``): the whole text, its tail, or followed until the run ends."""
+         share: str | Share | None = None, rank: int | None = None) -> Iterator[str]:
+    """A run's log (``log.txt``): the whole text, its tail, or followed until the run ends.
+
+    ``rank``: the log of that rank of a distributed run (the run's own log is rank 0's)."""
     from nbbatch.results.status import follow_log, read_log, resolve_run_id
 
     project = find_project()
     name, the_share = open_experiment_share(experiment, share, project)
     run_id = resolve_run_id(the_share, name, run)
     backend = known_backend(name, project)
-    if backend.capabilities.log_stream:
+    if backend.capabilities.log_stream and rank is None:
         streamed = backend.stream_log(name, the_share, run_id, follow)
         if streamed is not None:
             yield from streamed
             return
     if follow:
-        yield from follow_log(the_share, name, run_id)
+        yield from follow_log(the_share, name, run_id, rank=rank)
     else:
-        yield read_log(the_share, name, run_id, tail)
+        yield read_log(the_share, name, run_id, tail, rank)
 
 
 def cancel(experiment: str, runs: list[str] | None = None, share: str | Share | None = None) -> list[str]:

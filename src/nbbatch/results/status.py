@@ -59,7 +59,7 @@ def status_rows(records: list[RunRecord]) -> list[dict[str, Any]]:
         rows.append({
             "run_id": r.run_id, "framework": r.framework or r.notebook, "parameters": r.parameters,
             "status": r.status, "attempts": r.attempts, "progress": progress,
-            "duration_s": r.duration_s, "gpu_ids": r.gpu_ids, "metrics": r.metrics,
+            "duration_s": r.duration_s, "gpu_ids": r.gpu_ids, "world_size": r.world_size, "metrics": r.metrics,
             "error": r.error.summary() if r.error else "",
         })
     return rows
@@ -179,6 +179,8 @@ def _columns(records: list[RunRecord], max_metrics: int, now: datetime) -> list[
             times.append(format_duration(r.duration_s))
     if any(times):
         add("time", times, 65, numeric=True)
+    if any(r.world_size > 1 for r in records):  # a distributed run: how many ranks (kernels) it has
+        add("ranks", [str(r.world_size) for r in records], 44, numeric=True)
     if any(r.gpu_ids for r in records):
         add("GPU", [",".join(map(str, r.gpu_ids)) or "cpu" for r in records], 40, cap=8)
     for index, name in enumerate(shown_metrics(records, max_metrics)):
@@ -203,9 +205,10 @@ def summary_counts(records: list[RunRecord]) -> dict[str, int]:
     return counts
 
 
-def read_log(share: Share, experiment: str, run_id: str, tail: int | None = None) -> str:
+def read_log(share: Share, experiment: str, run_id: str, tail: int | None = None, rank: int | None = None) -> str:
+    """A run's log (with ``rank``: that rank's of a distributed run), or its last ``tail`` lines."""
     try:
-        text = share.read_bytes(run_paths(experiment, run_id).log).decode("utf-8", "replace")
+        text = share.read_bytes(run_paths(experiment, run_id, rank).log).decode("utf-8", "replace")
     except FileNotFoundError:
         return ""
     if tail:
@@ -214,7 +217,7 @@ def read_log(share: Share, experiment: str, run_id: str, tail: int | None = None
 
 
 def follow_log(share: Share, experiment: str, run_id: str, poll: float | None = None,
-               timeout: float | None = None) -> Iterator[str]:
+               timeout: float | None = None, rank: int | None = None) -> Iterator[str]:
     """Yield the log as it grows until the run is final (``logs -f``).
 
     Only the new bytes are read each time (a ranged read on shares that can, see
@@ -223,7 +226,7 @@ def follow_log(share: Share, experiment: str, run_id: str, poll: float | None = 
     import codecs
 
     offset = 0
-    log_path = run_paths(experiment, run_id).log
+    log_path = run_paths(experiment, run_id, rank).log
     ranged = isinstance(share, RangeStore)
     if poll is None:
         poll = 0.5 if share.local_path("") is not None else 2.0

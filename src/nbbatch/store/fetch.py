@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from nbbatch.errors import NbbatchError
-from nbbatch.store.layout import OUTPUTS_FOLDER, run_paths
+from nbbatch.store.layout import LOG_FILE, OUTPUT_NOTEBOOK, OUTPUTS_FOLDER, RANKS_FOLDER, RUN_RECORD, run_paths
 from nbbatch.store.share import FILE_MODE, Share, write_file_atomic
 
 
@@ -13,7 +13,8 @@ def fetch(share: Share, experiment: str, dest: Path, names: tuple[str, ...] | No
     """Download every run's files (or only ``names``) to ``dest/<experiment>/<run>/``; return the paths written.
 
     A run's ``outputs/`` folder comes whole (files already there unchanged are kept); its ``checkpoints/`` stay
-    on the share: they are for resuming the run, not results.
+    on the share: they are for resuming the run, not results. A distributed run's ``ranks/<rank>/`` bring
+    each rank's notebook, log and record.
     """
     if not _plain_name(experiment):
         raise NbbatchError(f"`{experiment}` is not an experiment name (a path was given?); pass the name, e.g. "
@@ -27,16 +28,25 @@ def fetch(share: Share, experiment: str, dest: Path, names: tuple[str, ...] | No
                 continue
             if name == OUTPUTS_FOLDER:
                 written.extend(_fetch_outputs(share, run_paths(experiment, run_id).outputs, dest / experiment / run_id))
-                continue
-            try:
-                data = share.read_bytes(f"{experiment}/{run_id}/{name}")
-            except (FileNotFoundError, IsADirectoryError):
-                continue
-            target = dest / experiment / run_id / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            write_file_atomic(target, data, FILE_MODE)
-            written.append(target)
+            elif name == RANKS_FOLDER:
+                ranks = run_paths(experiment, run_id).ranks
+                for rank in (r for r in share.list(ranks) if r.isdigit()):
+                    for file in (OUTPUT_NOTEBOOK, LOG_FILE, RUN_RECORD):
+                        written.extend(_fetch_file(share, f"{ranks}/{rank}/{file}",
+                                                   dest / experiment / run_id / RANKS_FOLDER / rank / file))
+            else:
+                written.extend(_fetch_file(share, f"{experiment}/{run_id}/{name}", dest / experiment / run_id / name))
     return written
+
+
+def _fetch_file(share: Share, path: str, target: Path) -> list[Path]:
+    try:
+        data = share.read_bytes(path)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return []
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_file_atomic(target, data, FILE_MODE)
+    return [target]
 
 
 def _fetch_outputs(share: Share, folder: str, run_dest: Path) -> list[Path]:

@@ -191,7 +191,7 @@ def cmd_status_interruptible(args: argparse.Namespace) -> int:
 def cmd_logs(args: argparse.Namespace) -> int:
     from nbbatch.api import logs
 
-    for chunk in logs(args.experiment, args.run, follow=args.follow, tail=args.tail, share=args.share):
+    for chunk in logs(args.experiment, args.run, follow=args.follow, tail=args.tail, share=args.share, rank=args.rank):
         sys.stdout.write(chunk)
         sys.stdout.flush()
     return 0
@@ -349,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="run id or a unique prefix")
     p.add_argument("-f", "--follow", action="store_true")
     p.add_argument("--tail", type=int)
+    p.add_argument("--rank", type=int, help="the log of that rank of a distributed run (default: rank 0's)")
     p.add_argument("--share")
     p.set_defaults(func=cmd_logs)
 
