@@ -25,6 +25,7 @@ from nbbatch.record import metrics_from_notebook
 from nbbatch.store.fetch import fetch
 from nbbatch.store.records import write_cancel_markers
 from nbbatch.store.share import FileShare
+from nbbatch.ui.cli import main
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -87,8 +88,11 @@ def _rank_notebook(project, experiment: str, record, rank: int):
     return nbformat.read(project / "results" / experiment / record.run_id / "ranks" / str(rank) / "output.ipynb", 4)
 
 
-def test_every_rank_gets_the_torchrun_contract_and_its_own_files(project, ranks_notebook, write_experiment, tmp_path):
+def test_every_rank_gets_the_torchrun_contract_and_its_own_files(project, ranks_notebook, write_experiment, tmp_path,
+                                                                 capsys):
     exp = _experiment(write_experiment, "contract", "{processes_per_node: 3}")
+    assert main(["plan", str(exp)]) == 0
+    assert "distributed (torch): 1 node(s) × 3 rank(s) = 3 kernels per run, CPU ranks" in capsys.readouterr().out
     (record,) = submit(exp, progress=False).records
     assert record.status == "succeeded", record.error
     assert record.world_size == 3 and [r["rank"] for r in record.ranks] == [0, 1, 2]

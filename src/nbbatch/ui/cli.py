@@ -128,6 +128,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     console.print(table)
     for name, location in the_plan.experiment.inputs.items():
         console.print(Text(f"input {name} ← {location}"), soft_wrap=True)
+    world = the_plan.experiment.world()
+    if world:  # every run is a gang of ranks
+        gpus = f", {world['gpus_per_node']} GPU(s) per node" if world["gpus_per_node"] else ", CPU ranks"
+        console.print(Text(f"distributed ({world['type']}): {world['nodes']} node(s) × {world['processes_per_node']} "
+                           f"rank(s) = {world['nodes'] * world['processes_per_node']} kernels per run{gpus}"))
     for warning in the_plan.warnings:
         console.print(_warning(warning))
     return 0
