@@ -330,3 +330,19 @@ def test_the_pytorch_notebook_trains_over_two_gloo_ranks_to_identical_weights(py
     assert record.metrics["accuracy"] > 0.5
     assert (folder / "outputs" / "model.pt").exists()  # rank 0 saved the model, once
     assert kernels_of("ddp") == []
+
+
+def test_each_node_gets_its_own_gpus_and_every_rank_sees_all_of_them(project, ranks_notebook, write_experiment,
+                                                                       monkeypatch):
+    from nbbatch.backends import local
+    from nbbatch.execute.gpus import GpuInfo
+
+    monkeypatch.setattr(local, "detect_gpus", lambda: [GpuInfo(i, f"Fake {i}", 1000) for i in range(4)])
+    monkeypatch.setenv("NBBATCH_SIMULATE_NODES", "1")
+    exp = _experiment(write_experiment, "gpugang", "{nodes: 2, gpus_per_node: 2}")
+    (record,) = submit(exp, progress=False).records
+    assert record.status == "succeeded", record.error
+    # processes_per_node defaults to gpus_per_node; a rank picks cuda:LOCAL_RANK among its node's GPUs
+    assert [_env_of(project, "gpugang", record, r)["CUDA_VISIBLE_DEVICES"] for r in range(4)] == \
+        ["0,1", "0,1", "2,3", "2,3"]
+    assert [r["gpus"] for r in record.ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
