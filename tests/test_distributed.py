@@ -346,3 +346,25 @@ def test_each_node_gets_its_own_gpus_and_every_rank_sees_all_of_them(project, ra
     assert [_env_of(project, "gpugang", record, r)["CUDA_VISIBLE_DEVICES"] for r in range(4)] == \
         ["0,1", "0,1", "2,3", "2,3"]
     assert [r["gpus"] for r in record.ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+
+
+def test_a_node_that_cannot_start_stops_the_gang(project, ranks_notebook, write_experiment, monkeypatch):
+    """Node 1 lacks an input (here: its folders refuse), so its ranks never start; node 0's stop, not wait."""
+    import threading as threads
+
+    from nbbatch.execute import folders
+
+    real_init = folders.RunFolders.__init__
+
+    def node1_lacks_input(self, run, *args, **kwargs):
+        if threads.current_thread().name.endswith("-1"):  # the launcher thread of simulated node 1
+            raise folders.InputError("input `DATA_DIR`: the folder /data is not on node 1")
+        real_init(self, run, *args, **kwargs)
+
+    monkeypatch.setattr(folders.RunFolders, "__init__", node1_lacks_input)
+    monkeypatch.setenv("NBBATCH_SIMULATE_NODES", "1")
+    exp = _experiment(write_experiment, "nostart", "{nodes: 2, processes_per_node: 1}", "parameters: {SLEEP: 600}\n")
+    (record,) = submit(exp, progress=False).records
+    assert record.status == "failed" and record.duration_s < 120  # rank 0 waited for rank 1's hello: stopped
+    assert record.error.rank == 1 and "not on node 1" in record.error.summary()
+    assert kernels_of("nostart") == []

@@ -73,6 +73,49 @@ time.sleep(HEAD_SLEEP if node == HEAD else SLEEP)
 """
 LINE = re.compile(r"CVD='([^']*)' NODE=(\w+)")
 
+# A rank of a distributed run says where it is, then (torch-free) proves the rendezvous: rank 0 listens on
+# MASTER_ADDR:MASTER_PORT, every other rank connects there, and they swap which Ray node each is on.
+RANK_BODY = """\
+import json, os, socket, time
+import nbbatch
+seen = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR",
+                                       "MASTER_PORT", "NBBATCH_RAY_NODE_ID", "CUDA_VISIBLE_DEVICES")}
+seen["hostname"] = socket.gethostname()
+print("PLACE=" + json.dumps(seen), flush=True)
+rank, world = int(seen["RANK"]), int(seen["WORLD_SIZE"])
+if rank == FAIL_RANK:
+    raise RuntimeError(f"rank {rank} fails on purpose")
+master = (seen["MASTER_ADDR"], int(seen["MASTER_PORT"]))
+me = json.dumps({"rank": rank, "node": seen["NBBATCH_RAY_NODE_ID"]}).encode()
+heard = []
+if rank == 0:
+    with socket.create_server(master) as server:
+        server.settimeout(45)
+        for _ in range(world - 1):
+            conn, _ = server.accept()
+            with conn:
+                conn.settimeout(15)
+                heard.append(json.loads(conn.recv(4096)))
+                conn.sendall(me)
+else:
+    deadline = time.monotonic() + 45
+    while True:
+        try:
+            conn = socket.create_connection(master, timeout=5)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    with conn:
+        conn.settimeout(15)
+        conn.sendall(me)
+        heard.append(json.loads(conn.recv(4096)))
+print("HEARD=" + json.dumps(heard), flush=True)
+nbbatch.record(rank=rank, heard=len(heard))
+time.sleep(SLEEP)
+"""
+
 
 @dataclass
 class Cluster:
@@ -186,6 +229,52 @@ def _experiment(name: str, share: Path, address: str, gpus: int = 0, seeds: int 
 def probe(project):
     make_notebook(project / "probe.ipynb", [NOTEBOOK_BODY], parameters="SEED = 0\nSLEEP = 2.0\nHEAD = ''\nHEAD_SLEEP = 0.5")
     return project
+
+
+@pytest.fixture
+def ranks(project):
+    make_notebook(project / "probe.ipynb", [RANK_BODY], parameters="SEED = 0\nFAIL_RANK = -1\nSLEEP = 0.0")
+    return project
+
+
+def _gang(name: str, share: Path, address: str, nodes: int = 2, per_node: int = 1, **extra) -> dict:
+    return _experiment(name, share, address, resources={"nodes": nodes, "processes_per_node": per_node,
+                                                          "gpus_per_node": 0},
+                       distribution={"type": "torch"}, **extra)
+
+
+def _said(log: Path, what: str) -> object:
+    found = re.findall(rf"^{what}=(.*)$", log.read_text(), re.MULTILINE)
+    assert found, f"{log} has no {what}= line"
+    return json.loads(found[-1])
+
+
+def _gangs_left(run_id: str) -> list[dict]:
+    """The run's placement groups that Ray still holds (not REMOVED)."""
+    return [g for g in ray.util.placement_group_table().values()
+            if str(g.get("name", "")).startswith(f"nbbatch-gang:{run_id}:") and g.get("state") != "REMOVED"]
+
+
+def _gang_ended(address: str, share: Path, record: RunRecord, timeout: float = 30) -> RunRecord:
+    """The run's record once its gang's node 0 task has ended (the supervisor no longer has it in flight).
+
+    Rank 0's attempt writes a final status to run.json before node 0's launcher has heard from the other
+    nodes and written the run's outcome (its ``ranks``, the first failure), so ``submit`` can return early.
+    """
+    backend, deadline = RayBackend(address), time.monotonic() + timeout
+    while backend.in_flight(FileShare(share), record):
+        assert time.monotonic() < deadline, "the gang's node 0 task did not end"
+        time.sleep(0.3)
+    return read_record(FileShare(share), record.experiment, record.run_id)
+
+
+def _all_gone(run_id: str, timeout: float = 20) -> None:
+    """Its placement group removed and no `run-one` of it left, within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while (_gangs_left(run_id) or _run_one_processes(run_id)) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert not _gangs_left(run_id), f"placement group left: {_gangs_left(run_id)}"
+    assert not _run_one_processes(run_id), "a run-one process outlived its gang"
 
 
 def _wait_final(share: Path, experiment: str, timeout: float = 120) -> list[RunRecord]:
@@ -351,6 +440,32 @@ def _nodes(*addresses: str) -> list[dict]:
     return [{"NodeID": f"{i:02d}" * 28, "Alive": True, "NodeManagerAddress": a,
              "Resources": {"CPU": 4.0, "GPU": 2.0, **({"node:__internal_head__": 1.0} if i == 0 else {})}}
             for i, a in enumerate(addresses)]
+
+
+def test_a_gang_larger_than_the_cluster_is_refused_before_anything_runs(tmp_path, monkeypatch):
+    from nbbatch.errors import ValidationError
+
+    monkeypatch.setattr(RayBackend, "_alive_nodes", lambda self: _nodes("10.0.0.4", "10.0.0.5"))
+    dist = {"type": "torch", "nodes": 3, "processes_per_node": 1, "gpus_per_node": 0}
+    run = _plain_run(tmp_path, distribution=dist)
+    with pytest.raises(ValidationError, match="spans 3 nodes") as caught:
+        RayBackend("10.0.0.4:6379").check([run])
+    assert "2 alive node(s)" in str(caught.value) and "autoscaling: true" in str(caught.value)
+    RayBackend("10.0.0.4:6379", autoscaling=True).check([run])  # the autoscaler may add the third
+    RayBackend("10.0.0.4:6379").check([_plain_run(tmp_path, distribution={**dist, "nodes": 2})])
+    # enough nodes, but not enough of them with the GPUs each node of the run asks for
+    big = _plain_run(tmp_path, gpus=4, distribution={**dist, "nodes": 2, "gpus_per_node": 4})
+    monkeypatch.setattr(RayBackend, "_alive_nodes", lambda self: [*_nodes("10.0.0.4", "10.0.0.5"), {
+        "NodeID": "ff" * 28, "Alive": True, "NodeManagerAddress": "10.0.0.6", "Resources": {"CPU": 8.0, "GPU": 4.0}}])
+    with pytest.raises(ValidationError, match="only 1 of the 3 alive node"):
+        RayBackend("10.0.0.4:6379").check([big])
+    # the node's task asks for whole GPUs and never for a Ray retry (the launchers retry the whole gang)
+    from nbbatch.backends import SubmitOptions
+    from nbbatch.backends.ray.task import gang_bundles
+
+    spec = RayBackend(num_cpus=2, gang_timeout_s=30).task_spec(big, FileShare(tmp_path), SubmitOptions(), None)
+    assert (spec.num_gpus, spec.max_retries, spec.shared_gpu, spec.gang_timeout_s) == (4.0, 0, False, 30.0)
+    assert gang_bundles(spec.to_dict()) == [{"CPU": 2.0, "GPU": 4.0}] * 2
 
 
 def test_local_folder_share_refused_on_a_multi_host_cluster(probe, tmp_path, monkeypatch):
@@ -527,6 +642,108 @@ def test_an_input_on_the_share_reaches_the_runs_on_the_nodes(cluster, project, t
     assert all(r.inputs["DATA_DIR"]["path"] == str(share / "data") for r in result.records)
 
 
+def test_a_distributed_run_spans_two_ray_nodes_as_one_world(cluster, ranks, tmp_path):
+    share = tmp_path / "results"
+    started = time.monotonic()
+    result = api.submit(_gang("gang", share, cluster.address), progress=False)
+    print(f"a 2-node gang: {time.monotonic() - started:.1f} s (submit saw {result.records[0].status}, "
+          f"{len(result.records[0].ranks)} rank entries)")
+    record = _gang_ended(cluster.address, share, result.records[0])
+    assert record.status == "succeeded", record.error
+    folder = share / "gang" / record.run_id
+    saved = json.loads((folder / "run.json").read_text())
+    assert saved["world_size"] == 2 and [r["rank"] for r in saved["ranks"]] == [0, 1]
+    assert all(r["status"] == "succeeded" for r in saved["ranks"]), saved["ranks"]
+    assert (folder / "ranks" / "1" / "output.ipynb").exists()
+    places = [_said(folder / "log.txt", "PLACE"), _said(folder / "ranks" / "1" / "log.txt", "PLACE")]
+    assert [(p["RANK"], p["WORLD_SIZE"], p["NODE_RANK"], p["LOCAL_RANK"]) for p in places] == \
+        [("0", "2", "0", "0"), ("1", "2", "1", "0")]
+    assert {p["NBBATCH_RAY_NODE_ID"] for p in places} == {cluster.head_id, cluster.worker_id}  # one rank per node
+    assert len({(p["MASTER_ADDR"], p["MASTER_PORT"]) for p in places}) == 1  # one world
+    assert all(p["CUDA_VISIBLE_DEVICES"] == "" for p in places)  # gpus_per_node: 0
+    # they reached each other at MASTER_ADDR:MASTER_PORT, each hearing the other's node
+    heard = [_said(folder / "log.txt", "HEARD"), _said(folder / "ranks" / "1" / "log.txt", "HEARD")]
+    assert heard == [[{"rank": 1, "node": places[1]["NBBATCH_RAY_NODE_ID"]}],
+                     [{"rank": 0, "node": places[0]["NBBATCH_RAY_NODE_ID"]}]]
+    _all_gone(record.run_id)
+
+
+def test_a_failed_rank_on_another_node_fails_the_gang_and_is_named(cluster, ranks, tmp_path):
+    share = tmp_path / "results"
+    started = time.monotonic()
+    # rank 1 fails at once; rank 0 would wait 45 s for it at the rendezvous, then sleep 600 s
+    result = api.submit(_gang("gangfail", share, cluster.address, parameters={"FAIL_RANK": 1, "SLEEP": 600.0}),
+                        progress=False)
+    record = _gang_ended(cluster.address, share, result.records[0])
+    took = time.monotonic() - started
+    print(f"a 2-node gang whose rank 1 fails: {took:.1f} s (submit saw {result.records[0].status}): "
+          f"{record.error.summary()}")
+    assert record.status == "failed" and record.error.rank == 1, record.error
+    assert "rank 1" in record.error.summary() and "fails on purpose" in record.error.summary()
+    assert took < 40 and record.duration_s < 30  # rank 0 was stopped, not waited for
+    by_rank = {r["rank"]: r for r in record.ranks}
+    assert by_rank[0]["status"] == "stopped" and by_rank[1]["status"] == "failed"
+    _all_gone(record.run_id)
+
+
+def test_cancel_stops_every_node_of_a_gang(cluster, ranks, tmp_path):
+    share = tmp_path / "results"
+    api.submit(_gang("gangcancel", share, cluster.address, parameters={"SLEEP": 600.0}), wait=False, progress=False)
+    deadline = time.monotonic() + 60
+    while not any("HEARD=" in log.read_text() for log in share.glob("gangcancel/*/ranks/1/log.txt")):
+        assert time.monotonic() < deadline, "the gang did not start"
+        time.sleep(0.3)
+    started = time.monotonic()
+    assert len(api.cancel("gangcancel")) == 1
+    (record,) = _wait_final(share, "gangcancel", timeout=60)
+    record = _gang_ended(cluster.address, share, record)
+    print(f"gang cancelled in {time.monotonic() - started:.1f} s: {record.error.summary() if record.error else ''}")
+    assert record.status == "cancelled", record.error
+    assert {r["status"] for r in record.ranks} == {"cancelled"}, record.ranks
+    _all_gone(record.run_id)
+
+
+def test_a_gang_the_cluster_cannot_place_fails_after_the_gang_timeout(cluster, ranks, tmp_path):
+    share = tmp_path / "results"
+    started = time.monotonic()
+    # three nodes on a two-node cluster: with `autoscaling: true` it is submitted, and Ray never places it
+    result = api.submit(_gang("toobig", share, cluster.address, nodes=3,
+                              backend={"autoscaling": True, "gang_timeout_s": 3}), progress=False)
+    took = time.monotonic() - started
+    (record,) = result.records
+    print(f"a gang that cannot be placed: failed in {took:.1f} s: {record.error.summary()}")
+    assert record.status == "failed" and record.error.ename == "GangTimeout", record.error
+    reason = record.error.reason
+    assert "could not give 3 nodes with 0 GPU(s)" in reason and "STRICT_SPREAD" in reason and "within 3 s" in reason
+    assert "2 alive node(s)" in reason and "gang_timeout_s" in reason
+    assert took < 30 and record.started_at is None  # no rank ever started
+    _all_gone(record.run_id)
+
+
+def test_a_node_lost_mid_run_stops_the_gang_and_is_named(cluster, ranks, tmp_path):
+    share = tmp_path / "results"
+    api.submit(_gang("ganglost", share, cluster.address, parameters={"SLEEP": 600.0}), wait=False, progress=False)
+    deadline, launcher = time.monotonic() + 60, None
+    while launcher is None:  # node 1's `run-one`, once its rank has met rank 0
+        assert time.monotonic() < deadline, "the gang did not start"
+        for log in share.glob("ganglost/*/ranks/1/log.txt"):
+            if "HEARD=" in log.read_text():
+                launcher = next((p for p in _run_one_processes(log.parents[2].name)
+                                 if p.environ().get("NBBATCH_NODE_RANK") == "1"), None)
+        time.sleep(0.3)
+    run_id = next(share.glob("ganglost/*/ranks")).parent.name
+    worker = launcher.parent()  # the Ray worker running node 1's task: as if its node went away
+    started = time.monotonic()
+    worker.kill()
+    (record,) = _wait_final(share, "ganglost", timeout=60)
+    record = _gang_ended(cluster.address, share, record)
+    print(f"node 1's worker killed → run final in {time.monotonic() - started:.1f} s: {record.error.summary()}")
+    assert record.status == "failed", record.error
+    assert "node 1" in record.error.reason and "the other nodes were stopped" in record.error.reason, record.error
+    assert time.monotonic() - started < 40
+    _all_gone(run_id)
+
+
 def test_node_death_mid_run_retries_on_the_head(cluster, probe, tmp_path):
     """Kill the second node's raylet while a run executes there: it is retried on the head (or failed with why)."""
     share = tmp_path / "results"
@@ -564,4 +781,5 @@ def test_node_death_mid_run_retries_on_the_head(cluster, probe, tmp_path):
         time.sleep(0.5)
     assert not _run_one_processes(victim), "a run-one process outlived its task"
     json.dumps(RayBackend(cluster.address).compute().nodes)  # what the setup_cluster widget shows, a node down
+
 

@@ -428,8 +428,9 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
     finally:
         if scratch is not None:
             scratch.cleanup()
-    write_record(share, record)
-    notify(record)
+    if rank is None or rank.rank != 0:  # a gang's run record turns final once every rank ended (ranks.py)
+        write_record(share, record)
+        notify(record)
     return record
 
 

@@ -37,8 +37,9 @@ PEER_WAIT_S = 300.0  # how long node 0 waits for a silent node's ranks before it
 PORT_RETRIES = 3  # new rendezvous ports after "address already in use" (local: another process took the port)
 _PORT_TAKEN = re.compile(r"address already in use|EADDRINUSE|errno 98", re.IGNORECASE)
 # The errors a rank sees when another rank went away: the other rank's error is the cause.
-_PEER_LOST = re.compile(r"connection (closed|reset|refused)|broken pipe|peer|DistBackendError|NCCL|gloo|"
-                        r"socket|ProcessGroup|collective|coordination service|heartbeat|barrier", re.IGNORECASE)
+_PEER_LOST = re.compile(r"connection (closed|reset) by peer|connection refused|broken pipe|DistBackendError|"
+                        r"NCCL (error|communicator)|ncclRemoteError|third_party/gloo|ProcessGroup(Gloo|NCCL)|"
+                        r"coordination service|heartbeat timeout|barrier timed out", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,12 @@ def placement_from_env(run: Run, environ: Mapping[str, str]) -> NodePlacement:
     (``TF_CONFIG``) or MPI (``OMPI_COMM_WORLD_*``) distributions; one node alone rendezvous on 127.0.0.1."""
     nodes, per_node = int(run.distribution["nodes"]), int(run.distribution["processes_per_node"])
     if environ.get("NBBATCH_ENDPOINTS"):
-        return NodePlacement(int(environ.get("NBBATCH_NODE_RANK", "0")),
-                             tuple(environ["NBBATCH_ENDPOINTS"].split(",")))
+        endpoints = tuple(environ["NBBATCH_ENDPOINTS"].split(","))
+        node = environ.get("NBBATCH_NODE_RANK", "")
+        if len(endpoints) != nodes or not node.isdigit() or int(node) >= nodes:
+            raise NbbatchError(f"run {run.run_id} spans {nodes} nodes, but its launcher was given NBBATCH_NODE_RANK="
+                               f"{node!r} and {len(endpoints)} endpoint(s) in NBBATCH_ENDPOINTS")
+        return NodePlacement(int(node), endpoints)
     if "OMPI_COMM_WORLD_RANK" in environ:  # MPI started one process per rank: this launcher is that rank's
         rank = int(environ["OMPI_COMM_WORLD_RANK"])
         local = int(environ.get("OMPI_COMM_WORLD_LOCAL_RANK", rank % per_node))
@@ -194,8 +199,20 @@ class _Node:
         ranks = _ranks(self.run, self.placement)
         try:
             folders = RunFolders(self.run, self.share, input_paths=self.input_paths, project_root=self.project_root)
-        except NbbatchError as exc:
-            return _failed_before_start(self.share, self.record_of(ranks[0]), exc, self.notify)
+        except NbbatchError as exc:  # e.g. an input missing on this node: its ranks fail, the other nodes stop
+            for rank in ranks[1:]:
+                record = self.record_of(rank)
+                record.attempts += 1  # what node 0 waits for: this attempt of the gang ended
+                _failed_before_start(self.share, record, exc, None)
+            own = self.record_of(ranks[0])
+            if own.rank is not None:  # the run's own record (rank 0's) counts the run's attempts as ever
+                own.attempts += 1
+            with contextlib.suppress(ShareError, OSError):
+                self.share.write_bytes(self.paths.gang_stop(1), json.dumps(
+                    {"rank": ranks[0].rank, "error": f"{exc} (node {self.placement.node_rank})"}).encode())
+                if self.coordinator:
+                    self.share.write_bytes(f"{self.paths.ranks}/decision-1.json", b'{"retry": false}')
+            return _failed_before_start(self.share, own, exc, self.notify if self.coordinator else None)
         attempts_left, port_retries, gang = self.run.retries + 1, PORT_RETRIES, 0
         try:
             while True:
@@ -343,7 +360,9 @@ class _Node:
             return own
         record = self.records[0]
         record.world_size = self.run.world_size
-        record.ranks = [_rank_entry(e.rank, e.record, first) for e in sorted(ended.values(), key=lambda e: e.rank)]
+        per_node = int(self.run.distribution["processes_per_node"])
+        record.ranks = [_rank_entry(e.rank, e.rank // per_node, e.record, first)
+                        for e in sorted(ended.values(), key=lambda e: e.rank)]
         if first is not None:
             record.status, record.error = first.status, first.error
         elif any(e.record.status == Status.CANCELLED for e in ended.values()):
@@ -366,10 +385,10 @@ class _Node:
                     self.share.write_bytes(rank0.file(name), self.share.read_bytes(self.paths.file(name)))
 
 
-def _rank_entry(rank: int, record: RunRecord, first: RunRecord | None) -> dict[str, Any]:
+def _rank_entry(rank: int, node: int, record: RunRecord, first: RunRecord | None) -> dict[str, Any]:
     """What run.json says about one rank."""
     status = str(record.status)
     error = record.error.summary() if record.error else None
     if first is not None and record.status == Status.CANCELLED and first.error is not None and first.error.rank != rank:
         status, error = "stopped", f"stopped after rank {first.error.rank} failed"
-    return {"rank": rank, "host": record.host, "gpus": list(record.gpu_ids), "status": status, "error": error}
+    return {"rank": rank, "node": node, "host": record.host, "gpus": list(record.gpu_ids), "status": status, "error": error}

@@ -189,7 +189,16 @@ class RunSupervisor:
                 if spec.get("runtime_env"):
                     options["runtime_env"] = spec["runtime_env"]
                 if gang_size(spec):
-                    self._launch_gang(task, options)
+                    try:
+                        self._launch_gang(task, options)
+                    except Exception as exc:  # noqa: BLE001 - e.g. Ray refused the placement group: the run fails
+                        for gang in [g for g in self._gangs.values() if g.task is task]:
+                            self._stop_gang(gang, None)  # its tasks started so far, and its group
+                        task.done = True
+                        finalize_record(self.share, Run.from_dict(spec["run"]), Status.FAILED,
+                                        RunError(type(exc).__name__, str(exc)[:2000], kind=ErrorKind.INFRA,
+                                                 reason="Ray could not start the run's nodes as a gang"),
+                                        backend="ray")
                 else:
                     task.ref = _remote_execute().options(**options).remote(spec)
 
@@ -204,6 +213,7 @@ class RunSupervisor:
                                          name=f"nbbatch-gang:{spec['run']['run_id']}:{token}")
         timeout_s = float(spec.get("gang_timeout_s") or 300.0)
         gang = _Gang(task, token, group, timeout_s, time.monotonic() + timeout_s)
+        self._gangs[token] = gang  # from here on its group is removed, whatever happens
         # a gang cannot restart one node alone (the launchers retry the whole gang after a kernel death); each
         # task asks for what its bundle holds (its CPUs, GPUs and extra resources)
         options = {**options, "max_retries": 0}
@@ -215,7 +225,6 @@ class RunSupervisor:
             gang.refs.append(_remote_execute().options(
                 **{**options, "name": f"nbbatch-run:{spec['run']['run_id']}:node{node}"},
                 scheduling_strategy=strategy).remote(node_spec))
-        self._gangs[token] = gang
         task.gang, task.ref = gang, gang.refs[0]
 
     def _loop(self) -> None:
@@ -298,7 +307,6 @@ class RunSupervisor:
         node 0 :data:`PEER_END_GRACE_S` to end the run (it learns of failures through the share)."""
         import ray
 
-        error: RunError | None = None
         try:
             result = ray.get(gang.refs[node])
         except Exception as exc:  # noqa: BLE001 - a node or worker died, the task was cancelled…
