@@ -33,6 +33,7 @@ Settings (the experiment's ``backend:`` mapping)::
       autoscaling: false       # true: do not refuse runs that no current node can hold
       cancel_grace_s: 15       # how long a cancelled run may take to stop itself before its task is killed
       linger_s: 60             # how long an idle supervisor waits for more runs before it leaves
+      gang_timeout_s: 300      # how long a distributed run's nodes may take to be placed together
 
 The package, by where its code runs:
 
