@@ -368,3 +368,18 @@ def test_a_node_that_cannot_start_stops_the_gang(project, ranks_notebook, write_
     assert record.status == "failed" and record.duration_s < 120  # rank 0 waited for rank 1's hello: stopped
     assert record.error.rank == 1 and "not on node 1" in record.error.summary()
     assert kernels_of("nostart") == []
+
+
+@pytest.mark.slow
+def test_tensorflow_trains_over_two_cpu_workers_with_tf_config(tmp_path, monkeypatch):
+    """Two simulated nodes, one TF worker each: MultiWorkerMirroredStrategy over TF_CONFIG on 127.0.0.1."""
+    monkeypatch.setenv("NBBATCH_SIMULATE_NODES", "1")
+    record, folder = _framework_run(tmp_path, monkeypatch, "tfworkers", "tensorflow", "{nodes: 2}", "tensorflow",
+                                    "{DATASET: digits, EPOCHS: 2, MAX_SAMPLES: 400}")
+    assert record.status == "succeeded", record.error
+    assert record.world_size == 2 and [r["node"] for r in record.ranks] == [0, 1]
+    zero, one = _rank_metrics(folder, 2)
+    assert zero["world_size"] == one["world_size"] == 2
+    assert zero["weights_checksum"] == pytest.approx(one["weights_checksum"], rel=1e-6)
+    assert abs(zero["weights_checksum"] - zero["initial_weights_checksum"]) > 1e-3
+    assert (folder / "outputs" / "saved_model").is_dir()  # the chief's model; the other worker's copy was discarded
