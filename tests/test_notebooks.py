@@ -9,6 +9,10 @@ train_accuracy=...)``; the points of one cell update one output, so the executed
 Each notebook saves its trained model into ``NBBATCH_OUTPUT_DIR`` (``nbbatch.artifacts.output_dir()``), and five of
 them checkpoint every epoch into ``NBBATCH_CHECKPOINT_DIR`` and resume from it: papermill starts the kernel with
 this process's environment, so the tests set both variables as nbbatch does for a run.
+
+The JAX notebooks (JAX + Flax, Keras on JAX) train data parallel over all the devices of their process when there are
+several: ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` in the kernel's environment splits the CPU into two
+devices, and one kernel takes that path (several processes, one per rank, are nbbatch's to start: tests/test_distributed.py).
 """
 
 from __future__ import annotations
@@ -43,6 +47,11 @@ MODEL_FILES = {
 }
 # The notebooks that checkpoint every epoch into checkpoint_dir() and resume from there.
 CHECKPOINTING = [name for name in FRAMEWORKS if name in {"jax-flax", "keras-jax", "keras-tf", "lightning", "pytorch"}]
+# The notebooks whose one process trains data parallel over all the devices it sees (a mesh, keras.distribution).
+MULTI_DEVICE = [name for name in FRAMEWORKS if name in {"jax-flax", "keras-jax"}]
+# What nbbatch sets for the ranks of a distributed run (as torchrun does, plus JAX's and TensorFlow's own).
+DISTRIBUTED_ENV = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+                   "JAX_COORDINATOR_ADDRESS", "TF_CONFIG"]
 
 
 def default_parameter(nb, name: str):
@@ -72,6 +81,8 @@ def kernel_environment(monkeypatch, home: Path) -> None:
     monkeypatch.setenv("MPLCONFIGDIR", str(home / "matplotlib"))
     monkeypatch.setenv("NBBATCH_OUTPUT_DIR", str(home / "outputs"))
     monkeypatch.delenv("NBBATCH_CHECKPOINT_DIR", raising=False)
+    for name in DISTRIBUTED_ENV:  # one process, as a run that is not distributed
+        monkeypatch.delenv(name, raising=False)
 
 
 def run_notebook(fw, folder: Path, name: str, **parameters):
@@ -177,6 +188,34 @@ def test_notebook_resumes_from_its_checkpoint(framework, framework_envs, tmp_pat
     assert resumed["train_seconds"] == pytest.approx(metrics["train_seconds"]), "the times of the epochs, as saved"
     model = tmp_path / "outputs" / MODEL_FILES[framework]
     assert model.is_file() and model.stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", MULTI_DEVICE)
+def test_notebook_trains_data_parallel_over_two_devices(framework, framework_envs, tmp_path, monkeypatch):
+    """One kernel that sees two devices trains on both: each batch split over them, the same weights on each.
+
+    XLA_FLAGS in the kernel's environment makes JAX see the CPU as two devices; BATCHSIZE is per device, so the steps
+    take 32 images. The notebook records how many devices trained together and a checksum of its weights before and
+    after training (nbbatch's distributed tests compare the checksums of the ranks), and saves the model once.
+    """
+    fw = framework_envs.framework(framework)
+    kernel_environment(monkeypatch, tmp_path)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    executed = run_notebook(fw, tmp_path, "two-devices", MAX_SAMPLES=512, EPOCHS=2, BATCHSIZE=16)
+    metrics = metrics_from_notebook(executed)
+    assert "data parallel over 2 devices in 1 process" in printed(executed)
+    assert metrics.get("world_size") == 2 and metrics.get("processes") == 1, metrics
+    assert is_number(metrics.get("weights_checksum")) and is_number(metrics.get("initial_weights_checksum")), metrics
+    assert metrics["weights_checksum"] != metrics["initial_weights_checksum"], "the weights did not train"
+    assert metrics["accuracy"] >= 0.7, f"{fw.notebook.name} on two devices reached only {metrics['accuracy']:.3f}"
+    assert metrics["train_seconds"] > 0 and metrics["images_per_second"] > 0, metrics
+    last = next((p for p in recorded(executed, HISTORY_MIME) if p.get("step") == 2), None)
+    assert last is not None and is_number(last.get("loss")), "the history's last epoch"
+    outputs = tmp_path / "outputs"
+    model = outputs / MODEL_FILES[framework]
+    assert model.is_file() and model.stat().st_size > 0, f"{fw.notebook.name} saved no {model.relative_to(tmp_path)}"
+    assert not partial_files(outputs)
 
 
 @pytest.mark.slow

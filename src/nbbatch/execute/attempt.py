@@ -347,6 +347,9 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
         kernel_name, kernel_env, kernel_cwd = kernel_launch(run, gpu_ids, shared_gpu, project_root, gpu_env, share)
         if rank is not None:  # after the secret filter, which would drop names such as NCCL_IB_PKEY
             kernel_env.update(rank.env)
+            if rank.rank != 0:  # MLflow gets the run's metrics once, from rank 0
+                for name in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID"):
+                    kernel_env.pop(name, None)
         prestarted = kernels.take(run.run_id, kernel_name, kernel_env, kernel_cwd) if kernels is not None else None
         alone = bool(record.gpu_share.get("exclusive"))
         if folders is not None and primary:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
 import socket
@@ -93,6 +94,8 @@ def rank_env(run: Run, placement: NodePlacement, local_rank: int) -> dict[str, s
                                  placement.node_rank, host, port), strict=True))
     env = {name: str(value) for name, value in values.items()}
     env.update({f"NBBATCH_{name}": value for name, value in list(env.items())})
+    if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in run.env:  # as torchrun: ranks share the cores
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // per_node))
     if d["type"] == "jax":
         env["JAX_COORDINATOR_ADDRESS"] = placement.endpoints[0]
     elif d["type"] == "tensorflow":  # one worker per node (processes_per_node is 1), each on its node's endpoint
