@@ -454,10 +454,16 @@ def test_ctrl_c_during_a_batch_stops_the_daemon(fake, two_gpus, project, write_e
             time.sleep(0.2)
         _thread.interrupt_main()  # what Ctrl-C does: KeyboardInterrupt in the main thread
 
+    # A terminal's Ctrl-C needs Python's handler; a test runner started in the background (`cmd &`) inherits SIGINT
+    # ignored, and then interrupt_main() does nothing.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     presser = threading.Thread(target=press_ctrl_c_once_running, daemon=True)
     presser.start()
-    with pytest.raises(KeyboardInterrupt):
-        submit(exp, progress=False)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            submit(exp, progress=False)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     presser.join(5)
     assert _lines(fake, "daemon")[-1] == "quit", "the daemon was asked to quit, not left running"
     assert not mps._live
