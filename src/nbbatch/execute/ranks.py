@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import socket
 import threading
 import time
@@ -378,14 +377,9 @@ class _Node:
     def _copy_rank_zero(self) -> None:
         """``ranks/0/`` holds rank 0's notebook and log too, so every rank's files are in one place."""
         rank0 = self.paths.of_rank(0)
-        for name in (OUTPUT_NOTEBOOK, LOG_FILE):
-            with contextlib.suppress(ShareError, OSError, FileNotFoundError):
-                source, target = self.share.local_path(self.paths.file(name)), self.share.local_path(rank0.file(name))
-                if source is not None and target is not None:
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(source, target)
-                else:
-                    self.share.write_bytes(rank0.file(name), self.share.read_bytes(self.paths.file(name)))
+        for name in (OUTPUT_NOTEBOOK, LOG_FILE):  # through the share: written whole (atomically) or not at all
+            with contextlib.suppress(ShareError, OSError):
+                self.share.write_bytes(rank0.file(name), self.share.read_bytes(self.paths.file(name)))
 
 
 def _rank_entry(rank: int, node: int, record: RunRecord, first: RunRecord | None) -> dict[str, Any]:
