@@ -32,7 +32,7 @@ def execute(notebook: Path, kernel: str, work: Path, checkpoints: Path | None, e
             parameters: dict | None = None) -> dict:
     import papermill
 
-    from nbbatch.record import metrics_from_notebook
+    from nbbatch.metrics import metrics_from_notebook
 
     env = {"NBBATCH_OUTPUT_DIR": str(work / "outputs")}
     if checkpoints is not None:
@@ -113,7 +113,7 @@ def main() -> None:
 def _saved_seconds(half: Path) -> float:
     import nbformat
 
-    from nbbatch.record import metrics_from_notebook
+    from nbbatch.metrics import metrics_from_notebook
 
     return float(metrics_from_notebook(nbformat.read(half / "out.ipynb", as_version=4))["train_seconds"])
 

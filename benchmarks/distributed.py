@@ -57,7 +57,7 @@ def submit_run(name: str, gpus: int, parameters: dict, folder: Path, backend: st
     for rank in range(1, record.world_size):
         import nbformat
 
-        from nbbatch.record import metrics_from_notebook
+        from nbbatch.metrics import metrics_from_notebook
 
         path = folder / "results" / experiment.name / record.run_id / "ranks" / str(rank) / "output.ipynb"
         checksums.add(metrics_from_notebook(nbformat.read(path, as_version=4)).get("weights_checksum"))

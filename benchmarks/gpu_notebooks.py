@@ -183,7 +183,7 @@ def run_notebook(name: str, parameters: dict, out_dir: Path) -> dict:
     import nbformat
     import papermill
 
-    from nbbatch.record import metrics_from_notebook
+    from nbbatch.metrics import metrics_from_notebook
     from nbbatch.spec.frameworks import list_frameworks
     from nbbatch.spec.project import Project
 

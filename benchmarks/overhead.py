@@ -106,7 +106,7 @@ def nbbatch_batch(paths: list[Path], share: Path, kernel: str, tag: str, max_par
 
 def nbbatch_cli(paths: list[Path], root: Path, kernel: str, tag: str) -> Measured:
     """``nbbatch submit`` as a user types it: a new Python process, nbbatch's defaults."""
-    from nbbatch.store.records import load_records
+    from nbbatch.store.runfiles import load_records
     from nbbatch.store.share import open_share
 
     experiment = root / f"cli-{tag}.yaml"

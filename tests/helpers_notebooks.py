@@ -2,7 +2,7 @@
 
 The notebooks call ``nbbatch.record(...)`` like the framework notebooks do; :func:`make_run`
 executes one into a share layout (``<share>/<experiment>/<run id>/output.ipynb``) and writes its
-``run.json`` from :class:`nbbatch.store.runrecord.RunRecord`, the way the executor records a run.
+``run.json`` from :class:`nbbatch.store.runjson.RunRecord`, the way the executor records a run.
 nbformat and papermill are imported when used, so :class:`FakeNvml` imports cheaply.
 """
 
@@ -12,10 +12,10 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from nbbatch.metrics import metrics_from_notebook
 from nbbatch.plan.runs import run_id_for
-from nbbatch.record import metrics_from_notebook
 from nbbatch.store.layout import OUTPUT_NOTEBOOK, RUN_RECORD
-from nbbatch.store.runrecord import RunError, RunRecord, utc_now
+from nbbatch.store.runjson import RunError, RunRecord, utc_now
 
 KERNEL = "python3"
 

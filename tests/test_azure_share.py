@@ -73,7 +73,7 @@ def test_open_share_registers_scheme(share):
 
 
 def test_import_nbbatch_stays_free_of_azure():
-    code = ("import sys, nbbatch, nbbatch.store.share, nbbatch.backends, nbbatch.plan.runs, nbbatch.store.runrecord; "
+    code = ("import sys, nbbatch, nbbatch.store.share, nbbatch.backends, nbbatch.plan.runs, nbbatch.store.runjson; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'azure'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -310,8 +310,8 @@ def test_fetch_from_azure_share(share, tmp_path):
 
 
 def test_run_record_roundtrip(share):
-    from nbbatch.store.records import read_record, write_record
-    from nbbatch.store.runrecord import RunRecord
+    from nbbatch.store.runfiles import read_record, write_record
+    from nbbatch.store.runjson import RunRecord
 
     record = RunRecord(run_id="r1", experiment="exp", notebook="nb.ipynb", kernel="python3", status="succeeded",
                        metrics={"accuracy": 0.9})

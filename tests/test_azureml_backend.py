@@ -40,8 +40,8 @@ from nbbatch.spec.frameworks import get_framework  # noqa: E402
 from nbbatch.spec.project import Project  # noqa: E402
 from nbbatch.store.azfiles import AzureFileShare  # noqa: E402
 from nbbatch.store.layout import run_paths  # noqa: E402
-from nbbatch.store.records import read_record, write_record  # noqa: E402
-from nbbatch.store.runrecord import RunRecord  # noqa: E402
+from nbbatch.store.runfiles import read_record, write_record  # noqa: E402
+from nbbatch.store.runjson import RunRecord  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,8 +18,8 @@ import pytest
 from nbbatch.errors import NbbatchError
 from nbbatch.results import compare
 from nbbatch.store.layout import METRICS_FILE, TELEMETRY_FILE, run_paths
-from nbbatch.store.records import write_record
-from nbbatch.store.runrecord import RunRecord
+from nbbatch.store.runfiles import write_record
+from nbbatch.store.runjson import RunRecord
 from nbbatch.store.share import open_share
 from nbbatch.ui import results_commands
 

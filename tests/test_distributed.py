@@ -20,10 +20,10 @@ from nbbatch.api import logs, submit
 from nbbatch.errors import NbbatchError, SpecError, ValidationError
 from nbbatch.execute import ranks as ranks_module
 from nbbatch.execute.ranks import CONTRACT, NodePlacement, placement_from_env, rank_env
+from nbbatch.metrics import metrics_from_notebook
 from nbbatch.plan.runs import Run
-from nbbatch.record import metrics_from_notebook
 from nbbatch.store.fetch import fetch
-from nbbatch.store.records import write_cancel_markers
+from nbbatch.store.runfiles import write_cancel_markers
 from nbbatch.store.share import FileShare
 from nbbatch.ui.cli import main
 

@@ -18,8 +18,8 @@ from nbbatch.execute import gpus as gpus_module
 from nbbatch.execute.gpus import AUTO, GpuInfo, MemoryNeeds, SlotPool, auto_cap, is_gpu_oom
 from nbbatch.plan.runs import Run
 from nbbatch.spec.experiment import Experiment
-from nbbatch.store.records import write_record
-from nbbatch.store.runrecord import RunError, RunRecord, Status
+from nbbatch.store.runfiles import write_record
+from nbbatch.store.runjson import RunError, RunRecord, Status
 from nbbatch.store.share import open_share
 
 

@@ -15,7 +15,7 @@ from conftest import make_notebook
 from nbbatch.api import submit
 from nbbatch.results.history import read_history
 from nbbatch.store.layout import run_paths
-from nbbatch.store.records import read_record, run_ids
+from nbbatch.store.runfiles import read_record, run_ids
 from nbbatch.store.share import FileShare
 
 # Six points a second apart; after the third the notebook waits for the test (so "midway" is a fact, not a race).
@@ -197,7 +197,7 @@ def test_a_retry_continues_the_history_and_its_points_win(project):
     assert [p["attempt"] for p in read_history(share, "exp", run.run_id)] == [2, 2, 2, 2]
     assert record.metrics["loss"] == 4.0
 
-    from nbbatch.store.records import new_record, write_record
+    from nbbatch.store.runfiles import new_record, write_record
 
     write_record(share, new_record(run))  # as a new submission does (Backend.launch)
     again = execute_run(run, share)  # its first attempt starts a new history
@@ -287,7 +287,7 @@ def test_the_notebook_alone_carries_the_latest_point():
     import numpy as np
 
     import nbbatch
-    from nbbatch.record import HISTORY_MIME, METRICS_MIME, metrics_from_notebook
+    from nbbatch.metrics import HISTORY_MIME, METRICS_MIME, metrics_from_notebook
 
     point = nbbatch.record(step=np.int64(2), loss=np.float32(0.25))
     assert point["step"] == 2 and point["loss"] == 0.25 and isinstance(point["step"], int)

@@ -22,9 +22,9 @@ import pytest
 from conftest import make_notebook
 
 from nbbatch.api import submit
-from nbbatch.record import METRICS_MIME
+from nbbatch.metrics import METRICS_MIME
 from nbbatch.store.layout import OUTPUT_NOTEBOOK, RUN_RECORD
-from nbbatch.store.runrecord import RunError, RunRecord
+from nbbatch.store.runjson import RunError, RunRecord
 from nbbatch.store.share import FileShare
 
 pytestmark = pytest.mark.timeout(180)

@@ -28,7 +28,7 @@ import papermill
 import pytest
 from conftest_frameworks import selected_frameworks
 
-from nbbatch.record import HISTORY_MIME, METRICS_MIME, metrics_from_notebook
+from nbbatch.metrics import HISTORY_MIME, METRICS_MIME, metrics_from_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
 FRAMEWORKS = selected_frameworks(p.name for p in (ROOT / "frameworks").iterdir() if (p / "framework.yaml").exists())

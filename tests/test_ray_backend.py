@@ -38,12 +38,12 @@ from nbbatch import api  # noqa: E402
 from nbbatch.backends import get_backend  # noqa: E402
 from nbbatch.backends.ray import NAMESPACE, RayBackend, gpu_request, supervisor_name  # noqa: E402
 from nbbatch.errors import BackendError  # noqa: E402
-from nbbatch.store.records import (  # noqa: E402
+from nbbatch.store.runfiles import (  # noqa: E402
     load_records,  # noqa: E402
     read_record,
     write_record,
 )
-from nbbatch.store.runrecord import RunRecord  # noqa: E402
+from nbbatch.store.runjson import RunRecord  # noqa: E402
 from nbbatch.store.share import FileShare  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
@@ -278,7 +278,7 @@ def _all_gone(run_id: str, timeout: float = 20) -> None:
 
 
 def _wait_final(share: Path, experiment: str, timeout: float = 120) -> list[RunRecord]:
-    from nbbatch.store.records import load_records
+    from nbbatch.store.runfiles import load_records
 
     deadline = time.monotonic() + timeout
     while True:

@@ -24,8 +24,8 @@ from nbbatch.api import submit
 from nbbatch.errors import LockedError
 from nbbatch.results.status import status_rows, status_table
 from nbbatch.store.lock import ExperimentLock
-from nbbatch.store.records import load_records
-from nbbatch.store.runrecord import RunRecord
+from nbbatch.store.runfiles import load_records
+from nbbatch.store.runjson import RunRecord
 from nbbatch.store.share import FileShare
 from nbbatch.ui import cli
 

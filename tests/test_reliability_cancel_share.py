@@ -25,7 +25,7 @@ from nbbatch.errors import ShareError
 from nbbatch.execute.attempt import execute_run
 from nbbatch.plan.runs import Run, run_id_for
 from nbbatch.store.layout import run_paths
-from nbbatch.store.records import new_record, write_record
+from nbbatch.store.runfiles import new_record, write_record
 from nbbatch.store.share import FileShare
 
 pytestmark = pytest.mark.timeout(120)

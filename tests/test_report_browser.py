@@ -20,7 +20,7 @@ from helpers_notebooks import FakeNvml, make_run  # noqa: E402
 
 from nbbatch.execute.telemetry import TELEMETRY_FILE, GpuSampler  # noqa: E402
 from nbbatch.results import compare, diff  # noqa: E402
-from nbbatch.store.runrecord import RunRecord  # noqa: E402
+from nbbatch.store.runjson import RunRecord  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"

@@ -164,8 +164,8 @@ def test_on_a_remote_share_a_lost_attempt_resumes_and_inputs_and_outputs_travel(
     from nbbatch.execute.attempt import execute_run
     from nbbatch.plan.runs import Run
     from nbbatch.store.azfiles import AzureFileShare
-    from nbbatch.store.records import write_record
-    from nbbatch.store.runrecord import RunRecord
+    from nbbatch.store.runfiles import write_record
+    from nbbatch.store.runjson import RunRecord
     from nbbatch.store.sync import push
 
     with FakeAzureFiles() as server:

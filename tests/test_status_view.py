@@ -18,7 +18,7 @@ from rich.console import Console
 
 from nbbatch.results.status import format_metric, status_rows, status_table, varying_parameters
 from nbbatch.store.layout import RUN_RECORD
-from nbbatch.store.runrecord import RunError, RunRecord
+from nbbatch.store.runjson import RunError, RunRecord
 from nbbatch.store.share import FileShare
 
 pytestmark = pytest.mark.timeout(120)

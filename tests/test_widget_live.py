@@ -16,8 +16,8 @@ import pytest
 from nbbatch import widgets
 from nbbatch.store.jsonl import jsonl_line
 from nbbatch.store.layout import run_paths
-from nbbatch.store.records import write_record
-from nbbatch.store.runrecord import RunRecord
+from nbbatch.store.runfiles import write_record
+from nbbatch.store.runjson import RunRecord
 from nbbatch.store.share import FileShare
 from nbbatch.ui.widgets import JobsSummary, JobsSummaryModel, SummaryRefresher
 from nbbatch.ui.widgets import display as widget_display

@@ -22,8 +22,8 @@ from nbbatch.backends.base import Compute
 from nbbatch.backends.ray import RayBackend
 from nbbatch.errors import NbbatchError, SpecError
 from nbbatch.spec.experiment import Experiment
-from nbbatch.store.records import write_record
-from nbbatch.store.runrecord import RunError, RunRecord
+from nbbatch.store.runfiles import write_record
+from nbbatch.store.runjson import RunError, RunRecord
 from nbbatch.store.share import FileShare
 from nbbatch.ui.widgets import (
     Cluster,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from nbbatch.record import record
+from nbbatch.metrics import record
 
 __version__ = "0.1.0"
 
@@ -19,7 +19,7 @@ _LAZY = {
     "load_experiment": "nbbatch.spec.experiment",
     "Run": "nbbatch.plan.runs",
     "plan": "nbbatch.plan.runs",
-    "RunRecord": "nbbatch.store.runrecord",
+    "RunRecord": "nbbatch.store.runjson",
     "submit": "nbbatch.api",
     "status": "nbbatch.api",
     "cancel": "nbbatch.api",

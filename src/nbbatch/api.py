@@ -20,7 +20,7 @@ from nbbatch.spec.experiment import Experiment, load_experiment
 from nbbatch.spec.project import Project, find_project
 from nbbatch.store.known import lookup, remember
 from nbbatch.store.layout import experiment_paths
-from nbbatch.store.runrecord import RunRecord, Status, utc_now
+from nbbatch.store.runjson import RunRecord, Status, utc_now
 from nbbatch.store.share import Share, open_share
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, 
     """
     from nbbatch.store.lease import ShareLease
     from nbbatch.store.lock import ExperimentLock
-    from nbbatch.store.records import clear_cancel, load_records
+    from nbbatch.store.runfiles import clear_cancel, load_records
 
     the_plan, backend, share = prepare(experiment, build_envs=build_envs, progress=progress is True)
     spec = the_plan.experiment
@@ -175,7 +175,7 @@ def _write_manifest(share: Share, spec: Experiment, the_plan: Plan) -> None:
 
 def status(experiment: str, share: str | Share | None = None, refresh: bool = True) -> list[RunRecord]:
     """The run records of an experiment (a name known to this project, or an experiment file)."""
-    from nbbatch.store.records import load_records
+    from nbbatch.store.runfiles import load_records
 
     project = find_project()
     name, the_share = open_experiment_share(experiment, share, project)

@@ -33,7 +33,7 @@ from nbbatch.errors import BackendError, did_you_mean
 from nbbatch.plan.runs import Run
 from nbbatch.redact import has_secret, is_secret, without_secrets
 from nbbatch.store.layout import OUTPUT_NOTEBOOK, run_paths
-from nbbatch.store.records import (
+from nbbatch.store.runfiles import (
     clear_run_cancels,
     finalize_record,
     load_records,
@@ -43,7 +43,7 @@ from nbbatch.store.records import (
     write_cancel_markers,
     write_record,
 )
-from nbbatch.store.runrecord import RunError, RunRecord, Status
+from nbbatch.store.runjson import RunError, RunRecord, Status
 from nbbatch.store.share import Share
 
 if TYPE_CHECKING:
@@ -357,7 +357,7 @@ class Backend(ABC):
 
     def finalize(self, share: Share, run: Run | RunRecord, status: Status, error: RunError | None = None,
                  notify: UpdateCallback | None = None) -> RunRecord:
-        """End a run's record with ``status`` and ``error`` (see :func:`~nbbatch.store.records.finalize_record`)."""
+        """End a run's record with ``status`` and ``error`` (see :func:`~nbbatch.store.runfiles.finalize_record`)."""
         record = finalize_record(share, run, status, error, self.name)
         if notify is not None:
             guarded(notify)(record)

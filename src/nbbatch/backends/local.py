@@ -36,8 +36,8 @@ from nbbatch.execute.attempt import SHARE_FAILED, execute_run, kernel_launch
 from nbbatch.execute.gpus import GpuInfo, GpuLease, MemoryNeeds, SlotPool, detect_gpus, is_gpu_oom
 from nbbatch.plan.runs import Run
 from nbbatch.store.lock import pid_alive
-from nbbatch.store.records import CancelRequests, cancel_requests, write_record
-from nbbatch.store.runrecord import ErrorKind, RunError, RunRecord, Status
+from nbbatch.store.runfiles import CancelRequests, cancel_requests, write_record
+from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status
 from nbbatch.store.share import Share
 
 if TYPE_CHECKING:

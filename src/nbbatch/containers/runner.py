@@ -30,8 +30,8 @@ from typing import Any
 from nbbatch.containers.engines import Engine
 from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret, tracking_credentials
-from nbbatch.store.records import read_record_or_none
-from nbbatch.store.runrecord import ErrorKind, RunError, RunRecord, Status
+from nbbatch.store.runfiles import read_record_or_none
+from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status
 from nbbatch.store.share import Share
 
 HOST_NBBATCH = "/opt/nbbatch/host"  # where the driver's own nbbatch is mounted: the run uses the same code
@@ -189,7 +189,7 @@ def stop_container(engine: Engine, name: str) -> None:
 
 
 def _ended(share: Share, run: Run, status: Status, error: RunError) -> RunRecord:
-    from nbbatch.store.records import finalize_record
+    from nbbatch.store.runfiles import finalize_record
 
     return finalize_record(share, run, status, error, backend="local")
 

@@ -26,8 +26,8 @@ from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret, tracking_credentials
 from nbbatch.store.jsonl import jsonl_line
 from nbbatch.store.layout import LOG_FILE, METRICS_FILE, OUTPUT_NOTEBOOK, TELEMETRY_FILE, run_paths
-from nbbatch.store.records import cancel_requested, new_record, read_record, write_record
-from nbbatch.store.runrecord import ErrorKind, RunError, RunRecord, Status, utc_now
+from nbbatch.store.runfiles import cancel_requested, new_record, read_record, write_record
+from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status, utc_now
 from nbbatch.store.share import Share
 
 SHARE_FAILED = "the share could not be written"
@@ -256,7 +256,7 @@ def _attempt(run: Run, share: Share, record: RunRecord, gpu_ids: list[int], shar
     from papermill.parameterize import parameterize_notebook
 
     from nbbatch.execute import engine as _engine  # noqa: F401 - registers the papermill engine
-    from nbbatch.record import metrics_from_notebook
+    from nbbatch.metrics import metrics_from_notebook
 
     notify = on_update or (lambda _r: None)
     paths = run_paths(run.experiment, run.run_id, rank.files if rank is not None else None)
@@ -464,7 +464,7 @@ def _sharing(gpu_share: dict[str, Any]) -> str:
 def _point_recorder(record: RunRecord, live: LiveRecord, stream: StreamedFile, log: _LogSink
                     ) -> Callable[[dict[str, Any]], None]:
     """What the engine calls with each ``record(step=...)`` point: append it to metrics.jsonl, update the metrics."""
-    from nbbatch.record import metrics_of_point
+    from nbbatch.metrics import metrics_of_point
 
     def on_point(point: dict[str, Any]) -> None:
         step = point.get("step")

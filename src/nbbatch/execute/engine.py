@@ -109,7 +109,7 @@ class _BatchClient(PapermillNotebookClient):
 
     def process_message(self, msg: dict[str, Any], cell: Any, cell_index: int) -> Any:
         if self._on_point is not None and msg.get("msg_type") in _DISPLAYS:
-            from nbbatch.record import HISTORY_MIME
+            from nbbatch.metrics import HISTORY_MIME
 
             point = (msg.get("content", {}).get("data") or {}).get(HISTORY_MIME)
             if isinstance(point, dict):  # every point, also those a later update of the same output replaces

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from nbbatch.plan.runs import Run
-    from nbbatch.store.runrecord import RunError, RunRecord
+    from nbbatch.store.runjson import RunError, RunRecord
 
 AUTO = "auto"
 AUTO_CAP = 16  # runs per GPU at most under `auto`

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from nbbatch.errors import ShareError
-from nbbatch.store.records import write_record
-from nbbatch.store.runrecord import RunRecord
+from nbbatch.store.runfiles import write_record
+from nbbatch.store.runjson import RunRecord
 from nbbatch.store.share import RangeStore, Share
 
 log = logging.getLogger(__name__)

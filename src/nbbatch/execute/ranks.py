@@ -27,8 +27,8 @@ from typing import Any
 from nbbatch.errors import NbbatchError, ShareError
 from nbbatch.plan.runs import Run
 from nbbatch.store.layout import LOG_FILE, OUTPUT_NOTEBOOK, run_paths
-from nbbatch.store.records import new_record, read_record, write_record
-from nbbatch.store.runrecord import ErrorKind, RunError, RunRecord, Status, utc_now
+from nbbatch.store.runfiles import new_record, read_record, write_record
+from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status, utc_now
 from nbbatch.store.share import Share
 
 CONTRACT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -239,7 +239,7 @@ class _Node:
             folders.close()
 
     def _cancelled(self) -> bool:
-        from nbbatch.store.records import cancel_requested
+        from nbbatch.store.runfiles import cancel_requested
 
         if self.cancel_event is not None and self.cancel_event.is_set():
             return True

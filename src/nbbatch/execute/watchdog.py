@@ -19,7 +19,7 @@ from typing import Any
 from nbbatch.execute.kernels import kill_kernel_group
 from nbbatch.plan.runs import Run
 from nbbatch.store.layout import run_paths
-from nbbatch.store.runrecord import Status
+from nbbatch.store.runjson import Status
 from nbbatch.store.share import Share
 
 logger = logging.getLogger(__name__)

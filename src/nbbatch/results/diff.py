@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from nbbatch.errors import NbbatchError, did_you_mean
-from nbbatch.record import METRICS_MIME, metrics_from_notebook
+from nbbatch.metrics import METRICS_MIME, metrics_from_notebook
 from nbbatch.results.compare.collect import cell_source, share_location
 from nbbatch.store.layout import OUTPUT_NOTEBOOK, run_paths
-from nbbatch.store.records import run_ids
+from nbbatch.store.runfiles import run_ids
 from nbbatch.store.share import Share, open_share
 
 # papermill's notebook-level metadata that changes with every execution

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from nbbatch.record import POINT_KEYS  # what a point holds besides its metrics
+from nbbatch.metrics import POINT_KEYS  # what a point holds besides its metrics
 from nbbatch.store.jsonl import parse_jsonl
 from nbbatch.store.layout import run_paths
 from nbbatch.store.share import Share

@@ -15,8 +15,8 @@ from typing import Any
 from nbbatch.errors import NbbatchError, did_you_mean
 from nbbatch.results.fitted import ALWAYS, FitColumn, FittedTable, fit_column
 from nbbatch.store.layout import run_paths
-from nbbatch.store.records import read_record, run_ids
-from nbbatch.store.runrecord import RunRecord, Status
+from nbbatch.store.runfiles import read_record, run_ids
+from nbbatch.store.runjson import RunRecord, Status
 from nbbatch.store.share import RangeStore, Share
 
 # One colour per status, for every view (terminal tables, widgets, the HTML report).

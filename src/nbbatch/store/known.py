@@ -18,7 +18,7 @@ from typing import Any
 
 from nbbatch.errors import NbbatchError
 from nbbatch.spec.project import Project
-from nbbatch.store.runrecord import utc_now
+from nbbatch.store.runjson import utc_now
 from nbbatch.store.share import write_file_atomic
 
 try:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from nbbatch.errors import NbbatchError
-from nbbatch.store.runrecord import Status
+from nbbatch.store.runjson import Status
 
 
 def _typed(value: str) -> Any:
@@ -152,7 +152,7 @@ def _interval(text: str) -> float:
 def cmd_status(args: argparse.Namespace) -> int:
     from nbbatch.api import open_experiment_share, status
     from nbbatch.results.status import status_rows, status_table
-    from nbbatch.store.runrecord import RunRecord
+    from nbbatch.store.runjson import RunRecord
     from nbbatch.ui.progress import table_title, watch_status
 
     name, _share = open_experiment_share(args.experiment, args.share)

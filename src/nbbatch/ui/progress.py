@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from nbbatch.store.runrecord import RunRecord
+from nbbatch.store.runjson import RunRecord
 from nbbatch.store.share import Share
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -32,7 +32,7 @@ def live_progress(share: Share, experiment: str, run_ids: list[str]) -> Iterator
     from rich.text import Text
 
     from nbbatch.results.status import status_table
-    from nbbatch.store.records import read_record
+    from nbbatch.store.runfiles import read_record
 
     records: dict[str, RunRecord] = {}
     for run_id in run_ids:

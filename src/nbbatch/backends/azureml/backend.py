@@ -49,9 +49,9 @@ from nbbatch.errors import BackendError, ValidationError
 from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret, is_secret_value
 from nbbatch.store.layout import run_paths
-from nbbatch.store.records import read_record, write_record
-from nbbatch.store.records import run_ids as list_run_ids
-from nbbatch.store.runrecord import ErrorKind, RunError, RunRecord, Status, utc_now
+from nbbatch.store.runfiles import read_record, write_record
+from nbbatch.store.runfiles import run_ids as list_run_ids
+from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status, utc_now
 from nbbatch.store.share import Share
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from azure.ai.ml import MpiDistribution, PyTorchDistribution, TensorFlowDistribu
 from azure.ai.ml.entities import Command
 
 from nbbatch.errors import BackendError
-from nbbatch.store.runrecord import ErrorKind, RunError, RunRecord, Status
+from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status
 
 JOB_FILE = "azureml.json"  # in the run's folder: run_paths(experiment, run_id).file(JOB_FILE)
 

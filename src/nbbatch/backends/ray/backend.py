@@ -18,8 +18,8 @@ from nbbatch.backends.ray.task import RayTaskSpec, gpu_request
 from nbbatch.errors import BackendError, ValidationError
 from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret
-from nbbatch.store.records import read_record, read_record_or_none
-from nbbatch.store.runrecord import ErrorKind, RunError, RunRecord, Status, utc_now
+from nbbatch.store.runfiles import read_record, read_record_or_none
+from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status, utc_now
 from nbbatch.store.share import Share
 
 FRESH_S = 60.0  # a non-final record younger than this may still be on its way to a supervisor: leave it

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from nbbatch.plan.runs import Run
-from nbbatch.store.records import cancel_requested, finalize_record
-from nbbatch.store.runrecord import ErrorKind, RunError, Status
+from nbbatch.store.runfiles import cancel_requested, finalize_record
+from nbbatch.store.runjson import ErrorKind, RunError, Status
 from nbbatch.store.share import open_share
 
 NODE_ID_ENV = "NBBATCH_RAY_NODE_ID"  # set for the run (and its kernel): the Ray node it executes on

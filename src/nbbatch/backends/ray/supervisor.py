@@ -15,8 +15,8 @@ from typing import Any
 from nbbatch.backends.ray.node import OUTPUT_TAIL, execute_on_node
 from nbbatch.backends.ray.task import gang_bundles, gang_size
 from nbbatch.plan.runs import Run
-from nbbatch.store.records import finalize_record, read_record_or_none
-from nbbatch.store.runrecord import ErrorKind, RunError, RunRecord, Status
+from nbbatch.store.runfiles import finalize_record, read_record_or_none
+from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status
 from nbbatch.store.share import Share, open_share
 
 NAMESPACE = "nbbatch"

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nbbatch.errors import NbbatchError, did_you_mean
-from nbbatch.record import metrics_from_notebook
+from nbbatch.metrics import metrics_from_notebook
 from nbbatch.store.layout import LOG_FILE, METRICS_FILE, OLD_TELEMETRY_FILE, OUTPUT_NOTEBOOK, RUN_RECORD, TELEMETRY_FILE
-from nbbatch.store.runrecord import RunRecord
+from nbbatch.store.runjson import RunRecord
 from nbbatch.store.share import Share, open_share
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -66,7 +66,7 @@ def render_report(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, m
     """
     from nbbatch import __version__
     from nbbatch.results.render import render_template
-    from nbbatch.store.runrecord import utc_now
+    from nbbatch.store.runjson import utc_now
 
     report_dir = Path(report_path).resolve().parent
     figures = []

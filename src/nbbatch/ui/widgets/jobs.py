@@ -12,7 +12,7 @@ import nbbatch.ui.widgets.display as display
 from nbbatch.errors import NbbatchError
 from nbbatch.results.history import history_metrics, metric_series, read_history
 from nbbatch.results.status import KEY_METRICS, format_metric, status_rows
-from nbbatch.store.runrecord import RunRecord
+from nbbatch.store.runjson import RunRecord
 from nbbatch.ui.widgets.links import NotebookLinks, notebook_links_for
 from nbbatch.ui.widgets.logs import cancel_all, cancel_job
 from nbbatch.ui.widgets.submission import Submission, resolve
@@ -392,7 +392,7 @@ class JobsSummary:
         view (:func:`nbbatch.api.status`), e.g. a job Azure ML failed to start, or a run whose
         driver process died.
         """
-        from nbbatch.store.records import load_records
+        from nbbatch.store.runfiles import load_records
 
         if self.submission is not None:
             self.model.expect(self.submission.model.run_ids)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import nbbatch.ui.widgets.display as display
 from nbbatch.errors import NbbatchError
-from nbbatch.store.runrecord import RunRecord
+from nbbatch.store.runjson import RunRecord
 from nbbatch.ui.widgets.links import notebook_links_for
 from nbbatch.ui.widgets.submission import Submission, resolve
 
@@ -83,7 +83,7 @@ class JobLog:
     def follow(self, submission: Submission | None, on_chunk: Callable[[str], None]) -> RunRecord | None:
         """Resolve the run, stream its log to ``on_chunk`` until it is final; return its final record."""
         from nbbatch import api
-        from nbbatch.store.records import read_record
+        from nbbatch.store.runfiles import read_record
 
         try:
             run_id = self.resolve(submission)
@@ -163,7 +163,7 @@ def cancel_all(experiment: Any, share: str | Share | None = None) -> list[str]:
     The unfinished runs are named one by one (every backend cancels named runs the same way).
     """
     from nbbatch import api
-    from nbbatch.store.records import load_records
+    from nbbatch.store.runfiles import load_records
 
     name, the_share, _ = resolve(experiment, share)
     records, _problems = load_records(the_share, name)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import nbbatch.ui.widgets.display as display
 from nbbatch.errors import NbbatchError, SpecError
-from nbbatch.store.runrecord import RunRecord
+from nbbatch.store.runjson import RunRecord
 
 if TYPE_CHECKING:
     from nbbatch.api import SubmitResult

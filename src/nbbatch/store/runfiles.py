@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from nbbatch.errors import ShareError
 from nbbatch.store.layout import experiment_paths, run_paths
-from nbbatch.store.runrecord import RunError, RunRecord, Status, utc_now
+from nbbatch.store.runjson import RunError, RunRecord, Status, utc_now
 from nbbatch.store.share import Share
 
 if TYPE_CHECKING:
