@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 NBBATCH := $(BIN)/nbbatch
 EXPERIMENT ?= experiments/digits.yaml
 
-.PHONY: setup envs submit demo report test test-fast lint data images bench azure-smoke clean
+.PHONY: setup envs submit demo report test test-fast test-unit lint data images bench azure-smoke clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,9 @@ test: envs  ## the whole test suite (framework envs are built once above)
 
 test-fast: setup  ## tests that need no framework env, no browser and no cluster
 	$(BIN)/python -m pytest -q -m "not slow and not browser and not ray and not container"
+
+test-unit: setup  ## the unit tier: test-fast without the tests that start Jupyter kernels (under a minute)
+	$(BIN)/python -m pytest -q -m "not kernel and not slow and not browser and not ray and not container"
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks

@@ -35,20 +35,20 @@ KIND = {"pytorch": "torch", "lightning": "torch", "jax-flax": "jax", "keras-jax"
 def submit_run(name: str, gpus: int, parameters: dict, folder: Path, backend: str, cpu_ranks: int = 0) -> dict:
     """One run of framework ``name``'s notebook over ``gpus`` GPUs (1: an ordinary run) or ``cpu_ranks`` CPU ranks."""
     from nbbatch.api import submit
-    from nbbatch.spec.experiment import Experiment, NotebookEntry
+    from nbbatch.spec.experiment import Experiment, NotebookEntry, Resources
     from nbbatch.spec.frameworks import get_framework
     from nbbatch.spec.project import Project
 
     framework = get_framework(name, Project(ROOT))
     kind = KIND[name]
     ranks = cpu_ranks or gpus
-    resources: dict = {"gpus": gpus}
+    resources = Resources(gpus=gpus)
     if ranks > 1:
         per_node = ranks if kind == "torch" else 1
-        resources = {"distribution": kind, "gpus_per_node": gpus, "processes_per_node": per_node}
+        resources = Resources.of(kind, gpus_per_node=gpus, processes_per_node=per_node)
     experiment = Experiment(name=f"{name}-{gpus}gpu-{cpu_ranks}cpu", base_dir=folder, share=str(folder / "results"),
                             notebooks=[NotebookEntry(framework.notebook, framework.kernel_name, name)],
-                            parameters=parameters, backend=backend, **resources)
+                            parameters=parameters, backend=backend, resources=resources)
     (record,) = submit(experiment, force=True, progress=False).records
     if record.status != "succeeded":
         raise SystemExit(f"{name} on {gpus} GPU(s): {record.status}: {record.error.summary() if record.error else ''}\n"

@@ -66,7 +66,7 @@ def main() -> int:
         peak = record.telemetry.get("memory_run_max_mb")
         suggested = math.ceil(peak * 1.2 / 250) * 250 if peak else None
         print(f"| {name} | {record.status} | {f'{peak:.0f} MiB' if peak else '-'} "
-              f"({record.telemetry.get('memory_run_source')}) | {record.gpu_share.get('exclusive')} | "
+              f"({record.telemetry.get('memory_run_source')}) | {record.gpu_share.exclusive if record.gpu_share else None} | "
               f"{suggested or '-'} | {frameworks[name].gpu_memory_mb or '-'} |")
         if record.status != "succeeded":
             print(f"  {name}: {record.error.summary() if record.error else ''}", file=sys.stderr)

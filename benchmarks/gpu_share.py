@@ -60,8 +60,9 @@ def batch(notebook: Path, share: Path, backend: str, tag: str, runs_per_gpu: int
             trained.append(float(found.group(2)))
         phases.append(_phases(json.loads(out), record))
     peaks = [r.telemetry.get("memory_run_max_mb") for r in result.records]
+    needs = {r.gpu_share.need_mb if r.gpu_share and r.gpu_share.need_mb is not None else "-" for r in result.records}
     return {"wall": wall, "durations": [r.duration_s for r in result.records], "train": trained, "phases": phases,
-            "need_mb": sorted({r.gpu_share.get("need_mb", "-") for r in result.records}, key=str),
+            "need_mb": sorted(needs, key=str),
             "peak_mb": max((p for p in peaks if p), default=None),
             "peak_from": sorted({str(r.telemetry.get("memory_run_source")) for r in result.records})}
 

@@ -1,59 +1,29 @@
-"""Shared fixtures: a throwaway project with tiny notebooks run in the test venv's `python3` kernel,
-and caches of frameworks (Keras, paddle…) pointed inside the test's temp dir, never the home dir."""
+"""Fixtures and hooks only; helpers live in tests/support/ (``from support.notebooks import make_notebook``).
+
+Every test runs with its framework caches inside the session's temp dir, never the home dir. A test that starts a
+Jupyter kernel must carry the ``kernel`` marker, so that the unit tier (``make test-unit``) stays fast: one that
+does not fails, saying so.
+"""
 
 from __future__ import annotations
 
-import os
-import shutil
-import sys
+import importlib.util
 from pathlib import Path
 
-import nbformat
 import pytest
+from jupyter_client.manager import KernelManager
+from support.frameworks import env_build_lock, framework_envs  # noqa: F401 - framework_envs: a session fixture
+from support.machine import REPO, gpu_count
+from support.processes import TEST_SESSION_VAR
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from nbbatch.execute.envs import build_env
+from nbbatch.spec.frameworks import get_framework
+from nbbatch.spec.project import Project
 
-from conftest_frameworks import framework_envs  # noqa: E402, F401 - the session fixture of the notebook tests
-
-
-def make_notebook(path: Path, cells: list[str], parameters: str | None = "A = 1\nB = 'x'", kernel: str = "python3",
-                  extra_parameter_cells: int = 0) -> Path:
-    """Write a notebook whose first cell (tagged `parameters`) is ``parameters``, then ``cells``."""
-    nb = nbformat.v4.new_notebook()
-    if parameters is not None:
-        for _ in range(1 + extra_parameter_cells):
-            cell = nbformat.v4.new_code_cell(parameters)
-            cell.metadata["tags"] = ["parameters"]
-            nb.cells.append(cell)
-    nb.cells.extend(nbformat.v4.new_code_cell(src) for src in cells)
-    nb.metadata["kernelspec"] = {"name": kernel, "display_name": kernel, "language": "python"}
-    nb.metadata["language_info"] = {"name": "python"}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    nbformat.write(nb, path)
-    return path
-
-
-def kernels_of(experiment: str, wait: float = 15.0) -> list[int]:
-    """Processes still running for runs of ``experiment`` (kernels carry NBBATCH_EXPERIMENT), after waiting up to
-    ``wait`` seconds for them to go."""
-    import time
-
-    import psutil
-
-    deadline = time.time() + wait
-    while True:
-        found = []
-        for process in psutil.process_iter():
-            try:
-                if (process.pid != os.getpid() and process.status() != psutil.STATUS_ZOMBIE
-                        and process.environ().get("NBBATCH_EXPERIMENT") == experiment):
-                    found.append(process.pid)
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                pass
-        if not found or time.time() > deadline:
-            return found
-        time.sleep(0.2)
+AZURE_EXTRA_MODULES = ("azure.ai.ml", "azure.identity", "azure.storage.fileshare")
+NOT_UNIT_TIERS = ("kernel", "slow", "browser", "ray", "container")  # the markers `make test-unit` deselects
+REFUSED_KERNELS = pytest.StashKey[list]()
+UNMARKED_KERNEL = "this test starts a Jupyter kernel: mark it `kernel` (pytest.mark.kernel) so the unit tier skips it"
 
 
 @pytest.fixture(autouse=True)
@@ -63,6 +33,36 @@ def _isolated_home(tmp_path_factory, monkeypatch):
                      ("IPYTHONDIR", "ipython"), ("NBBATCH_CACHE_DIR", "nbbatch")):
         (cache / sub).mkdir(parents=True, exist_ok=True)
         monkeypatch.setenv(var, str(cache / sub))
+    monkeypatch.setenv(TEST_SESSION_VAR, str(tmp_path_factory.getbasetemp()))  # see support.processes.kernels_of
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Fail a test of the unit tier (no ``kernel`` marker, nor one of the tiers that `make test-unit` leaves out
+    anyway) that launches a kernel, from its fixtures of any scope or its body: at once, and at teardown when the
+    launch was in a background thread (see ``_kernel_launches_refused``). Kernels that a subprocess starts (the
+    CLI) are not seen here: those tests are marked by hand."""
+    if any(item.get_closest_marker(tier) for tier in NOT_UNIT_TIERS):
+        return (yield)
+    refused: list[str] = []
+    item.stash[REFUSED_KERNELS] = refused
+
+    async def refuse(self, kernel_cmd, **kw):
+        refused.append(" ".join(map(str, kernel_cmd[:3])))
+        pytest.fail(UNMARKED_KERNEL, pytrace=False)  # a BaseException: no `except Exception` of nbbatch's hides it
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(KernelManager, "_async_launch_kernel", refuse)
+        return (yield)
+
+
+@pytest.fixture(autouse=True)
+def _kernel_launches_refused(request):
+    """Fail the test at teardown when it launched a kernel without the marker (see pytest_runtest_protocol)."""
+    yield
+    refused = request.node.stash.get(REFUSED_KERNELS, [])
+    if refused:
+        pytest.fail(f"{UNMARKED_KERNEL} (it launched {refused[0]})", pytrace=False)
 
 
 @pytest.fixture
@@ -80,7 +80,7 @@ def project(tmp_path, monkeypatch):
 def widget_project(tmp_path, monkeypatch):
     """A project folder of its own (registry, results) as the working directory, widgets in text mode, no
     submissions or refreshers left from another test."""
-    from nbbatch.ui.widgets import jobs, submission
+    from nbbatch.ui.widgets import jobs, submission  # the widgets extra
 
     (tmp_path / ".nbbatch").mkdir()
     monkeypatch.setenv("NBBATCH_PROJECT", str(tmp_path))
@@ -93,6 +93,7 @@ def widget_project(tmp_path, monkeypatch):
 
 @pytest.fixture
 def write_experiment(project):
+    """Write an experiment YAML into the project; returns its path."""
     def write(text: str, name: str = "exp.yaml") -> Path:
         path = project / name
         path.write_text(text)
@@ -110,32 +111,33 @@ def repo_project():
 @pytest.fixture(scope="session")
 def pytorch_env():
     """The real `pytorch` framework env of the repository, built once per test session."""
-    from nbbatch.execute.envs import build_env
-    from nbbatch.spec.frameworks import get_framework
-    from nbbatch.spec.project import Project
-
     project = Project(REPO)
-    status = build_env(get_framework("pytorch", project), project)
+    with env_build_lock():
+        status = build_env(get_framework("pytorch", project), project)
     assert status.state == "ready"
     return status
 
 
-def gpu_count() -> int:
-    from nbbatch.execute.gpus import detect_gpus
-
-    return len(detect_gpus())
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
 
 
 def pytest_collection_modifyitems(config, items):
+    """Skip `gpu` tests without a GPU and `azure` tests without the azure extra."""
     skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU (NVML found none)")
-    has_gpu = None
+    skip_azure = pytest.mark.skip(reason="needs the azure extra: pip install 'nbbatch[azure]'")
+    has_gpu = has_azure = None
     for item in items:
         if "gpu" in item.keywords:
             if has_gpu is None:
                 has_gpu = gpu_count() > 0
             if not has_gpu:
                 item.add_marker(skip_gpu)
-
-
-def chromium_path() -> str | None:
-    return shutil.which("chromium") or (os.path.exists("/usr/bin/chromium") and "/usr/bin/chromium") or None
+        if "azure" in item.keywords:
+            if has_azure is None:
+                has_azure = all(map(_installed, AZURE_EXTRA_MODULES))
+            if not has_azure:
+                item.add_marker(skip_azure)

@@ -1,5 +1,6 @@
-"""The layout's promises, checked on the source: small modules, no import cycles, one place for share
-paths, one secret-name rule, front ends that ask a backend's capabilities instead of its name."""
+"""The layout's promises, checked on the source: small modules and functions, no import cycles (counting the imports
+inside functions too), layers that only import downwards, imports at the top of modules, one place for share paths,
+one secret-name rule, front ends that ask a backend's capabilities instead of its name."""
 
 from __future__ import annotations
 
@@ -12,6 +13,33 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "nbbatch"
 MODULES = sorted(SRC.rglob("*.py"))
 MAX_LINES = 600
+MAX_FUNCTION_LINES = 120
+
+# The pipeline's layers, lowest first: a module imports only from its own layer or lower ones.
+LAYERS = (
+    ("nbbatch", "nbbatch.errors", "nbbatch.redact", "nbbatch.metrics", "nbbatch.data", "nbbatch.artifacts"),
+    ("nbbatch.spec",),
+    ("nbbatch.store",),
+    ("nbbatch.plan",),
+    ("nbbatch.execute",),
+    ("nbbatch.containers",),
+    ("nbbatch.backends",),
+    ("nbbatch.results",),
+    ("nbbatch.api",),
+    ("nbbatch.ui", "nbbatch.widgets", "nbbatch.__main__"),
+)
+
+# What may be imported inside a function: the optional extras (pyproject's optional-dependencies), loaded only when a
+# feature that needs them runs, and nbbatch's own modules that import an extra at their top.
+OPTIONAL_EXTRAS = ("pandas", "matplotlib", "nbdime", "jinja2", "ipywidgets", "azure", "ray", "mlflow", "psutil",
+                   "playwright", "optuna", "sklearn",
+                   "IPython")  # the kernel's own: the widgets show through it, and `import nbbatch.widgets` must not load it
+EXTRA_LOADERS = ("nbbatch.results.compare", "nbbatch.results.diff", "nbbatch.results.render", "nbbatch.ui.widgets",
+                 "nbbatch.backends.azureml", "nbbatch.backends.ray")
+# The notebook runtime (papermill, nbclient, jupyter_client: a second to import) loads when a command runs a notebook,
+# so the front ends start without it (tests/test_cli.py checks `nbbatch --help`).
+NOTEBOOK_RUNTIME = ("papermill", "nbclient", "jupyter_client", "nbbatch.execute.attempt", "nbbatch.execute.engine")
+FAST_STARTING = ("nbbatch.api", "nbbatch.ui", "nbbatch.plan.runs")
 
 
 def _module_name(path: Path) -> str:
@@ -19,19 +47,53 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _top_level_imports(path: Path) -> set[str]:
-    """nbbatch modules imported when ``path`` is imported (imports inside functions run later: not counted)."""
-    found = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            continue
-        for inner in ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node]:
-            if isinstance(inner, ast.ImportFrom) and inner.level == 0 and (inner.module or "").startswith("nbbatch"):
-                found.add(inner.module)
-                found.update(f"{inner.module}.{a.name}" for a in inner.names)  # `from nbbatch.x import module`
-            elif isinstance(inner, ast.Import):
-                found.update(a.name for a in inner.names if a.name.startswith("nbbatch"))
-    return found
+NAMES = {_module_name(p): p for p in MODULES}
+
+
+def _imported(node: ast.Import | ast.ImportFrom) -> set[str]:
+    """The modules an import statement names (``from nbbatch.x import y`` names nbbatch.x and, if a module, nbbatch.x.y)."""
+    if isinstance(node, ast.ImportFrom):
+        if node.level or not node.module:
+            return set()
+        return {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+    return {a.name for a in node.names}
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    return {id(inner) for node in tree.body if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for inner in ast.walk(node)}
+
+
+def _imports(path: Path) -> list[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Every import statement of a module that runs (not under TYPE_CHECKING), and whether it sits inside a function."""
+    tree = ast.parse(path.read_text())
+    skipped = _type_checking_only(tree)
+    in_function = {id(inner) for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                   for inner in ast.walk(node)}
+    return [(node, id(node) in in_function) for node in ast.walk(tree)
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skipped]
+
+
+def _graph(top_level_only: bool) -> dict[str, set[str]]:
+    return {name: {m for node, inside in _imports(path) if not (top_level_only and inside)
+                   for m in _imported(node) if m in NAMES and m != name}
+            for name, path in NAMES.items()}
+
+
+def _layer(module: str) -> int:
+    best = max(((len(prefix), i) for i, layer in enumerate(LAYERS) for prefix in layer
+                if module == prefix or module.startswith(prefix + ".")), default=None)
+    assert best is not None, f"{module} belongs to no layer: add it to LAYERS"
+    return best[1]
+
+
+def _within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def _allowed_inside_function(importer: str, module: str) -> bool:
+    return module.split(".")[0] in OPTIONAL_EXTRAS or _within(module, EXTRA_LOADERS) or \
+        (_within(importer, FAST_STARTING) and _within(module, NOTEBOOK_RUNTIME))
 
 
 def test_no_module_is_over_600_lines():
@@ -39,9 +101,16 @@ def test_no_module_is_over_600_lines():
     assert not long, f"split these modules by concern: {long}"
 
 
-def test_no_import_cycles():
-    names = {_module_name(p): p for p in MODULES}
-    graph = {name: {m for m in _top_level_imports(path) if m in names and m != name} for name, path in names.items()}
+def test_no_function_is_over_120_lines():
+    long = {f"{p.relative_to(SRC)}:{node.name}": node.end_lineno - node.lineno + 1 for p in MODULES
+            for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES}
+    assert not long, f"split these functions into steps: {long}"
+
+
+@pytest.mark.parametrize("top_level_only", [True, False], ids=["at-import", "counting-imports-in-functions"])
+def test_no_import_cycles(top_level_only):
+    graph = _graph(top_level_only)
     state: dict[str, int] = {}
 
     def visit(name: str, stack: list[str]) -> None:
@@ -57,6 +126,29 @@ def test_no_import_cycles():
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
+
+
+def test_layers_import_only_downwards():
+    upward = sorted(f"{name} → {dep}" for name, deps in _graph(top_level_only=False).items() for dep in deps
+                    if _layer(dep) > _layer(name))
+    assert not upward, "these imports run back up the pipeline's layers (move the code they need down): " + \
+        "; ".join(upward)
+
+
+def _loaded(node: ast.Import | ast.ImportFrom) -> set[str]:
+    """The modules an import statement loads for what it names: ``from nbbatch.x import y`` loads nbbatch.x.y when that
+    is a module, else nbbatch.x."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names}
+    return {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in NAMES else str(node.module) for a in node.names}
+
+
+def test_imports_sit_at_the_top_of_modules():
+    inside = sorted(f"{p.relative_to(SRC)}:{node.lineno} {ast.unparse(node)}" for p in MODULES
+                    for node, in_function in _imports(p) if in_function
+                    and not all(_allowed_inside_function(_module_name(p), m) for m in _loaded(node)))
+    assert not inside, ("import these at the top of the module (only the optional extras' loaders may wait until a "
+                        "function runs): " + "; ".join(inside))
 
 
 SHARE_NAMES = re.compile(r"""["'](output\.ipynb|run\.json|log\.txt|telemetry\.json|CANCEL|experiment\.json)["']""")

@@ -290,8 +290,9 @@ def test_lease_errors_other_than_contention_raise(a, server):
 # --- partial uploads left by a writer that died ----------------------------------------------------
 
 
+@pytest.mark.kernel
 def test_partial_uploads_of_a_dead_writer_are_removed_when_the_run_starts_again(a, server, tmp_path):
-    from conftest import make_notebook
+    from support.notebooks import make_notebook
 
     from nbbatch.execute.attempt import execute_run
     from nbbatch.plan.runs import Run

@@ -322,9 +322,10 @@ def test_run_record_roundtrip(share):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.kernel
 def test_local_backend_writes_to_azure_share(share_env, project, write_experiment):
     """The whole local pipeline with an Azure File share as its share: papermill output lands on Azure Files."""
-    from conftest import make_notebook
+    from support.notebooks import make_notebook
 
     from nbbatch.api import submit
 

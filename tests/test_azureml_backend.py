@@ -17,9 +17,9 @@ pytest.importorskip("azure.storage.fileshare")
 
 from azure.ai.ml import load_compute, load_environment, load_job  # noqa: E402
 from azure.ai.ml.entities import Command, Environment  # noqa: E402
-from conftest import make_notebook  # noqa: E402
 from fakes.azure_files_server import ACCOUNT, FAKE_KEY, FakeAzureFiles  # noqa: E402
 from fakes.azureml_transport import FakeAzureML  # noqa: E402
+from support.notebooks import make_notebook  # noqa: E402
 
 from nbbatch.backends import SubmitOptions, get_backend  # noqa: E402
 from nbbatch.backends.azureml import (  # noqa: E402
@@ -38,6 +38,7 @@ from nbbatch.errors import BackendError, ValidationError  # noqa: E402
 from nbbatch.plan.runs import Run  # noqa: E402
 from nbbatch.spec.frameworks import get_framework  # noqa: E402
 from nbbatch.spec.project import Project  # noqa: E402
+from nbbatch.spec.resources import Distribution  # noqa: E402
 from nbbatch.store.azfiles import AzureFileShare  # noqa: E402
 from nbbatch.store.layout import run_paths  # noqa: E402
 from nbbatch.store.runfiles import read_record, write_record  # noqa: E402
@@ -680,7 +681,7 @@ WORLDS = {  # distribution.type -> (Run.distribution, the SDK class, its counts)
 def test_distributed_job_yaml_roundtrip(aml, runs, tmp_path, kind):
     world, cls, counts = WORLDS[kind]
     backend = AzureMLBackend(ml_client=aml.ml_client(), compute="gpu-a100", shm_size="16g")
-    run = dataclasses.replace(runs[0], distribution=world, gpus=4)
+    run = dataclasses.replace(runs[0], distribution=Distribution(**world), gpus=4)
     job = backend.build_job(run, "azureml:nbbatch-toy:abc", tmp_path, datastore=DATASTORE, share_url=SHARE_URL,
                             share_prefix="nbbatch")
     loaded = load_job(source=io.StringIO(job_yaml(job)))
@@ -753,7 +754,7 @@ def test_too_many_nodes_are_refused_before_anything_is_created(aml, files, distp
 
 def test_more_gpus_per_node_than_the_vm_has_are_refused(aml, backend, runs):
     world = {"type": "torch", "nodes": 2, "processes_per_node": 4, "gpus_per_node": 4}
-    wide = dataclasses.replace(runs[0], distribution=world, gpus=4)
+    wide = dataclasses.replace(runs[0], distribution=Distribution(**world), gpus=4)
     with pytest.raises(ValidationError, match=r"wants 4 GPU\(s\) per node \(resources.gpus_per_node: 4\).*"
                                               r"Standard_NC24ads_A100_v4 with 1; set `vm_size:` under `backend:` .*"
                                               r"Standard_NC24s_v3"):
@@ -783,3 +784,17 @@ def test_a_distributed_run_is_one_job_over_its_nodes(aml, files, distproject, wr
     assert body["resources"]["instanceCount"] == 2 and body["resources"]["shmSize"] == "8g"
     assert body["distribution"] == {"distributionType": "PyTorch", "processCountPerInstance": 1}
     assert result.started == [body["displayName"]] and "--gpus 0" in body["command"]
+
+
+def test_its_placement_hook_reads_azure_mls_node_variables():
+    """run-one on a node of a gang asks the backend's hook (through the SDK-free reader nbbatch.backends.placement)."""
+    from nbbatch.backends.placement import placement_reader
+    from nbbatch.execute.placement import NodePlacement
+    from nbbatch.spec.resources import Distribution
+
+    run = Run(run_id="r-1", experiment="e", notebook="/nb.ipynb", notebook_rel="nb.ipynb", kernel="k",
+              distribution=Distribution("torch", 2, 4, 4))
+    environ = {"MASTER_ADDR": "10.0.0.4", "MASTER_PORT": "6105", "NODE_RANK": "1"}
+    assert AzureMLBackend.node_placement(run, environ) == NodePlacement(1, ("10.0.0.4:6105",))
+    assert placement_reader("azureml")(run, environ) == AzureMLBackend.node_placement(run, environ)
+    assert AzureMLBackend.node_placement(run, {}) is None

@@ -19,9 +19,9 @@ import nbformat
 import psutil
 import pytest
 import yaml
-from conftest import make_notebook
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.notebooks import make_notebook
 
 from nbbatch.api import submit
 from nbbatch.errors import NbbatchError, ValidationError
@@ -244,6 +244,7 @@ def test_python_api_parameters_that_are_not_literals_are_refused(project, value)
     assert not (project / "results").exists()
 
 
+@pytest.mark.kernel
 def test_literal_parameters_reach_the_notebook_exactly(project):
     value = {"list": [1, 2.5, None, True, "s"], "nested": {"deep": [[], {}]}, "text": "quote ' and \" and \\n"}
     make_notebook(project / "nb.ipynb", ["import json\nprint(json.dumps(A, sort_keys=True))"], parameters="A = None")
@@ -296,6 +297,7 @@ def _printed(nb) -> str:
     return "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
 
 
+@pytest.mark.kernel
 def test_tens_of_megabytes_of_stdout_are_kept_in_log_and_notebook(project):
     """20 MiB printed by one cell, under the default max_output_mb (32): log.txt and the notebook keep all of it."""
     size = 20
@@ -304,6 +306,7 @@ def test_tens_of_megabytes_of_stdout_are_kept_in_log_and_notebook(project):
     assert grew < 8 * size, f"the driver grew by {grew:.0f} MiB for {size} MiB of output"
 
 
+@pytest.mark.kernel
 def test_a_cell_printing_more_than_max_output_mb_keeps_the_driver_memory_bounded(project):
     """max_output_mb: 2, one cell printing 1-MiB lines: the notebook keeps the first 2 MiB and a note, log.txt keeps
     everything, and the driver's memory no longer grows with the output. Measured: +53 MiB for 40 MiB and +52 MiB

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import make_notebook
+from support.notebooks import make_notebook
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -63,6 +63,7 @@ def test_not_a_notebook_and_two_parameters_cells(tiny):
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.kernel
 def test_submit_status_logs_and_plan(tiny):
     (tiny / "exp.yaml").write_text("experiment: e\nnotebooks: [nb.ipynb]\nsweep: {zip: {A: [1, 2]}}\n")
     plan = nbbatch("plan", "exp.yaml", "--json", cwd=tiny, check=True)
@@ -82,6 +83,7 @@ def test_submit_status_logs_and_plan(tiny):
     assert "skipped 2 run(s)" in again.stdout
 
 
+@pytest.mark.kernel
 def test_run_is_papermill_style(tiny):
     (tiny / "params.yaml").write_text("LR: 0.5\n")
     done = nbbatch("run", "nb.ipynb", "out.ipynb", "-p", "A", "21", "-y", "USE: true", "-f", "params.yaml",
@@ -102,9 +104,31 @@ def test_envs_list_shows_missing(tiny):
 
 def test_the_command_does_not_build_jsonschemas_iri_grammar_and_still_validates_notebooks():
     """`rfc3987_syntax` (installed with JupyterLab) builds a grammar for a second at import; the command skips it."""
-    probe = ("import sys\nfrom nbbatch.ui import cli\ncli._skip_iri_grammar()\nimport nbformat\n"
+    probe = ("import sys\nfrom nbbatch.ui import cli\nimport nbformat\n"
              "nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell('1')])\nnbformat.validate(nb)\n"
              "print(sys.modules.get('rfc3987_syntax') is None)")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True"
+
+
+OPTIONAL_EXTRAS = ("pandas", "matplotlib", "nbdime", "jinja2", "ipywidgets", "azure", "ray")
+
+
+def test_the_command_line_loads_without_the_optional_extras():
+    """Only the core dependencies: every command's parser (``nbbatch --help``) loads with none of the extras installed."""
+    probe = (f"import sys\nfor name in {OPTIONAL_EXTRAS!r}:\n    sys.modules[name] = None  # an import of it fails\n"
+             "from nbbatch.ui import cli\ncli.build_parser()\nprint('loaded')")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "loaded"
+
+
+def test_the_command_line_starts_without_the_notebook_runtime():
+    """`nbbatch --help`, `status`, `logs` start fast: papermill and jupyter_client (a second to import) load only when
+    a command runs a notebook, the extras only when a command needs them."""
+    heavy = ("papermill", "jupyter_client", "nbclient", *OPTIONAL_EXTRAS)
+    probe = f"import sys\nfrom nbbatch.ui import cli\ncli.build_parser()\nprint(sorted(set({heavy!r}) & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

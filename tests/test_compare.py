@@ -1,25 +1,23 @@
-"""nbbatch.results.compare on notebooks executed for real with papermill (see helpers_notebooks.build_share)."""
+"""nbbatch.results.compare on notebooks executed for real with papermill (see support.notebooks.build_share)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
+from support.notebooks import build_share
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from helpers_notebooks import build_share  # noqa: E402
-
-from nbbatch.errors import NbbatchError  # noqa: E402
-from nbbatch.results import compare  # noqa: E402
-from nbbatch.ui import results_commands  # noqa: E402
+from nbbatch.errors import NbbatchError
+from nbbatch.results import compare
+from nbbatch.ui import results_commands
 
 pytest.importorskip("pandas")
 pytest.importorskip("matplotlib")
+
+pytestmark = pytest.mark.kernel  # the tests read notebooks executed for real
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +221,7 @@ def test_plots(made: dict[str, Path]) -> None:
 
 def test_collect_reads_what_submit_writes(project: Path, write_experiment) -> None:
     """End to end with the executor: nbbatch.api.submit runs a sweep, collect reads its share."""
-    from helpers_notebooks import training_notebook
+    from support.notebooks import training_notebook
 
     from nbbatch.api import submit
 

@@ -14,7 +14,9 @@ import os
 from pathlib import Path
 
 import pytest
+from support.shares import ShareDouble
 
+import nbbatch
 from nbbatch.backends import SubmitOptions
 from nbbatch.backends.local import LocalBackend
 from nbbatch.containers import engines
@@ -32,6 +34,7 @@ from nbbatch.execute.envs import MARKER, env_status
 from nbbatch.plan.runs import Run
 from nbbatch.spec.frameworks import Framework, get_framework, list_frameworks
 from nbbatch.spec.project import Project
+from nbbatch.ui.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAINER_NOTEBOOK = "notebooks/Chainer_CIFAR.ipynb"
@@ -291,8 +294,6 @@ def command_for(layout, gpu_ids=(), shared_gpu=False, **extra) -> list[str]:
 
 
 def test_container_mounts_the_share_rw_and_what_the_run_reads_ro(layout):
-    import nbbatch
-
     cmd = command_for(layout)
     assert cmd[:2] == ["/fake/podman", "run"]
     volumes = values_of(cmd, "--volume")
@@ -423,13 +424,6 @@ def test_require_image_names_the_build_command(chainer, fake_bin, tmp_path):
 # --- the local backend with container: true -----------------------------------------------------------
 
 
-class _RemoteShare:
-    url = "azfiles://acct/share"
-
-    def local_path(self, rel: str) -> None:
-        return None
-
-
 def chainer_run(**extra) -> Run:
     return Run(run_id="chainer-0123456789", experiment="exp", notebook=str(ROOT / CHAINER_NOTEBOOK),
                notebook_rel=CHAINER_NOTEBOOK, kernel="nbbatch-chainer", framework="chainer", **extra)
@@ -437,10 +431,11 @@ def chainer_run(**extra) -> Run:
 
 def test_container_runs_need_a_share_on_this_machine(tmp_path):
     backend = LocalBackend(gpus=[], container=True, engine="podman")
+    remote = ShareDouble(tmp_path / "share", remote=True, url="azfiles://acct/share")
     with pytest.raises(ContainerError, match="folder on this machine") as info:
-        backend.check_share(_RemoteShare())  # type: ignore[arg-type]
+        backend.check_share(remote)
     assert "azfiles://acct/share" in str(info.value)
-    LocalBackend(gpus=[]).check_share(_RemoteShare())  # type: ignore[arg-type]  # venv runs: not this check's business
+    LocalBackend(gpus=[]).check_share(remote)  # venv runs: not this check's business
 
 
 def test_container_runs_refuse_mps(fake_bin):
@@ -580,8 +575,6 @@ def in_repo(monkeypatch, repo_frameworks):
 
 
 def test_images_context_writes_the_build_context(in_repo, tmp_path, monkeypatch, capsys):
-    from nbbatch.ui.cli import main
-
     cache = tmp_path / "cache"  # a stand-in for uv's binary: no download
     fake_uv = cache / f"uv-{UV_VERSION}-{machine_arch()}" / "uv"
     fake_uv.parent.mkdir(parents=True)
@@ -600,22 +593,16 @@ def test_images_context_writes_the_build_context(in_repo, tmp_path, monkeypatch,
 
 
 def test_images_context_needs_a_framework_and_a_folder(in_repo, capsys):
-    from nbbatch.ui.cli import main
-
     assert main(["images", "context", "chainer"]) != 0
     assert "usage: nbbatch images context FRAMEWORK DIR" in capsys.readouterr().err
 
 
 def test_images_list_with_an_unknown_engine_fails(in_repo, fake_bin, capsys):
-    from nbbatch.ui.cli import main
-
     assert main(["images", "list", "--engine", "podmn"]) != 0
     assert "did you mean `podman`" in capsys.readouterr().err
 
 
 def test_images_list_shows_each_frameworks_state(in_repo, fake_bin, tmp_path, capsys):
-    from nbbatch.ui.cli import main
-
     fake_podman_with_images(fake_bin, tmp_path / "podman-state")
     assert main(["images", "list", "chainer", "--engine", "podman"]) == 0
     out = capsys.readouterr().out

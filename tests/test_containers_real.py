@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import kernels_of
+from support.processes import kernels_of
 
 from nbbatch.containers.images import image_spec
 from nbbatch.spec.frameworks import list_frameworks

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import pytest
+from support.notebooks import make_run
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from helpers_notebooks import make_run  # noqa: E402
-
-from nbbatch.errors import NbbatchError  # noqa: E402
-from nbbatch.results import diff  # noqa: E402
-from nbbatch.ui import results_commands  # noqa: E402
+from nbbatch.errors import NbbatchError
+from nbbatch.results import diff
+from nbbatch.ui import results_commands
 
 pytest.importorskip("nbdime")
+
+pytestmark = pytest.mark.kernel  # the tests read notebooks executed for real
 
 
 @pytest.fixture(scope="module")

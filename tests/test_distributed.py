@@ -14,14 +14,17 @@ import time
 
 import nbformat
 import pytest
-from conftest import kernels_of, make_notebook
+from support.notebooks import make_notebook
+from support.processes import kernels_of
 
 from nbbatch.api import logs, submit
+from nbbatch.backends import local as local_module
+from nbbatch.backends.placement import azureml_placement, placement_reader
 from nbbatch.errors import NbbatchError, SpecError, ValidationError
-from nbbatch.execute import ranks as ranks_module
-from nbbatch.execute.ranks import CONTRACT, NodePlacement, placement_from_env, rank_env
+from nbbatch.execute.placement import CONTRACT, NodePlacement, placement_from_env, rank_env
 from nbbatch.metrics import metrics_from_notebook
 from nbbatch.plan.runs import Run
+from nbbatch.spec.resources import Distribution, Resources
 from nbbatch.store.fetch import fetch
 from nbbatch.store.runfiles import write_cancel_markers
 from nbbatch.store.share import FileShare
@@ -88,6 +91,7 @@ def _rank_notebook(project, experiment: str, record, rank: int):
     return nbformat.read(project / "results" / experiment / record.run_id / "ranks" / str(rank) / "output.ipynb", 4)
 
 
+@pytest.mark.kernel
 def test_every_rank_gets_the_torchrun_contract_and_its_own_files(project, ranks_notebook, write_experiment, tmp_path,
                                                                  capsys):
     exp = _experiment(write_experiment, "contract", "{processes_per_node: 3}")
@@ -95,8 +99,8 @@ def test_every_rank_gets_the_torchrun_contract_and_its_own_files(project, ranks_
     assert "distributed (torch): 1 node(s) × 3 rank(s) = 3 kernels per run, CPU ranks" in capsys.readouterr().out
     (record,) = submit(exp, progress=False).records
     assert record.status == "succeeded", record.error
-    assert record.world_size == 3 and [r["rank"] for r in record.ranks] == [0, 1, 2]
-    assert all(r["status"] == "succeeded" and r["host"] for r in record.ranks)
+    assert record.world_size == 3 and [r.rank for r in record.ranks] == [0, 1, 2]
+    assert all(r.status == "succeeded" and r.host for r in record.ranks)
     assert record.metrics["hellos"] == [1, 2]  # every rank found rank 0 at MASTER_ADDR:MASTER_PORT
     envs = [_env_of(project, "contract", record, rank) for rank in range(3)]
     port = envs[0]["MASTER_PORT"]
@@ -122,6 +126,7 @@ def test_every_rank_gets_the_torchrun_contract_and_its_own_files(project, ranks_
     assert kernels_of("contract") == []
 
 
+@pytest.mark.kernel
 def test_a_rank_that_fails_before_the_rendezvous_stops_every_rank_and_is_named(project, ranks_notebook,
                                                                                  write_experiment):
     exp = _experiment(write_experiment, "onefails", "{processes_per_node: 3}",
@@ -132,13 +137,14 @@ def test_a_rank_that_fails_before_the_rendezvous_stops_every_rank_and_is_named(p
     assert record.error.summary().startswith("rank 1: ") and "fails on purpose" in record.error.summary()
     # Rank 0 waits for rank 1's hello forever, rank 2 sleeps 600 s: both were stopped, not waited for.
     assert record.duration_s < 120
-    by_rank = {r["rank"]: r for r in record.ranks}
-    assert by_rank[1]["status"] == "failed" and "fails on purpose" in by_rank[1]["error"]
-    assert by_rank[0]["status"] == by_rank[2]["status"] == "stopped"
-    assert by_rank[0]["error"] == "stopped after rank 1 failed"
+    by_rank = {r.rank: r for r in record.ranks}
+    assert by_rank[1].status == "failed" and "fails on purpose" in by_rank[1].error
+    assert by_rank[0].status == by_rank[2].status == "stopped"
+    assert by_rank[0].error == "stopped after rank 1 failed"
     assert kernels_of("onefails") == []
 
 
+@pytest.mark.kernel
 def test_a_kernel_death_in_one_rank_runs_the_whole_gang_again(project, ranks_notebook, write_experiment):
     exp = _experiment(write_experiment, "gangretry", "{processes_per_node: 2}",
                       "retries: 1\nparameters: {KILL_RANK: 1, SLEEP: 600}\n")
@@ -146,11 +152,12 @@ def test_a_kernel_death_in_one_rank_runs_the_whole_gang_again(project, ranks_not
     (record,) = submit(exp, progress=False).records
     assert record.status == "succeeded" and record.attempts == 2
     assert time.monotonic() - start < 600  # rank 0's first attempt (sleeping 600 s) was stopped, not waited for
-    assert [e["status"] for e in record.attempt_log] == ["cancelled", "succeeded"]
+    assert [e.status for e in record.attempt_log] == ["cancelled", "succeeded"]
     rank1 = json.loads((project / "results" / "gangretry" / record.run_id / "ranks" / "1" / "run.json").read_text())
     assert rank1["attempts"] == 2 and [e["kind"] for e in rank1["attempt_log"]] == ["kernel_died", None]
 
 
+@pytest.mark.kernel
 def test_a_cancel_stops_every_rank(project, ranks_notebook, write_experiment):
     exp = _experiment(write_experiment, "cancelgang", "{processes_per_node: 2}", "parameters: {SLEEP: 600}\n")
     share = FileShare(project / "results")
@@ -166,10 +173,11 @@ def test_a_cancel_stops_every_rank(project, ranks_notebook, write_experiment):
     threading.Thread(target=cancel_when_running, daemon=True).start()
     (record,) = submit(exp, progress=False).records
     assert record.status == "cancelled"
-    assert {r["status"] for r in record.ranks} == {"cancelled"}
+    assert {r.status for r in record.ranks} == {"cancelled"}
     assert kernels_of("cancelgang") == []
 
 
+@pytest.mark.kernel
 def test_two_distributed_runs_at_once_rendezvous_on_different_ports(project, ranks_notebook, write_experiment):
     exp = _experiment(write_experiment, "twoports", "{processes_per_node: 1, max_parallel: 2}",
                       "sweep: {grid: {HOLD: [4, 5]}}\n")
@@ -179,10 +187,11 @@ def test_two_distributed_runs_at_once_rendezvous_on_different_ports(project, ran
     assert records[0].metrics["master_port"] != records[1].metrics["master_port"]
 
 
+@pytest.mark.kernel
 def test_a_rendezvous_port_taken_meanwhile_is_replaced(project, ranks_notebook, write_experiment, monkeypatch):
     taken = socket.create_server(("127.0.0.1", 0))  # another process got the port between its choice and the bind
     port = taken.getsockname()[1]
-    real = ranks_module.local_placements
+    real = local_module.local_placements
     calls = []
 
     def first_taken(run):
@@ -192,7 +201,7 @@ def test_a_rendezvous_port_taken_meanwhile_is_replaced(project, ranks_notebook, 
             placements = [NodePlacement(p.node_rank, (f"127.0.0.1:{port}",) + p.endpoints[1:]) for p in placements]
         return placements
 
-    monkeypatch.setattr(ranks_module, "local_placements", first_taken)
+    monkeypatch.setattr(local_module, "local_placements", first_taken)
     try:
         (record,) = submit(_experiment(write_experiment, "porttaken", "{processes_per_node: 2}"), progress=False).records
     finally:
@@ -202,6 +211,7 @@ def test_a_rendezvous_port_taken_meanwhile_is_replaced(project, ranks_notebook, 
     assert "Address already in use" in (project / "results" / "porttaken" / record.run_id / "log.txt").read_text()
 
 
+@pytest.mark.kernel
 def test_simulated_nodes_each_start_their_ranks_and_a_failure_crosses_nodes(project, ranks_notebook, write_experiment,
                                                                             monkeypatch):
     monkeypatch.setenv("NBBATCH_SIMULATE_NODES", "1")
@@ -214,7 +224,7 @@ def test_simulated_nodes_each_start_their_ranks_and_a_failure_crosses_nodes(proj
         ("0", "0", "0"), ("1", "1", "0"), ("2", "0", "1"), ("3", "1", "1")]
     assert len({e["MASTER_PORT"] for e in envs}) == 1
     assert failed.status == "failed" and failed.error.rank == 3  # on node 1: node 0's ranks learnt it through the share
-    assert {r["rank"]: r["status"] for r in failed.ranks}[0] == "stopped"
+    assert {r.rank: r.status for r in failed.ranks}[0] == "stopped"
     assert kernels_of("twonodes") == []
 
 
@@ -246,7 +256,7 @@ def test_a_framework_without_a_distributed_path_is_refused_with_its_reason(repo_
 
     monkeypatch.chdir(repo_project)
     for name, reason in (("mxnet", "retired"), ("chainer", "maintenance-only"), ("jax-flax", "runs as jax")):
-        experiment = Experiment(name="x", frameworks=[name], distribution="torch", base_dir=tmp_path)
+        experiment = Experiment(name="x", frameworks=[name], resources=Resources.of("torch"), base_dir=tmp_path)
         with pytest.raises(ValidationError, match=f"framework `{name}` cannot run as distribution `torch`.*{reason}"):
             plan(experiment, Project(repo_project), check_kernels=False)
 
@@ -263,28 +273,40 @@ def test_the_local_backend_is_one_node(project, ranks_notebook, write_experiment
 
 def _run(kind: str, nodes: int = 2, per_node: int = 1) -> Run:
     return Run(run_id="r-1", experiment="e", notebook="/nb.ipynb", notebook_rel="nb.ipynb", kernel="k",
-               distribution={"type": kind, "nodes": nodes, "processes_per_node": per_node, "gpus_per_node": per_node})
+               distribution=Distribution(kind, nodes, per_node, per_node))
 
 
 def test_node_placement_comes_from_each_backends_environment():
     torch_run = _run("torch", per_node=4)
     # Azure ML's PyTorchDistribution (one process per instance: RANK is the node's)
     azure = {"MASTER_ADDR": "10.0.0.4", "MASTER_PORT": "6105", "NODE_RANK": "1", "RANK": "1", "WORLD_SIZE": "2"}
-    assert placement_from_env(torch_run, azure) == NodePlacement(1, ("10.0.0.4:6105",))
+    assert placement_from_env(torch_run, azure, azureml_placement) == NodePlacement(1, ("10.0.0.4:6105",))
     # nbbatch's own (Ray): every node's endpoint
     ours = {"NBBATCH_NODE_RANK": "1", "NBBATCH_ENDPOINTS": "10.0.0.4:7000,10.0.0.5:7001"}
     assert placement_from_env(torch_run, ours) == NodePlacement(1, ("10.0.0.4:7000", "10.0.0.5:7001"))
     # MPI: one launcher per rank
     mpi = {"OMPI_COMM_WORLD_RANK": "6", "OMPI_COMM_WORLD_LOCAL_RANK": "2", "OMPI_COMM_WORLD_SIZE": "8",
            "AZ_BATCHAI_MPI_MASTER_NODE": "10.0.0.4"}
-    assert placement_from_env(_run("mpi", per_node=4), mpi) == NodePlacement(1, ("10.0.0.4:29500",), (2,))
+    assert placement_from_env(_run("mpi", per_node=4), mpi, azureml_placement) == NodePlacement(1, ("10.0.0.4:29500",), (2,))
     tf = {"TF_CONFIG": json.dumps({"cluster": {"worker": ["10.0.0.4:2222", "10.0.0.5:2222"]},
                                    "task": {"type": "worker", "index": 1}})}
-    assert placement_from_env(_run("tensorflow"), tf) == NodePlacement(1, ("10.0.0.4:2222", "10.0.0.5:2222"))
+    assert placement_from_env(_run("tensorflow"), tf, azureml_placement) == NodePlacement(1, ("10.0.0.4:2222", "10.0.0.5:2222"))
     with pytest.raises(NbbatchError, match="was not told its place in the gang"):
-        placement_from_env(torch_run, {})
+        placement_from_env(torch_run, {}, azureml_placement)
     alone = placement_from_env(_run("torch", nodes=1), {})
     assert alone.node_rank == 0 and alone.endpoints[0].startswith("127.0.0.1:")
+
+
+def test_run_one_reads_a_nodes_place_through_its_backends_hook():
+    torch_run = _run("torch", per_node=4)
+    azure = {"MASTER_ADDR": "10.0.0.4", "MASTER_PORT": "6105", "NODE_RANK": "1"}
+    assert placement_reader("azureml") is azureml_placement  # without the Azure SDK: Azure ML's images lack it
+    assert placement_reader("local") is None and placement_reader("ray") is None
+    # nbbatch's own variables come first; a backend without a hook knows none of Azure ML's
+    ours = {**azure, "NBBATCH_NODE_RANK": "0", "NBBATCH_ENDPOINTS": "10.0.0.5:7000,10.0.0.6:7001"}
+    assert placement_from_env(torch_run, ours, azureml_placement) == NodePlacement(0, ("10.0.0.5:7000", "10.0.0.6:7001"))
+    with pytest.raises(NbbatchError, match="was not told its place in the gang"):
+        placement_from_env(torch_run, azure, placement_reader("local"))
 
 
 def test_jax_and_tensorflow_ranks_get_their_coordinator_and_cluster():
@@ -300,7 +322,7 @@ def test_jax_and_tensorflow_ranks_get_their_coordinator_and_cluster():
 
 
 def _framework_run(tmp_path, monkeypatch, name: str, frameworks: str, resources: str, kind: str, parameters: str):
-    from conftest import REPO
+    from support.machine import REPO
 
     monkeypatch.setenv("NBBATCH_PROJECT", str(REPO))  # the real frameworks and their envs
     exp = tmp_path / f"{name}.yaml"
@@ -320,7 +342,7 @@ def test_the_pytorch_notebook_trains_over_two_gloo_ranks_to_identical_weights(py
     record, folder = _framework_run(tmp_path, monkeypatch, "ddp", "pytorch", "{processes_per_node: 2}", "torch",
                                     "{DATASET: digits, EPOCHS: 2, MAX_SAMPLES: 400}")
     assert record.status == "succeeded", record.error
-    assert record.world_size == 2 and [r["status"] for r in record.ranks] == ["succeeded", "succeeded"]
+    assert record.world_size == 2 and [r.status for r in record.ranks] == ["succeeded", "succeeded"]
     zero, one = _rank_metrics(folder, 2)
     assert zero["world_size"] == one["world_size"] == 2
     # DDP's all-reduce keeps the replicas equal; training moved them away from where they started
@@ -332,6 +354,7 @@ def test_the_pytorch_notebook_trains_over_two_gloo_ranks_to_identical_weights(py
     assert kernels_of("ddp") == []
 
 
+@pytest.mark.kernel
 def test_each_node_gets_its_own_gpus_and_every_rank_sees_all_of_them(project, ranks_notebook, write_experiment,
                                                                        monkeypatch):
     from nbbatch.backends import local
@@ -345,9 +368,10 @@ def test_each_node_gets_its_own_gpus_and_every_rank_sees_all_of_them(project, ra
     # processes_per_node defaults to gpus_per_node; a rank picks cuda:LOCAL_RANK among its node's GPUs
     assert [_env_of(project, "gpugang", record, r)["CUDA_VISIBLE_DEVICES"] for r in range(4)] == \
         ["0,1", "0,1", "2,3", "2,3"]
-    assert [r["gpus"] for r in record.ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r.gpus for r in record.ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
 
 
+@pytest.mark.kernel
 def test_a_node_that_cannot_start_stops_the_gang(project, ranks_notebook, write_experiment, monkeypatch):
     """Node 1 lacks an input (here: its folders refuse), so its ranks never start; node 0's stop, not wait."""
     import threading as threads
@@ -377,7 +401,7 @@ def test_tensorflow_trains_over_two_cpu_workers_with_tf_config(tmp_path, monkeyp
     record, folder = _framework_run(tmp_path, monkeypatch, "tfworkers", "tensorflow", "{nodes: 2}", "tensorflow",
                                     "{DATASET: digits, EPOCHS: 2, MAX_SAMPLES: 400}")
     assert record.status == "succeeded", record.error
-    assert record.world_size == 2 and [r["node"] for r in record.ranks] == [0, 1]
+    assert record.world_size == 2 and [r.node for r in record.ranks] == [0, 1]
     zero, one = _rank_metrics(folder, 2)
     assert zero["world_size"] == one["world_size"] == 2
     assert zero["weights_checksum"] == pytest.approx(one["weights_checksum"], rel=1e-6)

@@ -101,9 +101,9 @@ def test_runs_as_a_non_root_user(spec):
 
 def test_the_staged_context_holds_everything_the_dockerfile_copies(spec, tmp_path):
     """What the azureml backend uploads for Azure ML's image build: every COPY source must be in it."""
-    from nbbatch.backends.azureml.images import framework_environment
-
     pytest.importorskip("azure.ai.ml")
+    from nbbatch.backends.azureml.images import framework_environment  # the azure extra: loaded only when installed
+
     env = framework_environment(spec.framework, DOCKERFILES, build_dir=tmp_path / "ctx")
     context = Path(env.build.path)
     sources = copy_sources((context / "Dockerfile").read_text())

@@ -8,9 +8,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import make_notebook
+from support.notebooks import make_notebook
 
 from nbbatch.api import submit
+from nbbatch.backends import local
 from nbbatch.errors import EnvironmentNotReady
 from nbbatch.execute.envs import build_env, env_status, remove_env
 from nbbatch.execute.gpus import GpuInfo
@@ -38,8 +39,6 @@ def test_env_lifecycle_kernel_and_framework_variables(project, monkeypatch):
     assert status.state == "ready" and status.path == project / ".nbbatch" / "envs" / "toy"
     spec = json.loads((project / ".nbbatch/jupyter/kernels/nbbatch-toy/kernel.json").read_text())
     assert spec["env"] == {"TOY_VAR": "hello"} and spec["argv"][0].startswith(str(project))
-
-    from nbbatch.backends import local
 
     monkeypatch.setattr(local, "detect_gpus", lambda: [GpuInfo(0, "Fake", 1)])
     (project / "exp.yaml").write_text("experiment: toy\nframeworks: [toy]\n"

@@ -9,7 +9,8 @@ import time
 import nbformat
 import psutil
 import pytest
-from conftest import kernels_of, make_notebook
+from support.notebooks import make_notebook
+from support.processes import kernels_of
 
 import nbbatch
 from nbbatch.api import submit
@@ -26,6 +27,7 @@ def _output(project, run):
     return nbformat.read(project / "results" / run.experiment / run.run_id / "output.ipynb", as_version=4)
 
 
+@pytest.mark.kernel
 def test_parameters_are_injected_typed_and_metrics_recorded(project, write_experiment):
     make_notebook(project / "nb.ipynb", [
         "import nbbatch, os\nprint('A is', A, type(A).__name__, 'B is', B)",
@@ -49,6 +51,7 @@ def test_parameters_are_injected_typed_and_metrics_recorded(project, write_exper
     assert on_disk["schema_version"] == 1 and on_disk["metrics"]["score"] == 6
 
 
+@pytest.mark.kernel
 def test_failure_keeps_partial_outputs_and_names_the_cell(project, write_experiment):
     make_notebook(project / "nb.ipynb", ["print('before')", "raise KeyError('missing-thing')", "print('never')"])
     result = submit(write_experiment("experiment: fail\nnotebooks: [nb.ipynb]\n"), progress=False)
@@ -66,6 +69,7 @@ def test_failure_keeps_partial_outputs_and_names_the_cell(project, write_experim
     assert sources.count("print('never')") == 1
 
 
+@pytest.mark.kernel
 def test_notebook_without_parameters_cell_still_runs(project, write_experiment):
     make_notebook(project / "nb.ipynb", ["print(A + 1)"], parameters=None)
     exp = write_experiment("experiment: noparams\nnotebooks: [nb.ipynb]\nparameters: {A: 41}\n")
@@ -77,6 +81,7 @@ def test_notebook_without_parameters_cell_still_runs(project, write_experiment):
     assert nb.cells[1].outputs[0].text.strip() == "42"
 
 
+@pytest.mark.kernel
 def test_cell_timeout_gives_timed_out_with_partial_notebook(project, write_experiment):
     make_notebook(project / "nb.ipynb", ["print('started')", "import time; time.sleep(60)"])
     exp = write_experiment("experiment: celltimeout\nnotebooks: [nb.ipynb]\ntimeout: {cell: 2}\n")
@@ -93,6 +98,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.kernel
 def test_run_timeout_kills_the_kernel_and_its_children(project, write_experiment):
     make_notebook(project / "nb.ipynb", [
         "import os, subprocess, sys\nprint('started', flush=True)\n"
@@ -115,6 +121,7 @@ def test_run_timeout_kills_the_kernel_and_its_children(project, write_experiment
     assert started.outputs[0].text == "started\n"  # the partial notebook keeps what ran before the timeout
 
 
+@pytest.mark.kernel
 def test_cancel_stops_running_and_queued_runs(project, write_experiment):
     make_notebook(project / "nb.ipynb", ["import time; time.sleep(60)"])
     exp = write_experiment("experiment: cancelme\nnotebooks: [nb.ipynb]\nsweep: {grid: {A: [1, 2, 3, 4]}}\n"
@@ -137,6 +144,7 @@ def test_cancel_stops_running_and_queued_runs(project, write_experiment):
     assert statuses == ["cancelled"] * 4
 
 
+@pytest.mark.kernel
 def test_kernel_death_is_retried(project, write_experiment):
     make_notebook(project / "nb.ipynb", [
         "import os, pathlib\nflag = pathlib.Path('died-once')\nif not flag.exists():\n"
@@ -147,12 +155,14 @@ def test_kernel_death_is_retried(project, write_experiment):
     assert record.status == "succeeded" and record.attempts == 2
 
 
+@pytest.mark.kernel
 def test_kernel_death_without_retries_fails_with_reason(project, write_experiment):
     make_notebook(project / "nb.ipynb", ["import os; os._exit(3)"])
     (record,) = submit(write_experiment("experiment: died\nnotebooks: [nb.ipynb]\n"), progress=False).records
     assert record.status == "failed" and record.error.reason == "kernel died"
 
 
+@pytest.mark.kernel
 def test_resubmit_skips_succeeded_and_force_reruns(project, write_experiment):
     make_notebook(project / "nb.ipynb", ["import time; print(time.time())", "assert A != 2"])
     exp = write_experiment("experiment: resume\nnotebooks: [nb.ipynb]\nsweep: {grid: {A: [1, 2, 3]}}\n")
@@ -164,6 +174,7 @@ def test_resubmit_skips_succeeded_and_force_reruns(project, write_experiment):
     assert len(forced.started) == 3 and not forced.skipped
 
 
+@pytest.mark.kernel
 def test_outputs_are_always_whole_notebooks_while_running(project, write_experiment):
     cells = [f"print('cell {i}' * 200)\nimport time; time.sleep(0.02)" for i in range(40)]
     make_notebook(project / "nb.ipynb", cells)
@@ -201,6 +212,7 @@ def test_invalid_parameter_is_refused_before_anything_runs(project, write_experi
     assert not (project / "results" / "bad").exists()
 
 
+@pytest.mark.kernel
 def test_ctrl_c_cancels_unfinished_runs_and_keeps_finished_ones(project, write_experiment):
     import signal
     import subprocess

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import kernels_of, make_notebook
+from support.notebooks import make_notebook
+from support.processes import kernels_of
 
 from nbbatch.api import submit
 from nbbatch.errors import SpecError, ValidationError
@@ -19,7 +20,7 @@ from nbbatch.execute.gpus import AUTO, GpuInfo, MemoryNeeds, SlotPool, auto_cap,
 from nbbatch.plan.runs import Run
 from nbbatch.spec.experiment import Experiment
 from nbbatch.store.runfiles import write_record
-from nbbatch.store.runjson import RunError, RunRecord, Status
+from nbbatch.store.runjson import GpuSharing, RunError, RunRecord, Status
 from nbbatch.store.share import open_share
 
 
@@ -95,7 +96,7 @@ def _record(run_id: str, peak: float | None, shared: bool = True, status: str = 
             framework: str | None = None, gpu_ids: tuple[int, ...] = (0,)) -> RunRecord:
     return RunRecord(run_id=run_id, experiment="e", notebook="nb.ipynb", kernel="python3", framework=framework,
                      status=Status(status), gpu_ids=list(gpu_ids), telemetry={"memory_run_max_mb": peak},
-                     gpu_share={"shared": shared})
+                     gpu_share=GpuSharing(shared=shared))
 
 
 def test_needs_come_from_earlier_runs_that_shared_their_gpu():
@@ -130,9 +131,9 @@ def test_gpu_out_of_memory_errors_are_recognised(ename, evalue, oom):
 # --- the spec ------------------------------------------------------------------------------------------
 
 def test_runs_per_gpu_is_auto_unless_a_number_is_given(tmp_path):
-    assert Experiment("e", notebooks=[], frameworks=["x"]).runs_per_gpu == AUTO
+    assert Experiment("e", notebooks=[], frameworks=["x"]).resources.runs_per_gpu == AUTO
     data = {"experiment": "e", "frameworks": ["x"]}
-    assert Experiment.from_dict({**data, "resources": {"runs_per_gpu": 3}}).runs_per_gpu == 3
+    assert Experiment.from_dict({**data, "resources": {"runs_per_gpu": 3}}).resources.runs_per_gpu == 3
     with pytest.raises(SpecError, match=r"runs_per_gpu.*or `auto`.*'lots'"):
         Experiment.from_dict({**data, "resources": {"runs_per_gpu": "lots"}})
     with pytest.raises(SpecError, match="resources.mps.*true or false"):
@@ -169,6 +170,7 @@ mine.unlink()
 """
 
 
+@pytest.mark.kernel
 def test_auto_shares_a_gpu_as_far_as_the_memory_measured_before_allows(project, write_experiment, one_gpu):
     make_notebook(project / "nb.ipynb", [TOGETHER], parameters="A = 1\nFOLDER = ''\nWANT = 2")
     earlier = _record("nb-earlier", 300.0)  # a run of the same notebook used 300 MiB: 360 with headroom
@@ -182,26 +184,28 @@ def test_auto_shares_a_gpu_as_far_as_the_memory_measured_before_allows(project, 
     assert {r.metrics["together"] for r in records} == {2}
     assert all(r.metrics["devices"] == "0" for r in records)
     share = records[0].gpu_share
-    assert share == {"runs_per_gpu": "auto", "shared": True, "exclusive": False, "mps": False,
-                     "need_mb": 360.0, "need_from": "measured"}
+    assert share == GpuSharing(runs_per_gpu="auto", shared=True, exclusive=False, mps=False,
+                               need_mb=360.0, need_from="measured")
 
 
+@pytest.mark.kernel
 def test_a_resubmitted_run_reserves_what_it_used_last_time(project, write_experiment, one_gpu):
     make_notebook(project / "nb.ipynb", ["pass"])
     exp = write_experiment("experiment: again\nnotebooks: [nb.ipynb]\nsweep: {grid: {A: [1, 2]}}\n"
                            "resources: {gpus: 1}\n")
     first = submit(exp, progress=False).records
-    assert all(r.gpu_share["need_from"] == "unknown" for r in first)
+    assert all(r.gpu_share.need_from == "unknown" for r in first)
     share = open_share(str(project / "results"))
     for record, peak in zip(first, (100.0, 200.0), strict=True):  # as NVML would have measured them
         record.telemetry["memory_run_max_mb"] = peak
         write_record(share, record)
     again = {r.run_id: r for r in submit(exp, progress=False, force=True).records}
     # the queued records of the new submission replace the old ones: what they measured is read before
-    assert [again[r.run_id].gpu_share["need_mb"] for r in first] == [120.0, 240.0]
-    assert {r.gpu_share["need_from"] for r in again.values()} == {"measured"}
+    assert [again[r.run_id].gpu_share.need_mb for r in first] == [120.0, 240.0]
+    assert {r.gpu_share.need_from for r in again.values()} == {"measured"}
 
 
+@pytest.mark.kernel
 def test_a_notebook_never_measured_runs_alone_on_its_gpu(project, write_experiment, one_gpu):
     make_notebook(project / "nb.ipynb", [TOGETHER], parameters="A = 1\nFOLDER = ''\nWANT = 1")
     exp = write_experiment(f"experiment: alone\nnotebooks: [nb.ipynb]\nparameters: {{FOLDER: '{project / 'marks'}'}}\n"
@@ -209,7 +213,7 @@ def test_a_notebook_never_measured_runs_alone_on_its_gpu(project, write_experime
     records = submit(exp, progress=False).records
     assert [r.status for r in records] == ["succeeded"] * 3
     assert {r.metrics["together"] for r in records} == {1}
-    assert all(r.gpu_share["exclusive"] and r.gpu_share["need_from"] == "unknown" for r in records)
+    assert all(r.gpu_share.exclusive and r.gpu_share.need_from == "unknown" for r in records)
     log = (project / "results" / "alone" / records[0].run_id / "log.txt").read_text()
     assert "GPUs 0: runs per GPU auto, alone on it" in log
 
@@ -223,6 +227,7 @@ if A == 1 and not marker.exists():
 """
 
 
+@pytest.mark.kernel
 def test_a_run_out_of_gpu_memory_beside_others_is_run_again_alone(project, write_experiment, one_gpu):
     make_notebook(project / "nb.ipynb", [OOM_ONCE, "import time; time.sleep(1)"], parameters="A = 1\nFOLDER = ''")
     exp = write_experiment(f"experiment: oom\nnotebooks: [nb.ipynb]\nparameters: {{FOLDER: '{project / 'marks'}'}}\n"
@@ -230,13 +235,14 @@ def test_a_run_out_of_gpu_memory_beside_others_is_run_again_alone(project, write
     records = {r.parameters["A"]: r for r in submit(exp, progress=False).records}
     retried = records[1]
     assert retried.status == "succeeded" and retried.attempts == 2
-    assert retried.gpu_share["alone"] and retried.gpu_share["exclusive"] and not retried.gpu_share["shared"]
-    assert "out of memory" in retried.gpu_share["retried_after"]
+    assert retried.gpu_share.alone and retried.gpu_share.exclusive and not retried.gpu_share.shared
+    assert "out of memory" in retried.gpu_share.retried_after
     assert records[2].status == "succeeded" and records[2].attempts == 1
     log = (project / "results" / "oom" / retried.run_id / "log.txt").read_text()
     assert "CUDA out of memory" in log and "alone on it after running out of GPU memory" in log
 
 
+@pytest.mark.kernel
 def test_a_run_out_of_gpu_memory_on_its_own_gpu_fails(project, write_experiment, one_gpu):
     make_notebook(project / "nb.ipynb", [OOM_ONCE], parameters="A = 1\nFOLDER = ''")
     exp = write_experiment(f"experiment: oomalone\nnotebooks: [nb.ipynb]\nparameters: {{FOLDER: '{project / 'm'}'}}\n"
@@ -248,6 +254,7 @@ def test_a_run_out_of_gpu_memory_on_its_own_gpu_fails(project, write_experiment,
 PRINT_DEVICES = "import os, time; print('DEVICES=' + os.environ['CUDA_VISIBLE_DEVICES']); time.sleep(0.2 * A)"
 
 
+@pytest.mark.kernel
 def test_kernels_started_ahead_of_gpu_runs_see_the_gpus_their_runs_got(project, write_experiment, monkeypatch):
     from nbbatch.backends import local
 
@@ -264,6 +271,7 @@ def test_kernels_started_ahead_of_gpu_runs_see_the_gpus_their_runs_got(project, 
     assert sorted({r.gpu_ids[0] for r in records}) == [0, 1]
 
 
+@pytest.mark.kernel
 def test_a_run_timeout_stops_a_kernel_started_ahead_and_leaves_none(project, write_experiment):
     make_notebook(project / "nb.ipynb", ["import time; time.sleep(120)"])
     exp = write_experiment("experiment: aheadtimeout\nnotebooks: [nb.ipynb]\nsweep: {grid: {A: [1, 2, 3]}}\n"
@@ -273,6 +281,7 @@ def test_a_run_timeout_stops_a_kernel_started_ahead_and_leaves_none(project, wri
     assert kernels_of("aheadtimeout") == []
 
 
+@pytest.mark.kernel
 def test_run_json_of_a_cpu_run_says_nothing_of_gpu_sharing(project, write_experiment):
     make_notebook(project / "nb.ipynb", ["pass"])
     [record] = submit(write_experiment("experiment: cpuonly\nnotebooks: [nb.ipynb]\n"), progress=False).records
@@ -307,6 +316,7 @@ def _mps_processes() -> list[int]:
     return [p.pid for p in psutil.process_iter(["name"]) if (p.info["name"] or "").startswith("nvidia-cuda-mps")]
 
 
+@pytest.mark.kernel
 @pytest.mark.gpu
 def test_auto_measures_a_new_notebook_alone_then_packs_the_rest_by_it(project, write_experiment):
     make_notebook(project / "nb.ipynb", [TORCH_ON_GPU])
@@ -315,13 +325,14 @@ def test_auto_measures_a_new_notebook_alone_then_packs_the_rest_by_it(project, w
     records = submit(exp, progress=False).records
     assert [r.status for r in records] == ["succeeded"] * 4, [r.error for r in records]
     first = min(records, key=lambda r: r.started_at)
-    assert first.gpu_share["need_from"] == "unknown" and first.gpu_share["exclusive"]
+    assert first.gpu_share.need_from == "unknown" and first.gpu_share.exclusive
     assert first.telemetry["memory_run_max_mb"] >= 256, first.telemetry
     later = [r for r in records if r is not first]
-    assert all(r.gpu_share["need_from"] == "measured" and not r.gpu_share["exclusive"] for r in later)
-    assert all(r.gpu_share["need_mb"] >= 256 * 1.2 for r in later)
+    assert all(r.gpu_share.need_from == "measured" and not r.gpu_share.exclusive for r in later)
+    assert all(r.gpu_share.need_mb >= 256 * 1.2 for r in later)
 
 
+@pytest.mark.kernel
 @pytest.mark.gpu
 def test_mps_runs_the_runs_as_clients_of_a_daemon_stopped_at_the_end(project, write_experiment):
     if _mps_processes():
@@ -331,7 +342,7 @@ def test_mps_runs_the_runs_as_clients_of_a_daemon_stopped_at_the_end(project, wr
                            "resources: {gpus: 1, runs_per_gpu: 3, mps: true}\n")
     records = submit(exp, progress=False).records
     assert [r.status for r in records] == ["succeeded"] * 3, [r.error for r in records]
-    assert all(r.gpu_share["mps"] and r.metrics["pipe"] and r.metrics["devices"] == "0" for r in records)
+    assert all(r.gpu_share.mps and r.metrics["pipe"] and r.metrics["devices"] == "0" for r in records)
     assert len({r.metrics["pipe"] for r in records}) == 1
     assert not Path(records[0].metrics["pipe"]).exists(), "the daemon's folder is removed"
     deadline = time.time() + 15

@@ -10,12 +10,12 @@ import time
 import nbformat
 import psutil
 import pytest
-from conftest import make_notebook
+from support.notebooks import make_notebook
 
 import nbbatch
 from nbbatch.api import submit
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.kernel]  # every test starts kernels
 
 
 def _kernels_of_this_process() -> list[psutil.Process]:

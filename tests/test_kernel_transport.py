@@ -18,13 +18,13 @@ from pathlib import Path
 import nbformat
 import psutil
 import pytest
-from conftest import make_notebook
+from support.notebooks import make_notebook
 
 import nbbatch
 from nbbatch.api import submit
 from nbbatch.execute.kernels import TRANSPORT_VARIABLE, KernelPool, kernel_transport
 
-pytestmark = [pytest.mark.timeout(180),
+pytestmark = [pytest.mark.kernel, pytest.mark.timeout(180),
               pytest.mark.skipif(os.name != "posix", reason="ipc (Unix sockets) is the POSIX transport")]
 
 # The kernel reports how it was reached: its connection file, that file's transport and socket base, the folder's mode.

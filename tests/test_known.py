@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from nbbatch.spec.project import Project
-from nbbatch.store.known import REGISTRY_FILE, lookup, remember
+from nbbatch.store.known import REGISTRY_FILE, lookup, open_experiment_share, remember
+from nbbatch.store.share import FileShare
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,3 +38,15 @@ def test_concurrent_submissions_keep_every_experiment(tmp_path):
     registry = project.state_dir / REGISTRY_FILE
     assert stat.S_IMODE(registry.stat().st_mode) == 0o600
     assert sorted(p.name for p in registry.parent.iterdir()) == [REGISTRY_FILE, REGISTRY_FILE + ".lock"]
+
+
+def test_an_experiments_share_is_found_by_its_name(project):
+    """The one answer to "where are experiment X's results": the share given, else where X was last submitted
+    from this project, else the project's results/."""
+    remember(Project(project), "sweep", str(project / "elsewhere"), "local", {})
+    name, share = open_experiment_share("sweep")
+    assert name == "sweep" and share.local_path("") == project / "elsewhere"
+    assert open_experiment_share("never-submitted")[1].local_path("") == Project(project).results_dir
+    assert open_experiment_share("sweep", str(project / "given"))[1].local_path("") == project / "given"
+    given = FileShare(project / "mine")
+    assert open_experiment_share("sweep", given) == ("sweep", given)

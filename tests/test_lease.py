@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from conftest import make_notebook
+from support.notebooks import make_notebook
 
 from nbbatch.api import submit
 from nbbatch.errors import LockedError
@@ -78,6 +78,7 @@ def test_breaking_a_lease_that_changed_meanwhile_gives_it_back(tmp_path):
     assert not [p.name for p in (tmp_path / "share" / "exp").iterdir() if p.name != ".lease"]
 
 
+@pytest.mark.kernel
 def test_submit_holds_the_lease_while_it_drives(project, write_experiment, monkeypatch):
     make_notebook(project / "nb.ipynb", ["import pathlib, time\nwhile not pathlib.Path('release').exists():\n"
                                          "    time.sleep(0.05)"])

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from conftest import make_notebook
+from support.notebooks import make_notebook
 
 from nbbatch.api import submit
 from nbbatch.results.history import read_history
@@ -49,6 +48,7 @@ def _submit_in_thread(exp: Path) -> tuple[threading.Thread, dict]:
     return thread, box
 
 
+@pytest.mark.kernel
 def test_points_reach_the_share_while_the_run_goes(project, write_experiment):
     release = project / "release"
     make_notebook(project / "nb.ipynb", [SIX_STEPS], parameters=f"RELEASE = {str(release)!r}")
@@ -92,6 +92,7 @@ def _mlflow_runs(store: Path) -> list[Path]:
     return [p for p in store.glob("*/*") if (p / "meta.yaml").is_file()]
 
 
+@pytest.mark.kernel
 def test_record_logs_points_and_parameters_to_mlflow_when_the_variable_is_set(project, write_experiment, monkeypatch):
     pytest.importorskip("mlflow")
     store = project / "mlruns"
@@ -117,6 +118,7 @@ def test_record_logs_points_and_parameters_to_mlflow_when_the_variable_is_set(pr
         assert not (run / "params" / "NAME").exists()  # the notebook's default, not a run parameter
 
 
+@pytest.mark.kernel
 def test_without_mlflow_installed_the_run_warns_once_and_succeeds(project, write_experiment, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (project / "mlruns").as_uri())
     blocker = project / "no_mlflow"
@@ -135,6 +137,7 @@ def test_without_mlflow_installed_the_run_warns_once_and_succeeds(project, write
     assert [p["step"] for p in read_history(share, "untracked", run_id)] == [1, 2, 3]
 
 
+@pytest.mark.kernel
 def test_a_remote_share_gets_the_points_while_the_run_goes(project, monkeypatch):
     """Azure Files (the fake on 127.0.0.1, through the real SDK): points are appended as the run goes."""
     pytest.importorskip("azure.storage.fileshare")
@@ -179,6 +182,7 @@ for step in range(1, 5):
 """
 
 
+@pytest.mark.kernel
 def test_a_retry_continues_the_history_and_its_points_win(project):
     from nbbatch.execute.attempt import execute_run
     from nbbatch.plan.runs import Run
@@ -213,15 +217,16 @@ while not os.path.exists(RELEASE):
 """
 
 
+@pytest.mark.kernel
 def test_gpu_telemetry_streams_while_the_run_goes(project, monkeypatch):
     """NVML stands in for a GPU (FakeNvml): samples reach telemetry.jsonl and run.json's live values midway."""
-    from helpers_notebooks import FakeNvml
+    from support.nvml import FakeNvml
 
-    from nbbatch.execute.attempt import execute_run
+    from nbbatch.execute.attempt import AttemptContext, execute_run
     from nbbatch.execute.telemetry import read_series
     from nbbatch.plan.runs import Run
 
-    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(gpus=1))
+    monkeypatch.setattr("nbbatch.execute.telemetry.pynvml", FakeNvml(gpus=1))
     release = project / "release"
     make_notebook(project / "nb.ipynb", [WAIT], parameters=f"RELEASE = {str(release)!r}")
     run = Run(run_id="gpu-live", experiment="exp", notebook=str(project / "nb.ipynb"), notebook_rel="nb.ipynb",
@@ -229,7 +234,8 @@ def test_gpu_telemetry_streams_while_the_run_goes(project, monkeypatch):
     share = FileShare(project / "results")
     telemetry = run_paths("exp", run.run_id).telemetry
     box: dict = {}
-    thread = threading.Thread(target=lambda: box.setdefault("record", execute_run(run, share, gpu_ids=[0])), daemon=True)
+    thread = threading.Thread(target=lambda: box.setdefault("record", execute_run(run, share, AttemptContext(gpu_ids=[0]))),
+                              daemon=True)
     thread.start()
     midway = _wait_for(lambda: share.exists(telemetry) and len(read_series(share.read_bytes(telemetry))) >= 3
                        and read_series(share.read_bytes(telemetry)))
@@ -315,7 +321,7 @@ while not os.path.exists(RELEASE):
 def test_a_real_gpu_run_streams_its_telemetry_and_history(project):
     pytest.importorskip("torch")
     pytest.importorskip("pynvml")
-    from nbbatch.execute.attempt import execute_run
+    from nbbatch.execute.attempt import AttemptContext, execute_run
     from nbbatch.execute.telemetry import read_series
     from nbbatch.plan.runs import Run
 
@@ -326,7 +332,8 @@ def test_a_real_gpu_run_streams_its_telemetry_and_history(project):
     share = FileShare(project / "results")
     telemetry = run_paths("exp", run.run_id).telemetry
     box: dict = {}
-    thread = threading.Thread(target=lambda: box.setdefault("record", execute_run(run, share, gpu_ids=[0])), daemon=True)
+    thread = threading.Thread(target=lambda: box.setdefault("record", execute_run(run, share, AttemptContext(gpu_ids=[0]))),
+                              daemon=True)
     thread.start()
     assert [p["step"] for p in _wait_for(lambda: len(read_history(share, "exp", run.run_id)) == 3
                                          and read_history(share, "exp", run.run_id), timeout=180)] == [1, 2, 3]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import make_notebook
+from support.notebooks import make_notebook
 
 from nbbatch.api import submit
 from nbbatch.backends import get_backend
@@ -66,6 +66,7 @@ def fake_gpus(monkeypatch):
     monkeypatch.setattr(local, "detect_gpus", lambda: list(FAKE))
 
 
+@pytest.mark.kernel
 def test_two_runs_get_different_gpus(project, write_experiment, fake_gpus):
     make_notebook(project / "nb.ipynb", [PRINT_DEVICES, "import time; time.sleep(1.5)"])
     exp = write_experiment("experiment: pin\nnotebooks: [nb.ipynb]\nsweep: {grid: {A: [1, 2]}}\nresources: {gpus: 1}\n")
@@ -74,6 +75,7 @@ def test_two_runs_get_different_gpus(project, write_experiment, fake_gpus):
     assert all(d == ",".join(map(str, ids)) for d, _, ids in seen.values())
 
 
+@pytest.mark.kernel
 def test_four_runs_share_two_gpus_and_the_memory_settings(project, write_experiment, fake_gpus):
     make_notebook(project / "nb.ipynb", [PRINT_DEVICES, "import time; time.sleep(2)"])
     exp = write_experiment("experiment: share\nnotebooks: [nb.ipynb]\nsweep: {grid: {A: [1, 2, 3, 4]}}\n"
@@ -82,6 +84,7 @@ def test_four_runs_share_two_gpus_and_the_memory_settings(project, write_experim
     assert sorted(d for d, _, _ in seen.values()) == ["0", "0", "1", "1"]
 
 
+@pytest.mark.kernel
 def test_cpu_runs_see_no_gpu(project, write_experiment, fake_gpus):
     make_notebook(project / "nb.ipynb", [PRINT_DEVICES])
     seen = _devices(project, submit(write_experiment("experiment: cpu\nnotebooks: [nb.ipynb]\n"), progress=False))
@@ -103,6 +106,7 @@ def test_local_compute_reports_cpus_and_gpus():
     assert compute.backend == "local" and len(compute.gpus) == 2 and compute.nodes[0]["cpus"] >= 1
 
 
+@pytest.mark.kernel
 @pytest.mark.gpu
 def test_real_gpus_are_pinned(project, write_experiment):
     gpus = detect_gpus()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from conftest import make_notebook
+from support.notebooks import make_notebook
 
 from nbbatch.api import submit
 from nbbatch.metrics import METRICS_MIME
@@ -90,8 +90,8 @@ def test_status_and_compare_print_markup_in_run_data_literally(project):
 
 @pytest.mark.parametrize("tty", ["1", "0"], ids=["live-table", "plain-lines"])
 def test_live_progress_renders_markup_in_run_data(tmp_path, monkeypatch, capsys, tty):
+    from nbbatch.results.progress import live_progress
     from nbbatch.results.status import status_table
-    from nbbatch.ui.progress import live_progress
 
     monkeypatch.setenv("TTY_COMPATIBLE", tty)  # rich: a terminal (the live table) or not (one line per final run)
     monkeypatch.setenv("COLUMNS", "1000")
@@ -119,6 +119,7 @@ FAILING_CELL = 'raise KeyError("[/x] missing")'
 
 
 @pytest.mark.parametrize("tty", ["0", "1"], ids=["plain-lines", "live-table"])
+@pytest.mark.kernel
 def test_nbbatchs_own_progress_display_does_not_overwrite_the_real_error(project, write_experiment, monkeypatch,
                                                                           capsys, tty):
     """The issue: the display crashed in the worker's callback and run.json got its MarkupError instead."""
@@ -135,6 +136,7 @@ def test_nbbatchs_own_progress_display_does_not_overwrite_the_real_error(project
     assert "[/x] missing" in capsys.readouterr().out
 
 
+@pytest.mark.kernel
 def test_a_failing_or_meddling_display_callback_does_not_change_any_record(project, write_experiment, caplog):
     make_notebook(project / "bad.ipynb", [FAILING_CELL])
     make_notebook(project / "good.ipynb", ["import nbbatch; nbbatch.record(accuracy=0.5)"])

@@ -393,9 +393,10 @@ def two_gpus(monkeypatch):
     monkeypatch.setattr(local, "detect_gpus", lambda: [GpuInfo(3, "Fake 3", 1000), GpuInfo(5, "Fake 5", 1000)])
 
 
+@pytest.mark.kernel
 def test_local_runs_are_clients_of_a_daemon_started_and_stopped_for_the_batch(fake, two_gpus, project,
                                                                               write_experiment):
-    from conftest import make_notebook
+    from support.notebooks import make_notebook
 
     from nbbatch.api import submit
 
@@ -404,7 +405,7 @@ def test_local_runs_are_clients_of_a_daemon_started_and_stopped_for_the_batch(fa
                            "resources: {gpus: 1, runs_per_gpu: 2, mps: true}\n")
     records = submit(exp, progress=False).records
     assert [r.status for r in records] == ["succeeded"] * 4, [r.error for r in records]
-    assert all(r.gpu_share["mps"] for r in records)
+    assert all(r.gpu_share.mps for r in records)
     pipes = {r.metrics["pipe"] for r in records}
     assert len(pipes) == 1 and pipes != {""}, "every run is a client of the one daemon"
     assert not Path(pipes.pop()).exists(), "its folder is gone once the batch ended"
@@ -415,7 +416,7 @@ def test_local_runs_are_clients_of_a_daemon_started_and_stopped_for_the_batch(fa
 
 def test_mps_is_refused_before_anything_runs_without_the_binary(two_gpus, project, write_experiment, monkeypatch,
                                                                 tmp_path):
-    from conftest import make_notebook
+    from support.notebooks import make_notebook
 
     from nbbatch.api import submit
 
@@ -428,11 +429,12 @@ def test_mps_is_refused_before_anything_runs_without_the_binary(two_gpus, projec
     assert not (project / "results" / "nompsbin").exists()
 
 
+@pytest.mark.kernel
 def test_ctrl_c_during_a_batch_stops_the_daemon(fake, two_gpus, project, write_experiment):
     import _thread
     import threading
 
-    from conftest import make_notebook
+    from support.notebooks import make_notebook
 
     import nbbatch
     from nbbatch.api import submit

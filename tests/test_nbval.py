@@ -19,9 +19,9 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from conftest_frameworks import selected_frameworks
 from papermill.iorw import load_notebook_node
 from papermill.parameterize import parameterize_notebook
+from support.frameworks import selected_frameworks
 
 ROOT = Path(__file__).resolve().parents[1]
 FRAMEWORKS = selected_frameworks(p.name for p in (ROOT / "frameworks").iterdir() if (p / "framework.yaml").exists())

@@ -1,7 +1,7 @@
 """Every framework notebook, executed by papermill in its own kernel at its defaults, learns the digits.
 
 Slow: needs the framework environments (built once per session by the ``framework_envs`` fixture
-of tests/conftest_frameworks.py). The defaults train on scikit-learn's bundled digits, so no data is
+of tests/support/frameworks.py). The defaults train on scikit-learn's bundled digits, so no data is
 downloaded; each notebook records its metrics with ``nbbatch.record``, read back here from the
 executed notebook, and one point of its history per epoch (``nbbatch.record(step=epoch, loss=...,
 train_accuracy=...)``; the points of one cell update one output, so the executed notebook holds the last).
@@ -26,7 +26,7 @@ from pathlib import Path
 import nbformat
 import papermill
 import pytest
-from conftest_frameworks import selected_frameworks
+from support.frameworks import selected_frameworks
 
 from nbbatch.metrics import HISTORY_MIME, METRICS_MIME, metrics_from_notebook
 

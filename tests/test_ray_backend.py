@@ -32,12 +32,14 @@ import yaml  # noqa: E402
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
-from conftest import make_notebook  # noqa: E402
+from support.notebooks import make_notebook  # noqa: E402
+from support.shares import ShareDouble  # noqa: E402
 
 from nbbatch import api  # noqa: E402
 from nbbatch.backends import get_backend  # noqa: E402
 from nbbatch.backends.ray import NAMESPACE, RayBackend, gpu_request, supervisor_name  # noqa: E402
 from nbbatch.errors import BackendError  # noqa: E402
+from nbbatch.spec.resources import Distribution  # noqa: E402
 from nbbatch.store.runfiles import (  # noqa: E402
     load_records,  # noqa: E402
     read_record,
@@ -447,14 +449,14 @@ def test_a_gang_larger_than_the_cluster_is_refused_before_anything_runs(tmp_path
 
     monkeypatch.setattr(RayBackend, "_alive_nodes", lambda self: _nodes("10.0.0.4", "10.0.0.5"))
     dist = {"type": "torch", "nodes": 3, "processes_per_node": 1, "gpus_per_node": 0}
-    run = _plain_run(tmp_path, distribution=dist)
+    run = _plain_run(tmp_path, distribution=Distribution(**dist))
     with pytest.raises(ValidationError, match="spans 3 nodes") as caught:
         RayBackend("10.0.0.4:6379").check([run])
     assert "2 alive node(s)" in str(caught.value) and "autoscaling: true" in str(caught.value)
     RayBackend("10.0.0.4:6379", autoscaling=True).check([run])  # the autoscaler may add the third
-    RayBackend("10.0.0.4:6379").check([_plain_run(tmp_path, distribution={**dist, "nodes": 2})])
+    RayBackend("10.0.0.4:6379").check([_plain_run(tmp_path, distribution=Distribution(**{**dist, "nodes": 2}))])
     # enough nodes, but not enough of them with the GPUs each node of the run asks for
-    big = _plain_run(tmp_path, gpus=4, distribution={**dist, "nodes": 2, "gpus_per_node": 4})
+    big = _plain_run(tmp_path, gpus=4, distribution=Distribution(**{**dist, "nodes": 2, "gpus_per_node": 4}))
     monkeypatch.setattr(RayBackend, "_alive_nodes", lambda self: [*_nodes("10.0.0.4", "10.0.0.5"), {
         "NodeID": "ff" * 28, "Alive": True, "NodeManagerAddress": "10.0.0.6", "Resources": {"CPU": 8.0, "GPU": 4.0}}])
     with pytest.raises(ValidationError, match="only 1 of the 3 alive node"):
@@ -479,13 +481,8 @@ def test_local_folder_share_refused_on_a_multi_host_cluster(probe, tmp_path, mon
     assert "shared_folder: true" in message and "azfiles://" in message and "10.0.0.5" in message
     RayBackend("10.0.0.4:6379", shared_folder=True).check_share(FileShare(share))  # the user says it is mounted
 
-    class RemoteShare:
-        url = "azfiles://account/share"
-
-        def local_path(self, path):
-            return None
-
-    RayBackend("10.0.0.4:6379").check_share(RemoteShare())  # reachable from every node
+    remote = ShareDouble(tmp_path / "remote", remote=True, url="azfiles://account/share")
+    RayBackend("10.0.0.4:6379").check_share(remote)  # reachable from every node
 
     # through submit: refused before any run record is written
     with pytest.raises(BackendError, match="shared_folder"):
@@ -639,7 +636,7 @@ def test_an_input_on_the_share_reaches_the_runs_on_the_nodes(cluster, project, t
     assert {r.status for r in result.records} == {"succeeded"}
     assert [r.metrics["x"] for r in result.records] == [42, 42]
     assert {r.metrics["where"] for r in result.records} == {str(share / "data")}
-    assert all(r.inputs["DATA_DIR"]["path"] == str(share / "data") for r in result.records)
+    assert all(r.inputs["DATA_DIR"].path == str(share / "data") for r in result.records)
 
 
 def test_a_distributed_run_spans_two_ray_nodes_as_one_world(cluster, ranks, tmp_path):
@@ -681,8 +678,8 @@ def test_a_failed_rank_on_another_node_fails_the_gang_and_is_named(cluster, rank
     assert record.status == "failed" and record.error.rank == 1, record.error
     assert "rank 1" in record.error.summary() and "fails on purpose" in record.error.summary()
     assert took < 40 and record.duration_s < 30  # rank 0 was stopped, not waited for
-    by_rank = {r["rank"]: r for r in record.ranks}
-    assert by_rank[0]["status"] == "stopped" and by_rank[1]["status"] == "failed"
+    by_rank = {r.rank: r for r in record.ranks}
+    assert by_rank[0].status == "stopped" and by_rank[1].status == "failed"
     _all_gone(record.run_id)
 
 
@@ -699,7 +696,7 @@ def test_cancel_stops_every_node_of_a_gang(cluster, ranks, tmp_path):
     record = _gang_ended(cluster.address, share, record)
     print(f"gang cancelled in {time.monotonic() - started:.1f} s: {record.error.summary() if record.error else ''}")
     assert record.status == "cancelled", record.error
-    assert {r["status"] for r in record.ranks} == {"cancelled"}, record.ranks
+    assert {r.status for r in record.ranks} == {"cancelled"}, record.ranks
     _all_gone(record.run_id)
 
 
@@ -772,7 +769,7 @@ def test_node_death_mid_run_retries_on_the_head(cluster, probe, tmp_path):
     assert all(r.status not in ("running", "queued") for r in records)
     if lost.status == "succeeded":  # retried by Ray on the head
         assert lost.attempts == 2 and _placement(share, lost)[1] == cluster.head_id
-        assert [e["status"] for e in lost.attempt_log] == ["lost", "succeeded"]  # an infrastructure failure
+        assert [e.status for e in lost.attempt_log] == ["lost", "succeeded"]  # an infrastructure failure
         assert f"NODE={cluster.worker_id}" in (share / "victim" / victim / "log.txt").read_text()
     else:
         assert lost.status == "failed" and "node" in lost.error.reason, lost.error

@@ -16,9 +16,9 @@ from pathlib import Path
 import nbformat
 import psutil
 import pytest
-from conftest import make_notebook
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.notebooks import make_notebook
 
 from nbbatch.api import submit
 from nbbatch.errors import LockedError
@@ -85,6 +85,7 @@ def _pids(project: Path, a: int) -> list[int]:
     return [int(p) for f in project.glob(f"pids-{a}-*") for p in f.read_text().split()]
 
 
+@pytest.mark.kernel
 def test_sigkilled_submit_loses_nothing_and_leaks_no_process(project, write_experiment):
     """kill -9 of `nbbatch submit` mid-batch: kernels and their children die, every file stays whole, and
     resubmitting skips the runs that succeeded and reruns the interrupted ones. Meanwhile a second submit
@@ -165,6 +166,7 @@ def test_stale_lock_of_a_killed_process_is_detected_and_taken_over(tmp_path):
 
 # --- kernels die ----------------------------------------------------------------------------------
 
+@pytest.mark.kernel
 def test_kernel_deaths_fail_their_run_only_with_reason_partial_notebook_and_retries(project, write_experiment):
     make_notebook(project / "exit_once.ipynb", [
         "import os, pathlib\nflag = pathlib.Path('died-once')\nif not flag.exists():\n"
@@ -220,6 +222,7 @@ def _memory_cgroup(limit: int) -> Path | None:
     return None
 
 
+@pytest.mark.kernel
 def test_oom_killed_kernel_is_a_failed_run(project, write_experiment):
     """A real OOM kill: the kernel moves itself into a memory cgroup of 96 MiB and allocates 400 MiB."""
     group = _memory_cgroup(96 * 2**20)
@@ -265,6 +268,7 @@ def small_share(project):
         subprocess.run(["umount", "-l", str(mountpoint)], check=False)
 
 
+@pytest.mark.kernel
 def test_share_out_of_space_for_a_notebook_fails_that_run_and_keeps_its_last_whole_version(
         project, write_experiment, small_share):
     """The log (2 MiB) fits in the 3 MiB share but the notebook holding the same output does not."""
@@ -289,6 +293,7 @@ def test_share_out_of_space_for_a_notebook_fails_that_run_and_keeps_its_last_who
     assert any("out of space" in row["error"] for row in json.loads(done.stdout))
 
 
+@pytest.mark.kernel
 def test_share_full_even_for_run_records_is_one_clear_error_and_resubmit_recovers(
         project, write_experiment, small_share):
     """A 4 MiB log fills the whole share: not even run.json can be written. `submit` stops with one
@@ -314,6 +319,7 @@ def test_share_full_even_for_run_records_is_one_clear_error_and_resubmit_recover
 
 # --- corrupt and hand-edited run records ------------------------------------------------------------
 
+@pytest.mark.kernel
 def test_corrupt_and_hand_edited_run_json_are_reported_with_their_path(project, write_experiment, capsys):
     make_notebook(project / "nb.ipynb", ["print(A)"])
     exp = write_experiment("experiment: edited\nnotebooks: [nb.ipynb]\nsweep: {grid: {A: [1, 2, 3]}}\n")

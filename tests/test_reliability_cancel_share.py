@@ -15,14 +15,14 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import make_notebook
+from support.notebooks import make_notebook
+from support.shares import ShareDouble
 
 import nbbatch
 from nbbatch.api import prepare, submit
 from nbbatch.backends.base import SubmitOptions
 from nbbatch.backends.local import LocalBackend
-from nbbatch.errors import ShareError
-from nbbatch.execute.attempt import execute_run
+from nbbatch.execute.attempt import AttemptContext, execute_run
 from nbbatch.plan.runs import Run, run_id_for
 from nbbatch.store.layout import run_paths
 from nbbatch.store.runfiles import new_record, write_record
@@ -31,41 +31,6 @@ from nbbatch.store.share import FileShare
 pytestmark = pytest.mark.timeout(120)
 
 WAIT_FOR_RELEASE = "import pathlib, time\nwhile not pathlib.Path('release').exists():\n    time.sleep(0.05)\nprint('ran', A)"
-
-
-class FlakyShare:
-    """A folder share whose ``exists``/``list`` fail while ``failing(path, method)`` says so (and are counted)."""
-
-    def __init__(self, root: Path, failing=lambda path, method: False):
-        self._inner = FileShare(root)
-        self.url = self._inner.url
-        self.failing = failing
-        self.calls: list[tuple[str, str, str]] = []  # (thread name, method, path)
-
-    def _check(self, method: str, path: str) -> None:
-        self.calls.append((threading.current_thread().name, method, path))
-        if self.failing(path, method):
-            raise ShareError(f"HTTP 503 ServerBusy while trying to {method} `{path}` (injected)")
-
-    def exists(self, path: str) -> bool:
-        self._check("exists", path)
-        return self._inner.exists(path)
-
-    def list(self, path: str = "") -> list[str]:
-        self._check("list", path)
-        return self._inner.list(path)
-
-    def write_bytes(self, path: str, data: bytes) -> None:
-        self._inner.write_bytes(path, data)
-
-    def read_bytes(self, path: str) -> bytes:
-        return self._inner.read_bytes(path)
-
-    def remove(self, path: str) -> None:
-        self._inner.remove(path)
-
-    def local_path(self, path: str) -> Path | None:
-        return self._inner.local_path(path)
 
 
 def _statuses(name: str) -> dict[int, str]:
@@ -87,6 +52,7 @@ def _wait_running(name: str, timeout: float = 60) -> None:
 # --- 1. a cancel belongs to one submission --------------------------------------------------------
 
 @pytest.mark.parametrize("force", [False, True])
+@pytest.mark.kernel
 def test_runs_cancelled_in_one_submission_run_in_the_next(project, write_experiment, force):
     make_notebook(project / "nb.ipynb", [WAIT_FOR_RELEASE])
     exp = write_experiment("experiment: again\nnotebooks: [nb.ipynb]\nsweep: {grid: {A: [1, 2, 3]}}\n"
@@ -105,6 +71,7 @@ def test_runs_cancelled_in_one_submission_run_in_the_next(project, write_experim
     assert set(_statuses("again").values()) == {"succeeded"}, [r.error for r in again.records]
 
 
+@pytest.mark.kernel
 def test_a_cancel_that_comes_after_the_scheduler_looked_still_stops_the_run(project):
     """The marker written between the scheduler's check and the attempt's start (or a retry) is not wiped."""
     make_notebook(project / "nb.ipynb", ["import time; time.sleep(60)"])
@@ -125,13 +92,15 @@ def _sleeper_run(project: Path, name: str, timeout: float | None = None) -> Run:
                kernel="python3", timeout_s=timeout)
 
 
+@pytest.mark.kernel
 def test_run_timeout_holds_while_every_share_check_fails(project):
-    share = FlakyShare(project / "results", failing=lambda path, method: method == "exists")
+    share = ShareDouble(project / "results", failing=lambda path, method: method == "exists")
     record = execute_run(_sleeper_run(project, "to503", timeout=3), share)
     assert record.status == "timed_out" and "run timeout" in record.error.reason
     assert any(m == "exists" for _, m, _ in share.calls), "the watchdog never looked at the share"
 
 
+@pytest.mark.kernel
 def test_cancel_is_seen_once_the_share_recovers(project):
     failures = {"left": 3}
 
@@ -141,7 +110,7 @@ def test_cancel_is_seen_once_the_share_recovers(project):
             return True
         return False
 
-    share = FlakyShare(project / "results", failing=failing)
+    share = ShareDouble(project / "results", failing=failing)
     run = _sleeper_run(project, "cancel503")
     threading.Timer(1.0, lambda: share.write_bytes(run_paths(run.experiment, run.run_id).cancel, b"x")).start()
     record = execute_run(run, share)
@@ -151,6 +120,7 @@ def test_cancel_is_seen_once_the_share_recovers(project):
 
 # --- 7. the scheduler: one listing per pass, share errors retried ----------------------------------
 
+@pytest.mark.kernel
 def test_scheduler_lists_cancels_once_per_pass_and_rides_out_share_errors(project, write_experiment):
     make_notebook(project / "nb.ipynb", ["import time; time.sleep(0.5); print('ran', A)"])  # ≥ 3 s: several passes
     exp = write_experiment("experiment: flaky\nnotebooks: [nb.ipynb]\nsweep: {grid: {A: [1, 2, 3, 4, 5, 6]}}\n"
@@ -165,7 +135,7 @@ def test_scheduler_lists_cancels_once_per_pass_and_rides_out_share_errors(projec
         return False
 
     root = folder.local_path("")
-    share = FlakyShare(root, failing=failing)
+    share = ShareDouble(root, failing=failing)
     outcome = LocalBackend().submit(the_plan.runs, share, SubmitOptions())
     assert len(outcome.started) == 6
     assert set(_statuses("flaky").values()) == {"succeeded"}
@@ -176,6 +146,7 @@ def test_scheduler_lists_cancels_once_per_pass_and_rides_out_share_errors(projec
 
 # --- SIGTERM is handled like Ctrl-C -----------------------------------------------------------------
 
+@pytest.mark.kernel
 def test_sigterm_to_submit_leaves_no_run_running(project, write_experiment):
     make_notebook(project / "nb.ipynb", ["import time\nif A > 1: time.sleep(120)\nprint('done', A)"])
     write_experiment("experiment: term\nnotebooks: [nb.ipynb]\nsweep: {grid: {A: [1, 2, 3]}}\n"
@@ -210,6 +181,7 @@ def test_run_id_changes_with_the_experiment_env_and_gpus():
     assert run_id_for("nb", b"{}", {"A": 1}, "lock", gpus=1) != base
 
 
+@pytest.mark.kernel
 def test_changing_env_reruns_and_a_lost_output_notebook_is_not_skipped(project, write_experiment):
     make_notebook(project / "nb.ipynb", ["import os; print(os.environ.get('SEED'))"])
     exp = write_experiment("experiment: resume2\nnotebooks: [nb.ipynb]\nenv: {SEED: '1'}\n")
@@ -231,40 +203,17 @@ def test_changing_env_reruns_and_a_lost_output_notebook_is_not_skipped(project, 
 
 # --- 7. a remote share's log traffic grows with the log, not with its square ---------------------
 
-class RemoteShare(FlakyShare):
-    """A folder share seen as remote (no local path), counting the bytes written to each file."""
-
-    def __init__(self, root: Path, ranged: bool):
-        super().__init__(root)
-        self.written: dict[str, int] = {}
-        self.whole_writes: dict[str, int] = {}
-        if ranged:
-            self.write_range = self._write_range
-            self.read_range = self._inner.read_range
-
-    def write_bytes(self, path: str, data: bytes) -> None:
-        self.written[path] = self.written.get(path, 0) + len(data)
-        self.whole_writes[path] = self.whole_writes.get(path, 0) + 1
-        self._inner.write_bytes(path, data)
-
-    def _write_range(self, path: str, data: bytes, offset: int) -> None:
-        self.written[path] = self.written.get(path, 0) + len(data)
-        self._inner.write_range(path, data, offset)
-
-    def local_path(self, path: str) -> Path | None:
-        return None
-
-
 CHATTY = [f"print('line {i} ' + 'x' * 2000)\nimport time; time.sleep(0.01)" for i in range(60)]
 
 
 @pytest.mark.parametrize("ranged", [True, False], ids=["appending", "whole-file"])
+@pytest.mark.kernel
 def test_remote_log_is_sent_once_not_at_every_checkpoint(project, ranged):
     make_notebook(project / "nb.ipynb", CHATTY)
-    share = RemoteShare(project / "results", ranged=ranged)
+    share = ShareDouble(project / "results", remote=True, ranged=ranged)
     run = Run(run_id="chatty-run", experiment="chatty", notebook=str(project / "nb.ipynb"), notebook_rel="nb.ipynb",
               kernel="python3")
-    record = execute_run(run, share, save_every=0.0)  # a checkpoint after every cell
+    record = execute_run(run, share, AttemptContext(save_every=0.0))  # a checkpoint after every cell
     assert record.status == "succeeded"
     log_path = run_paths("chatty", run.run_id).log
     log = share.read_bytes(log_path)
@@ -276,11 +225,12 @@ def test_remote_log_is_sent_once_not_at_every_checkpoint(project, ranged):
         assert share.whole_writes[log_path] <= 3  # throttled: the end, and at most every 30 s
 
 
+@pytest.mark.kernel
 def test_a_retried_remote_run_keeps_every_attempts_log(project):
     make_notebook(project / "nb.ipynb", [
         "import os, pathlib\nflag = pathlib.Path('died-once')\nprint('attempt', 2 if flag.exists() else 1)\n"
         "if not flag.exists():\n    flag.write_text('x')\n    os._exit(1)"])
-    share = RemoteShare(project / "results", ranged=True)
+    share = ShareDouble(project / "results", remote=True, ranged=True)
     share.write_bytes(run_paths("retry", "retry-run").log, b"an old submission's log\n" * 1000)
     run = Run(run_id="retry-run", experiment="retry", notebook=str(project / "nb.ipynb"), notebook_rel="nb.ipynb",
               kernel="python3", retries=1)
@@ -293,29 +243,15 @@ def test_a_retried_remote_run_keeps_every_attempts_log(project):
 
 # --- low: fetch stays inside its destination --------------------------------------------------------
 
-class PrefixShare:
-    """A share that, like Azure Files, reads `/abs/path` as `abs/path` inside itself."""
-
-    url = "memory://"
-
-    def __init__(self, files: dict[str, bytes]):
-        self.files = files
-
-    def list(self, path: str = "") -> list[str]:
-        prefix = path.strip("/") + "/"
-        return sorted({k[len(prefix):].split("/")[0] for k in self.files if k.startswith(prefix)})
-
-    def read_bytes(self, path: str) -> bytes:
-        return self.files[path.strip("/")]
-
-
 def test_fetch_refuses_a_path_for_an_experiment_and_never_writes_outside_dest(tmp_path):
     from nbbatch.errors import NbbatchError
     from nbbatch.store.fetch import fetch
 
     outside = tmp_path / "victim"
-    share = PrefixShare({f"{str(outside).strip('/')}/run/run.json": b"{}", "exp/run/run.json": b"{}",
-                         "exp/../evil.json": b"x"})
+    # like Azure Files, the share reads `/abs/path` as `abs/path` inside itself, and may list hostile names
+    share = ShareDouble(tmp_path / "share", remote=True, extra_listing={"exp": [".."]})
+    for path, data in ((f"{str(outside).strip('/')}/run/run.json", b"{}"), ("exp/run/run.json", b"{}")):
+        share.write_bytes(path, data)
     with pytest.raises(NbbatchError, match="not an experiment name"):
         fetch(share, str(outside), tmp_path / "dest")
     assert not outside.exists()

@@ -7,20 +7,17 @@ Screenshots go to ``test-artifacts/``. Skipped without Debian's ``/usr/bin/chrom
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 from urllib.parse import unquote
 
 import pytest
+from support.notebooks import make_run
+from support.nvml import FakeNvml
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from helpers_notebooks import FakeNvml, make_run  # noqa: E402
-
-from nbbatch.execute.telemetry import TELEMETRY_FILE, GpuSampler  # noqa: E402
-from nbbatch.results import compare, diff  # noqa: E402
-from nbbatch.store.runjson import RunRecord  # noqa: E402
+from nbbatch.execute.telemetry import TELEMETRY_FILE, GpuSampler
+from nbbatch.results import compare, diff
+from nbbatch.store.runjson import RunRecord
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
@@ -54,7 +51,7 @@ def share(tmp_path_factory: pytest.TempPathFactory) -> Path:
     monkeypatch = pytest.MonkeyPatch()
     try:
         for gpu, folder in enumerate(folders[:2]):
-            monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(gpus=2))
+            monkeypatch.setattr("nbbatch.execute.telemetry.pynvml", FakeNvml(gpus=2))
             with GpuSampler([gpu], interval_s=0.1) as sampler:
                 time.sleep(0.6)
             sampler.write_series(folder / TELEMETRY_FILE)

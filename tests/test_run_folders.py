@@ -8,12 +8,16 @@ import json
 
 import nbformat
 import pytest
-from conftest import REPO, kernels_of, make_notebook
+from support.machine import REPO
+from support.notebooks import make_notebook
+from support.processes import kernels_of
 
 from nbbatch.api import submit
 from nbbatch.errors import SpecError, ValidationError
 from nbbatch.store.fetch import fetch
+from nbbatch.store.runjson import AttemptEntry, InputBinding
 from nbbatch.store.share import FileShare
+from nbbatch.store.sync import FileEntry
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -53,6 +57,7 @@ def _run_folder(project, experiment, record):
     return project / "results" / experiment / record.run_id
 
 
+@pytest.mark.kernel
 def test_a_killed_kernel_resumes_from_its_checkpoint_and_the_outputs_land(project, write_experiment, tmp_path):
     _train_notebook(project)
     exp = write_experiment("experiment: resume\nnotebooks: [train.ipynb]\nretries: 1\n")
@@ -62,19 +67,19 @@ def test_a_killed_kernel_resumes_from_its_checkpoint_and_the_outputs_land(projec
     assert record.metrics["resumed_from_epoch"] == 3 and record.metrics["epochs_this_attempt"] == 2
     assert record.metrics["weights"] == 1 + 2 + 3 + 4 + 5
     first, second = record.attempt_log
-    assert first["status"] == "failed" and first["kind"] == "kernel_died" and first["resumed_from"] is None
-    assert second["status"] == "succeeded" and second["resumed_from"]["latest"] == "state.json"
+    assert first.status == "failed" and first.kind == "kernel_died" and first.resumed_from is None
+    assert second.status == "succeeded" and second.resumed_from.latest == "state.json"
     folder = _run_folder(project, "resume", record)
     log = (folder / "log.txt").read_text()
     assert "attempt 2" in log and "resuming from state.json" in log and "resuming from epoch 3" in log
     assert not (folder / "checkpoints").exists()  # a run that succeeded needs them no more
     # outputs: on the share, listed in run.json with their size and checksum
     model = folder / "outputs" / "model.json"
-    listed = {entry["name"]: entry for entry in record.outputs}
+    listed = {entry.name: entry for entry in record.outputs}
     assert set(listed) == {"model.json", "figures/curve.txt"}
-    assert listed["model.json"] == {"name": "model.json", "bytes": model.stat().st_size,
-                                    "sha256": hashlib.sha256(model.read_bytes()).hexdigest()}
-    assert json.loads((folder / "run.json").read_text())["outputs"] == record.outputs
+    assert listed["model.json"] == FileEntry(name="model.json", bytes=model.stat().st_size,
+                                             sha256=hashlib.sha256(model.read_bytes()).hexdigest())
+    assert json.loads((folder / "run.json").read_text())["outputs"] == [e.to_dict() for e in record.outputs]
     # `nbbatch fetch` brings them (the checkpoints stay on the share)
     dest = tmp_path / "fetched"
     fetch(FileShare(project / "results"), "resume", dest)
@@ -84,6 +89,7 @@ def test_a_killed_kernel_resumes_from_its_checkpoint_and_the_outputs_land(projec
     assert kernels_of("resume") == []
 
 
+@pytest.mark.kernel
 def test_a_cell_error_is_never_retried_and_a_resubmission_resumes(project, write_experiment):
     make_notebook(project / "nb.ipynb", [
         "from nbbatch.artifacts import checkpoint_path\np = checkpoint_path('n')\n"
@@ -93,13 +99,14 @@ def test_a_cell_error_is_never_retried_and_a_resubmission_resumes(project, write
     exp = write_experiment("experiment: again\nnotebooks: [nb.ipynb]\nretries: 3\n")
     (record,) = submit(exp, progress=False).records
     assert record.status == "failed" and record.attempts == 1  # a notebook's exception is not retried
-    assert record.attempt_log[0]["kind"] == "cell_error"
+    assert record.attempt_log[0].kind == "cell_error"
     (record,) = submit(exp, progress=False).records  # a failed run resubmitted continues from its checkpoints
-    assert record.status == "succeeded" and record.attempt_log[0]["resumed_from"]["latest"] == "n"
+    assert record.status == "succeeded" and record.attempt_log[0].resumed_from.latest == "n"
     (record,) = submit(exp, progress=False, force=True).records  # forced: from scratch again
-    assert record.status == "failed" and record.attempt_log[0]["resumed_from"] is None
+    assert record.status == "failed" and record.attempt_log[0].resumed_from is None
 
 
+@pytest.mark.kernel
 def test_an_input_folder_is_bound_to_its_parameter(project, write_experiment, capsys):
     (project / "data").mkdir()
     (project / "data" / "x.txt").write_text("41")
@@ -114,7 +121,7 @@ def test_an_input_folder_is_bound_to_its_parameter(project, write_experiment, ca
     (record,) = submit(exp, progress=False).records
     assert record.status == "succeeded" and record.metrics["x"] == 42
     assert record.metrics["where"] == str(project / "data")
-    assert record.inputs == {"DATA_DIR": {"source": str(project / "data"), "path": str(project / "data")}}
+    assert record.inputs == {"DATA_DIR": InputBinding(source=str(project / "data"), path=str(project / "data"))}
     nb = nbformat.read(_run_folder(project, "inp", record) / "output.ipynb", as_version=4)
     assert nb.metadata.papermill.parameters == {"DATA_DIR": str(project / "data")}
 
@@ -156,12 +163,14 @@ def test_inputs_enter_the_run_id_by_their_place_in_the_project(project, write_ex
     assert with_a.runs[0].inputs == {"DATA_DIR": str(project / "a")}
 
 
+@pytest.mark.azure  # the Azure Files share needs the azure extra
+@pytest.mark.kernel
 def test_on_a_remote_share_a_lost_attempt_resumes_and_inputs_and_outputs_travel(project, monkeypatch, tmp_path):
     """An Azure File share (the fake): the run's node was lost mid-run (its record says running); the attempt that
     starts again pulls the checkpoints, pulls the input from its share URL, and uploads the outputs at the end."""
     from fakes.azure_files_server import ACCOUNT, FAKE_KEY, FakeAzureFiles
 
-    from nbbatch.execute.attempt import execute_run
+    from nbbatch.execute.attempt import AttemptContext, execute_run
     from nbbatch.plan.runs import Run
     from nbbatch.store.azfiles import AzureFileShare
     from nbbatch.store.runfiles import write_record
@@ -186,32 +195,33 @@ def test_on_a_remote_share_a_lost_attempt_resumes_and_inputs_and_outputs_travel(
         write_record(share, RunRecord(run_id=run.run_id, experiment="far", notebook="train.ipynb", kernel="python3",
                                       status="running", attempts=1, host="lost-node", started_at="2026-01-01T00:00:00"))
         share.write_bytes("far/train-remote/checkpoints/state.json", json.dumps({"epoch": 2, "weights": 3}).encode())
-        record = execute_run(run, share, project_root=project, backend="azureml")
+        record = execute_run(run, share, AttemptContext(project_root=project, backend="azureml"))
         assert record.status == "succeeded", record.error
         assert record.metrics["resumed_from_epoch"] == 2 and record.metrics["weights"] == 15
         assert record.metrics["x"] == 42  # the input, pulled from its share into the project's cache
-        assert record.inputs["DATA_DIR"]["source"] == f"azfiles://{ACCOUNT}/datasets/digits"
+        assert record.inputs["DATA_DIR"].source == f"azfiles://{ACCOUNT}/datasets/digits"
         assert not share.exists("far/train-remote/checkpoints")  # removed once the run succeeded
         lost, resumed = record.attempt_log
-        assert lost == {"attempt": 1, "host": "lost-node", "started_at": "2026-01-01T00:00:00", "status": "lost",
-                        "kind": "infra"}
-        assert resumed["attempt"] == 2 and resumed["resumed_from"]["latest"] == "state.json"
+        assert lost == AttemptEntry(attempt=1, host="lost-node", started_at="2026-01-01T00:00:00", status="lost",
+                                    kind="infra")
+        assert resumed.attempt == 2 and resumed.resumed_from.latest == "state.json"
         assert json.loads(share.read_bytes("far/train-remote/outputs/model.json")) == {"weights": 15}
-        assert {e["name"] for e in record.outputs} == {"model.json", "figures/curve.txt"}
+        assert {e.name for e in record.outputs} == {"model.json", "figures/curve.txt"}
         dest = tmp_path / "fetched"
         fetch(share, "far", dest)
         assert (dest / "far" / "train-remote" / "outputs" / "figures" / "curve.txt").read_text() == "1 2 3"
         # given a mount (Azure ML's ro_mount), the input is that folder and nothing is pulled
         requests = len(server.requests)
         again = execute_run(dataclasses.replace(run, run_id="train-mounted", parameters={"FAIL_AT_END": True}),
-                            share, project_root=project, input_paths={"DATA_DIR": str(data)})
-        assert again.status == "failed" and again.inputs["DATA_DIR"]["path"] == str(data)
+                            share, AttemptContext(project_root=project, input_paths={"DATA_DIR": str(data)}))
+        assert again.status == "failed" and again.inputs["DATA_DIR"].path == str(data)
         assert not any("/datasets/" in r.path for r in server.requests[requests:])
         # a run that did not succeed keeps its checkpoints on the share, pushed after the attempt
         assert json.loads(share.read_bytes("far/train-mounted/checkpoints/state.json")) == {"epoch": 5, "weights": 15}
 
 
 @pytest.mark.slow
+@pytest.mark.azure  # the Azure Files share needs the azure extra
 def test_the_pytorch_notebook_trains_on_cifar_pushed_to_a_share_and_its_model_comes_back(
         pytorch_env, project, monkeypatch, tmp_path, capsys):
     """What a user does for a cluster: `nbbatch data push` CIFAR-10 (here a small synthetic one, same format) to an

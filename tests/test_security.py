@@ -11,7 +11,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from conftest import make_notebook
+from support.notebooks import make_notebook
 
 from nbbatch import backends
 from nbbatch.api import submit
@@ -76,6 +76,7 @@ def _files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file()]
 
 
+@pytest.mark.kernel
 def test_planted_credentials_land_nowhere(project, planted, monkeypatch, capsys):
     monkeypatch.setitem(backends._REGISTRY, "keyed-local", KeyedLocalBackend)
     nested, nested_secrets = _nested_settings()

@@ -140,7 +140,7 @@ def test_varying_parameters_is_the_one_rule_for_the_table_and_the_widget():
 
 
 def test_the_submit_progress_table_shows_the_latest_live_metrics(tmp_path, monkeypatch, capsys):
-    from nbbatch.ui.progress import live_progress
+    from nbbatch.results.progress import live_progress
 
     monkeypatch.setenv("TTY_COMPATIBLE", "1")
     monkeypatch.setenv("COLUMNS", "120")

@@ -7,19 +7,17 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from support.nvml import FakeNvml
+from support.waiting import wait_until
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from helpers_notebooks import FakeNvml  # noqa: E402
-
-from nbbatch.execute.telemetry import TELEMETRY_FILE, GpuSampler, read_series  # noqa: E402
+from nbbatch.execute import telemetry
+from nbbatch.execute.telemetry import TELEMETRY_FILE, GpuSampler, read_series
 
 
 def _sampler_threads() -> list[threading.Thread]:
@@ -28,7 +26,7 @@ def _sampler_threads() -> list[threading.Thread]:
 
 def test_no_gpu_ids_samples_nothing(tmp_path: Path) -> None:
     with GpuSampler([]) as sampler:
-        time.sleep(0.05)
+        assert not _sampler_threads()  # nothing to wait for: without GPU ids no sampling thread starts
     summary = sampler.summary()
     assert summary["samples"] == 0 and summary["util_mean_pct"] is None
     assert summary["unavailable"] == "no GPU ids"
@@ -38,9 +36,15 @@ def test_no_gpu_ids_samples_nothing(tmp_path: Path) -> None:
 
 
 def test_without_nvml_records_nothing_and_raises_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` raises ImportError
+    fake = FakeNvml()
+
+    def missing() -> None:
+        raise fake.NVMLError("NVML Shared Library Not Found")  # no driver installed: pynvml is, libnvidia-ml is not
+
+    fake.nvmlInit = missing  # type: ignore[method-assign]
+    monkeypatch.setattr(telemetry, "pynvml", fake)
     with GpuSampler([0, 1], interval_s=0.1) as sampler:
-        time.sleep(0.2)
+        assert not _sampler_threads()  # nothing to wait for: without NVML no sampling thread starts
     assert sampler.summary()["samples"] == 0
     assert "NVML unavailable" in sampler.summary()["unavailable"]
     assert not _sampler_threads()
@@ -51,7 +55,7 @@ def test_without_nvml_records_nothing_and_raises_nothing(monkeypatch: pytest.Mon
 def test_real_nvml_without_a_gpu_raises_nothing() -> None:
     """On this machine's real pynvml: samples when a GPU answers, otherwise says why — never raises."""
     with GpuSampler([0], interval_s=0.1) as sampler:
-        time.sleep(0.25)
+        wait_until(lambda: sampler.unavailable or sampler.summary()["samples"], 30, "a sample or why there is none")
     summary = sampler.summary()
     if summary["samples"] == 0:
         assert summary["unavailable"]
@@ -65,7 +69,7 @@ def test_nvml_init_failure_is_silent(monkeypatch: pytest.MonkeyPatch) -> None:
         raise fake.NVMLError("Driver Not Loaded")
 
     fake.nvmlInit = broken  # type: ignore[method-assign]
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(telemetry, "pynvml", fake)
     with GpuSampler([0]) as sampler:
         pass
     assert sampler.summary()["samples"] == 0 and "Driver Not Loaded" in sampler.summary()["unavailable"]
@@ -73,10 +77,10 @@ def test_nvml_init_failure_is_silent(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_samples_in_the_background_with_a_stand_in_nvml(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     fake = FakeNvml(gpus=2)
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(telemetry, "pynvml", fake)
     with GpuSampler([0, 1, 7], interval_s=0.1) as sampler:  # GPU 7 does not exist: skipped
         assert fake.initialised
-        time.sleep(0.45)
+        wait_until(lambda: sampler.summary()["samples"] >= 3, 30, "three rounds of samples")  # + one at stop
     assert not fake.initialised and not _sampler_threads()
     summary = sampler.summary()
     assert summary["samples"] >= 4  # one at start, ~4 in the loop, one at stop
@@ -108,7 +112,7 @@ def test_samples_a_real_gpu(tmp_path: Path) -> None:
     if count == 0:
         pytest.skip("NVML sees no GPU")
     with GpuSampler([0], interval_s=0.2) as sampler:
-        time.sleep(1.1)
+        wait_until(lambda: sampler.summary()["samples"] >= 4, 30, "four rounds of samples")  # + one at stop
     summary = sampler.summary()
     print("real GPU summary:", json.dumps(summary))
     assert summary["samples"] >= 5
@@ -165,7 +169,7 @@ def _gone_pid() -> int:
 
 def _sampler(monkeypatch: pytest.MonkeyPatch, fake: FakeNvml, gpus: list[int], **kwargs: Any) -> GpuSampler:
     """A started sampler whose thread never samples by itself: the test calls ``_sample_once``."""
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(telemetry, "pynvml", fake)
     sampler = GpuSampler(gpus, interval_s=3600, **kwargs)
     sampler.start()
     return sampler
@@ -284,11 +288,9 @@ def test_only_the_mps_query_failing_still_counts_the_compute_processes(monkeypat
 def test_run_memory_in_the_background_thread(monkeypatch: pytest.MonkeyPatch, child: subprocess.Popen[bytes]) -> None:
     fake = ProcessNvml()
     fake.compute = [(child.pid, 256 * MB)]
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(telemetry, "pynvml", fake)
     with GpuSampler([0], interval_s=0.1) as sampler:
         sampler.process_group = os.getpgid(child.pid)
-        deadline = time.monotonic() + 60  # generous: CI is busy; no timing is asserted
-        while sampler.summary()["memory_run_max_mb"] is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: sampler.summary()["memory_run_max_mb"] is not None, 60, "the run's memory")  # CI is busy
     assert sampler.summary()["memory_run_max_mb"] == 256.0
     assert sampler.summary()["memory_run_source"] == "processes"

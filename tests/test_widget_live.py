@@ -6,12 +6,12 @@ Runs write ``metrics.jsonl`` into a share folder between polls of the refresher;
 
 from __future__ import annotations
 
-import time
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.waiting import wait_until
 
 from nbbatch import widgets
 from nbbatch.store.jsonl import jsonl_line
@@ -328,9 +328,7 @@ def test_live_widget_draws_the_points_as_they_come(project: Path, monkeypatch: p
     summary = widgets.print_jobs_summary("exp", share=str(project / "results"), interval=0.02)
     assert Table(summary.table.value).points("a") == 1
     append_points(share, "a", point(1, loss=0.8), point(2, loss=0.7))
-    deadline = time.monotonic() + 10  # a bound for a stuck thread, not a timing assertion
-    while Table(summary.table.value).points("a") < 3 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: Table(summary.table.value).points("a") >= 3, 10, "the new points drawn")
     assert Table(summary.table.value).points("a") == 3
     write_record(share, record("a", "succeeded"))
     assert summary.wait(timeout=10)

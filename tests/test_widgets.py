@@ -16,6 +16,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from support.waiting import wait_until
 
 from nbbatch import widgets
 from nbbatch.backends.base import Compute
@@ -25,6 +26,7 @@ from nbbatch.spec.experiment import Experiment
 from nbbatch.store.runfiles import write_record
 from nbbatch.store.runjson import RunError, RunRecord
 from nbbatch.store.share import FileShare
+from nbbatch.store.sync import FileEntry
 from nbbatch.ui.widgets import (
     Cluster,
     JobsSummary,
@@ -225,7 +227,7 @@ def test_refresher_shows_errors_and_gives_up_when_nothing_ever_appears() -> None
 def test_refresher_can_be_stopped() -> None:
     model = JobsSummaryModel("exp")
     refresher = SummaryRefresher(model, lambda: [record("a", "running")], lambda m: None, interval=0.01).start()
-    time.sleep(0.05)
+    wait_until(lambda: "a" in model.records, 10, "the refresher's first poll")
     assert refresher.running
     refresher.stop()
     assert refresher.join(timeout=2)
@@ -276,9 +278,9 @@ def test_cluster_applies_its_backend_and_scheduling_to_an_experiment(tmp_path: P
     spec = Experiment(name="exp", frameworks=["pytorch"], backend="azureml", backend_settings={"workspace": "ws"},
                       base_dir=tmp_path)
     same = Cluster("azureml", {"compute": "gpu"}, max_parallel=4).apply(spec)
-    assert same.backend_settings == {"workspace": "ws", "compute": "gpu"} and same.max_parallel == 4
+    assert same.backend_settings == {"workspace": "ws", "compute": "gpu"} and same.resources.max_parallel == 4
     other = Cluster("local", runs_per_gpu=2).apply(spec)
-    assert other.backend == "local" and other.backend_settings == {} and other.runs_per_gpu == 2
+    assert other.backend == "local" and other.backend_settings == {} and other.resources.runs_per_gpu == 2
 
 
 def test_cluster_concurrency_and_description() -> None:
@@ -367,9 +369,7 @@ def test_ray_form_connects_to_the_address_and_shows_the_resources(monkeypatch: p
     assert "cannot connect to the Ray cluster at `auto`" in form.state.value
     form.fields["address"].value = "10.0.0.1:6379"
     form.apply_button.click()  # Connect: asks in a background thread
-    deadline = time.monotonic() + 5
-    while "head" not in form.state.value and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: "head" in form.state.value, 10, "the cluster's nodes in the form")
     assert "A100" in form.state.value and "CPU 8, GPU 1, memory 8.0 GB" in form.state.value
     assert "node:" not in form.state.value
     assert cluster.settings["address"] == "10.0.0.1:6379"
@@ -414,7 +414,7 @@ def test_links_point_at_the_jupyter_server_that_serves_the_file(tmp_path: Path,
     names = ["model.pt", "figs/curve.png", "a.txt", "b.txt"]
     for name in names:
         (outputs / name).write_text("x")
-    links = widget_links.notebook_links_for(FileShare(root / "results"), "exp", "run 1", [{"name": n} for n in names])
+    links = widget_links.notebook_links_for(FileShare(root / "results"), "exp", "run 1", [FileEntry(n, 1, "") for n in names])
     assert links.outputs[0] == ("model.pt", "/files/results/exp/run%201/outputs/model.pt?download=1")
     html = links.html()
     assert 'href="/files/results/exp/run%201/outputs/figs/curve.png?download=1" download>figs/curve.png</a>' in html
@@ -490,7 +490,7 @@ def test_live_summary_refreshes_until_final_then_stops(project: Path, monkeypatc
     assert "application/vnd.jupyter.widget-view+json" in bundle and "exp: 2 runs" in bundle["text/plain"]
     write_record(share, record("a", "succeeded"))
     write_record(share, record("b", "running"))
-    time.sleep(0.3)
+    wait_until(lambda: "data-run='a' data-status='succeeded'" in summary.table.value, 10, "run a's new status")
     assert summary.refresher.running and "data-run='a' data-status='succeeded'" in summary.table.value
     write_record(share, record("b", "succeeded"))
     assert summary.wait(timeout=5)  # the thread ended by itself
@@ -516,6 +516,7 @@ def tiny_notebook(folder: Path) -> Path:
     return path
 
 
+@pytest.mark.kernel
 def test_text_mode_flow_submits_waits_and_prints_tables(project: Path, capsys: pytest.CaptureFixture) -> None:
     tiny_notebook(project)
     spec = Experiment.from_dict({"experiment": "textflow", "notebooks": ["Tiny.ipynb"],
@@ -543,6 +544,7 @@ def test_text_mode_flow_submits_waits_and_prints_tables(project: Path, capsys: p
     assert sorted(p.parent.name for p in written) == sorted(run_ids)
 
 
+@pytest.mark.kernel
 def test_widget_mode_progress_bar_fills_as_runs_finish(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("ipywidgets")
     monkeypatch.setattr(widget_display, "display_mode", lambda: "widgets")

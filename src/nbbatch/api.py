@@ -9,22 +9,28 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from nbbatch.errors import NbbatchError
+from nbbatch.backends import Backend, SubmitOptions, get_backend
+from nbbatch.errors import NbbatchError, ValidationError, did_you_mean
+from nbbatch.plan.notebook import inspect_notebook, validate_parameters
 from nbbatch.plan.runs import Plan, plan
+from nbbatch.results.progress import live_progress
+from nbbatch.results.status import follow_log, read_log, resolve_run_id
 from nbbatch.spec.experiment import Experiment, load_experiment
 from nbbatch.spec.project import Project, find_project
-from nbbatch.store.known import lookup, remember
+from nbbatch.store.known import lookup, open_experiment_share, remember
 from nbbatch.store.layout import experiment_paths
+from nbbatch.store.lease import ShareLease
+from nbbatch.store.lock import ExperimentLock
+from nbbatch.store.runfiles import clear_cancel, load_records
 from nbbatch.store.runjson import RunRecord, Status, utc_now
 from nbbatch.store.share import Share, open_share
-
-if TYPE_CHECKING:
-    from nbbatch.backends.base import Backend, SubmitOptions
 
 
 @dataclass
@@ -53,21 +59,6 @@ def _as_experiment(experiment: Experiment | str | os.PathLike[str] | dict[str, A
     return load_experiment(experiment)
 
 
-def open_experiment_share(experiment: str, share: str | Share | None = None,
-                          project: Project | None = None) -> tuple[str, Share]:
-    """The experiment's name and share: an experiment file, or a name found in the project's registry."""
-    project = project or find_project()
-    if isinstance(share, Share):
-        return experiment, share
-    if experiment.endswith((".yaml", ".yml")) and Path(experiment).exists():
-        spec = load_experiment(experiment)
-        return spec.name, open_share(share or spec.share)
-    if share:
-        return experiment, open_share(share)
-    known = lookup(project, experiment)
-    return experiment, open_share(known.get("share") or project.results_dir)
-
-
 def _lock_path(project: Project, share: Share, experiment: str) -> Path:
     local = share.local_path(experiment_paths(experiment).lock)
     if local is not None:
@@ -77,8 +68,6 @@ def _lock_path(project: Project, share: Share, experiment: str) -> Path:
 
 def known_backend(name: str, project: Project) -> Backend:
     """The backend experiment ``name`` was submitted to from this project (``local`` when unknown)."""
-    from nbbatch.backends import get_backend
-
     known = lookup(project, name)
     return get_backend(known.get("backend", "local"), **known.get("backend_settings", {}))
 
@@ -86,8 +75,6 @@ def known_backend(name: str, project: Project) -> Backend:
 def prepare(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], build_envs: bool = False,
             progress: bool = True) -> tuple[Plan, Backend, Share]:
     """Load, (optionally build envs,) plan and validate: everything submit does before it starts runs."""
-    from nbbatch.backends import get_backend
-
     spec = _as_experiment(experiment)
     project = find_project(spec.base_dir)
     backend = get_backend(spec.backend, **spec.backend_settings)
@@ -108,10 +95,6 @@ def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, 
     ``progress`` is True for a live terminal table, False for none, or a callback receiving each
     :class:`RunRecord` as it changes (what the Jupyter widgets use). ``only`` restricts to run ids/prefixes.
     """
-    from nbbatch.store.lease import ShareLease
-    from nbbatch.store.lock import ExperimentLock
-    from nbbatch.store.runfiles import clear_cancel, load_records
-
     the_plan, backend, share = prepare(experiment, build_envs=build_envs, progress=progress is True)
     spec = the_plan.experiment
     project = find_project(spec.base_dir)
@@ -140,8 +123,6 @@ def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, 
                                  halt=lease.lost)
         todo = [r for r in runs if r.run_id in set(outcome.started)]
         if todo and progress is True:
-            from nbbatch.ui.progress import live_progress
-
             with live_progress(share, spec.name, [r.run_id for r in runs]) as on_update:
                 options.on_update = on_update
                 backend.launch(todo, share, options)
@@ -158,9 +139,7 @@ def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, 
 
 def submit_options(spec: Experiment, **more: Any) -> SubmitOptions:
     """The experiment's resources as a backend takes them."""
-    from nbbatch.backends import SubmitOptions
-
-    return SubmitOptions(runs_per_gpu=spec.runs_per_gpu, mps=spec.mps, max_parallel=spec.max_parallel, **more)
+    return SubmitOptions.of(spec.resources, **more)
 
 
 def _write_manifest(share: Share, spec: Experiment, the_plan: Plan) -> None:
@@ -175,8 +154,6 @@ def _write_manifest(share: Share, spec: Experiment, the_plan: Plan) -> None:
 
 def status(experiment: str, share: str | Share | None = None, refresh: bool = True) -> list[RunRecord]:
     """The run records of an experiment (a name known to this project, or an experiment file)."""
-    from nbbatch.store.runfiles import load_records
-
     project = find_project()
     name, the_share = open_experiment_share(experiment, share, project)
     if refresh:
@@ -189,8 +166,6 @@ def status(experiment: str, share: str | Share | None = None, refresh: bool = Tr
         raise NbbatchError(f"experiment `{name}` has no runs in {the_share.url}; submit it with "
                            f"`nbbatch submit <experiment.yaml>` or pass --share where its results are")
     for problem in problems:
-        import warnings
-
         warnings.warn(problem, stacklevel=2)
     return records
 
@@ -200,8 +175,6 @@ def logs(experiment: str, run: str, follow: bool = False, tail: int | None = Non
     """A run's log (``log.txt``): the whole text, its tail, or followed until the run ends.
 
     ``rank``: the log of that rank of a distributed run (the run's own log is rank 0's)."""
-    from nbbatch.results.status import follow_log, read_log, resolve_run_id
-
     project = find_project()
     name, the_share = open_experiment_share(experiment, share, project)
     run_id = resolve_run_id(the_share, name, run)
@@ -219,8 +192,6 @@ def logs(experiment: str, run: str, follow: bool = False, tail: int | None = Non
 
 def cancel(experiment: str, runs: list[str] | None = None, share: str | Share | None = None) -> list[str]:
     """Ask runs to stop (all unfinished ones by default); they end as ``cancelled`` with their partial output."""
-    from nbbatch.results.status import resolve_run_id
-
     project = find_project()
     name, the_share = open_experiment_share(experiment, share, project)
     ids = [resolve_run_id(the_share, name, r) for r in runs] if runs else None
@@ -235,13 +206,11 @@ def run_notebook(input_path: str | os.PathLike[str], output_path: str | os.PathL
     The output is written atomically as cells complete; on failure it keeps the outputs up to the failing
     cell and papermill's error marker, and :class:`papermill.PapermillExecutionError` is raised.
     """
-    import sys
-
+    # papermill, jupyter_client and the engine take a second to import: only this command needs them, not the CLI's others
     import papermill  # noqa: F401 - before nbbatch.execute.engine: papermill's entry-point scan imports it
+    from jupyter_client.kernelspec import KernelSpecManager
 
-    from nbbatch.errors import ValidationError
     from nbbatch.execute import engine
-    from nbbatch.plan.notebook import inspect_notebook, validate_parameters
 
     find_project().activate_kernels()
     info = inspect_notebook(input_path)
@@ -250,12 +219,8 @@ def run_notebook(input_path: str | os.PathLike[str], output_path: str | os.PathL
     kernel = kernel or info.kernel
     if not kernel:
         raise ValidationError(f"{Path(input_path).name} names no kernel; pass one with -k (e.g. -k python3)")
-    from jupyter_client.kernelspec import KernelSpecManager
-
     known = KernelSpecManager().find_kernel_specs()
     if kernel not in known:
-        from nbbatch.errors import did_you_mean
-
         raise ValidationError(f"kernel `{kernel}` does not exist{did_you_mean(kernel, known)}; known kernels: "
                               f"{', '.join(sorted(known))}")
     return engine.execute_notebook_file(  # papermill.execute_notebook, with atomic writes of the output

@@ -11,7 +11,8 @@ environment:
 
 Outside nbbatch (a notebook opened by hand) ``output_dir()`` is ``./outputs`` and ``checkpoint_dir()``
 is None: nothing to resume from, nothing kept. Write checkpoints with :func:`atomic_path`, so a kernel
-killed mid-write leaves the previous checkpoint whole.
+killed mid-write leaves the previous checkpoint whole. :func:`write_file_atomic` is the same write for bytes
+in hand, and the one every part of nbbatch uses for local files (the lowest layer, so the kernel side can too).
 """
 
 from __future__ import annotations
@@ -60,9 +61,34 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
     savers that choose a format by it (Keras' ``.keras``). A folder (a TensorFlow SavedModel) works too:
     the old folder is moved aside, the new one renamed in, then the old one removed.
     """
-    target = Path(target)
+    with _replaced_whole(Path(target), keep_suffix=True) as tmp:
+        yield tmp
+
+
+def write_file_atomic(target: str | os.PathLike[str], data: bytes, mode: int = 0o600) -> None:
+    """Replace ``target`` by ``data`` with permissions ``mode`` (the owner's only unless told otherwise).
+
+    The one atomic write of a local file, for the driver and the kernel alike: a reader sees the old file
+    or the new one, never half of one, and the new one survives a crash of the machine once this returns.
+    """
+    with _replaced_whole(Path(target), keep_suffix=False) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.fchmod(fd, mode)  # exactly ``mode``, whatever the umask
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+
+
+@contextlib.contextmanager
+def _replaced_whole(target: Path, keep_suffix: bool) -> Iterator[Path]:
+    """A fresh hidden ``.<name>.<random>.part`` beside ``target`` (plus ``target``'s suffix with ``keep_suffix``)
+    to write; when the block ends without error it is synced and renamed over ``target``; otherwise removed.
+
+    The name is random so that two writers of one target never share a temporary file; beside the target
+    so that the rename stays on one file system (atomic).
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem}.", suffix=f".part{target.suffix}")
+    suffix = f".part{target.suffix}" if keep_suffix else ".part"
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=suffix)
     os.close(fd)
     os.unlink(name)  # savers that refuse to overwrite find no file; the name stays ours (random, hidden)
     tmp = Path(name)
@@ -74,10 +100,26 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
             os.replace(tmp, target)
             shutil.rmtree(old, ignore_errors=True)
         else:
+            _fsync(tmp)  # the data is on disk before the name points at it
             os.replace(tmp, target)
+        _fsync(target.parent)  # and the rename itself survives a crash of the machine
     finally:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
+
+
+def _fsync(path: Path) -> None:
+    """Flush ``path`` (a file or a folder) to disk; nothing where the file system cannot (some network ones)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

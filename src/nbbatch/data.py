@@ -7,12 +7,17 @@ as int64. Only numpy is needed (plus scikit-learn for the digits).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
+import sys
 import tarfile
+import urllib.request
 from pathlib import Path
 
 import numpy as np
+
+from nbbatch.artifacts import atomic_path
 
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"
@@ -134,18 +139,14 @@ def write_cifar10_batches(folder: str | os.PathLike[str], n_train_per_batch: int
 
 def download_cifar10(data_dir: str | os.PathLike[str] = "data") -> Path:
     """Download the CIFAR-10 python archive into ``data_dir``, check its MD5 and unpack it (``make data``)."""
-    import hashlib
-    import urllib.request
-
     root = Path(data_dir)
     root.mkdir(parents=True, exist_ok=True)
     archive = root / "cifar-10-python.tar.gz"
     if not archive.exists():
-        partial = archive.with_suffix(".part")
-        with urllib.request.urlopen(CIFAR10_URL, timeout=60) as response, open(partial, "wb") as out:
+        with atomic_path(archive) as partial, urllib.request.urlopen(CIFAR10_URL, timeout=60) as response, \
+                open(partial, "wb") as out:
             while chunk := response.read(1 << 20):
                 out.write(chunk)
-        os.replace(partial, archive)
     digest = hashlib.md5(archive.read_bytes()).hexdigest()  # noqa: S324 - the published checksum is MD5
     if digest != CIFAR10_MD5:
         archive.unlink()
@@ -154,6 +155,4 @@ def download_cifar10(data_dir: str | os.PathLike[str] = "data") -> Path:
 
 
 if __name__ == "__main__":  # python -m nbbatch.data [DIR]
-    import sys
-
     print(f"CIFAR-10 ready in {download_cifar10(sys.argv[1] if len(sys.argv) > 1 else 'data')}")

@@ -24,6 +24,12 @@ import uuid
 from collections.abc import Iterator, Mapping
 from datetime import datetime, timezone
 from typing import Any
+from urllib.parse import unquote, urlparse
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: MLflow file stores go unlocked there
+    fcntl = None  # type: ignore[assignment]
 
 METRICS_MIME = "application/vnd.nbbatch.metrics+json"
 HISTORY_MIME = "application/vnd.nbbatch.history+json"  # one point: {"step", "time", metrics...}
@@ -92,14 +98,11 @@ _history_display: dict[str, Any] = {"cell": None, "id": None}
 
 def _show(data: dict[str, Any], mime: str, text: str, per_cell: bool) -> None:
     """Display ``data`` under ``mime``; history points of one cell update one output instead of adding lines."""
-    try:
-        from IPython import get_ipython
-        from IPython.display import display
-    except ImportError:  # pragma: no cover - plain Python without IPython
-        return
-    shell = get_ipython()
+    ipython = sys.modules.get("IPython")  # loaded in every kernel; absent elsewhere, and then nothing to show
+    shell = ipython.get_ipython() if ipython is not None else None
     if shell is None:
         return
+    display = ipython.display.display
     bundle = {mime: data, "text/plain": text}
     if not per_cell:
         display(bundle, raw=True)
@@ -171,16 +174,12 @@ def _file_store_lock(uri: str) -> Iterator[None]:
     The runs of a sweep start together; without it, two kernels that both find no experiment each
     create one and a run can land in the wrong one. Tracking servers (Azure ML's too) need no lock.
     """
-    from urllib.parse import unquote, urlparse
-
     parsed = urlparse(uri)
-    if parsed.scheme not in ("", "file") or os.name != "posix":
+    if parsed.scheme not in ("", "file") or fcntl is None:
         yield
         return
     folder = unquote(parsed.path) if parsed.scheme else uri
     try:
-        import fcntl
-
         os.makedirs(folder, exist_ok=True)
         handle = open(os.path.join(folder, ".nbbatch-experiment.lock"), "a")  # noqa: SIM115 - held below
     except OSError:

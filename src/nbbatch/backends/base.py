@@ -4,8 +4,9 @@ A backend only decides *where* ``nbbatch run-one`` (:func:`nbbatch.execute.attem
 the execution itself and the share layout are the same everywhere. :class:`Backend` owns what is the
 same for all of them, in the manner of jupyter-scheduler's ``ExecutionManager``:
 
-* settings validation, from the declarative :attr:`Backend.SETTINGS` table (unknown names get
-  "did you mean", values are checked before anything starts, secrets are never echoed);
+* settings, declared once as the frozen dataclass :attr:`Backend.Settings` and validated once when the
+  backend is made (:mod:`nbbatch.backends.settings`: unknown names get "did you mean", values are checked
+  before anything starts, secrets are never echoed);
 * :meth:`Backend.submit`: skip runs that already succeeded (unless forced) or are still in flight
   (:meth:`~Backend.triage`), then order the rest longest-first, write their ``queued`` records,
   :meth:`~Backend.start` them and :meth:`~Backend.wait` until final when asked (:meth:`~Backend.launch`);
@@ -20,8 +21,8 @@ A subclass implements :meth:`~Backend.compute` and :meth:`~Backend.start`, and o
 from __future__ import annotations
 
 import copy
+import json
 import logging
-import reprlib
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -29,9 +30,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from nbbatch.errors import BackendError, did_you_mean
+from nbbatch.backends.settings import NoSettings, Setting, setting_table, settings_values, validated
+from nbbatch.errors import BackendError
+from nbbatch.execute.envs import build_envs
 from nbbatch.plan.runs import Run
-from nbbatch.redact import has_secret, is_secret, without_secrets
+from nbbatch.redact import is_secret, without_secrets
+from nbbatch.spec.resources import Resources
 from nbbatch.store.layout import OUTPUT_NOTEBOOK, run_paths
 from nbbatch.store.runfiles import (
     clear_run_cancels,
@@ -44,9 +48,10 @@ from nbbatch.store.runfiles import (
     write_record,
 )
 from nbbatch.store.runjson import RunError, RunRecord, Status
-from nbbatch.store.share import Share
+from nbbatch.store.share import Share, poll_interval
 
 if TYPE_CHECKING:
+    from nbbatch.execute.placement import NodePlacement
     from nbbatch.spec.project import Project
 
 UpdateCallback = Callable[[RunRecord], None]
@@ -111,6 +116,11 @@ class SubmitOptions:
     earlier: list[RunRecord] = field(default_factory=list)  # the experiment's records before this launch (what ran before)
     _guarded: UpdateCallback | None = field(default=None, init=False, repr=False, compare=False)
 
+    @classmethod
+    def of(cls, resources: Resources, **more: Any) -> SubmitOptions:
+        """The options of an experiment's :class:`~nbbatch.spec.resources.Resources` (and ``more`` of the launch)."""
+        return cls(runs_per_gpu=resources.runs_per_gpu, mps=resources.mps, max_parallel=resources.max_parallel, **more)
+
     @property
     def guarded_update(self) -> UpdateCallback:
         """:attr:`on_update` through :func:`guarded` (one wrapper while it stays the same callback, so its failure
@@ -145,81 +155,42 @@ class Capabilities:
     containers: bool = False  # runs execute inside the frameworks' images (``nbbatch images``)
 
 
-@dataclass(frozen=True)
-class Setting:
-    """One backend setting: what it accepts, its default, and how a form shows it."""
-
-    default: Any = None
-    kinds: tuple[type, ...] = ()  # accepted types (empty: anything); bool is never taken for a number
-    minimum: float | None = None
-    choices: tuple[Any, ...] = ()  # the only values allowed
-    suggestions: tuple[Any, ...] = ()  # values a form offers (others are allowed)
-    label: str | None = None  # shown in a form (settings without one are not in the form)
-    python_only: bool = False  # an object for Python callers and tests (a client, a credential): never stored or shown
-
-    def problem(self, value: Any) -> str | None:
-        """What ``value`` must be instead, e.g. ``"an integer ≥ 1"`` (None: it is fine)."""
-        if value is None:
-            return None
-        numeric = bool(self.kinds) and all(k in (int, float) for k in self.kinds)
-        wrong_kind = bool(self.kinds) and (not isinstance(value, self.kinds) or (numeric and isinstance(value, bool)))
-        if wrong_kind or (self.minimum is not None and value < self.minimum):
-            return self._description()
-        if self.choices and value not in self.choices:
-            return " or ".join(f"`{c}`" for c in self.choices)
-        return None
-
-    def _description(self) -> str:
-        if float in self.kinds:
-            what = "a number"
-        else:
-            what = " or ".join(_KIND_NAMES.get(k.__name__, k.__name__) for k in self.kinds) or "a value"
-        return what + (f" ≥ {self.minimum:g}" if self.minimum is not None else "")
-
-
-_KIND_NAMES = {"int": "an integer", "str": "a string", "bool": "true or false", "dict": "a mapping",
-               "Mapping": "a mapping", "list": "a list", "PathLike": "a path"}
-
-
 class Backend(ABC):
     """Where runs execute. Register a subclass with :func:`nbbatch.backends.register_backend`."""
 
     name: ClassVar[str]
     capabilities: ClassVar[Capabilities] = Capabilities()
-    SETTINGS: ClassVar[Mapping[str, Setting]] = {}
+    Settings: ClassVar[type] = NoSettings  # a frozen dataclass: one field per setting (see nbbatch.backends.settings)
+    settings: Any  # the validated Settings instance: read ``self.settings.max_parallel``
     settings_hint: ClassVar[str] = ""  # added to the unknown-setting error (e.g. where else a key belongs)
     poll_s: float | None = None  # how often :meth:`wait` reads the records (None: by the share's kind)
     heartbeat_s: ClassVar[float] = 10.0  # how often :meth:`wait` calls :meth:`heartbeat`
 
-    def __init__(self, **settings: Any) -> None:
-        self.settings = self.validate_settings(settings)
+    def __init__(self, settings: Any = None, /, **values: Any) -> None:
+        """Configure from a :attr:`Settings` instance and/or settings by name (the experiment's ``backend:``
+        mapping); values given by name replace the instance's. A :class:`BackendError` names the first mistake."""
+        given = {**(settings_values(settings) if settings is not None else {}), **values}
+        self.settings = self.validate_settings(given)
 
     # --- settings ------------------------------------------------------------------------------------
 
     @classmethod
-    def validate_settings(cls, settings: Mapping[str, Any]) -> dict[str, Any]:
-        """The settings with defaults filled in; a :class:`BackendError` names the first mistake.
+    def setting_table(cls) -> dict[str, Setting]:
+        """Every setting of this backend, by name (from :attr:`Settings`)."""
+        return setting_table(cls.Settings)
+
+    @classmethod
+    def validate_settings(cls, settings: Mapping[str, Any]) -> Any:
+        """The :attr:`Settings` of these values (defaults filled in); a :class:`BackendError` names the first mistake.
 
         Values are never echoed for secret-looking names: a mistaken setting may hold a key.
         """
-        unknown = sorted(str(k) for k in settings if k not in cls.SETTINGS)
-        if unknown:
-            bad = unknown[0]
-            known = [k for k, s in cls.SETTINGS.items() if not s.python_only]
-            hint = f"; {cls.settings_hint}" if cls.settings_hint else ""
-            raise BackendError(f"unknown {cls.name} backend setting `{bad}`{did_you_mean(bad, known)}; "
-                               f"known: {', '.join(known) or '(none)'}{hint}")
-        for key, value in settings.items():
-            problem = cls.SETTINGS[key].problem(value)
-            if problem:
-                shown = "a value" if is_secret(key) or has_secret(value) else reprlib.repr(value)
-                raise BackendError(f"{cls.name} backend setting `{key}` must be {problem} (got {shown})")
-        return {**{k: s.default for k, s in cls.SETTINGS.items()}, **settings}
+        return validated(cls.Settings, cls.name, settings, cls.settings_hint)
 
     @classmethod
     def form_settings(cls) -> dict[str, Setting]:
         """The settings a form (``setup_cluster``) shows, by name."""
-        return {k: s for k, s in cls.SETTINGS.items() if s.label and not s.python_only}
+        return {k: s for k, s in cls.setting_table().items() if s.label and not s.python_only}
 
     @classmethod
     def storable_settings(cls, settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -229,11 +200,10 @@ class Backend(ABC):
         left out when :func:`nbbatch.redact.is_secret` flags its name or value; so are credentials and
         clients (``python_only`` settings, values that are not plain JSON).
         """
-        import json
-
+        table = cls.setting_table()
         kept = {}
         for key, value in settings.items():
-            setting = cls.SETTINGS.get(key)
+            setting = table.get(key)
             if is_secret(key, value) or (setting is not None and setting.python_only):
                 continue
             try:
@@ -275,9 +245,13 @@ class Backend(ABC):
 
         By default these are this machine's venvs, for a backend whose runs use :attr:`Capabilities.local_kernels`."""
         if build and frameworks and self.capabilities.local_kernels:
-            from nbbatch.execute.envs import build_envs
-
             build_envs(frameworks, project, progress=progress)
+
+    @classmethod
+    def node_placement(cls, run: Run, environ: Mapping[str, str]) -> NodePlacement | None:
+        """Where this node is in a distributed run's gang, from the variables the backend's cluster set (read by
+        ``nbbatch run-one`` on the node, after nbbatch's own ``NBBATCH_NODE_RANK``/``NBBATCH_ENDPOINTS``); None: not set."""
+        return None
 
     def in_flight(self, share: Share, record: RunRecord) -> bool:
         """Whether an unfinished run is still queued or running in this backend (so it is not started twice)."""
@@ -378,7 +352,7 @@ class Backend(ABC):
              on_update: UpdateCallback | None = None) -> None:
         """Poll until every run in ``run_ids`` is final, reporting each change through ``on_update``."""
         notify = guarded(on_update)
-        poll = self.poll_s if self.poll_s is not None else (0.5 if share.local_path("") is not None else 2.0)
+        poll = self.poll_s if self.poll_s is not None else poll_interval(share)
         seen: dict[str, tuple[Any, ...]] = {}
         pending = list(run_ids)
         last_beat = time.monotonic()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 import re
 import shutil
@@ -24,12 +23,15 @@ import time
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
+import nbbatch
 from nbbatch.containers.engines import Engine, build_ca_bundle
 from nbbatch.errors import ContainerError
 from nbbatch.spec.frameworks import Framework
 from nbbatch.spec.project import Project
+from nbbatch.store.share import write_file_atomic
 
 TEMPLATE = "Dockerfile"  # in the project's dockerfiles/ folder
 UV_VERSION = "0.13.8"  # the uv an image installs with (its PyPI wheel carries the binary)
@@ -177,8 +179,6 @@ def stage_context(spec: ImageSpec, dest: Path, project: Project, arch: str | Non
     Raises :class:`ContainerError` naming any path the Dockerfile copies that the context lacks, so a
     build never fails half-way for want of a file.
     """
-    import nbbatch
-
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "Dockerfile").write_text(spec.text)
     shutil.copytree(Path(nbbatch.__file__).resolve().parent, dest / "src" / "nbbatch", ignore=IGNORE, dirs_exist_ok=True)
@@ -202,8 +202,6 @@ def stage_context(spec: ImageSpec, dest: Path, project: Project, arch: str | Non
 
 def nbbatch_requirements() -> list[str]:
     """nbbatch's own requirements (no extras): what runs ``nbbatch run-one`` in an image."""
-    from importlib import metadata
-
     try:
         declared = metadata.requires("nbbatch") or []
     except metadata.PackageNotFoundError as exc:
@@ -237,11 +235,7 @@ def uv_binary(project: Project, arch: str | None = None) -> Path:
             member = next((n for n in wheel.namelist() if re.search(r"\.data/scripts/uv$", n)), None)
             if member is None:
                 raise ContainerError(f"{wheels[0].name} holds no uv binary")
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            part = cached.with_suffix(".part")
-            part.write_bytes(wheel.read(member))
-            part.chmod(0o755)
-            os.replace(part, cached)
+            write_file_atomic(cached, wheel.read(member), 0o755)
     return cached
 
 

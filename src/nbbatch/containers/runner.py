@@ -23,15 +23,18 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import nbbatch
 from nbbatch.containers.engines import Engine
+from nbbatch.execute.context import AttemptContext, UpdateCallback
 from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret, tracking_credentials
-from nbbatch.store.runfiles import read_record_or_none
-from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status
+from nbbatch.store.runfiles import finalize_record, read_record_or_none
+from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status, to_json_value
 from nbbatch.store.share import Share
 
 HOST_NBBATCH = "/opt/nbbatch/host"  # where the driver's own nbbatch is mounted: the run uses the same code
@@ -87,8 +90,6 @@ def _outermost(paths: Iterable[Path]) -> list[Path]:
 def container_command(engine: Engine, image: str, name: str, run: Run, share_root: Path, project_root: Path,
                       private: Path, gpu_ids: list[int], shared_gpu: bool, labels: dict[str, str]) -> list[str]:
     """The ``run`` command of a run's container (``private`` holds its spec and placement files)."""
-    import nbbatch
-
     share_root = share_root.resolve()
     mounts = ["--volume", f"{share_root}:{share_root}:rw",
               "--volume", f"{private}:{private}:ro",
@@ -108,22 +109,30 @@ def container_command(engine: Engine, image: str, name: str, run: Run, share_roo
         "--project", str(project_root), "--backend", "local", *(["--shared-gpu"] if shared_gpu else []))
 
 
-def execute_in_container(engine: Engine, image: str, image_id: str, run: Run, share: Share, project_root: Path, *,
-                         gpu_ids: list[int], shared_gpu: bool, gpu_share: dict[str, Any],
-                         cancel_event: threading.Event, notify: Callable[[RunRecord], None]) -> RunRecord:
-    """Execute ``run`` with ``nbbatch run-one`` in a container of ``image``; return its final record."""
+def execute_in_container(engine: Engine, run: Run, share: Share, context: AttemptContext) -> RunRecord:
+    """Execute ``run`` with ``nbbatch run-one`` in a container; return its final record.
+
+    ``context.container`` names the image (``engine``, ``image``, ``image_id``: run.json's, with the container's
+    name added); its GPUs, GPU sharing, project root, cancel event and callback apply as to a kernel of this
+    machine (a kernel pool and an MPS daemon's variables do not reach into the container).
+    """
     share_root = share.local_path("")
     if share_root is None:
         raise RuntimeError("container runs need a share that is a folder on this machine")  # Backend.check refuses it
+    project_root = context.project_root or run.project_root()
     name = f"nbbatch-{re.sub(r'[^a-zA-Z0-9_.-]', '-', run.run_id)[:60]}-{uuid.uuid4().hex[:6]}"
     private = Path(tempfile.mkdtemp(prefix="nbbatch-container-"))  # 0700: the run's parameters are nobody else's
     tail: collections.deque[str] = collections.deque(maxlen=200)
     try:
         (private / "spec.json").write_text(run.to_json())
-        container = {"engine": engine.name, "image": image, "image_id": image_id, "name": name}
-        (private / "placement.json").write_text(json.dumps({"gpu_share": gpu_share, "container": container,
-                                                            "gpu_ids": gpu_ids}))
-        cmd = container_command(engine, image, name, run, Path(share_root), project_root, private, gpu_ids, shared_gpu,
+        if context.container is None:
+            raise RuntimeError("execute_in_container needs context.container: the image to run in")
+        container = replace(context.container, name=name)
+        (private / "placement.json").write_text(json.dumps({"gpu_share": to_json_value(context.gpu_share) or {},
+                                                            "container": to_json_value(container),
+                                                            "gpu_ids": context.gpu_ids}))
+        cmd = container_command(engine, container.image, name, run, Path(share_root), project_root, private,
+                                context.gpu_ids, context.shared_gpu,
                                 {"nbbatch.experiment": run.experiment, "nbbatch.run": run.run_id})
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 text=True, errors="replace")
@@ -131,16 +140,22 @@ def execute_in_container(engine: Engine, image: str, image_id: str, run: Run, sh
             _running[name] = engine
         reader = threading.Thread(target=lambda: tail.extend(proc.stdout or ()), daemon=True)
         reader.start()
-        stopped = _watch(proc, engine, name, run, share, cancel_event, notify)
+        stopped = _watch(proc, engine, name, run, share, context.cancel_event or threading.Event(), context.notify)
         reader.join(timeout=5)
     finally:
         with _running_lock:
             _running.pop(name, None)
         shutil.rmtree(private, ignore_errors=True)
+    return _outcome(engine, container.image, run, share, proc.returncode, stopped, "".join(tail))
+
+
+def _outcome(engine: Engine, image: str, run: Run, share: Share, returncode: int | None, stopped: str,
+             tail: str) -> RunRecord:
+    """The run's record once its container is gone: run-one's own, else why the container ended before the run."""
     record = read_record_or_none(share, run.experiment, run.run_id)
     if record is not None and record.final:
         return record
-    output = "".join(tail).strip()[-OUTPUT_TAIL:]
+    output = tail.strip()[-OUTPUT_TAIL:]
     if stopped:
         if stopped == "cancelled":
             return _ended(share, run, Status.CANCELLED, RunError("cancelled", "", reason="cancelled: its container was "
@@ -149,12 +164,12 @@ def execute_in_container(engine: Engine, image: str, image_id: str, run: Run, sh
             "RunTimeout", output, reason=f"its container outlived the run's timeout ({run.timeout_s:g} s) by "
                                          f"{TIMEOUT_GRACE_S:g} s and was stopped", kind=ErrorKind.TIMEOUT))
     return _ended(share, run, Status.FAILED, RunError(
-        "ContainerFailed", output, reason=f"its container ({engine.name}, {image}) exited with {proc.returncode} "
+        "ContainerFailed", output, reason=f"its container ({engine.name}, {image}) exited with {returncode} "
                                           f"before the run ended{_hint(output)}", kind=ErrorKind.INFRA))
 
 
 def _watch(proc: subprocess.Popen[str], engine: Engine, name: str, run: Run, share: Share,
-           cancel_event: threading.Event, notify: Callable[[RunRecord], None]) -> str:
+           cancel_event: threading.Event, notify: UpdateCallback) -> str:
     """Wait for the container, passing record changes to ``notify``; kill it on cancel or past the run's timeout.
 
     Returns why it was stopped (``cancelled``, ``timed_out``) or an empty string."""
@@ -189,8 +204,6 @@ def stop_container(engine: Engine, name: str) -> None:
 
 
 def _ended(share: Share, run: Run, status: Status, error: RunError) -> RunRecord:
-    from nbbatch.store.runfiles import finalize_record
-
     return finalize_record(share, run, status, error, backend="local")
 
 

@@ -37,10 +37,18 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+# papermill.execute is half imported when papermill's entry-point scan loads this module: its names are read when called
+import nbformat  # noqa: E402
+import papermill.execute as papermill_execute  # noqa: E402
 from papermill.clientwrap import PapermillNotebookClient  # noqa: E402 - after the stand-in
 from papermill.engines import NBClientEngine, NotebookExecutionManager, papermill_engines  # noqa: E402
+from papermill.exceptions import PapermillExecutionError  # noqa: E402
+from papermill.iorw import load_notebook_node, local_file_io_cwd  # noqa: E402
+from papermill.parameterize import add_builtin_parameters, parameterize_notebook, parameterize_path  # noqa: E402
 
 from nbbatch.execute.kernels import BatchKernelManager, PrestartedKernel, reap_kernel  # noqa: E402
+from nbbatch.metrics import HISTORY_MIME  # noqa: E402
+from nbbatch.store.notebook_io import write_notebook_atomic  # noqa: E402
 
 Saver = Callable[[Any], None]
 PointCallback = Callable[[dict[str, Any]], None]
@@ -109,8 +117,6 @@ class _BatchClient(PapermillNotebookClient):
 
     def process_message(self, msg: dict[str, Any], cell: Any, cell_index: int) -> Any:
         if self._on_point is not None and msg.get("msg_type") in _DISPLAYS:
-            from nbbatch.metrics import HISTORY_MIME
-
             point = (msg.get("content", {}).get("data") or {}).get(HISTORY_MIME)
             if isinstance(point, dict):  # every point, also those a later update of the same output replaces
                 self._on_point(point)
@@ -126,8 +132,6 @@ class _BatchClient(PapermillNotebookClient):
         text = out.get("text", "")
         self._printed[cell_index] = before + len(text)
         if before + len(text) > self._max_output and outs and outs[-1] is out:
-            import nbformat
-
             outs.pop()
             if before <= self._max_output:  # the output that crosses the limit: its head, then the note
                 name = out.get("name", "stdout")
@@ -215,11 +219,6 @@ def execute_notebook_file(input_path: str, output_path: str, parameters: dict[st
     rename as the checkpoints. ``kwargs`` are the engine's (``kernel_cwd``, ``stdout_file``, ``execution_timeout``…).
     On a failing cell the output keeps papermill's error marker and PapermillExecutionError is raised.
     """
-    from papermill.exceptions import PapermillExecutionError
-    from papermill.execute import prepare_notebook_metadata, raise_for_execution_errors, remove_error_markers
-    from papermill.iorw import load_notebook_node, local_file_io_cwd
-    from papermill.parameterize import add_builtin_parameters, parameterize_notebook, parameterize_path
-
     path_parameters = add_builtin_parameters(parameters)
     input_path = parameterize_path(str(input_path), path_parameters)
     output_path = parameterize_path(str(output_path), path_parameters)
@@ -228,14 +227,14 @@ def execute_notebook_file(input_path: str, output_path: str, parameters: dict[st
         nb = load_notebook_node(input_path)
         if parameters:
             nb = parameterize_notebook(nb, parameters, kernel_name=kernel_name, engine_name="nbbatch")
-        nb = prepare_notebook_metadata(nb, input_path, output_path)
-        nb = remove_error_markers(nb)
+        nb = papermill_execute.prepare_notebook_metadata(nb, input_path, output_path)
+        nb = papermill_execute.remove_error_markers(nb)
         kernel_name = papermill_engines.nb_kernel_name(engine_name="nbbatch", nb=nb, name=kernel_name)
         try:
             nb = NbbatchEngine.execute_notebook(nb, kernel_name, saver=saver, final_save=False, input_path=input_path,
                                                 **kwargs)
             with tempfile.TemporaryDirectory(prefix="nbbatch-") as scratch:  # papermill's own (in-place) error write
-                raise_for_execution_errors(nb, os.path.join(scratch, "failed.ipynb"))
+                papermill_execute.raise_for_execution_errors(nb, os.path.join(scratch, "failed.ipynb"))
         except PapermillExecutionError:
             saver(nb)  # with papermill's error marker at the top
             raise
@@ -247,8 +246,6 @@ def execute_notebook_file(input_path: str, output_path: str, parameters: dict[st
 
 
 def _atomic_path_saver(path: str) -> Saver:
-    from nbbatch.store.notebook_io import write_notebook_atomic
-
     return lambda nb: write_notebook_atomic(nb, path)
 
 

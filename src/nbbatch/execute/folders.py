@@ -15,6 +15,8 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import shutil
+import socket
 import tempfile
 import threading
 from pathlib import Path
@@ -24,8 +26,11 @@ from nbbatch.artifacts import CHECKPOINT_DIR_ENV, OUTPUT_DIR_ENV
 from nbbatch.errors import NbbatchError
 from nbbatch.plan.inputs import is_share_url
 from nbbatch.plan.runs import Run
+from nbbatch.spec.project import Project, find_project
 from nbbatch.store.layout import run_paths
-from nbbatch.store.share import Share
+from nbbatch.store.runjson import CheckpointSummary, InputBinding
+from nbbatch.store.share import Share, open_share
+from nbbatch.store.sync import FileEntry, pull, push, tree_listing
 
 PUSH_EVERY_S = 30.0  # how often changed checkpoints go to a remote share while the run goes
 
@@ -45,15 +50,11 @@ class RunFolders:
                        for name, location in run.inputs.items()}
         self.outputs, self.checkpoints, self.remote = run_folders(run, share)
         if self.remote:
-            import shutil
-
             shutil.rmtree(self.outputs.parent, ignore_errors=True)  # left by a process of this pid long gone
             self.outputs.parent.mkdir(mode=0o700)  # the run's files, not for other users of the machine
         for folder in (self.outputs, self.checkpoints):
             folder.mkdir(parents=True, mode=0o700, exist_ok=True)
         if self.remote and share.exists(self.paths.checkpoints):
-            from nbbatch.store.sync import pull
-
             pull(share, self.paths.checkpoints, self.checkpoints)
         self._push_every = push_every_s
         self._stop = threading.Event()
@@ -69,16 +70,16 @@ class RunFolders:
     @property
     def parameters(self) -> dict[str, str]:
         """Each input's parameter with its folder's path here."""
-        return {name: bound["path"] for name, bound in self.inputs.items()}
+        return {name: bound.path for name, bound in self.inputs.items()}
 
-    def checkpoint_summary(self) -> dict[str, Any] | None:
+    def checkpoint_summary(self) -> CheckpointSummary | None:
         """What an attempt resumes from (files, bytes, the newest file), or None when there is no checkpoint."""
         files = [p for p in self.checkpoints.rglob("*") if p.is_file() and not _hidden(p, self.checkpoints)]
         if not files:
             return None
         newest = max(files, key=lambda p: p.stat().st_mtime_ns)
-        return {"files": len(files), "bytes": sum(p.stat().st_size for p in files),
-                "latest": newest.relative_to(self.checkpoints).as_posix()}
+        return CheckpointSummary(files=len(files), bytes=sum(p.stat().st_size for p in files),
+                                 latest=newest.relative_to(self.checkpoints).as_posix())
 
     # --- while an attempt runs ---------------------------------------------------------------------
 
@@ -103,8 +104,6 @@ class RunFolders:
                 self._push_checkpoints()
 
     def _push_checkpoints(self) -> None:
-        from nbbatch.store.sync import push
-
         with self._lock:
             seen = _snapshot(self.checkpoints)
             if seen != self._pushed:
@@ -113,20 +112,16 @@ class RunFolders:
 
     # --- after an attempt ----------------------------------------------------------------------------
 
-    def save(self) -> list[dict[str, Any]]:
+    def save(self) -> list[FileEntry]:
         """Bring the outputs (and checkpoints) to the share when it is remote; the outputs' listing for run.json."""
-        from nbbatch.store.sync import push, tree_listing
-
         if self.remote:
             self._push_checkpoints()
             push(self.outputs, self.share, self.paths.outputs, delete=True)
-        return [entry.to_dict() for entry in tree_listing(self.outputs)]
+        return tree_listing(self.outputs)
 
     def close(self) -> None:
         self.stop()
         if self.remote:
-            import shutil
-
             shutil.rmtree(self.outputs.parent, ignore_errors=True)
 
 
@@ -159,22 +154,20 @@ def _snapshot(folder: Path) -> tuple[Any, ...]:
 
 
 def resolve_input(run: Run, name: str, location: str, given: dict[str, str], project_root: Path | None,
-                  cache_dir: Path | None) -> dict[str, str]:
-    """``{"source", "path"}``: where input ``name`` is for the run here (raises :class:`InputError`)."""
+                  cache_dir: Path | None) -> InputBinding:
+    """Where input ``name`` is for the run here (raises :class:`InputError`)."""
     if name in given:  # the backend mounted it (Azure ML's ro_mount)
-        return {"source": location, "path": given[name]}
+        return InputBinding(location, given[name])
     if is_share_url(location):
-        return {"source": location, "path": str(_pulled(name, location, cache_dir, project_root))}
+        return InputBinding(location, str(_pulled(name, location, cache_dir, project_root)))
     folder = Path(location)
     if folder.is_dir():
-        return {"source": location, "path": str(folder)}
+        return InputBinding(location, str(folder))
     if project_root is not None:  # the same folder of the project, cloned elsewhere (a Ray node's `project:`)
         with contextlib.suppress(ValueError):
             here = project_root / folder.relative_to(run.project_root())
             if here.is_dir():
-                return {"source": location, "path": str(here)}
-    import socket
-
+                return InputBinding(location, str(here))
     raise InputError(f"input `{name}`: the folder {location} is not on {socket.gethostname()}, where the run "
                      "executes; put it on the share (`nbbatch data push <folder> <share URL>`) and name that URL "
                      "in `inputs:`, or make the folder visible at the same path on every node")
@@ -182,10 +175,6 @@ def resolve_input(run: Run, name: str, location: str, given: dict[str, str], pro
 
 def _pulled(name: str, url: str, cache_dir: Path | None, project_root: Path | None) -> Path:
     """A copy of the share folder ``url`` in the cache, brought up to date (one puller at a time per machine)."""
-    from nbbatch.spec.project import Project, find_project
-    from nbbatch.store.share import open_share
-    from nbbatch.store.sync import pull
-
     share = open_share(url)
     local = share.local_path("")
     if local is not None:

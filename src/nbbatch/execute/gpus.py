@@ -18,6 +18,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import pynvml  # nvidia-ml-py: loads the NVML library only at nvmlInit
+
 if TYPE_CHECKING:
     from nbbatch.plan.runs import Run
     from nbbatch.store.runjson import RunError, RunRecord
@@ -57,11 +59,7 @@ def _visible_filter() -> set[int] | None:
 
 
 def detect_gpus() -> list[GpuInfo]:
-    """The NVIDIA GPUs NVML reports (empty without a GPU, a driver or nvidia-ml-py)."""
-    try:
-        import pynvml
-    except ImportError:
-        return []
+    """The NVIDIA GPUs NVML reports (empty without a GPU or a driver)."""
     try:
         pynvml.nvmlInit()
     except Exception:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded…
@@ -214,7 +212,7 @@ class MemoryNeeds:
     def learn(self, record: RunRecord) -> None:
         """Remember what a finished run used."""
         peak = record.telemetry.get("memory_run_max_mb") if isinstance(record.telemetry, dict) else None
-        if (record.status != "succeeded" or not record.gpu_share.get("shared") or isinstance(peak, bool)
+        if (record.status != "succeeded" or record.gpu_share is None or not record.gpu_share.shared or isinstance(peak, bool)
                 or not isinstance(peak, (int, float)) or peak <= 0):
             return
         per_gpu = float(peak) / max(1, len(record.gpu_ids))

@@ -7,7 +7,7 @@ the run's ``telemetry.jsonl`` as it is taken (so the series is on the share whil
         ...  # execute the notebook; sampler.summary() is the live summary
     record.telemetry = sampler.summary()
 
-Without a GPU, without NVML (``pynvml`` from nvidia-ml-py) or with no GPU ids the sampler samples
+Without a GPU, without NVML (the driver's library, read through ``pynvml``) or with no GPU ids the sampler samples
 nothing and raises nothing: ``summary()`` says ``samples: 0`` and why. GPU ids are NVML indices
 (the order of ``nvidia-smi``), the same numbers the local backend puts in ``CUDA_VISIBLE_DEVICES``.
 Utilisation and memory are those of the whole GPU: runs that share a GPU see each other's load.
@@ -36,8 +36,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import pynvml  # nvidia-ml-py: loads the NVML library only at nvmlInit
+
 from nbbatch.store.jsonl import jsonl_line, parse_jsonl
 from nbbatch.store.layout import TELEMETRY_FILE
+from nbbatch.store.share import FILE_MODE, write_file_atomic
 
 __all__ = ["TELEMETRY_FILE", "GpuSampler", "read_series"]
 
@@ -103,10 +106,8 @@ class GpuSampler:
             self.unavailable = "no GPU ids"
             return
         try:
-            import pynvml  # nvidia-ml-py
-
             pynvml.nvmlInit()
-        except Exception as exc:  # ImportError, NVMLError (no driver/library), anything else
+        except Exception as exc:  # NVMLError (no driver, no library), anything else
             self.unavailable = f"NVML unavailable: {exc}"
             return
         self._nvml = pynvml
@@ -290,9 +291,7 @@ class GpuSampler:
             data = buffer.getvalue().encode()
         else:
             data = self.series_jsonl()
-        tmp = target.with_name(f".{target.name}.part")
-        tmp.write_bytes(data)
-        os.replace(tmp, target)
+        write_file_atomic(target, data, FILE_MODE)
         return target
 
 

@@ -20,7 +20,7 @@ from nbbatch.execute.kernels import kill_kernel_group
 from nbbatch.plan.runs import Run
 from nbbatch.store.layout import run_paths
 from nbbatch.store.runjson import Status
-from nbbatch.store.share import Share
+from nbbatch.store.share import Share, poll_interval
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class Watchdog:
         self._marker_seen = threading.Event()
         self._threads = [threading.Thread(target=self._loop, name=f"watchdog-{run.run_id}", daemon=True),
                          threading.Thread(target=self._poll_markers, name=f"cancel-poll-{run.run_id}", daemon=True)]
-        self._poll = 0.25 if share.local_path("") is not None else 2.0
+        self._poll = poll_interval(share, local=0.25, remote=2.0)
 
     def __enter__(self) -> Watchdog:
         for thread in self._threads:

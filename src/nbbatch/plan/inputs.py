@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from nbbatch.errors import NbbatchError, ValidationError
+from nbbatch.store.share import open_share
 
 
 def is_share_url(location: str) -> bool:
@@ -33,8 +34,6 @@ def check_inputs(inputs: dict[str, str]) -> None:
 
 
 def _check_share_input(name: str, url: str) -> None:
-    from nbbatch.store.share import open_share
-
     try:
         share = open_share(url)
         present = share.exists("")

@@ -4,11 +4,18 @@ parameters against it (names with "did you mean", types where the default gives 
 from __future__ import annotations
 
 import ast
+import copy
+import datetime
 import json
+import math
+import reprlib
+import warnings
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+import nbformat
 
 from nbbatch.errors import ValidationError, did_you_mean
 
@@ -66,11 +73,6 @@ def _read(path: Path) -> tuple[bytes, dict[str, Any]]:
 
 def _schema_problem(data: dict[str, Any]) -> str | None:
     """The first way the notebook breaks the nbformat schema (what papermill would trip on later), or None."""
-    import copy
-    import warnings
-
-    import nbformat
-
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. cells without ids in nbformat 4.5: nbformat fills them in
@@ -165,8 +167,6 @@ def check_literal(name: str, value: Any) -> None:
 
 def safe_repr(value: Any) -> str:
     """A short repr for messages (huge or odd values included)."""
-    import reprlib
-
     try:
         return reprlib.repr(value)
     except Exception:  # noqa: BLE001 - e.g. an int too large to print, an object whose __repr__ fails
@@ -179,8 +179,6 @@ def _type_path(value: Any) -> str:
 
 
 def _not_literal(value: Any, seen: set[int]) -> str | None:
-    import math
-
     if value is None or isinstance(value, bool):
         return None
     if isinstance(value, int):
@@ -215,8 +213,6 @@ def _not_literal(value: Any, seen: set[int]) -> str | None:
             if problem:
                 return problem
         return None
-    import datetime
-
     if isinstance(value, (datetime.date, datetime.time)):
         return f"a {_type_path(value)}; quote it in YAML to pass a string"
     return f"a {_type_path(value)}" + ("; use a list" if isinstance(value, (tuple, set, frozenset)) else "")

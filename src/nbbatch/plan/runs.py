@@ -14,6 +14,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nbbatch.errors import ValidationError, did_you_mean
+from nbbatch.plan.inputs import check_inputs, input_identities
+from nbbatch.plan.notebook import inspect_notebook, validate_parameters
+from nbbatch.spec.environments import require_ready
+from nbbatch.spec.frameworks import get_framework
+from nbbatch.spec.project import find_project
+from nbbatch.spec.resources import Distribution
+
 if TYPE_CHECKING:
     from nbbatch.spec.experiment import Experiment
     from nbbatch.spec.project import Project
@@ -25,7 +33,7 @@ def _slug(text: str) -> str:
 
 def run_id_for(label: str, notebook_bytes: bytes, parameters: dict[str, Any], env_lock: str,
                env: dict[str, str] | None = None, gpus: int = 0, inputs: dict[str, str] | None = None,
-               distribution: dict[str, Any] | None = None) -> str:
+               distribution: Distribution | None = None) -> str:
     """``<label>-<10 hex>`` from everything that can change a run's result.
 
     That is the notebook's content, its parameters, the environment's lock, the kernel's extra
@@ -44,7 +52,7 @@ def run_id_for(label: str, notebook_bytes: bytes, parameters: dict[str, Any], en
     if inputs:
         digest.update(b"\0inputs" + json.dumps(inputs, sort_keys=True).encode())
     if distribution:
-        digest.update(b"\0distribution" + json.dumps(distribution, sort_keys=True).encode())
+        digest.update(b"\0distribution" + json.dumps(distribution.to_dict(), sort_keys=True).encode())
     return f"{_slug(label)}-{digest.hexdigest()[:10]}"
 
 
@@ -69,14 +77,12 @@ class Run:
     gpu_memory_mb: int | None = None  # the framework's estimate of the GPU memory a run needs (None: unknown)
     cwd: str | None = None  # kernel working directory (default: the notebook's folder)
     inputs: dict[str, str] = field(default_factory=dict)  # parameter -> folder or share URL (bound where it runs)
-    # A distributed run: {type, nodes, processes_per_node, gpus_per_node} (``gpus`` is then per node); {}: one kernel
-    distribution: dict[str, Any] = field(default_factory=dict)
+    distribution: Distribution | None = None  # what a distributed run spans (``gpus`` is then per node); None: one kernel
 
     @property
     def world_size(self) -> int:
         """How many ranks (kernels) the run has: 1 unless it is distributed."""
-        d = self.distribution
-        return int(d["nodes"]) * int(d["processes_per_node"]) if d else 1
+        return self.distribution.world_size if self.distribution else 1
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,15 +92,13 @@ class Run:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Run:
-        return cls(**data)
+        return cls(**{**data, "distribution": Distribution.from_dict(data.get("distribution"))})
 
     def project_root(self) -> Path:
         """The project the run's notebook belongs to (its path minus its project-relative path)."""
         notebook, rel = Path(self.notebook), Path(self.notebook_rel)
         if notebook.is_absolute() and not rel.is_absolute() and notebook.parts[-len(rel.parts):] == rel.parts:
             return notebook.parents[len(rel.parts) - 1]
-        from nbbatch.spec.project import find_project
-
         return find_project().root
 
     def resolve_notebook(self, project_root: Path | None = None) -> Path:
@@ -115,6 +119,7 @@ class Plan:
 
 
 def _known_kernels() -> dict[str, str]:
+    # jupyter_client takes a second to import: only planning loads it, never `nbbatch --help` (tests/test_cli.py)
     from jupyter_client.kernelspec import KernelSpecManager
 
     return KernelSpecManager().find_kernel_specs()
@@ -126,13 +131,6 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
     Raises a :class:`~nbbatch.errors.NbbatchError` describing the first problem; nothing runs.
     ``check_kernels=False`` skips local kernel/env checks (for backends that run elsewhere).
     """
-    from nbbatch.errors import ValidationError, did_you_mean
-    from nbbatch.execute.envs import require_ready
-    from nbbatch.plan.inputs import check_inputs, input_identities
-    from nbbatch.plan.notebook import inspect_notebook, validate_parameters
-    from nbbatch.spec.frameworks import get_framework
-    from nbbatch.spec.project import find_project
-
     project = project or find_project(experiment.base_dir)
     project.activate_kernels()
     check_inputs(experiment.inputs)
@@ -152,15 +150,16 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
         framework = get_framework(name, project)
         if check_kernels:
             require_ready(framework, project)
-        if experiment.distribution and experiment.distribution not in framework.distribution:
+        world = experiment.resources.distribution
+        if world and world.type not in framework.distribution:
             can = (f"its notebook runs as {', '.join(framework.distribution)}" if framework.distribution
                    else framework.no_distribution or f"frameworks/{name}/framework.yaml lists no `distribution:`")
-            raise ValidationError(f"framework `{name}` cannot run as distribution `{experiment.distribution}`: {can}; "
+            raise ValidationError(f"framework `{name}` cannot run as distribution `{world.type}`: {can}; "
                                   "drop it from this experiment or change distribution.type")
-        if experiment.gpus and not framework.gpu:
+        if experiment.resources.gpus and not framework.gpu:
             raise ValidationError(f"framework `{name}` cannot use a GPU (frameworks/{name}/framework.yaml says "
                                   "gpu: false) but the experiment asks for resources.gpus: "
-                                  f"{experiment.gpus}; set gpus: 0 or drop `{name}`")
+                                  f"{experiment.resources.gpus}; set gpus: 0 or drop `{name}`")
         targets.append((name, framework.notebook, framework.kernel_name, name, framework.fingerprint(),
                         dict(framework.shared_gpu_env), framework.gpu_memory_mb))
     for entry in experiment.notebooks:
@@ -180,15 +179,15 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
         for params in combos:
             bound = {**params, **experiment.inputs}  # an input is a parameter too: its name is checked the same way
             warnings.extend(w for w in validate_parameters(info, bound) if w not in warnings)
-            run_id = run_id_for(label, info.content, params, env_lock, experiment.env, experiment.gpus,
-                                input_identities(experiment.inputs, project.root), experiment.world())
+            run_id = run_id_for(label, info.content, params, env_lock, experiment.env, experiment.resources.gpus,
+                                input_identities(experiment.inputs, project.root), experiment.resources.distribution)
             runs.append(Run(
                 run_id=run_id, experiment=experiment.name, notebook=str(notebook), notebook_rel=notebook_rel(notebook),
-                kernel=kernel, parameters=dict(params), framework=framework_name, gpus=experiment.gpus,
+                kernel=kernel, parameters=dict(params), framework=framework_name, gpus=experiment.resources.gpus,
                 timeout_s=experiment.timeout, cell_timeout_s=experiment.cell_timeout, retries=experiment.retries,
                 max_output_mb=experiment.max_output_mb,
                 env=dict(experiment.env), shared_gpu_env=shared_env, gpu_memory_mb=memory_mb,
-                inputs=dict(experiment.inputs), distribution=experiment.world(),
+                inputs=dict(experiment.inputs), distribution=experiment.resources.distribution,
             ))
     seen: dict[str, Run] = {}
     unique: list[Run] = []

@@ -28,12 +28,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+import nbformat
+
+from nbbatch import __version__
 from nbbatch.errors import NbbatchError, did_you_mean
 from nbbatch.metrics import METRICS_MIME, metrics_from_notebook
 from nbbatch.results.compare.collect import cell_source, share_location
+from nbbatch.results.render import render_template
+from nbbatch.store.known import open_experiment_share
 from nbbatch.store.layout import OUTPUT_NOTEBOOK, run_paths
 from nbbatch.store.runfiles import run_ids
-from nbbatch.store.share import Share, open_share
+from nbbatch.store.share import FILE_MODE, Share, open_share, write_file_atomic
 
 # papermill's notebook-level metadata that changes with every execution
 _VOLATILE_PAPERMILL = ("start_time", "end_time", "duration", "input_path", "output_path",
@@ -60,8 +65,6 @@ class RunNotebook:
 
 
 def _read_notebook(data: bytes | str, where: str) -> dict[str, Any]:
-    import nbformat
-
     try:
         return dict(nbformat.reads(data if isinstance(data, str) else data.decode("utf-8"), as_version=4))
     except Exception as exc:  # nbformat raises several kinds (JSON, validation, version)
@@ -87,8 +90,6 @@ def load_run_notebook(ref: str | os.PathLike[str], share: str | os.PathLike[str]
     clean = text.strip("/")
     experiment, sep, run = clean.rpartition("/")
     if share is None:
-        from nbbatch.api import open_experiment_share
-
         # the share this experiment was submitted to from this project (default: results/)
         opened = open_experiment_share(experiment or clean)[1]
     else:
@@ -210,9 +211,6 @@ class NotebookDiff:
     # -- HTML ------------------------------------------------------------------------------------
     def to_html(self, title: str | None = None) -> str:
         """One self-contained HTML page: parameter and metric tables, then the changed cells side by side."""
-        from nbbatch import __version__
-        from nbbatch.results.render import render_template
-
         pa, pb = self.a.parameters, self.b.parameters
         return render_template(
             "diff.html.j2",
@@ -231,10 +229,7 @@ class NotebookDiff:
     def write_html(self, path: str | os.PathLike[str], title: str | None = None) -> Path:
         """Write :meth:`to_html` to ``path``."""
         target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.part")
-        tmp.write_text(self.to_html(title), encoding="utf-8")
-        os.replace(tmp, target)
+        write_file_atomic(target, self.to_html(title).encode("utf-8"), FILE_MODE)
         return target
 
 

@@ -16,13 +16,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rich import box
 from rich.cells import cell_len
+from rich.measure import Measurement
+from rich.table import Table
+from rich.text import Text
 
 if TYPE_CHECKING:  # pragma: no cover
     from rich.console import Console, ConsoleOptions, JustifyMethod, RenderResult
-    from rich.measure import Measurement
-    from rich.table import Table
-    from rich.text import Text
 
 ALWAYS = 100  # a column's `keep` that is never left out (the run id, the status)
 _GAP = 2  # what a column boundary costs with padding=(0, 1, 0, 0) and a blank box divider
@@ -47,8 +48,6 @@ def fit_column(header: str, texts: Sequence[str | Text], keep: int, cap: int = 2
                flexible: bool = False) -> FitColumn:
     """A column of ``texts``: numbers (``numeric``) are shown whole or not at all; free text is cut at ``cap``
     and never below what tells values apart; a ``flexible`` column gets the width left, on two lines."""
-    from rich.text import Text
-
     cells = [t if isinstance(t, Text) else Text(str(t)) for t in texts]
     values, whole, two_lines = max((c.cell_len for c in cells), default=0), cell_len(header), _header_minimum(header)
     if keep >= ALWAYS:
@@ -90,16 +89,10 @@ class FittedTable:
         yield self.table(console, options.max_width)
 
     def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
-        from rich.measure import Measurement
-
         return Measurement(min(options.max_width, 20), options.max_width)
 
     def table(self, console: Console, width: int) -> Table:
         """The :class:`rich.table.Table` for ``width`` columns of terminal."""
-        from rich import box
-        from rich.table import Table
-        from rich.text import Text
-
         columns = self.columns
         shown, widths, dropped = _fit(columns, width)
         title = Text(self.title) if isinstance(self.title, str) else self.title
@@ -139,8 +132,6 @@ def _header_minimum(name: str) -> int:
 
 def _header(name: str, width: int) -> Text:
     """A header of at most two lines (a long metric name breaks at its ``_``); the rest cut with ``…``."""
-    from rich.text import Text
-
     lines = _header_lines(name, width)
     if len(lines) > 2:
         lines = [lines[0], "".join(lines[1:])]
@@ -149,8 +140,6 @@ def _header(name: str, width: int) -> Text:
 
 def _two_lines(console: Console, text: Text, width: int) -> Text:
     """``text`` wrapped to ``width``, two lines at most, the second ending in ``…`` when it was cut."""
-    from rich.text import Text
-
     lines = text.wrap(console, width, overflow="fold")
     if len(lines) <= 2:
         return Text("\n").join(lines)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import numbers
@@ -12,12 +13,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from rich.text import Text
+
 from nbbatch.errors import NbbatchError, did_you_mean
 from nbbatch.results.fitted import ALWAYS, FitColumn, FittedTable, fit_column
 from nbbatch.store.layout import run_paths
 from nbbatch.store.runfiles import read_record, run_ids
 from nbbatch.store.runjson import RunRecord, Status
-from nbbatch.store.share import RangeStore, Share
+from nbbatch.store.share import RangeStore, Share, poll_interval
 
 # One colour per status, for every view (terminal tables, widgets, the HTML report).
 STATUS_STYLE = {Status.QUEUED: "dim", Status.RUNNING: "bold blue", Status.SUCCEEDED: "green", Status.FAILED: "bold red",
@@ -191,8 +194,6 @@ def _columns(records: list[RunRecord], max_metrics: int, now: datetime) -> list[
     if any(errors):
         error = add("error", errors, 90, flexible=True)
         # where the error does not fit one line, the exception matters more than the cell it came from
-        from rich.text import Text
-
         error.short = [Text(text.removeprefix(f"cell {r.error.cell_index}: ")) if r.error else Text()
                        for text, r in zip(errors, records, strict=True)]
     return columns
@@ -223,13 +224,11 @@ def follow_log(share: Share, experiment: str, run_id: str, poll: float | None = 
     Only the new bytes are read each time (a ranged read on shares that can, see
     :class:`~nbbatch.store.share.RangeStore`): following a long log costs what it grows, not its square.
     """
-    import codecs
-
     offset = 0
     log_path = run_paths(experiment, run_id, rank).log
     ranged = isinstance(share, RangeStore)
     if poll is None:
-        poll = 0.5 if share.local_path("") is not None else 2.0
+        poll = poll_interval(share, local=0.5, remote=2.0)
     decoder = codecs.getincrementaldecoder("utf-8")("replace")  # a character split across two reads stays whole
     started = time.monotonic()
     final = False

@@ -15,6 +15,7 @@ import yaml
 
 from nbbatch.errors import ValidationError, did_you_mean
 from nbbatch.spec.project import Project, find_project
+from nbbatch.spec.resources import DISTRIBUTIONS
 
 FRAMEWORK_FILE = "framework.yaml"
 _KNOWN_KEYS = {
@@ -139,8 +140,6 @@ def _load(folder: Path, project: Project) -> Framework:
 
 def _distribution(source: Path, value: Any) -> dict[str, Any]:
     """``distribution: [torch, mpi]`` (the types its notebook can run as) or a sentence saying why it cannot."""
-    from nbbatch.spec.experiment import DISTRIBUTIONS
-
     if value is None:
         return {}
     if isinstance(value, str):

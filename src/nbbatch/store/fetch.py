@@ -7,6 +7,7 @@ from pathlib import Path
 from nbbatch.errors import NbbatchError
 from nbbatch.store.layout import LOG_FILE, OUTPUT_NOTEBOOK, OUTPUTS_FOLDER, RANKS_FOLDER, RUN_RECORD, run_paths
 from nbbatch.store.share import FILE_MODE, Share, write_file_atomic
+from nbbatch.store.sync import pull
 
 
 def fetch(share: Share, experiment: str, dest: Path, names: tuple[str, ...] | None = None) -> list[Path]:
@@ -50,8 +51,6 @@ def _fetch_file(share: Share, path: str, target: Path) -> list[Path]:
 
 
 def _fetch_outputs(share: Share, folder: str, run_dest: Path) -> list[Path]:
-    from nbbatch.store.sync import pull
-
     target = run_dest / OUTPUTS_FOLDER
     result = pull(share, folder, target)
     return [target / name for name in result.copied]

@@ -1,6 +1,7 @@
 """The experiments this project has submitted: name → share and backend (``.nbbatch/experiments.json``).
 
-``status``, ``logs`` and ``cancel`` find an experiment's share and backend here by its name alone.
+``status``, ``logs``, ``cancel``, ``compare``, ``diff`` and the widgets find an experiment's share here by its
+name alone (:func:`open_experiment_share`, the one answer to "where are experiment X's results").
 Only settings safe to keep on disk are stored (:meth:`nbbatch.backends.base.Backend.storable_settings`).
 The file is rewritten under a short lock (``experiments.json.lock``), through a temporary file of its
 own, so two submissions at once neither lose an entry nor mix their files; it is readable by its owner only.
@@ -17,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from nbbatch.errors import NbbatchError
-from nbbatch.spec.project import Project
+from nbbatch.spec.experiment import load_experiment
+from nbbatch.spec.project import Project, find_project
 from nbbatch.store.runjson import utc_now
-from nbbatch.store.share import write_file_atomic
+from nbbatch.store.share import Share, open_share, write_file_atomic
 
 try:
     import fcntl
@@ -50,6 +52,24 @@ def lookup(project: Project, name: str) -> dict[str, Any]:
         return json.loads(path.read_text()).get(name, {}) if path.exists() else {}
     except ValueError:
         return {}
+
+
+def open_experiment_share(experiment: str, share: str | os.PathLike[str] | Share | None = None,
+                          project: Project | None = None) -> tuple[str, Share]:
+    """The experiment's name and its share, from an experiment file or a name.
+
+    ``share`` given: that share. Else an experiment file's own ``share``, or for a name the share it was last
+    submitted to from ``project`` (default: the project around the working directory), else the project's ``results/``.
+    """
+    if isinstance(share, Share):
+        return experiment, share
+    if experiment.endswith((".yaml", ".yml")) and Path(experiment).exists():
+        spec = load_experiment(experiment)
+        return spec.name, open_share(share or spec.share)
+    if share:
+        return experiment, open_share(share)
+    project = project or find_project()
+    return experiment, open_share(lookup(project, experiment).get("share") or project.results_dir)
 
 
 @contextlib.contextmanager

@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
-from nbbatch.errors import LockedError
+from nbbatch.errors import LockedError, ShareError
 
 try:
     import fcntl
@@ -35,8 +36,6 @@ class ExperimentLock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
-            from nbbatch.errors import ShareError
-
             raise ShareError(f"cannot create the lock file {self.path} of experiment `{self.experiment}`: "
                              f"{exc.strerror or exc}") from exc
         try:
@@ -82,8 +81,6 @@ def _read_holder(fd: int) -> dict:
 
 
 def _command() -> str:
-    import sys
-
     argv = list(sys.argv) or ["python"]
     if os.path.basename(argv[0]) == "__main__.py":  # python -m nbbatch
         argv[0] = f"python -m {os.path.basename(os.path.dirname(argv[0]))}"

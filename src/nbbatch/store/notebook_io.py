@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
-from pathlib import Path
 from typing import Any
+
+from nbbatch.store.share import FILE_MODE, write_file_atomic
 
 
 def notebook_bytes(nb: Any) -> bytes:
@@ -15,16 +15,5 @@ def notebook_bytes(nb: Any) -> bytes:
 
 
 def write_notebook_atomic(nb: Any, path: str | os.PathLike[str]) -> None:
-    """Write ``nb`` to ``path`` through a temporary file and a rename."""
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
-    try:
-        from nbbatch.store.share import FILE_MODE
-
-        os.fchmod(fd, FILE_MODE)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(notebook_bytes(nb))
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``nb`` to ``path`` atomically (:func:`~nbbatch.artifacts.write_file_atomic`), readable as the umask allows."""
+    write_file_atomic(path, notebook_bytes(nb), FILE_MODE)

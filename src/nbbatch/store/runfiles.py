@@ -6,15 +6,36 @@ import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from nbbatch.errors import ShareError
 from nbbatch.store.layout import experiment_paths, run_paths
 from nbbatch.store.runjson import RunError, RunRecord, Status, utc_now
 from nbbatch.store.share import Share
 
-if TYPE_CHECKING:
-    from nbbatch.plan.runs import Run
+
+class PlannedRun(Protocol):
+    """What a record is started from: the fields of a planned run (:class:`nbbatch.plan.runs.Run` has them).
+
+    A protocol, so that the store (below the plan) needs no import of it.
+    """
+
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def experiment(self) -> str: ...
+    @property
+    def notebook_rel(self) -> str: ...
+    @property
+    def kernel(self) -> str: ...
+    @property
+    def framework(self) -> str | None: ...
+    @property
+    def parameters(self) -> dict[str, Any]: ...
+    @property
+    def timeout_s(self) -> float | None: ...
+    @property
+    def world_size(self) -> int: ...
 
 
 def read_record(share: Share, experiment: str, run_id: str, rank: int | None = None) -> RunRecord | None:
@@ -40,7 +61,7 @@ def write_record(share: Share, record: RunRecord) -> None:
     share.write_bytes(run_paths(record.experiment, record.run_id, record.rank).record, record.to_json())
 
 
-def new_record(run: Run, backend: str = "local") -> RunRecord:
+def new_record(run: PlannedRun, backend: str = "local") -> RunRecord:
     """A ``queued`` record for a run that is about to be scheduled."""
     return RunRecord(run_id=run.run_id, experiment=run.experiment, notebook=run.notebook_rel, kernel=run.kernel,
                      framework=run.framework, parameters=dict(run.parameters), status=Status.QUEUED,
@@ -128,7 +149,7 @@ def clear_run_cancels(share: Share, experiment: str, ids: Iterable[str]) -> None
         share.remove(run_paths(experiment, run_id).cancel)
 
 
-def finalize_record(share: Share, run: Run | RunRecord, status: Status, error: RunError | None = None,
+def finalize_record(share: Share, run: PlannedRun | RunRecord, status: Status, error: RunError | None = None,
                     backend: str = "local") -> RunRecord:
     """End a run's record with ``status`` and ``error``, its duration filled in when it had started.
 

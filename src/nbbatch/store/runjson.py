@@ -1,9 +1,19 @@
-"""``run.json``: the record of one run, versioned, written next to its executed notebook."""
+"""``run.json``: the record of one run, versioned, written next to its executed notebook.
+
+Every field is typed, the nested entries too (:class:`AttemptEntry`, :class:`RankOutcome`, :class:`GpuSharing`,
+:class:`ContainerInfo`, :class:`InputBinding`, an output's :class:`~nbbatch.store.sync.FileEntry`). A record is read
+by those types (:meth:`RunRecord.from_dict`): a hand-edited or damaged file is reported with the dotted path of its
+wrong value, not as a crash in a table later.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import reprlib
+import types
+import typing
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from enum import Enum
@@ -11,6 +21,7 @@ from typing import Any
 
 from nbbatch.errors import ShareError
 from nbbatch.store.layout import RUN_RECORD
+from nbbatch.store.sync import FileEntry
 
 SCHEMA_VERSION = 1
 
@@ -83,6 +94,83 @@ class RunError:
         return f"{text} ({self.reason})" if self.reason else text
 
 
+# How a field is written, in its metadata (the JSON stays what earlier nbbatch versions wrote):
+_OMIT_DEFAULT = "omit_default"  # left out while it has its default: a key written only once it is known
+_EMPTY_IS_NONE = "empty_is_none"  # None is written as {}, and {} reads as None
+
+
+def _written_when_set(default: Any = None) -> Any:
+    """A field left out of the JSON while it has ``default``."""
+    return field(default=default, metadata={_OMIT_DEFAULT: True})
+
+
+@dataclass(frozen=True)
+class CheckpointSummary:
+    """The checkpoints an attempt resumed from (``NBBATCH_CHECKPOINT_DIR``): how many files, their bytes, the newest."""
+
+    files: int
+    bytes: int
+    latest: str
+
+
+@dataclass
+class AttemptEntry:
+    """One entry of ``attempt_log``: where and when an attempt ran, what it resumed from and how it ended."""
+
+    attempt: int
+    host: str | None = None
+    started_at: str | None = None
+    resumed_from: CheckpointSummary | None = None
+    ended_at: str | None = _written_when_set()  # left out while the attempt runs
+    status: str | None = _written_when_set()  # a Status's value, or ``lost`` (its node or job was lost)
+    kind: ErrorKind | None = None  # the error's kind (``infra`` for a lost attempt)
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """One entry of a distributed run's ``ranks``: where the rank ran and how it ended."""
+
+    rank: int
+    node: int
+    host: str | None
+    gpus: list[int]
+    status: str  # a Status's value, or ``stopped`` (cancelled after another rank failed)
+    error: str | None = None  # the summary of its error
+
+
+@dataclass(frozen=True)
+class GpuSharing:
+    """``gpu_share``: how a run's GPUs were shared with other runs (see docs/gpus.md)."""
+
+    runs_per_gpu: int | str = 1  # a count, or ``auto``: packed by memory
+    shared: bool = False  # other runs were on its GPUs
+    exclusive: bool = False  # no other run joined its GPUs
+    mps: bool = False  # under CUDA MPS
+    need_mb: float | None = _written_when_set()  # with runs_per_gpu auto: the memory reserved for it
+    need_from: str | None = _written_when_set()  # where need_mb comes from: measured, framework or unknown
+    alone: bool = _written_when_set(False)  # run again alone, after running out of GPU memory beside others
+    retried_after: str | None = _written_when_set()  # the error of that shared attempt
+    out_of_memory: str | None = _written_when_set()  # set on the shared attempt that ran out of GPU memory
+
+
+@dataclass(frozen=True)
+class ContainerInfo:
+    """``container``: the image a run ran in."""
+
+    engine: str
+    image: str
+    image_id: str = ""
+    name: str | None = _written_when_set()  # the container's name, once one was started
+
+
+@dataclass(frozen=True)
+class InputBinding:
+    """One of ``inputs``: the folder an input parameter named (``source``) and where the run read it (``path``)."""
+
+    source: str
+    path: str
+
+
 @dataclass
 class RunRecord:
     """Everything known about one run; serialised as ``run.json`` (schema :data:`SCHEMA_VERSION`)."""
@@ -109,14 +197,14 @@ class RunRecord:
     cells_done: int = 0
     cells_total: int = 0
     timeout_s: float | None = None
-    telemetry: dict[str, Any] = field(default_factory=dict)
-    gpu_share: dict[str, Any] = field(default_factory=dict)  # how its GPUs were shared: runs_per_gpu, shared, mps…
-    container: dict[str, Any] = field(default_factory=dict)  # the image it ran in: engine, image, image_id, name
-    inputs: dict[str, Any] = field(default_factory=dict)  # parameter -> {source, path}: the folders it read
-    outputs: list[dict[str, Any]] = field(default_factory=list)  # {name, bytes, sha256} under outputs/
-    attempt_log: list[dict[str, Any]] = field(default_factory=list)  # one entry per attempt: how it ended, resumed_from
+    telemetry: dict[str, Any] = field(default_factory=dict)  # the GPU sampler's summary
+    gpu_share: GpuSharing | None = field(default=None, metadata={_EMPTY_IS_NONE: True})  # None: no GPUs, or a gang's
+    container: ContainerInfo | None = field(default=None, metadata={_EMPTY_IS_NONE: True})  # None: not in a container
+    inputs: dict[str, InputBinding] = field(default_factory=dict)  # by parameter: the folders it read
+    outputs: list[FileEntry] = field(default_factory=list)  # the files under outputs/
+    attempt_log: list[AttemptEntry] = field(default_factory=list)  # one entry per attempt
     world_size: int = 1  # ranks of a distributed run (one kernel each)
-    ranks: list[dict[str, Any]] = field(default_factory=list)  # a distributed run's {rank, host, gpus, status, error}
+    ranks: list[RankOutcome] = field(default_factory=list)  # a distributed run's, one per rank
     rank: int | None = None  # set in ranks/<rank>/run.json: the record of that rank alone
     schema_version: int = SCHEMA_VERSION
 
@@ -131,39 +219,21 @@ class RunRecord:
         return self.status in FINAL_STATUSES
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The record as JSON values (new containers: changing them leaves the record as it is)."""
+        return to_json_value(self)
 
     def to_json(self) -> bytes:
         return (json.dumps(self.to_dict(), indent=2, sort_keys=False, default=str) + "\n").encode()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = RUN_RECORD) -> RunRecord:
+        """The record in ``data`` (parsed JSON) by the fields' types; raises ShareError naming ``source``."""
         if not isinstance(data, dict):
             raise ShareError(f"{source} is not a run record (expected a JSON object); delete it to rerun that run")
         version = data.get("schema_version", SCHEMA_VERSION)
         if not isinstance(version, int) or version > SCHEMA_VERSION:
             raise ShareError(f"{source} has schema_version {version!r}; this nbbatch reads up to {SCHEMA_VERSION}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}
-        missing = [k for k in ("run_id", "experiment", "notebook", "kernel") if k not in values]
-        if missing:
-            raise ShareError(f"{source} lacks {', '.join(missing)}; delete it to rerun that run")
-        if values.get("status", "queued") not in STATUSES:
-            raise ShareError(f"{source} has an unknown status {values.get('status')!r} (known: {', '.join(STATUSES)})")
-        _check_types(values, _FIELD_TYPES, source, "")
-        if isinstance(values.get("error"), dict):
-            error = values["error"]
-            _check_types(error, _ERROR_TYPES, source, "error.")
-            missing = [k for k in ("ename", "evalue") if k not in error]
-            if missing:
-                raise ShareError(f"{source} has a malformed `error` (it lacks {', '.join(missing)}); fix it or delete it")
-            if error.get("kind") is not None and error["kind"] not in {k.value for k in ErrorKind}:
-                error = {**error, "kind": None}  # a kind from a newer nbbatch: keep the text, drop the kind
-            values["error"] = RunError(**{k: v for k, v in error.items() if k in _ERROR_TYPES})
-        try:
-            return cls(**values)
-        except TypeError as exc:  # pragma: no cover - defensive
-            raise ShareError(f"{source} is malformed: {exc}") from exc
+        return _read_object(cls, data, "", source)
 
     @classmethod
     def from_json(cls, text: bytes | str, source: str = RUN_RECORD) -> RunRecord:
@@ -177,37 +247,122 @@ class RunRecord:
         return cls.from_dict(data, source)
 
 
-_STR, _OPT_STR, _INT, _OPT_INT = ("a string", str), ("a string or null", (str, type(None))), ("an integer", int), \
-    ("an integer or null", (int, type(None)))
-_OPT_NUM = ("a number or null", (int, float, type(None)))
-_DICT = ("a JSON object", dict)
-_FIELD_TYPES: dict[str, tuple[str, Any]] = {
-    "run_id": _STR, "experiment": _STR, "notebook": _STR, "kernel": _STR, "framework": _OPT_STR,
-    "parameters": _DICT, "status": _STR, "attempts": _INT, "queued_at": _OPT_STR, "started_at": _OPT_STR,
-    "ended_at": _OPT_STR, "duration_s": _OPT_NUM, "host": _OPT_STR, "pid": _OPT_INT, "backend": _STR,
-    "gpu_ids": ("a list of integers", list), "environment": _DICT, "error": ("a JSON object or null", (dict, type(None))),
-    "metrics": _DICT, "cells_done": _INT, "cells_total": _INT, "timeout_s": _OPT_NUM, "telemetry": _DICT,
-    "gpu_share": _DICT, "container": _DICT, "inputs": _DICT, "outputs": ("a list", list),
-    "attempt_log": ("a list", list), "world_size": _INT, "ranks": ("a list", list), "rank": _OPT_INT,
-    "schema_version": _INT,
-}
-_ERROR_TYPES: dict[str, tuple[str, Any]] = {
-    "ename": _STR, "evalue": _STR, "cell_index": _OPT_INT, "cell_source": _OPT_STR, "reason": _OPT_STR,
-    "kind": _OPT_STR, "rank": _OPT_INT,
-}
+# --- JSON by the fields' types ---------------------------------------------------------------------------------
 
 
-def _check_types(values: dict[str, Any], types: dict[str, tuple[str, Any]], source: str, prefix: str) -> None:
-    """A hand-edited record with a wrong type is reported here (with its path), not as a crash in a table later."""
-    for name, value in values.items():
-        if name not in types:
-            continue
-        what, kinds = types[name]
-        ok = isinstance(value, kinds) and not (isinstance(value, bool) and kinds is not bool)
-        if ok and name == "gpu_ids":
-            ok = all(isinstance(g, int) and not isinstance(g, bool) for g in value)
-        if not ok:
-            import reprlib
+def to_json_value(value: Any) -> Any:
+    """``value`` as JSON values: a record's entries as objects of their fields (by their metadata), containers copied."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        written = {}
+        for f in dataclasses.fields(value):
+            item = getattr(value, f.name)
+            if f.metadata.get(_OMIT_DEFAULT) and item == f.default:
+                continue
+            written[f.name] = {} if item is None and f.metadata.get(_EMPTY_IS_NONE) else to_json_value(item)
+        return written
+    if isinstance(value, dict):
+        return {k: to_json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_json_value(v) for v in value)
+    return value
 
-            raise ShareError(f"{source} has `{prefix}{name}` = {reprlib.repr(value)}, which must be {what}; "
-                             "fix it or delete it (the run is then treated as never run)")
+
+def from_json_value(kind: Any, value: Any, source: str, path: str) -> Any:
+    """``value`` (parsed JSON) read as type ``kind`` (an entry of a record, say), by the same rules as a record."""
+    return _read(kind, value, path, source)
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _read_object(cls: type, data: dict[str, Any], path: str, source: str) -> Any:
+    """A ``cls`` from the JSON object ``data`` at ``path`` (``""``: the record); unknown keys (a newer nbbatch's) are
+    left out."""
+    fields = dataclasses.fields(cls)
+    missing = [f.name for f in fields if f.name not in data
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing and not path:
+        raise ShareError(f"{source} lacks {', '.join(missing)}; delete it to rerun that run")
+    if missing:
+        raise ShareError(f"{source} has a malformed `{path}` (it lacks {', '.join(missing)}); fix it or delete it")
+    hints, values = _field_types(cls), {}
+    for f in fields:
+        if f.name in data:
+            value = data[f.name]
+            empty = f.metadata.get(_EMPTY_IS_NONE) and value == {}
+            values[f.name] = None if empty else _read(hints[f.name], value, f"{path}.{f.name}" if path else f.name, source)
+    return cls(**values)
+
+
+def _read(kind: Any, value: Any, path: str, source: str) -> Any:
+    """``value`` (parsed JSON) as type ``kind``; a value of another type raises ShareError naming ``path``."""
+    if kind is Any:
+        return value
+    nullable = _is_union(kind) and type(None) in typing.get_args(kind)
+    if value is None and nullable:
+        return None
+    arms = [a for a in typing.get_args(kind) if a is not type(None)] if _is_union(kind) else [kind]
+    arm = next((a for a in arms if _fits(a, value)), None)
+    if arm is None:
+        enum = next((a for a in arms if isinstance(a, type) and issubclass(a, Enum)), None)
+        if enum is not None and nullable and isinstance(value, str):
+            return None  # a kind from a newer nbbatch: the text stays, the value is dropped
+        if enum is not None and not nullable:
+            known = ", ".join(m.value for m in enum)
+            raise ShareError(f"{source} has an unknown {path} {value!r} (known: {known})")
+        raise ShareError(f"{source} has `{path}` = {reprlib.repr(value)}, which must be {_describe(kind)}; "
+                         "fix it or delete it (the run is then treated as never run)")
+    origin = typing.get_origin(arm)
+    if isinstance(arm, type) and issubclass(arm, Enum):
+        return arm(value)
+    if dataclasses.is_dataclass(arm):
+        return _read_object(arm, value, path, source)
+    if origin is list:
+        (item,) = typing.get_args(arm)
+        return [_read(item, v, f"{path}[{i}]", source) for i, v in enumerate(value)]
+    if origin is dict:
+        _, item = typing.get_args(arm)
+        return {k: _read(item, v, f"{path}.{k}", source) for k, v in value.items()}
+    return value
+
+
+_SCALARS: dict[Any, tuple[str, str]] = {str: ("a string", "strings"), int: ("an integer", "integers"),
+                                        float: ("a number", "numbers"), bool: ("true or false", "booleans")}
+
+
+def _is_union(kind: Any) -> bool:
+    return typing.get_origin(kind) in (typing.Union, types.UnionType)
+
+
+def _fits(kind: Any, value: Any) -> bool:
+    """Whether ``value`` is of ``kind`` at its top (a list of scalars: whole; other containers: item by item later)."""
+    origin = typing.get_origin(kind) or kind
+    if isinstance(kind, type) and issubclass(kind, Enum):
+        return isinstance(value, str) and value in {m.value for m in kind}
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind in (int, float):  # a number also where a float is wanted; never true or false
+        return isinstance(value, int if kind is int else (int, float)) and not isinstance(value, bool)
+    if kind is str:
+        return isinstance(value, str)
+    if origin is list:
+        (item,) = typing.get_args(kind)
+        return isinstance(value, list) and (item not in _SCALARS or all(_fits(item, v) for v in value))
+    return isinstance(value, dict) and (origin is dict or dataclasses.is_dataclass(kind))
+
+
+def _describe(kind: Any) -> str:
+    """What a value of ``kind`` is, for people: ``a string or null``, ``a list of integers``."""
+    if _is_union(kind):
+        arms = [_describe(a) for a in typing.get_args(kind) if a is not type(None)]
+        return " or ".join(arms + (["null"] if type(None) in typing.get_args(kind) else []))
+    if isinstance(kind, type) and issubclass(kind, Enum):
+        return "a string"
+    if kind in _SCALARS:
+        return _SCALARS[kind][0]
+    if typing.get_origin(kind) is list:
+        (item,) = typing.get_args(kind)
+        return f"a list of {_SCALARS[item][1]}" if item in _SCALARS else "a list"
+    return "a JSON object"

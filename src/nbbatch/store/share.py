@@ -9,14 +9,17 @@ atomically: a reader never sees half a file.
 from __future__ import annotations
 
 import errno
+import importlib
 import os
-import tempfile
+import shutil
 import time
 import uuid
 from collections.abc import Callable
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from nbbatch.artifacts import write_file_atomic
 from nbbatch.errors import ShareError
 
 
@@ -125,8 +128,6 @@ class FileShare:
         return sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
 
     def remove(self, path: str) -> None:
-        import shutil
-
         target = self._abs(path)
         if target.is_dir():
             shutil.rmtree(target, ignore_errors=True)
@@ -208,37 +209,10 @@ class FileShare:
                 self._abs(path).unlink()
 
 
-def write_file_atomic(target: Path, data: bytes, mode: int = 0o600) -> None:
-    """Replace ``target`` by ``data`` with ``mode``: a synced ``.<name>.<random>.part`` beside it, renamed over it.
-
-    A reader sees the old file or the new one, never a part; a failed write leaves no part behind.
-    """
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with _suppress():
-            os.unlink(tmp)
-        raise
-    _fsync_folder(target.parent)  # the rename itself survives a crash of the machine
-
-
-def _fsync_folder(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return  # not supported here (some network file systems): the data itself was synced
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+def poll_interval(share: Share, local: float = 0.5, remote: float = 2.0) -> float:
+    """How long to wait between two reads of ``share`` while watching it: ``local`` seconds on a folder of this
+    machine (a read is a cheap stat), ``remote`` seconds on a remote share (each read is a request, often billed)."""
+    return local if share.local_path("") is not None else remote
 
 
 class _suppress:
@@ -281,12 +255,8 @@ def _load_scheme(scheme: str) -> None:
     # Importing a built-in module registers its scheme; kept lazy so `import nbbatch` stays light.
     builtin = {"azfiles": "nbbatch.store.azfiles"}
     if scheme in builtin:
-        import importlib
-
         importlib.import_module(builtin[scheme])
         return
-    from importlib.metadata import entry_points
-
     for entry in entry_points(group=SHARE_ENTRY_POINTS):
         if entry.name == scheme:
             register_share(scheme, entry.load())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -16,8 +17,32 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+import nbbatch.ui.skip_iri_grammar  # noqa: F401 - first of nbbatch's imports: before any of them imports jsonschema
+from nbbatch import __version__, api
+from nbbatch.backends.placement import placement_reader
 from nbbatch.errors import NbbatchError
-from nbbatch.store.runjson import Status
+from nbbatch.execute.context import AttemptContext
+from nbbatch.execute.envs import build_envs, remove_env
+from nbbatch.execute.placement import placement_from_env
+from nbbatch.plan.runs import Run
+from nbbatch.results.progress import table_title, watch_status
+from nbbatch.results.status import status_rows, status_table
+from nbbatch.spec.environments import list_envs
+from nbbatch.spec.frameworks import get_framework, list_frameworks
+from nbbatch.spec.project import find_project
+from nbbatch.spec.schema import experiment_schema
+from nbbatch.store.fetch import fetch
+from nbbatch.store.known import open_experiment_share
+from nbbatch.store.runjson import ContainerInfo, GpuSharing, RunRecord, Status, from_json_value
+from nbbatch.store.share import open_share
+from nbbatch.ui.data_commands import add_data_parser
+from nbbatch.ui.images_commands import add_images_parser
+from nbbatch.ui.results_commands import add_results_parsers
 
 
 def _typed(value: str) -> Any:
@@ -36,8 +61,6 @@ def _typed(value: str) -> Any:
 
 
 def _parameters(args: argparse.Namespace) -> dict[str, Any]:
-    import yaml
-
     params: dict[str, Any] = {}
     for path in args.parameters_file or []:
         try:
@@ -71,24 +94,18 @@ def _add_param_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-f", "--parameters-file", action="append", metavar="FILE", help="parameters from a YAML file")
 
 
-def _console():
-    from rich.console import Console
-
+def _console() -> Console:
     return Console()
 
 
-def _warning(text: str):
+def _warning(text: str) -> Text:
     """``warning: <text>`` for rich, the text (run data, names, paths) never read as markup."""
-    from rich.text import Text
-
     return Text.assemble(("warning:", "yellow"), " ", text)
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from nbbatch.api import submit
-
-    result = submit(args.experiment, force=args.force, build_envs=args.build_envs, wait=not args.no_wait,
-                    progress=not args.quiet, only=args.only)
+    result = api.submit(args.experiment, force=args.force, build_envs=args.build_envs, wait=not args.no_wait,
+                        progress=not args.quiet, only=args.only)
     console = _console()
     for warning in result.warnings:
         console.print(_warning(warning))
@@ -97,8 +114,6 @@ def cmd_submit(args: argparse.Namespace) -> int:
     counts: dict[str, int] = {}
     for r in result.records:
         counts[r.status] = counts.get(r.status, 0) + 1
-    from rich.text import Text
-
     console.print(Text.assemble("experiment ", (result.experiment, "bold"), ": ",
                                 ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
                                 f" — results in {result.share}/{result.experiment}"))
@@ -108,15 +123,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from nbbatch.api import prepare
-
-    the_plan, _backend, share = prepare(args.experiment)
+    the_plan, _backend, share = api.prepare(args.experiment)
     if args.json:
         print(json.dumps([r.to_dict() for r in the_plan.runs], indent=2))
         return 0
-    from rich.table import Table
-    from rich.text import Text
-
     table = Table(title=Text(f"{the_plan.experiment.name}: {len(the_plan.runs)} run(s) → {share.url}"))
     for col in ("run", "kernel", "notebook", "parameters", "gpus"):
         table.add_column(col, overflow="fold")
@@ -130,9 +140,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         console.print(Text(f"input {name} ← {location}"), soft_wrap=True)
     world = the_plan.experiment.world()
     if world:  # every run is a gang of ranks
-        gpus = f", {world['gpus_per_node']} GPU(s) per node" if world["gpus_per_node"] else ", CPU ranks"
-        console.print(Text(f"distributed ({world['type']}): {world['nodes']} node(s) × {world['processes_per_node']} "
-                           f"rank(s) = {world['nodes'] * world['processes_per_node']} kernels per run{gpus}"))
+        gpus = f", {world.gpus_per_node} GPU(s) per node" if world.gpus_per_node else ", CPU ranks"
+        console.print(Text(f"distributed ({world.type}): {world.nodes} node(s) × {world.processes_per_node} "
+                           f"rank(s) = {world.nodes * world.processes_per_node} kernels per run{gpus}"))
     for warning in the_plan.warnings:
         console.print(_warning(warning))
     return 0
@@ -150,18 +160,13 @@ def _interval(text: str) -> float:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from nbbatch.api import open_experiment_share, status
-    from nbbatch.results.status import status_rows, status_table
-    from nbbatch.store.runjson import RunRecord
-    from nbbatch.ui.progress import table_title, watch_status
-
     name, _share = open_experiment_share(args.experiment, args.share)
     problems: list[str] = []
 
     def load() -> list[RunRecord]:
         with warnings.catch_warnings(record=True) as caught:  # corrupt run records: one line each, with the path
             warnings.simplefilter("always", UserWarning)
-            records = status(args.experiment, share=args.share)
+            records = api.status(args.experiment, share=args.share)
         for problem in (str(w.message) for w in caught if w.category is UserWarning):
             if problem not in problems:  # a watch reads the records again and again: say it once
                 problems.append(problem)
@@ -194,30 +199,25 @@ def cmd_status_interruptible(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    from nbbatch.api import logs
-
-    for chunk in logs(args.experiment, args.run, follow=args.follow, tail=args.tail, share=args.share, rank=args.rank):
+    for chunk in api.logs(args.experiment, args.run, follow=args.follow, tail=args.tail, share=args.share, rank=args.rank):
         sys.stdout.write(chunk)
         sys.stdout.flush()
     return 0
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from nbbatch.api import cancel
-
-    asked = cancel(args.experiment, args.runs or None, share=args.share)
+    asked = api.cancel(args.experiment, args.runs or None, share=args.share)
     print(f"asked {len(asked)} run(s) to stop: {', '.join(asked)}" if asked else "no unfinished runs to cancel")
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    # papermill takes over a second to import: only this command loads it (run_notebook needs it anyway)
     from papermill.exceptions import PapermillExecutionError
 
-    from nbbatch.api import run_notebook
-
     try:
-        run_notebook(args.input, args.output, _parameters(args), kernel=args.kernel, cwd=args.cwd,
-                     cell_timeout=args.cell_timeout, log_output=not args.quiet)
+        api.run_notebook(args.input, args.output, _parameters(args), kernel=args.kernel, cwd=args.cwd,
+                         cell_timeout=args.cell_timeout, log_output=not args.quiet)
     except PapermillExecutionError as exc:
         print(f"{Path(args.input).name} failed in cell {exc.exec_count}: {exc.ename}: {exc.evalue} "
               f"(executed notebook with its outputs: {args.output})", file=sys.stderr)
@@ -226,11 +226,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_run_one(args: argparse.Namespace) -> int:
-    from nbbatch.execute.attempt import execute_run
-    from nbbatch.plan.runs import Run
-    from nbbatch.spec.project import find_project
-    from nbbatch.store.share import open_share
-
     text = Path(args.spec_file).read_text() if args.spec_file else args.spec
     if not text:
         raise NbbatchError("run-one needs --spec JSON or --spec-file PATH (a Run as written by the backends)")
@@ -240,25 +235,25 @@ def cmd_run_one(args: argparse.Namespace) -> int:
         raise NbbatchError(f"run-one: the run spec is not a valid Run ({exc})") from exc
     project = find_project(args.project) if args.project else find_project()
     project.activate_kernels()
-    gpu_ids = [int(g) for g in args.gpus.split(",") if g.strip()] if args.gpus else []
     placement = json.loads(Path(args.placement_file).read_text()) if args.placement_file else {}
-    input_paths = dict(item.partition("=")[::2] for item in args.input or [])
-    record = execute_run(run, open_share(args.share), gpu_ids=gpu_ids, shared_gpu=args.shared_gpu,
-                         backend=args.backend, project_root=project.root, gpu_share=placement.get("gpu_share"),
-                         container=placement.get("container"), recorded_gpu_ids=placement.get("gpu_ids"),
-                         input_paths=input_paths)
+    gpu_share, container = placement.get("gpu_share"), placement.get("container")
+    context = AttemptContext(
+        backend=args.backend, project_root=project.root, shared_gpu=args.shared_gpu,
+        gpu_ids=[int(g) for g in args.gpus.split(",") if g.strip()] if args.gpus else [],
+        gpu_share=from_json_value(GpuSharing, gpu_share, args.placement_file, "gpu_share") if gpu_share else None,
+        container=from_json_value(ContainerInfo, container, args.placement_file, "container") if container else None,
+        recorded_gpu_ids=placement.get("gpu_ids"), input_paths=dict(item.partition("=")[::2] for item in args.input or []),
+        # a node of a gang: where it is, by nbbatch's own variables or those its backend's cluster set
+        placement=placement_from_env(run, os.environ, placement_reader(args.backend)) if run.distribution else None)
+    from nbbatch.execute.attempt import execute_run  # the notebook runtime: only the commands that run one load it
+
+    record = execute_run(run, open_share(args.share), context)
     print(f"{record.run_id}: {record.status}" + (f" ({record.error.summary()})" if record.error else ""))
     return 0 if record.status == Status.SUCCEEDED else 1
 
 
 def cmd_envs(args: argparse.Namespace) -> int:
-    from nbbatch.execute.envs import build_envs, list_envs, remove_env
-    from nbbatch.spec.frameworks import get_framework, list_frameworks
-
     if args.action == "list":
-        from rich.table import Table
-        from rich.text import Text
-
         table = Table(title="framework environments")
         for col in ("framework", "state", "kernel", "fingerprint", "built", "path"):
             table.add_column(col, overflow="fold")
@@ -287,9 +282,6 @@ def cmd_envs(args: argparse.Namespace) -> int:
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
-    from nbbatch.api import open_experiment_share
-    from nbbatch.store.fetch import fetch
-
     name, share = open_experiment_share(args.experiment, args.share)
     copied = fetch(share, name, Path(args.dest))
     print(f"fetched {len(copied)} file(s) of {name} into {args.dest}")
@@ -297,9 +289,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
-    from nbbatch.backends import get_backend  # noqa: F401 - a clear error when the azure extra is missing
-
-    try:
+    try:  # the azure extra: loaded only by this command
         from nbbatch.backends.azureml import cli_cluster
     except ImportError as exc:
         raise NbbatchError(f"`nbbatch cluster` needs the azure extra: pip install 'nbbatch[azure]' ({exc})") from exc
@@ -307,8 +297,6 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    from nbbatch.spec.schema import experiment_schema
-
     text = json.dumps(experiment_schema(), indent=2) + "\n"
     if args.output:
         Path(args.output).write_text(text)
@@ -319,7 +307,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nbbatch", description="Run parameterized notebooks as a batch.")
-    parser.add_argument("--version", action="version", version=f"nbbatch {_version()}")
+    parser.add_argument("--version", action="version", version=f"nbbatch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("submit", help="plan, validate and run an experiment")
@@ -399,12 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     variant.add_argument("--cpu", dest="gpu", action="store_false", help="install the pins as they are (the default)")
     p.set_defaults(func=cmd_envs)
 
-    from nbbatch.ui.images_commands import add_images_parser
-
     add_images_parser(sub)
-
-    from nbbatch.ui.data_commands import add_data_parser
-
     add_data_parser(sub)
 
     p = sub.add_parser("cluster", help="the azureml backend's compute cluster: create | status | scale | delete")
@@ -434,48 +417,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--share")
     p.set_defaults(func=cmd_fetch)
 
-    # compare | diff | check: arguments and handlers live in nbbatch.ui.results_commands
-    from nbbatch.ui.results_commands import (
-        add_check_arguments,
-        add_compare_arguments,
-        add_diff_arguments,
-        cli_check,
-        cli_compare,
-        cli_diff,
-    )
-
-    p = sub.add_parser("compare", help="table of runs (parameters, metrics) from a share or any papermill outputs; "
-                                       "sort/filter/group, CSV/JSON, HTML report with plots")
-    add_compare_arguments(p)
-    p.set_defaults(func=cli_compare)
-    p = sub.add_parser("diff", help="diff two executed notebooks (parameters, metrics, sources, outputs) with nbdime")
-    add_diff_arguments(p)
-    p.set_defaults(func=cli_diff)
-    p = sub.add_parser("check", help="exit 1 when a metric moved beyond tolerance from a baseline (for CI)")
-    add_check_arguments(p)
-    p.set_defaults(func=cli_check)
+    add_results_parsers(sub)
     return parser
-
-
-def _version() -> str:
-    from nbbatch import __version__
-
-    return __version__
-
-
-def _skip_iri_grammar() -> None:
-    """Keep jsonschema from loading its IRI grammar: about 1 s of every command that reads a notebook.
-
-    nbformat imports jsonschema, which registers format checkers for whatever optional packages are
-    installed; ``rfc3987_syntax`` (pulled in by JupyterLab's jupyter-events) builds a Lark grammar when
-    imported. Nothing nbbatch validates uses IRI formats, so a command process goes without it."""
-    if "jsonschema" not in sys.modules:
-        sys.modules.setdefault("rfc3987_syntax", None)  # type: ignore[arg-type]  # an import of it raises ImportError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``nbbatch`` console script."""
-    _skip_iri_grammar()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and hasattr(args, "names") and not any(e.startswith("-") for e in extra):

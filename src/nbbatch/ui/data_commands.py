@@ -9,6 +9,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.filesize import decimal
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+
+from nbbatch.store.share import Share, open_share
+from nbbatch.store.sync import SyncResult, pull, push
+
 SHARE_HELP = "a share: azfiles://<account>/<share>[/<folder>] or a folder path"
 
 
@@ -37,9 +44,6 @@ def add_data_parser(sub: Any) -> None:
 
 def cmd_data_push(args: argparse.Namespace) -> int:
     """``nbbatch data push SRC DEST``."""
-    from nbbatch.store.share import open_share
-    from nbbatch.store.sync import push
-
     share = open_share(args.dest)
     try:
         with _progress_bar(args.quiet, f"reading {args.src}") as progress:
@@ -52,9 +56,6 @@ def cmd_data_push(args: argparse.Namespace) -> int:
 
 def cmd_data_pull(args: argparse.Namespace) -> int:
     """``nbbatch data pull SRC DEST``."""
-    from nbbatch.store.share import open_share
-    from nbbatch.store.sync import pull
-
     share = open_share(args.src)
     try:
         with _progress_bar(args.quiet, f"reading {share.url}") as progress:
@@ -65,15 +66,13 @@ def cmd_data_pull(args: argparse.Namespace) -> int:
     return 0
 
 
-def _counts(result: Any, delete: bool) -> str:
+def _counts(result: SyncResult, delete: bool) -> str:
     """``3 file(s) (12.3 MB), 5 unchanged[, 1 removed]``."""
-    from rich.filesize import decimal
-
     text = f"{len(result.copied)} file(s) ({decimal(result.bytes_copied)}), {len(result.skipped)} unchanged"
     return text + (f", {len(result.removed)} removed" if delete else "")
 
 
-def _close(share: Any) -> None:
+def _close(share: Share) -> None:
     close = getattr(share, "close", None)  # AzureFileShare: its HTTP session
     if callable(close):
         close()
@@ -85,9 +84,6 @@ def _progress_bar(quiet: bool, first: str) -> Iterator[Callable[[str, int, int],
     if quiet or not sys.stderr.isatty():
         yield None
         return
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
-
     columns = (TextColumn("{task.description}", markup=False),  # file names are never read as markup
                BarColumn(), DownloadColumn(), TimeElapsedColumn())  # updated per file: a speed would mislead
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:

@@ -6,7 +6,15 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from nbbatch.containers.engines import Engine, find_engine
+from nbbatch.containers.images import ImageSpec, build_image, image_spec, image_status, stage_context
 from nbbatch.errors import NbbatchError
+from nbbatch.spec.frameworks import get_framework, list_frameworks
+from nbbatch.spec.project import find_project
 
 
 def add_images_parser(sub: Any) -> None:
@@ -24,10 +32,6 @@ def add_images_parser(sub: Any) -> None:
 
 
 def cmd_images(args: argparse.Namespace) -> int:
-    from nbbatch.containers.images import image_spec, stage_context
-    from nbbatch.spec.frameworks import get_framework, list_frameworks
-    from nbbatch.spec.project import find_project
-
     project = find_project()
     dockerfiles = project.root / "dockerfiles"
     if args.action == "context":
@@ -40,14 +44,10 @@ def cmd_images(args: argparse.Namespace) -> int:
         return 0
     names = list(list_frameworks(project)) if args.all or not args.names else args.names
     specs = [image_spec(get_framework(n, project), dockerfiles, gpu=not args.cpu, base=args.base) for n in names]
-    from nbbatch.containers.engines import find_engine
-
     engine = find_engine(args.engine)
     if args.action == "list":
         _print_table(engine, specs)
         return 0
-    from nbbatch.containers.images import build_image
-
     failures = []
     for spec in specs:
         print(f"{spec.framework.name}: {spec.ref} on {spec.args['BASE_IMAGE']} ({engine.name})")
@@ -63,13 +63,7 @@ def cmd_images(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_table(engine: Any, specs: list[Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
-
-    from nbbatch.containers.images import image_status
-
+def _print_table(engine: Engine, specs: list[ImageSpec]) -> None:
     table = Table(title=f"framework images ({engine.name})")
     for col in ("framework", "state", "image", "id", "base", "older builds"):
         table.add_column(col, overflow="fold")

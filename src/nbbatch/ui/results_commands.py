@@ -1,12 +1,13 @@
 """``nbbatch compare``, ``nbbatch check`` and ``nbbatch diff``: their arguments and handlers.
 
-:mod:`nbbatch.ui.cli` wires these; each handler returns the exit status. The work is done by
+:mod:`nbbatch.ui.cli` registers them with :func:`add_results_parsers`; each handler returns the exit status. The work is done by
 :mod:`nbbatch.results.compare` and :mod:`nbbatch.results.diff`.
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from nbbatch.results.compare import (
     FAILING_OUTCOMES,
@@ -25,10 +26,23 @@ from nbbatch.results.compare import (
     write_report,
     write_table,
 )
-from nbbatch.results.diff import diff_runs
 
 # how a message holding run data, names or paths is printed: as it is, never read as rich markup
 _PLAIN = {"markup": False, "emoji": False, "highlight": False}
+
+
+def add_results_parsers(sub: Any) -> None:
+    """Register ``nbbatch compare | diff | check`` on the top-level subparsers ``sub``."""
+    p = sub.add_parser("compare", help="table of runs (parameters, metrics) from a share or any papermill outputs; "
+                                       "sort/filter/group, CSV/JSON, HTML report with plots")
+    add_compare_arguments(p)
+    p.set_defaults(func=cli_compare)
+    p = sub.add_parser("diff", help="diff two executed notebooks (parameters, metrics, sources, outputs) with nbdime")
+    add_diff_arguments(p)
+    p.set_defaults(func=cli_diff)
+    p = sub.add_parser("check", help="exit 1 when a metric moved beyond tolerance from a baseline (for CI)")
+    add_check_arguments(p)
+    p.set_defaults(func=cli_check)
 
 
 def add_compare_arguments(parser: argparse.ArgumentParser, share_option: bool = True) -> None:
@@ -182,6 +196,9 @@ def add_diff_arguments(parser: argparse.ArgumentParser, share_option: bool = Tru
 
 def cli_diff(args: argparse.Namespace) -> int:
     """``nbbatch diff``: print the diff of two runs' notebooks; write HTML with --html. Always 0."""
+    # nbformat (and with it jsonschema) takes longer to import than the rest of the command line: only `diff` loads it
+    from nbbatch.results.diff import diff_runs
+
     result = diff_runs(args.run_a, args.run_b, getattr(args, "share", None), sources=args.sources,
                        outputs=args.outputs, metadata=args.metadata, details=args.details)
     result.print(color=args.color)

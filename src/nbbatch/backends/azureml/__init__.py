@@ -17,7 +17,7 @@ This is deep_bait's Batch AI flow on today's service (Azure ML, SDK v2 ``azure-a
 The job name, its studio URL and the last job state seen are kept next to the run's files in
 ``<experiment>/<run id>/azureml.json`` (:class:`JobState`, :mod:`.jobs`); the backend's ``sync``
 maps job states onto run records (:func:`map_job_status`). Settings (the ``backend:`` mapping of the
-experiment file) are the keyword arguments of :class:`AzureMLBackend`, declared in its ``SETTINGS``.
+experiment file) are the fields of :class:`AzureMLSettings` (also :class:`AzureMLBackend`'s keyword arguments).
 
 The workspace comes from the settings (``subscription_id``, ``resource_group``, ``workspace``),
 else from ``AZURE_SUBSCRIPTION_ID`` / ``AZURE_RESOURCE_GROUP`` / ``AZUREML_WORKSPACE``, else from an
@@ -28,7 +28,7 @@ Importing this package imports the Azure SDK; ``import nbbatch`` does not.
 
 from __future__ import annotations
 
-from nbbatch.backends.azureml.backend import DEFAULT_LAUNCHER, AzureMLBackend
+from nbbatch.backends.azureml.backend import DEFAULT_LAUNCHER, AzureMLBackend, AzureMLSettings
 from nbbatch.backends.azureml.cli import cli_cluster
 from nbbatch.backends.azureml.cluster import AzureMLCluster, ClusterSettings, ClusterStatus
 from nbbatch.backends.azureml.images import build_code_snapshot, ensure_datastore, ensure_environment, framework_environment
@@ -37,6 +37,7 @@ from nbbatch.backends.azureml.workspace import connect
 
 __all__ = [
     "AzureMLBackend",
+    "AzureMLSettings",
     "AzureMLCluster",
     "ClusterSettings",
     "ClusterStatus",

@@ -8,8 +8,9 @@ import os
 import shlex
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from azure.ai.ml import Input, MLClient, Output, command
 from azure.ai.ml.entities import Command
@@ -44,23 +45,63 @@ from nbbatch.backends.azureml.jobs import (
 )
 from nbbatch.backends.azureml.logstream import stream_job
 from nbbatch.backends.azureml.workspace import connect, error_text
-from nbbatch.backends.base import Backend, Capabilities, Compute, Setting, SubmitOptions
+from nbbatch.backends.base import Backend, Capabilities, Compute, SubmitOptions
+from nbbatch.backends.placement import azureml_placement
+from nbbatch.backends.settings import setting
 from nbbatch.errors import BackendError, ValidationError
+from nbbatch.execute.placement import NodePlacement
 from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret, is_secret_value
+from nbbatch.spec.frameworks import get_framework
+from nbbatch.spec.project import Project
+from nbbatch.store.azfiles import AzureFileShare, AzureFilesLocation, parse_azfiles_url
 from nbbatch.store.layout import run_paths
 from nbbatch.store.runfiles import read_record, write_record
 from nbbatch.store.runfiles import run_ids as list_run_ids
 from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status, utc_now
 from nbbatch.store.share import Share
 
-if TYPE_CHECKING:
-    from nbbatch.store.azfiles import AzureFilesLocation
-
 DEFAULT_LAUNCHER = 'PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" python -m nbbatch'
 
-_STR = (str,)
-_PATH = (str, os.PathLike)
+
+
+@dataclass(frozen=True)
+class AzureMLSettings:
+    """The azureml backend's settings (the experiment's ``backend:`` mapping; all optional).
+
+    ``compute`` names the cluster (created on first submit unless ``create_cluster: false``)
+    sized by ``vm_size``, ``min_nodes``, ``max_nodes``, ``tier`` (dedicated | low_priority) and
+    ``idle_time_before_scale_down`` (seconds). ``datastore`` names the workspace datastore of
+    the experiment's file share (default ``nbbatch_<account>_<share>``). ``environments`` maps a
+    framework (or ``"*"``) to an existing Azure ML environment (``azureml:name:version``)
+    instead of building the framework's image from ``dockerfiles/``. ``poll_seconds`` is how often waiting
+    reads job states. ``share_mode`` is ``mount`` (the share is the job's rw_mount output) or
+    ``direct`` (the job opens ``azfiles://`` itself with the cluster's managed identity).
+    ``ml_client``/``credential``/``client_kwargs`` are for Python callers and tests.
+    """
+
+    subscription_id: str | None = None
+    resource_group: str | None = None
+    workspace: str | None = None
+    config: str | os.PathLike | None = None
+    compute: str = field(default=DEFAULT_CLUSTER, metadata=setting(label="cluster name"))
+    vm_size: str = field(default=DEFAULT_VM_SIZE, metadata=setting(suggestions=VM_SIZES, label="VM size"))
+    min_nodes: int = field(default=0, metadata=setting(minimum=0, label="min nodes"))
+    max_nodes: int = field(default=2, metadata=setting(minimum=1, label="max nodes"))
+    # suggestions, not choices: ClusterSettings also takes aliases ("low-priority", "spot")
+    tier: str = field(default="dedicated", metadata=setting(suggestions=TIERS, label="priority"))
+    idle_time_before_scale_down: int = field(default=1800, metadata=setting(minimum=0))
+    create_cluster: bool = True
+    datastore: str | None = None
+    environments: Mapping[str, str] | None = None
+    dockerfiles: str | os.PathLike | None = None
+    poll_seconds: float = field(default=30.0, metadata=setting(minimum=0))
+    shm_size: str | None = None
+    launcher: str = DEFAULT_LAUNCHER
+    share_mode: str = field(default="mount", metadata=setting(choices=("mount", "direct")))
+    ml_client: MLClient | None = field(default=None, metadata=setting(python_only=True))
+    credential: Any = field(default=None, metadata=setting(python_only=True))
+    client_kwargs: Mapping[str, Any] | None = field(default=None, metadata=setting(python_only=True))
 
 
 class AzureMLBackend(Backend):
@@ -70,99 +111,33 @@ class AzureMLBackend(Backend):
     capabilities: ClassVar[Capabilities] = Capabilities(
         cancel=True, log_stream=True, gpus=True, multi_node=True, local_kernels=False, detached=True,
         gpu_slots=False, managed_cluster=True)  # kernels live in the framework images
-    SETTINGS: ClassVar[dict[str, Setting]] = {
-        "subscription_id": Setting(None, _STR),
-        "resource_group": Setting(None, _STR),
-        "workspace": Setting(None, _STR),
-        "config": Setting(None, _PATH),
-        "compute": Setting(DEFAULT_CLUSTER, _STR, label="cluster name"),
-        "vm_size": Setting(DEFAULT_VM_SIZE, _STR, suggestions=VM_SIZES, label="VM size"),
-        "min_nodes": Setting(0, (int,), minimum=0, label="min nodes"),
-        "max_nodes": Setting(2, (int,), minimum=1, label="max nodes"),
-        # suggestions, not choices: ClusterSettings also takes aliases ("low-priority", "spot")
-        "tier": Setting("dedicated", _STR, suggestions=TIERS, label="priority"),
-        "idle_time_before_scale_down": Setting(1800, (int,), minimum=0),
-        "create_cluster": Setting(True, (bool,)),
-        "datastore": Setting(None, _STR),
-        "environments": Setting(None, (Mapping,)),
-        "dockerfiles": Setting(None, _PATH),
-        "poll_seconds": Setting(30.0, (int, float), minimum=0),
-        "shm_size": Setting(None, _STR),
-        "launcher": Setting(DEFAULT_LAUNCHER, _STR),
-        "share_mode": Setting("mount", _STR, choices=("mount", "direct")),
-        "ml_client": Setting(python_only=True),
-        "credential": Setting(python_only=True),
-        "client_kwargs": Setting(python_only=True),
-    }
+    Settings: ClassVar[type] = AzureMLSettings
+    settings: AzureMLSettings
 
-    def __init__(
-        self,
-        *,
-        subscription_id: str | None = None,
-        resource_group: str | None = None,
-        workspace: str | None = None,
-        config: str | None = None,
-        compute: str = DEFAULT_CLUSTER,
-        vm_size: str = DEFAULT_VM_SIZE,
-        min_nodes: int = 0,
-        max_nodes: int = 2,
-        tier: str = "dedicated",
-        idle_time_before_scale_down: int = 1800,
-        create_cluster: bool = True,
-        datastore: str | None = None,
-        environments: Mapping[str, str] | None = None,
-        dockerfiles: str | None = None,
-        poll_seconds: float = 30.0,
-        shm_size: str | None = None,
-        launcher: str = DEFAULT_LAUNCHER,
-        share_mode: str = "mount",
-        ml_client: MLClient | None = None,
-        credential: Any = None,
-        client_kwargs: Mapping[str, Any] | None = None,
-        **unknown: Any,
-    ) -> None:
-        """Configure from the experiment's ``backend:`` settings (all optional).
-
-        ``compute`` names the cluster (created on first submit unless ``create_cluster: false``)
-        sized by ``vm_size``, ``min_nodes``, ``max_nodes``, ``tier`` (dedicated | low_priority) and
-        ``idle_time_before_scale_down`` (seconds). ``datastore`` names the workspace datastore of
-        the experiment's file share (default ``nbbatch_<account>_<share>``). ``environments`` maps a
-        framework (or ``"*"``) to an existing Azure ML environment (``azureml:name:version``)
-        instead of building the framework's image from ``dockerfiles/``. ``poll_seconds`` is how often waiting
-        reads job states. ``share_mode`` is ``mount`` (the share is the job's rw_mount output) or
-        ``direct`` (the job opens ``azfiles://`` itself with the cluster's managed identity).
-        ``ml_client``/``credential``/``client_kwargs`` are for Python callers and tests.
-        """
-        super().__init__(
-            subscription_id=subscription_id, resource_group=resource_group, workspace=workspace, config=config,
-            compute=compute, vm_size=vm_size, min_nodes=min_nodes, max_nodes=max_nodes, tier=tier,
-            idle_time_before_scale_down=idle_time_before_scale_down, create_cluster=create_cluster,
-            datastore=datastore, environments=environments, dockerfiles=dockerfiles, poll_seconds=poll_seconds,
-            shm_size=shm_size, launcher=launcher, share_mode=share_mode, ml_client=ml_client, credential=credential,
-            client_kwargs=client_kwargs, **unknown)
-        self.cluster_settings = ClusterSettings(compute, vm_size, min_nodes, max_nodes, tier,
-                                                idle_time_before_scale_down)
-        self.workspace_settings = {"subscription_id": subscription_id, "resource_group": resource_group,
-                                   "workspace": workspace, "config": config}
-        self.create_cluster = create_cluster
-        self.datastore = datastore
-        self.environments = dict(environments or {})
-        self.dockerfiles = Path(dockerfiles) if dockerfiles else None
-        self.poll_s = float(poll_seconds)
-        self.shm_size = shm_size
-        self.launcher = launcher
-        self.share_mode = share_mode
-        self._credential = credential
-        self._client_kwargs = dict(client_kwargs or {})
-        self._ml_client = ml_client
+    def __init__(self, settings: AzureMLSettings | None = None, /, **values: Any) -> None:
+        """Configure from the experiment's ``backend:`` settings (see :class:`AzureMLSettings`)."""
+        super().__init__(settings, **values)
+        given = self.settings
+        # the cluster's shape, changed in place when the cluster is resized
+        self.cluster_settings = ClusterSettings(given.compute, given.vm_size, given.min_nodes, given.max_nodes,
+                                                given.tier, given.idle_time_before_scale_down)
+        self._ml_client = given.ml_client
         self._environment_refs: dict[str, str] = {}
+
+    @property
+    def poll_s(self) -> float:  # type: ignore[override]
+        """How often waiting reads job states (``poll_seconds``)."""
+        return float(self.settings.poll_seconds)
 
     # --- connections ------------------------------------------------------------------------------
     @property
     def ml_client(self) -> MLClient:
         """The workspace client (connected on first use)."""
         if self._ml_client is None:
-            self._ml_client = connect(credential=self._credential, **self.workspace_settings, **self._client_kwargs)
+            given = self.settings
+            self._ml_client = connect(credential=given.credential, subscription_id=given.subscription_id,
+                                      resource_group=given.resource_group, workspace=given.workspace,
+                                      config=given.config, **dict(given.client_kwargs or {}))
         return self._ml_client
 
     @property
@@ -177,6 +152,11 @@ class AzureMLBackend(Backend):
         nodes = [{"name": n["name"], "state": n["state"], "cpus": None, "gpus": None} for n in status.nodes]
         return Compute(backend=self.name, nodes=nodes, slots=self.cluster_settings.max_nodes,
                        details={"cluster": status.to_dict(), "summary": status.summary()})
+
+    @classmethod
+    def node_placement(cls, run: Run, environ: Mapping[str, str]) -> NodePlacement | None:
+        """Azure ML's PyTorch, TensorFlow and MPI variables (:func:`nbbatch.backends.placement.azureml_placement`)."""
+        return azureml_placement(run, environ)
 
     def check_share(self, share: Share) -> None:
         """Jobs write to an Azure File share: refuse any other share before anything starts."""
@@ -207,7 +187,7 @@ class AzureMLBackend(Backend):
             raise BackendError(f"cannot read cluster `{name}` to check that it can hold the runs: "
                                f"{error_text(exc) if isinstance(exc, HttpResponseError) else exc}") from exc
         for run in wide:
-            nodes = int(run.distribution.get("nodes", 1)) if run.distribution else 1
+            nodes = run.distribution.nodes if run.distribution else 1
             if nodes > max_nodes:
                 fix = (f"raise it with `nbbatch cluster scale --name {name} --max-nodes {nodes}` (`max_nodes:` under "
                        "`backend:` only sizes a cluster nbbatch creates)" if exists else
@@ -235,13 +215,13 @@ class AzureMLBackend(Backend):
     def start(self, runs: Sequence[Run], share: Share, options: SubmitOptions) -> None:
         """Ensure cluster and datastore, snapshot the code once, and create one command job per run."""
         location = _azure_files_location(share)
-        if self.create_cluster:
+        if self.settings.create_cluster:
             self.cluster.ensure()
         elif not self.cluster.status().exists:
             raise BackendError(f"cluster `{self.cluster_settings.name}` does not exist and create_cluster is false; "
                                "create it with `nbbatch cluster create`")
-        datastore = self.datastore or datastore_name_for(location.account, location.share)
-        if self.share_mode == "mount":
+        datastore = self.settings.datastore or datastore_name_for(location.account, location.share)
+        if self.settings.share_mode == "mount":
             ensure_datastore(self.ml_client, datastore, location.account, location.share)
         inputs = {_input_location(n, u) for r in runs for n, u in r.inputs.items()}
         for place in sorted({(i.account, i.share) for i in inputs} - {(location.account, location.share)}):
@@ -352,12 +332,12 @@ class AzureMLBackend(Backend):
                                      cwd=run.cwd if run.cwd and not Path(run.cwd).is_absolute() else None)
         spec = command_json(remote.to_dict())
         gpus = ",".join(str(i) for i in range(run.gpus))
-        share_arg = "${{outputs.share}}" if self.share_mode == "mount" else shlex.quote(share_url)
-        parts = [self.launcher, "run-one", "--spec", shlex.quote(spec), "--share", share_arg, "--backend", self.name]
+        share_arg = "${{outputs.share}}" if self.settings.share_mode == "mount" else shlex.quote(share_url)
+        parts = [self.settings.launcher, "run-one", "--spec", shlex.quote(spec), "--share", share_arg, "--backend", self.name]
         if gpus:
             parts += ["--gpus", gpus]
         outputs = {}
-        if self.share_mode == "mount":
+        if self.settings.share_mode == "mount":
             outputs["share"] = Output(type="uri_folder", path=_datastore_path(datastore, share_prefix), mode="rw_mount")
         inputs = {}
         share_place = _azure_files_location_of(share_url)
@@ -372,7 +352,7 @@ class AzureMLBackend(Backend):
                 "parameters": json.dumps(run.parameters, sort_keys=True, default=str)[:1000]}
         instance_count, distribution = job_distribution(run.distribution)
         if distribution is not None:
-            tags["distribution"] = json.dumps(run.distribution, sort_keys=True)
+            tags["distribution"] = json.dumps(run.distribution.to_dict(), sort_keys=True)
         return command(
             name=new_job_name(run.run_id),
             display_name=run.run_id,
@@ -387,25 +367,23 @@ class AzureMLBackend(Backend):
             tags=tags,
             instance_count=instance_count,
             distribution=distribution,
-            shm_size=self.shm_size,
+            shm_size=self.settings.shm_size,
             timeout=int(run.timeout_s) + 600 if run.timeout_s else None,
         )
 
     def _environment_for(self, run: Run, register: bool) -> str:
         key = run.framework or "*"
-        if key in self.environments or "*" in self.environments:
-            return self.environments.get(key) or self.environments["*"]
+        environments = self.settings.environments or {}
+        if key in environments or "*" in environments:
+            return environments.get(key) or environments["*"]
         if not run.framework:
             raise BackendError(f"run {run.run_id} ({run.notebook_rel}) has no framework, so the azureml backend has "
                                "no image for it; set `environments: {'*': azureml:<name>:<version>}` in `backend:`")
         if key in self._environment_refs:
             return self._environment_refs[key]
-        from nbbatch.spec.frameworks import get_framework
-        from nbbatch.spec.project import Project
-
         root = project_root_of(run)
         framework = get_framework(run.framework, Project(root))
-        dockerfiles = self.dockerfiles or root / "dockerfiles"
+        dockerfiles = Path(self.settings.dockerfiles) if self.settings.dockerfiles else root / "dockerfiles"
         env = framework_environment(framework, dockerfiles)
         if not register:
             return f"azureml:{env.name}:{env.version}"
@@ -457,16 +435,12 @@ def _datastore_path(datastore: str, prefix: str) -> str:
 
 
 def _azure_files_location_of(url: str) -> tuple[str, str]:
-    from nbbatch.store.azfiles import parse_azfiles_url
-
     location = parse_azfiles_url(url)
     return location.account, location.share
 
 
 def _input_location(name: str, location: str) -> AzureFilesLocation:
     """Where input ``name`` is, as an Azure Files location; a local folder or another share is refused."""
-    from nbbatch.store.azfiles import parse_azfiles_url
-
     if not location.startswith("azfiles://"):
         where = "a folder on this machine" if "://" not in location else "not an Azure File share"
         raise ValidationError(
@@ -477,8 +451,6 @@ def _input_location(name: str, location: str) -> AzureFilesLocation:
 
 
 def _azure_files_location(share: Share) -> AzureFilesLocation:
-    from nbbatch.store.azfiles import AzureFileShare, parse_azfiles_url
-
     if isinstance(share, AzureFileShare):
         return share.location
     if str(getattr(share, "url", "")).startswith("azfiles://"):

@@ -10,6 +10,7 @@ from azure.ai.ml import MLClient
 
 from nbbatch.backends.azureml.backend import AzureMLBackend
 from nbbatch.errors import BackendError, did_you_mean
+from nbbatch.spec.experiment import load_experiment
 
 _ARGS = ("subscription_id", "resource_group", "workspace", "config", "vm_size", "min_nodes", "max_nodes", "tier",
          "idle_time_before_scale_down")
@@ -19,8 +20,6 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The backend settings of ``--experiment``'s ``backend:``, overridden by the command line's options."""
     settings: dict[str, Any] = {}
     if getattr(args, "experiment", None):
-        from nbbatch.spec.experiment import load_experiment
-
         spec = load_experiment(args.experiment)
         if spec.backend != "azureml":
             raise BackendError(f"{args.experiment} uses the `{spec.backend}` backend, not azureml")
@@ -42,7 +41,7 @@ def cli_cluster(args: argparse.Namespace, ml_client: MLClient | None = None) -> 
     ``resource_group``, ``workspace``, ``config``, ``no_wait`` and ``json`` attributes.
     """
     settings = settings_from_args(args)
-    known = {k: v for k, v in settings.items() if k in AzureMLBackend.SETTINGS}
+    known = {k: v for k, v in settings.items() if k in AzureMLBackend.setting_table()}
     cluster = AzureMLBackend(ml_client=ml_client, **known).cluster
     wait = not getattr(args, "no_wait", False)
     action = args.action

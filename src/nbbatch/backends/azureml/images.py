@@ -15,10 +15,13 @@ from azure.ai.ml import MLClient
 from azure.ai.ml.entities import AccountKeyConfiguration, AzureFileDatastore, BuildContext, Environment
 from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
 
+import nbbatch
 from nbbatch.backends.azureml.workspace import error_text
-from nbbatch.containers.images import IGNORE
-from nbbatch.errors import BackendError
+from nbbatch.containers.images import IGNORE, image_spec, stage_context
+from nbbatch.errors import BackendError, ContainerError
 from nbbatch.plan.runs import Run
+from nbbatch.spec.frameworks import list_frameworks
+from nbbatch.spec.project import Project, find_project
 
 KEY_ENV = "AZURE_STORAGE_KEY"
 
@@ -31,10 +34,6 @@ def framework_environment(framework: Any, dockerfiles_dir: Path, build_dir: Path
     from (the Dockerfile with the framework's values, and everything it copies), for the linux/x86_64
     nodes Azure ML runs.
     """
-    from nbbatch.containers.images import image_spec, stage_context
-    from nbbatch.errors import ContainerError
-    from nbbatch.spec.project import find_project
-
     try:
         spec = image_spec(framework, Path(dockerfiles_dir))
         path = Path(dockerfiles_dir)
@@ -123,8 +122,6 @@ def build_code_snapshot(runs: Sequence[Run], dest: Path, project_root: Path | No
     project-relative path), so ``run-one`` resolves notebooks the same way as on this machine.
     The content is deterministic, so Azure ML reuses an upload when nothing changed.
     """
-    import nbbatch
-
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copytree(Path(nbbatch.__file__).parent, dest / "src" / "nbbatch", ignore=IGNORE, dirs_exist_ok=True)
     frameworks = sorted({r.framework for r in runs if r.framework})
@@ -141,9 +138,6 @@ def build_code_snapshot(runs: Sequence[Run], dest: Path, project_root: Path | No
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, target)
     if frameworks:
-        from nbbatch.spec.frameworks import list_frameworks
-        from nbbatch.spec.project import Project
-
         root = project_root or project_root_of(runs[0])
         known = list_frameworks(Project(root))
         for name in frameworks:

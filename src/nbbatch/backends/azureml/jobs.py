@@ -6,7 +6,6 @@ import dataclasses
 import io
 import json
 import uuid
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +13,7 @@ from azure.ai.ml import MpiDistribution, PyTorchDistribution, TensorFlowDistribu
 from azure.ai.ml.entities import Command
 
 from nbbatch.errors import BackendError
+from nbbatch.spec.resources import Distribution
 from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status
 
 JOB_FILE = "azureml.json"  # in the run's folder: run_paths(experiment, run_id).file(JOB_FILE)
@@ -112,7 +112,7 @@ def reconcile(record: RunRecord, state: JobState) -> tuple[Status, RunError | No
 
 
 def job_distribution(
-    distribution: Mapping[str, Any],
+    distribution: Distribution | None,
 ) -> tuple[int, PyTorchDistribution | TensorFlowDistribution | MpiDistribution | None]:
     """``(instance_count, distribution)`` of the command job of a run spanning ``distribution`` (``Run.distribution``).
 
@@ -124,17 +124,17 @@ def job_distribution(
     * mpi: ``MpiDistribution`` with one MPI process per rank (``processes_per_node`` per node), each running the
       command for its own rank; mpirun sets ``OMPI_COMM_WORLD_RANK``, ``…_LOCAL_RANK``, ``…_SIZE``.
 
-    An ordinary run (``{}``): one instance, no distribution.
+    An ordinary run (``None``): one instance, no distribution.
     """
     if not distribution:
         return 1, None
-    kind, nodes = distribution.get("type"), int(distribution["nodes"])
+    kind, nodes = distribution.type, distribution.nodes
     if kind in ("torch", "jax"):
         return nodes, PyTorchDistribution(process_count_per_instance=1)
     if kind == "tensorflow":
         return nodes, TensorFlowDistribution(worker_count=nodes, parameter_server_count=0)
     if kind == "mpi":
-        return nodes, MpiDistribution(process_count_per_instance=int(distribution["processes_per_node"]))
+        return nodes, MpiDistribution(process_count_per_instance=distribution.processes_per_node)
     raise BackendError(f"distribution `{kind}` has no Azure ML job form (torch, jax, tensorflow or mpi)")
 
 

@@ -8,24 +8,55 @@ import os
 import socket
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
-from nbbatch.backends.base import Backend, Capabilities, Compute, Setting, SubmitOptions
+from nbbatch.backends.base import Backend, Capabilities, Compute, SubmitOptions
 from nbbatch.backends.ray.supervisor import NAMESPACE, RunSupervisor, supervisor_name
 from nbbatch.backends.ray.task import RayTaskSpec, gpu_request
+from nbbatch.backends.settings import setting
 from nbbatch.errors import BackendError, ValidationError
 from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret
+from nbbatch.spec.project import find_project
 from nbbatch.store.runfiles import read_record, read_record_or_none
 from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status, utc_now
-from nbbatch.store.share import Share
+from nbbatch.store.share import Share, poll_interval
 
 FRESH_S = 60.0  # a non-final record younger than this may still be on its way to a supervisor: leave it
 NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs",
                        "fuse.blobfuse", "fuse.blobfuse2", "fuse.gcsfuse", "fuse.s3fs", "fuse.cephfs",
                        "fuse.glusterfs", "fuse.juicefs", "fuse.sshfs", "fuse.lustre", "azurefile")
+
+
+@dataclass(frozen=True)
+class RaySettings:
+    """The ray backend's settings (the experiment's ``backend:`` mapping; see :mod:`nbbatch.backends.ray`)."""
+
+    address: str = field(default="auto", metadata=setting(label="address"))  # auto, HOST:6379 or ray://HOST:10001
+    num_cpus: int | float = field(default=1, metadata=setting(minimum=0))  # CPUs each run asks for
+    max_retries: int | None = field(default=None, metadata=setting(minimum=0))  # Ray retries after a node/worker death
+    shared_folder: bool = False  # a folder share is mounted at the same path on every node
+    project: str | None = None  # the project's path on the nodes
+    resources: dict[str, float] | None = None  # extra Ray resources each run asks for
+    env: dict[str, str] | None = None  # environment variables for run-one (and so the kernel) on the nodes
+    runtime_env: dict[str, Any] | None = None  # a Ray runtime_env for the run tasks
+    autoscaling: bool = False  # do not refuse runs that no current node can hold
+    cancel_grace_s: float = field(default=15.0, metadata=setting(minimum=0))  # before a cancelled run's task is killed
+    linger_s: float = field(default=60.0, metadata=setting(minimum=0))  # how long an idle supervisor waits for more runs
+    gang_timeout_s: float = field(default=300.0, metadata=setting(minimum=1))  # a distributed run's nodes, all at once
+    poll_s: float | None = field(default=None, metadata=setting(minimum=0))  # how often waiting reads the records
+
+    def __post_init__(self) -> None:
+        if not self.address:  # an empty address means Ray's own lookup, as `auto` does
+            object.__setattr__(self, "address", "auto")
+
+    @property
+    def run_env(self) -> dict[str, str]:
+        """``env`` as the variables a run gets (names and values as text)."""
+        return {str(k): str(v) for k, v in (self.env or {}).items()}
 
 
 class RayBackend(Backend):
@@ -35,45 +66,21 @@ class RayBackend(Backend):
     capabilities: ClassVar[Capabilities] = Capabilities(
         cancel=True, log_stream=False, gpus=True, multi_node=True, local_kernels=False, detached=True,
         gpu_slots=False, managed_cluster=False)
-    SETTINGS: ClassVar[dict[str, Setting]] = {
-        "address": Setting("auto", (str,), label="address"),  # auto, HOST:6379 or ray://HOST:10001
-        "num_cpus": Setting(1, (int, float), minimum=0),  # CPUs each run asks for
-        "max_retries": Setting(None, (int,), minimum=0),  # Ray retries after a node/worker death
-        "shared_folder": Setting(False, (bool,)),  # a folder share is mounted at the same path on every node
-        "project": Setting(None, (str,)),  # the project's path on the nodes
-        "resources": Setting(None, (dict,)),  # extra Ray resources each run asks for
-        "env": Setting(None, (dict,)),  # environment variables for run-one (and so the kernel) on the nodes
-        "runtime_env": Setting(None, (dict,)),  # a Ray runtime_env for the run tasks
-        "autoscaling": Setting(False, (bool,)),  # do not refuse runs that no current node can hold
-        "cancel_grace_s": Setting(15.0, (int, float), minimum=0),  # before a cancelled run's task is killed
-        "linger_s": Setting(60.0, (int, float), minimum=0),  # how long an idle supervisor waits for more runs
-        "gang_timeout_s": Setting(300.0, (int, float), minimum=1),  # a distributed run's nodes, all at once, by then
-        "poll_s": Setting(None, (int, float), minimum=0),  # how often waiting reads the records
-    }
+    Settings: ClassVar[type] = RaySettings
+    settings: RaySettings
 
-    def __init__(self, address: str = "auto", num_cpus: float = 1, max_retries: int | None = None,
-                 shared_folder: bool = False, project: str | None = None, resources: dict[str, float] | None = None,
-                 env: dict[str, str] | None = None, runtime_env: dict[str, Any] | None = None,
-                 autoscaling: bool = False, cancel_grace_s: float = 15.0, linger_s: float = 60.0,
-                 poll_s: float | None = None, gang_timeout_s: float = 300.0, **unknown: Any):
-        """The experiment's ``backend:`` settings (see :mod:`nbbatch.backends.ray`); mistakes raise BackendError."""
-        super().__init__(address=address, num_cpus=num_cpus, max_retries=max_retries, shared_folder=shared_folder,
-                         project=project, resources=resources, env=env, runtime_env=runtime_env,
-                         autoscaling=autoscaling, cancel_grace_s=cancel_grace_s, linger_s=linger_s, poll_s=poll_s,
-                         gang_timeout_s=gang_timeout_s, **unknown)
-        self.address = address or "auto"
-        self.num_cpus = num_cpus
-        self.max_retries = max_retries
-        self.shared_folder = bool(shared_folder)
-        self.project = project
-        self.resources = dict(resources or {})
-        self.env = {str(k): str(v) for k, v in (env or {}).items()}
-        self.runtime_env = runtime_env
-        self.autoscaling = bool(autoscaling)
-        self.cancel_grace_s = float(cancel_grace_s)
-        self.linger_s = float(linger_s)
-        self.poll_s = poll_s or None
-        self.gang_timeout_s = float(gang_timeout_s)
+    def __init__(self, address: str | RaySettings | None = None, /, **values: Any) -> None:
+        """The experiment's ``backend:`` settings (see :class:`RaySettings`); ``RayBackend("HOST:6379")`` names
+        the address. Mistakes raise BackendError."""
+        if isinstance(address, str):
+            values = {"address": address, **values}
+            address = None
+        super().__init__(address, **values)
+
+    @property
+    def poll_s(self) -> float | None:  # type: ignore[override]
+        """How often waiting reads the records (None: by the share's kind)."""
+        return self.settings.poll_s or None
 
     # --- the cluster ------------------------------------------------------------------------------
 
@@ -85,10 +92,10 @@ class RayBackend(Backend):
             raise BackendError(f"the `ray` backend needs its extra: pip install 'nbbatch[ray]' ({exc})") from exc
         if not ray.is_initialized():
             try:
-                ray.init(address=self.address, log_to_driver=False, logging_level=logging.WARNING)
+                ray.init(address=self.settings.address, log_to_driver=False, logging_level=logging.WARNING)
             except Exception as exc:  # noqa: BLE001 - ConnectionError, RuntimeError, ValueError… all mean the same
                 raise BackendError(
-                    f"cannot connect to the Ray cluster at `{self.address}`: {exc}. Start one (`ray start --head`) "
+                    f"cannot connect to the Ray cluster at `{self.settings.address}`: {exc}. Start one (`ray start --head`) "
                     "or set the experiment's `backend: {name: ray, address: HOST:6379}` (or ray://HOST:10001)"
                 ) from exc
         return ray
@@ -123,8 +130,8 @@ class RayBackend(Backend):
                             for i in range(int(n_gpus)))
         alive = [n for n in out_nodes if n["state"] == "alive"]
         cpus = sum(n["cpus"] for n in alive)
-        slots = int(cpus // self.num_cpus) if self.num_cpus else max(len(gpus), 1)
-        details: dict[str, Any] = {"address": self.address, "ray_version": ray.__version__}
+        slots = int(cpus // self.settings.num_cpus) if self.settings.num_cpus else max(len(gpus), 1)
+        details: dict[str, Any] = {"address": self.settings.address, "ray_version": ray.__version__}
         with contextlib.suppress(Exception):
             details["available"] = dict(ray.available_resources())
             details["total"] = dict(ray.cluster_resources())
@@ -134,33 +141,33 @@ class RayBackend(Backend):
         """Refuse secrets in ``env``, and runs that no node can hold (unless ``autoscaling``), before anything starts."""
         super().check(runs, options)
         self.check_secrets(runs)
-        if not runs or self.autoscaling:
+        if not runs or self.settings.autoscaling:
             return
         alive = self._alive_nodes()
         need_gpus = max(r.gpus for r in runs)
 
         def fits(node: dict[str, Any], gpus: float = need_gpus) -> bool:
             res = node.get("Resources") or {}
-            return (res.get("GPU", 0) >= gpus and res.get("CPU", 0) >= self.num_cpus
-                    and all(res.get(k, 0) >= v for k, v in self.resources.items()))
+            return (res.get("GPU", 0) >= gpus and res.get("CPU", 0) >= self.settings.num_cpus
+                    and all(res.get(k, 0) >= v for k, v in (self.settings.resources or {}).items()))
 
-        gang = max((r for r in runs if r.distribution), key=lambda r: (r.distribution["nodes"], r.gpus), default=None)
-        if gang is not None and gang.distribution["nodes"] > len(alive):
+        gang = max((r for r in runs if r.distribution), key=lambda r: (r.distribution.nodes, r.gpus), default=None)
+        if gang is not None and gang.distribution.nodes > len(alive):
             raise ValidationError(
-                f"run {gang.run_id} spans {gang.distribution['nodes']} nodes (resources.nodes, one Ray node each), but "
-                f"the Ray cluster at `{self.address}` has {len(alive)} alive node(s); lower resources.nodes, add "
+                f"run {gang.run_id} spans {gang.distribution.nodes} nodes (resources.nodes, one Ray node each), but "
+                f"the Ray cluster at `{self.settings.address}` has {len(alive)} alive node(s); lower resources.nodes, add "
                 "nodes, or set `autoscaling: true` in the backend settings when the cluster adds nodes on demand")
-        if gang is not None and gang.distribution["nodes"] > (large := sum(1 for n in alive if fits(n, gang.gpus))):
+        if gang is not None and gang.distribution.nodes > (large := sum(1 for n in alive if fits(n, gang.gpus))):
             raise ValidationError(
-                f"run {gang.run_id} spans {gang.distribution['nodes']} nodes with {gang.gpus} GPU(s) and "
-                f"{self.num_cpus:g} CPU(s) each, but only {large} of the {len(alive)} alive node(s) of the Ray cluster "
-                f"at `{self.address}` have that; lower resources.nodes or gpus_per_node, or set `autoscaling: true`")
+                f"run {gang.run_id} spans {gang.distribution.nodes} nodes with {gang.gpus} GPU(s) and "
+                f"{self.settings.num_cpus:g} CPU(s) each, but only {large} of the {len(alive)} alive node(s) of the Ray cluster "
+                f"at `{self.settings.address}` have that; lower resources.nodes or gpus_per_node, or set `autoscaling: true`")
         if not any(fits(n) for n in alive):
             largest = max((n.get("Resources", {}).get("GPU", 0) for n in alive), default=0)
-            extra = f" and {self.resources}" if self.resources else ""
+            extra = f" and {self.settings.resources}" if self.settings.resources else ""
             raise ValidationError(
-                f"runs ask for {need_gpus} GPU(s) and {self.num_cpus:g} CPU(s){extra} each, but no node of the Ray "
-                f"cluster at `{self.address}` has that (largest: {largest:g} GPU(s), {len(alive)} node(s) alive); "
+                f"runs ask for {need_gpus} GPU(s) and {self.settings.num_cpus:g} CPU(s){extra} each, but no node of the Ray "
+                f"cluster at `{self.settings.address}` has that (largest: {largest:g} GPU(s), {len(alive)} node(s) alive); "
                 "lower resources.gpus, or set `autoscaling: true` in the backend settings when the cluster adds "
                 "nodes on demand")
 
@@ -171,8 +178,8 @@ class RayBackend(Backend):
         dashboard), with each run's task, and into ``.nbbatch/``. Credentials belong in the environment
         of the Ray nodes themselves (``ray start`` under them, the pod's secret), which every run inherits.
         """
-        runtime_vars = dict((self.runtime_env or {}).get("env_vars") or {})
-        places = [("the ray backend setting `env`", self.env),
+        runtime_vars = dict((self.settings.runtime_env or {}).get("env_vars") or {})
+        places = [("the ray backend setting `env`", self.settings.run_env),
                   ("the ray backend setting `runtime_env.env_vars`", runtime_vars),
                   *((f"the `env:` of run {run.run_id}", run.env) for run in runs)]
         for where, variables in places:
@@ -192,7 +199,7 @@ class RayBackend(Backend):
         A folder share is accepted when every alive node runs on this machine, when the folder is on a
         network file system (NFS, SMB/CIFS, blobfuse…), or with the setting ``shared_folder: true``.
         """
-        if self.shared_folder:
+        if self.settings.shared_folder:
             return
         local = share.local_path("")
         if local is None:  # azfiles:// and other remote shares are reachable from every node
@@ -206,7 +213,7 @@ class RayBackend(Backend):
             return
         raise BackendError(
             f"the share {share.url} is a folder on this machine ({fs_type or 'local file system'}), but the Ray "
-            f"cluster at `{self.address}` has {len(alive)} node(s) on {', '.join(addresses)}, which cannot see it. "
+            f"cluster at `{self.settings.address}` has {len(alive)} node(s) on {', '.join(addresses)}, which cannot see it. "
             "Use a share every node can reach: an `azfiles://ACCOUNT/SHARE` share, or a folder mounted at the same "
             "path on every node (NFS, Azure Files…) and set `shared_folder: true` in the experiment's "
             "`backend:` settings. Nothing was started.")
@@ -241,10 +248,10 @@ class RayBackend(Backend):
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # for zero-CPU actors
 
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=False)
-        env_vars = {**self.env, **dict((self.runtime_env or {}).get("env_vars") or {})}
+        env_vars = {**self.settings.run_env, **dict((self.settings.runtime_env or {}).get("env_vars") or {})}
         if env_vars:  # never credentials (check_secrets): the supervisor reads them from the head's environment
             options["runtime_env"] = {"env_vars": env_vars}
-        return ray.remote(RunSupervisor).options(**options).remote(experiment, share.url, self.linger_s)
+        return ray.remote(RunSupervisor).options(**options).remote(experiment, share.url, self.settings.linger_s)
 
     def _states(self, experiment: str, share: Share) -> dict[str, dict[str, Any]] | None:
         """What the experiment's supervisor knows of its runs (see ``RunSupervisor.sweep``); None: it is gone."""
@@ -261,16 +268,17 @@ class RayBackend(Backend):
         """How one run asks Ray for resources and what its task executes."""
         num_gpus, shared = gpu_request(run.gpus, options.runs_per_gpu)
         # the experiment's `retries: 0` means no second run of the notebook, after a kernel or a worker death alike
-        max_retries = self.max_retries if self.max_retries is not None else run.retries
+        max_retries = self.settings.max_retries if self.settings.max_retries is not None else run.retries
         if run.distribution:  # a gang: whole GPUs per node, and no Ray retry (its launchers retry the gang)
             num_gpus, shared, max_retries = float(run.gpus), False, 0
         source = None
         with contextlib.suppress(OSError):
             source = Path(run.notebook).read_text(encoding="utf-8")
+        given = self.settings
         return RayTaskSpec(run=run.to_dict(), share=share.url, project=project, num_gpus=num_gpus,
-                           num_cpus=self.num_cpus, shared_gpu=shared, max_retries=max_retries,
-                           resources=dict(self.resources), env=dict(self.env), runtime_env=self.runtime_env,
-                           notebook_source=source, gang_timeout_s=self.gang_timeout_s)
+                           num_cpus=given.num_cpus, shared_gpu=shared, max_retries=max_retries,
+                           resources=dict(given.resources or {}), env=given.run_env, runtime_env=given.runtime_env,
+                           notebook_source=source, gang_timeout_s=given.gang_timeout_s)
 
     # --- the Backend hooks --------------------------------------------------------------------------
 
@@ -279,7 +287,7 @@ class RayBackend(Backend):
         self.check_secrets(runs)  # also for callers that skip launch()'s check()
         ray = self.connect()
         experiment = runs[0].experiment
-        project = self.project or _project_root(runs[0])
+        project = self.settings.project or _project_root(runs[0])
         specs = [self.task_spec(run, share, options, project).to_dict() for run in runs]
         deadline = time.monotonic() + 60
         while True:  # a supervisor that is just leaving refuses: start a new one
@@ -326,7 +334,7 @@ class RayBackend(Backend):
               states: dict[str, dict[str, Any]] | None, fresh_s: float) -> dict[str, RunError]:
         lost = {}
         why = ("its Ray supervisor does not know it" if states is not None else
-               f"no nbbatch supervisor for `{experiment}` is left on the Ray cluster at `{self.address}`")
+               f"no nbbatch supervisor for `{experiment}` is left on the Ray cluster at `{self.settings.address}`")
         for record in records:
             if states is not None and states.get(record.run_id, {}).get("active"):
                 continue
@@ -340,9 +348,9 @@ class RayBackend(Backend):
     def interrupted(self, experiment: str, share: Share, pending: Sequence[str]) -> None:
         """Ctrl-C while waiting: cancel the pending runs and give them ``cancel_grace_s`` + 30 s to be final."""
         self.cancel(experiment, share, sorted(pending))
-        poll = self.poll_s or (0.5 if share.local_path("") is not None else 2.0)
+        poll = self.poll_s or poll_interval(share)
         left = set(pending)
-        end = time.monotonic() + self.cancel_grace_s + 30
+        end = time.monotonic() + self.settings.cancel_grace_s + 30
         while left and time.monotonic() < end:
             left = {i for i in left if not ((r := read_record(share, experiment, i)) and r.final)}
             time.sleep(poll)
@@ -359,7 +367,7 @@ class RayBackend(Backend):
                 supervisor = self._supervisor(experiment, share)
                 if supervisor is not None:
                     ray = self.connect()
-                    ray.get(supervisor.cancel.remote(asked, self.cancel_grace_s), timeout=60)
+                    ray.get(supervisor.cancel.remote(asked, self.settings.cancel_grace_s), timeout=60)
             except Exception:  # noqa: BLE001 - the markers alone stop running runs and unstarted tasks
                 pass
         return asked
@@ -396,8 +404,6 @@ def _client_mode(ray: Any) -> bool:
 
 
 def _project_root(run: Run) -> str | None:
-    from nbbatch.spec.project import find_project
-
     with contextlib.suppress(Exception):
         return str(find_project(Path(run.notebook).parent).root)
     return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nbbatch.execute.placement import free_port
 from nbbatch.plan.runs import Run
 from nbbatch.store.runfiles import cancel_requested, finalize_record
 from nbbatch.store.runjson import ErrorKind, RunError, Status
@@ -97,8 +99,6 @@ def rendezvous(gang: dict[str, Any], node_id: str) -> dict[str, str]:
     import ray
     from ray.util import get_node_ip_address
 
-    from nbbatch.execute.ranks import free_port
-
     node, nodes, timeout_s = int(gang["node_rank"]), int(gang["nodes"]), float(gang["timeout_s"])
     ip = get_node_ip_address()
     endpoint = f"{ip}:{free_port(ip)}"
@@ -170,7 +170,5 @@ def _with_notebook_here(run: dict[str, Any], project: str | None, source: str | 
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    import ctypes
-
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

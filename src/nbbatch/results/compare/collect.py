@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from nbbatch.errors import NbbatchError, did_you_mean
 from nbbatch.metrics import metrics_from_notebook
+from nbbatch.spec.project import find_project
+from nbbatch.store.known import open_experiment_share
 from nbbatch.store.layout import LOG_FILE, METRICS_FILE, OLD_TELEMETRY_FILE, OUTPUT_NOTEBOOK, RUN_RECORD, TELEMETRY_FILE
 from nbbatch.store.runjson import RunRecord
 from nbbatch.store.share import Share, open_share
@@ -335,7 +337,7 @@ def collect_targets(targets: Sequence[str], share: str | os.PathLike[str] | Shar
 
     Without ``share``, a target that exists as a path is read as a folder of executed notebooks; any
     other target is an experiment (name or YAML file) in the share it was submitted to from this
-    project (:func:`nbbatch.api.open_experiment_share`; default ``results/``). No targets: the
+    project (:func:`nbbatch.store.known.open_experiment_share`; default ``results/``). No targets: the
     project's whole ``results/`` share.
     """
     pd = _pandas()
@@ -346,8 +348,6 @@ def collect_targets(targets: Sequence[str], share: str | os.PathLike[str] | Shar
         if share is None and Path(target).exists() and not target.endswith((".yaml", ".yml")):
             frames.append(collect(target))
         else:
-            from nbbatch.api import open_experiment_share
-
             name, opened = open_experiment_share(target, share)
             frames.append(collect(opened, [name]))
     if len(frames) == 1:
@@ -359,8 +359,6 @@ def collect_targets(targets: Sequence[str], share: str | os.PathLike[str] | Shar
 
 
 def _default_share() -> str:
-    from nbbatch.spec.project import find_project
-
     return str(find_project().results_dir)
 
 

@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from nbbatch.execute.telemetry import read_series
 from nbbatch.results.compare.collect import METRIC, PARAM, _pandas, read_run_files
 from nbbatch.results.compare.query import _numeric_columns, resolve_column
 from nbbatch.results.compare.steps import read_histories
@@ -175,8 +176,6 @@ def load_telemetry(frame: pd.DataFrame, share: str | os.PathLike[str] | Share | 
     Reads ``<run folder>/telemetry.jsonl`` (or an older run's ``telemetry.json``, or a ``.csv``) through
     ``share`` (default: the share :func:`collect` read). Unreadable series are skipped.
     """
-    from nbbatch.execute.telemetry import read_series
-
     return {_run_label(frame, frame.loc[index]): samples
             for index, samples in read_run_files(frame, "telemetry_file", read_series, share) if samples}
 

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nbbatch.artifacts import atomic_path
 from nbbatch.errors import NbbatchError, did_you_mean
 from nbbatch.results.compare.collect import LOCATION_COLUMNS, METRIC, PARAM, TELEMETRY, _pandas
 
@@ -184,13 +185,11 @@ def write_table(frame: pd.DataFrame, path: str | os.PathLike[str]) -> Path:
     suffix = target.suffix.lower()
     if suffix not in (".csv", ".json"):
         raise NbbatchError(f"cannot tell the format of `{target}`: name it .csv or .json")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.part")
-    if suffix == ".csv":
-        frame.to_csv(tmp, index=False)
-    else:
-        tmp.write_text(json.dumps(_records(frame), indent=1, default=str) + "\n")
-    os.replace(tmp, target)
+    with atomic_path(target) as tmp:
+        if suffix == ".csv":
+            frame.to_csv(tmp, index=False)
+        else:
+            tmp.write_text(json.dumps(_records(frame), indent=1, default=str) + "\n")
     return target
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
+from nbbatch import __version__
 from nbbatch.results.compare.plots import (
     figure_png,
     load_histories,
@@ -22,7 +23,9 @@ from nbbatch.results.compare.plots import (
 from nbbatch.results.compare.steps import with_step_columns
 from nbbatch.results.compare.table import _cell_text, column_header, display_columns
 from nbbatch.results.history import history_metrics
-from nbbatch.store.share import Share
+from nbbatch.results.render import render_template
+from nbbatch.store.runjson import utc_now
+from nbbatch.store.share import FILE_MODE, Share, write_file_atomic
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -64,10 +67,6 @@ def render_report(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, m
     axes (defaults: accuracy, :func:`default_time`, the first swept parameter). Each metric the runs
     recorded with ``step=`` gets a ``<metric> by step`` figure (up to :data:`MAX_HISTORY_FIGURES`).
     """
-    from nbbatch import __version__
-    from nbbatch.results.render import render_template
-    from nbbatch.store.runjson import utc_now
-
     report_dir = Path(report_path).resolve().parent
     figures = []
     history_builds, not_plotted = _history_builds(frame, share)
@@ -121,8 +120,5 @@ def write_report(frame: pd.DataFrame, path: str | os.PathLike[str], **options: A
     """Write :func:`render_report` to ``path`` (one self-contained HTML file; mail it as it is)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    html = render_report(frame, target, **options)
-    tmp = target.with_name(f".{target.name}.part")
-    tmp.write_text(html, encoding="utf-8")
-    os.replace(tmp, target)
+    write_file_atomic(target, render_report(frame, target, **options).encode("utf-8"), FILE_MODE)
     return target

@@ -8,6 +8,9 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from rich.console import Console
+from rich.text import Text
+
 from nbbatch.results.compare.collect import METRIC, PARAM, _pandas
 from nbbatch.results.compare.query import resolve_column
 from nbbatch.results.compare.steps import STEP
@@ -16,7 +19,6 @@ from nbbatch.results.status import STATUS_STYLE
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
-    from rich.console import Console
 
 
 def display_columns(frame: pd.DataFrame) -> list[str]:
@@ -103,8 +105,6 @@ def runs_table(frame: pd.DataFrame, columns: Sequence[str] | None = None, title:
         keep = ALWAYS if column in ("experiment", "run_id", "status") else \
             ALWAYS - 1 - index if columns else _keep(column, numeric, index)
         if column == "status":
-            from rich.text import Text
-
             texts = [Text(t, style=STATUS_STYLE.get(t, "")) for t in texts]
         fitted.append(fit_column(column_header(column, frame.columns), texts, keep, cap=24, numeric=numeric,
                                  flexible=column == "error"))
@@ -127,8 +127,6 @@ def _keep(column: str, numeric: bool, index: int) -> int:
 
 def terminal() -> Console:
     """A rich console: the terminal's width, or ``$COLUMNS`` (default 200) when output goes to a file or CI log."""
-    from rich.console import Console
-
     console = Console()
     if not console.is_terminal and not os.environ.get("COLUMNS"):
         console = Console(width=200)

@@ -26,8 +26,8 @@ from nbbatch.ui.widgets.cluster import Cluster, ClusterForm, compute_html, setup
 from nbbatch.ui.widgets.display import display_mode, format_duration
 from nbbatch.ui.widgets.jobs import JobsSummary, JobsSummaryModel, SummaryRefresher, print_jobs_summary
 from nbbatch.ui.widgets.links import NotebookLinks, download_files, notebook_links, open_notebook, server_urls
-from nbbatch.ui.widgets.logs import JobLog, cancel_all, cancel_job, wait_for_job
-from nbbatch.ui.widgets.submission import SHARED_PARAMETERS, Submission, SubmissionModel, submit_all
+from nbbatch.ui.widgets.logs import JobLog, wait_for_job
+from nbbatch.ui.widgets.submission import SHARED_PARAMETERS, Submission, SubmissionModel, cancel_all, cancel_job, submit_all
 
 __all__ = [
     "Cluster", "ClusterForm", "compute_html", "setup_cluster",

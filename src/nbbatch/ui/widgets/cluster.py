@@ -15,20 +15,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import nbbatch.ui.widgets.display as display
+from nbbatch.backends import Backend, Capabilities, Compute, Setting, backend_class, backend_names, get_backend
+from nbbatch.errors import BackendError
 from nbbatch.execute.gpus import AUTO, auto_cap
 from nbbatch.redact import is_secret
 from nbbatch.results.status import format_metric
 
 if TYPE_CHECKING:
-    from nbbatch.backends.base import Backend, Capabilities, Compute, Setting
     from nbbatch.spec.experiment import Experiment
 
 
 def _backend_class(name: str) -> Any:
     """The backend's class, or None when it cannot load (its extra is missing: its compute() says so)."""
-    from nbbatch.backends import backend_class
-    from nbbatch.errors import BackendError
-
     try:
         return backend_class(name)
     except BackendError:
@@ -37,8 +35,6 @@ def _backend_class(name: str) -> Any:
 
 def capabilities(backend: str) -> Capabilities:
     """What the backend called ``backend`` can do (the defaults for a registered factory, or one that cannot load)."""
-    from nbbatch.backends.base import Capabilities
-
     return getattr(_backend_class(backend), "capabilities", None) or Capabilities()
 
 
@@ -62,8 +58,6 @@ class Cluster:
 
     def get_backend(self) -> Backend:
         """An instance of the backend, configured with :attr:`settings`."""
-        from nbbatch.backends import get_backend
-
         return get_backend(self.backend, **self.settings)
 
     def compute(self) -> Compute:
@@ -74,10 +68,9 @@ class Cluster:
         """A copy of ``experiment`` that runs on this cluster."""
         keep = experiment.backend_settings if experiment.backend == self.backend else {}
         changes: dict[str, Any] = {"backend": self.backend, "backend_settings": {**keep, **self.settings}}
-        if self.runs_per_gpu is not None:
-            changes["runs_per_gpu"] = self.runs_per_gpu
-        if self.max_parallel is not None:
-            changes["max_parallel"] = self.max_parallel
+        scheduling = {key: value for key, value in (("runs_per_gpu", self.runs_per_gpu), ("max_parallel", self.max_parallel))
+                      if value is not None}
+        changes["resources"] = dataclasses.replace(experiment.resources, **scheduling)
         return dataclasses.replace(experiment, **changes)
 
     def provision(self, wait: bool = True) -> Compute:
@@ -194,8 +187,6 @@ def setup_cluster(backend: str = "local", **settings: Any) -> Cluster:
     ``runs_per_gpu`` and ``max_parallel``. The returned :class:`Cluster` follows the form's values;
     pass it to :func:`submit_all`.
     """
-    from nbbatch.backends import backend_class, backend_names
-
     if backend not in backend_names():
         backend_class(backend)  # raises: unknown backend (did you mean…)
     runs_per_gpu = settings.pop("runs_per_gpu", None)

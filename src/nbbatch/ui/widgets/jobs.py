@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
 import nbbatch.ui.widgets.display as display
+from nbbatch import api
 from nbbatch.errors import NbbatchError
 from nbbatch.results.history import history_metrics, metric_series, read_history
-from nbbatch.results.status import KEY_METRICS, format_metric, status_rows
+from nbbatch.results.status import KEY_METRICS, format_metric, status_rows, varying_parameters
+from nbbatch.store.runfiles import load_records
 from nbbatch.store.runjson import RunRecord
+from nbbatch.store.share import poll_interval
 from nbbatch.ui.widgets.links import NotebookLinks, notebook_links_for
-from nbbatch.ui.widgets.logs import cancel_all, cancel_job
-from nbbatch.ui.widgets.submission import Submission, resolve
+from nbbatch.ui.widgets.submission import Submission, cancel_all, cancel_job, resolve
 
 if TYPE_CHECKING:
     from nbbatch.store.share import Share
@@ -32,13 +40,6 @@ Points = list[dict[str, Any]]  # a run's metric history (see nbbatch.results.his
 
 def _text_table(header: Sequence[str], rows: Sequence[Sequence[str]], max_width: int = 48) -> str:
     """A plain-text table through rich: inner cells longer than ``max_width`` are cut (the first and last never)."""
-    import io
-
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
-
     last = len(header) - 1
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="", expand=False)
     for i, name in enumerate(header):
@@ -191,11 +192,9 @@ class JobsSummaryModel:
 
     def varying_parameters(self) -> list[str]:
         """Parameter names whose values differ between runs (what tells the runs apart)."""
-        from nbbatch.results.status import varying_parameters  # one rule for the terminal table and the widget
-
         with self._lock:
             records = list(self.records.values())
-        return varying_parameters(records)
+        return varying_parameters(records)  # one rule for the terminal table and the widget
 
     def rows(self, now: datetime | None = None) -> list[dict[str, Any]]:
         """One dict per run (and per expected run without a record), ready to render."""
@@ -392,14 +391,10 @@ class JobsSummary:
         view (:func:`nbbatch.api.status`), e.g. a job Azure ML failed to start, or a run whose
         driver process died.
         """
-        from nbbatch.store.runfiles import load_records
-
         if self.submission is not None:
             self.model.expect(self.submission.model.run_ids)
         records, problems = load_records(self.share, self.model.experiment)
         if records and not problems and time.monotonic() - self._backend_refreshed > self.backend_refresh_s:
-            from nbbatch import api
-
             self._backend_refreshed = time.monotonic()
             records = api.status(self.model.experiment, share=self.share, refresh=True)
         self.model.problems = problems
@@ -497,7 +492,7 @@ class JobsSummary:
     def start(self, interval: float | None = None) -> None:
         """Refresh in the background until every run is final."""
         if interval is None:
-            interval = 1.0 if self.share.local_path("") is not None else 5.0
+            interval = poll_interval(self.share, local=1.0, remote=5.0)
         previous = _REFRESHERS.get(self.model.experiment)
         if previous is not None:
             previous.stop()

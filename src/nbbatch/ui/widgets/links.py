@@ -11,8 +11,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
+from jupyter_core.paths import jupyter_runtime_dir
+
 import nbbatch.ui.widgets.display as display
+from nbbatch import api
+from nbbatch.results.status import resolve_run_id
+from nbbatch.store.fetch import fetch
 from nbbatch.store.layout import OUTPUT_NOTEBOOK, run_paths
+from nbbatch.store.sync import FileEntry
 from nbbatch.ui.widgets.submission import experiment_name
 
 if TYPE_CHECKING:
@@ -51,8 +57,6 @@ def _jupyter_servers() -> list[dict[str, Any]]:
         return _SERVERS_CACHE["servers"]
     servers = []
     try:
-        from jupyter_core.paths import jupyter_runtime_dir
-
         runtime = Path(jupyter_runtime_dir())
         for info_file in runtime.glob("jpserver-*.json"):
             try:
@@ -62,7 +66,7 @@ def _jupyter_servers() -> list[dict[str, Any]]:
                 continue
             if info.get("root_dir") or info.get("notebook_dir"):
                 servers.append(info)
-    except Exception:  # noqa: BLE001 - no jupyter_core or no runtime dir: no links, paths instead
+    except Exception:  # noqa: BLE001 - no runtime dir: no links, paths instead
         servers = []
     _SERVERS_CACHE.update(at=time.monotonic(), servers=servers)
     return servers
@@ -92,18 +96,18 @@ def server_urls(path: Path) -> tuple[str, str] | None:
 
 
 def notebook_links_for(share: Share, experiment: str, run_id: str,
-                       outputs: Sequence[dict[str, Any]] = ()) -> NotebookLinks:
+                       outputs: Sequence[FileEntry] = ()) -> NotebookLinks:
     """The executed notebook of a run (a full id) in ``share``, as a path and server URLs; with ``outputs``
     (run.json's list), download URLs of those files too (None where no Jupyter server reaches them)."""
     paths = run_paths(experiment, run_id)
     local = share.local_path(paths.notebook)
     if local is None or not local.exists():
-        return NotebookLinks(None, outputs=tuple((str(o.get("name")), None) for o in outputs))
+        return NotebookLinks(None, outputs=tuple((o.name, None) for o in outputs))
     urls = server_urls(local)
     folder = share.local_path(paths.outputs)
     offered = []
     for entry in outputs:
-        name = str(entry.get("name"))
+        name = entry.name
         served = server_urls(folder / name) if folder is not None and (folder / name).is_file() else None
         offered.append((name, served[1] if served else None))
     return NotebookLinks(local, *(urls or (None, None)), outputs=tuple(offered))
@@ -111,10 +115,7 @@ def notebook_links_for(share: Share, experiment: str, run_id: str,
 
 def notebook_links(experiment: str, run: str, share: str | Share | None = None) -> NotebookLinks:
     """The executed notebook of ``run`` (an id or a unique prefix) of ``experiment``, as a path and server URLs."""
-    from nbbatch.api import open_experiment_share
-    from nbbatch.results.status import resolve_run_id
-
-    name, the_share = open_experiment_share(experiment_name(experiment), share)
+    name, the_share = api.open_experiment_share(experiment_name(experiment), share)
     return notebook_links_for(the_share, name, resolve_run_id(the_share, name, run))
 
 
@@ -151,10 +152,7 @@ def download_files(experiment: str, dest: str | os.PathLike[str] = "downloads", 
 
     Works for any share (a local folder or an Azure File share); returns the paths written.
     """
-    from nbbatch.api import open_experiment_share
-    from nbbatch.store.fetch import fetch
-
-    name, the_share = open_experiment_share(experiment_name(experiment), share)
+    name, the_share = api.open_experiment_share(experiment_name(experiment), share)
     written = fetch(the_share, name, Path(dest), tuple(names) if names else None)
     notebooks = [p for p in written if p.name == OUTPUT_NOTEBOOK]
     if display.display_mode() == "widgets" and notebooks:

@@ -1,15 +1,18 @@
-"""One run's log as it grows (:func:`wait_for_job`), and cancelling runs."""
+"""One run's log as it grows (:func:`wait_for_job`)."""
 
 from __future__ import annotations
 
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import nbbatch.ui.widgets.display as display
+from nbbatch import api
 from nbbatch.errors import NbbatchError
+from nbbatch.results.status import read_log, resolve_run_id
+from nbbatch.store.runfiles import read_record
 from nbbatch.store.runjson import RunRecord
 from nbbatch.ui.widgets.links import notebook_links_for
 from nbbatch.ui.widgets.submission import Submission, resolve
@@ -35,8 +38,6 @@ class JobLog:
 
     def resolve(self, submission: Submission | None, timeout: float = 60.0) -> str:
         """The full run id of :attr:`run`; waits (up to ``timeout`` s) while a submission of this experiment is active."""
-        from nbbatch.results.status import resolve_run_id
-
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -82,9 +83,6 @@ class JobLog:
 
     def follow(self, submission: Submission | None, on_chunk: Callable[[str], None]) -> RunRecord | None:
         """Resolve the run, stream its log to ``on_chunk`` until it is final; return its final record."""
-        from nbbatch import api
-        from nbbatch.store.runfiles import read_record
-
         try:
             run_id = self.resolve(submission)
             for chunk in api.logs(self.experiment, run_id, follow=True, share=self.share):
@@ -122,8 +120,6 @@ def wait_for_job(experiment: Any, run: str, share: str | Share | None = None, bl
                 if submission is not None:
                     submission._printed.add(record.run_id)  # Submission.wait() need not say it again
         else:
-            from nbbatch.results.status import read_log
-
             try:
                 print(read_log(the_share, name, job.resolve(submission, timeout=0), tail=20))
             except NbbatchError as exc:
@@ -148,24 +144,3 @@ def wait_for_job(experiment: Any, run: str, share: str | Share | None = None, bl
         job.done.wait(timeout)
     return job
 
-
-def cancel_job(experiment: Any, runs: str | Sequence[str], share: str | Share | None = None) -> list[str]:
-    """Cancel one run (or several): they end as ``cancelled`` with their partial output; return those asked."""
-    from nbbatch import api
-
-    name, the_share, _ = resolve(experiment, share)
-    return api.cancel(name, [runs] if isinstance(runs, str) else list(runs), share=the_share)
-
-
-def cancel_all(experiment: Any, share: str | Share | None = None) -> list[str]:
-    """Cancel every unfinished run of an experiment (deep_bait's ``delete_all_jobs``); return those asked.
-
-    The unfinished runs are named one by one (every backend cancels named runs the same way).
-    """
-    from nbbatch import api
-    from nbbatch.store.runfiles import load_records
-
-    name, the_share, _ = resolve(experiment, share)
-    records, _problems = load_records(the_share, name)
-    unfinished = [r.run_id for r in records if not r.final]
-    return api.cancel(name, unfinished, share=the_share) if unfinished else []

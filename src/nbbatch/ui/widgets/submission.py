@@ -1,4 +1,4 @@
-"""Submitting an experiment from a notebook: a background thread, its state, and its progress bar."""
+"""Submitting an experiment from a notebook: a background thread, its state, and its progress bar; cancelling runs."""
 
 from __future__ import annotations
 
@@ -9,13 +9,15 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import nbbatch.ui.widgets.display as display
+from nbbatch import api
 from nbbatch.errors import NbbatchError, SpecError
+from nbbatch.spec.experiment import Experiment, load_experiment
+from nbbatch.store.runfiles import load_records
 from nbbatch.store.runjson import RunRecord
+from nbbatch.store.share import Share, open_share
 
 if TYPE_CHECKING:
     from nbbatch.api import SubmitResult
-    from nbbatch.spec.experiment import Experiment
-    from nbbatch.store.share import Share
     from nbbatch.ui.widgets.cluster import Cluster
 
 #: The parameters every framework notebook shares (DESIGN.md); ``submit_all(epochs=3)`` means ``EPOCHS=3``.
@@ -155,8 +157,6 @@ class Submission:
         return self
 
     def _work(self) -> None:
-        from nbbatch import api
-
         try:
             the_plan, _backend, _share = api.prepare(self.experiment, build_envs=self.build_envs, progress=False)
             runs = the_plan.runs
@@ -235,8 +235,6 @@ class Submission:
 
     def cancel(self, runs: Sequence[str] | None = None) -> list[str]:
         """Cancel runs of this submission (all unfinished ones by default)."""
-        from nbbatch.ui.widgets.logs import cancel_all, cancel_job
-
         return cancel_all(self.name, share=self.share) if not runs else cancel_job(self.name, list(runs), self.share)
 
     def _ipython_display_(self) -> None:
@@ -248,8 +246,6 @@ class Submission:
 
 def experiment_from(experiment: Any) -> Experiment:
     """An :class:`~nbbatch.spec.Experiment` from one, its dict, its YAML file or a :class:`Submission` of it."""
-    from nbbatch.spec.experiment import Experiment, load_experiment
-
     if isinstance(experiment, Submission):
         return experiment.experiment
     if isinstance(experiment, Experiment):
@@ -316,9 +312,6 @@ def experiment_name(experiment: Any) -> str:
 
 def resolve(experiment: Any, share: str | Share | None) -> tuple[str, Share, Submission | None]:
     """The experiment's name, share and (when this process submitted it) its submission."""
-    from nbbatch.api import open_experiment_share
-    from nbbatch.store.share import open_share
-
     submission = experiment if isinstance(experiment, Submission) else None
     if submission is None and not isinstance(experiment, str):
         spec = experiment_from(experiment)
@@ -329,6 +322,23 @@ def resolve(experiment: Any, share: str | Share | None) -> tuple[str, Share, Sub
     submission = _SUBMISSIONS.get(name)
     if submission is not None and not share:
         return name, open_share(submission.share), submission
-    name, the_share = open_experiment_share(name, share)
+    name, the_share = api.open_experiment_share(name, share)
     return name, the_share, _SUBMISSIONS.get(name)
+
+
+def cancel_job(experiment: Any, runs: str | Sequence[str], share: str | Share | None = None) -> list[str]:
+    """Cancel one run (or several): they end as ``cancelled`` with their partial output; return those asked."""
+    name, the_share, _ = resolve(experiment, share)
+    return api.cancel(name, [runs] if isinstance(runs, str) else list(runs), share=the_share)
+
+
+def cancel_all(experiment: Any, share: str | Share | None = None) -> list[str]:
+    """Cancel every unfinished run of an experiment (deep_bait's ``delete_all_jobs``); return those asked.
+
+    The unfinished runs are named one by one (every backend cancels named runs the same way).
+    """
+    name, the_share, _ = resolve(experiment, share)
+    records, _problems = load_records(the_share, name)
+    unfinished = [r.run_id for r in records if not r.final]
+    return api.cancel(name, unfinished, share=the_share) if unfinished else []
 

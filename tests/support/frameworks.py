@@ -1,6 +1,6 @@
 """The ``framework_envs`` session fixture: framework environments built once per test session.
 
-tests/conftest.py imports it (``from conftest_frameworks import framework_envs  # noqa: F401``).
+tests/conftest.py imports it (``from support.frameworks import framework_envs  # noqa: F401``).
 The first test that asks for it builds, two at a time, the environments of every framework that the
 session's collected tests name in a ``framework`` parameter (``@pytest.mark.parametrize("framework",
 ...)``), then makes their kernels visible to jupyter_client. Environments that are already built from
@@ -12,10 +12,12 @@ framework, with the path of its build log.
 
 from __future__ import annotations
 
+import fcntl
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 
@@ -23,8 +25,8 @@ from nbbatch.errors import NbbatchError
 from nbbatch.execute.envs import build_env, env_status
 from nbbatch.spec.frameworks import Framework, list_frameworks
 from nbbatch.spec.project import Project
+from support.machine import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
 BUILD_PARALLEL = 2  # the test machines have two cores, and pip is CPU-bound
 
 
@@ -33,6 +35,20 @@ def selected_frameworks(all_names: Iterable[str]) -> list[str]:
     names = sorted(all_names)
     wanted = [n.strip() for n in os.environ.get("NBBATCH_TEST_FRAMEWORKS", "").split(",") if n.strip()]
     return [n for n in names if n in wanted] if wanted else names
+
+
+@contextmanager
+def env_build_lock() -> Iterator[None]:
+    """Hold the repository's env-build lock: parallel test processes (pytest-xdist) build the shared framework
+    envs one after the other, and a later one finds them built (``build_env`` is idempotent)."""
+    lock = REPO / ".nbbatch" / "test-env-build.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released by the OS if this process dies
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @dataclass
@@ -44,8 +60,6 @@ class FrameworkEnvs:
     errors: dict[str, str] = field(default_factory=dict)
 
     def build(self, names: Iterable[str]) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
         todo = [n for n in dict.fromkeys(names) if n in self.frameworks and n not in self.errors]
 
         def one(name: str) -> None:
@@ -54,7 +68,7 @@ class FrameworkEnvs:
             except NbbatchError as exc:
                 self.errors[name] = str(exc)
 
-        with ThreadPoolExecutor(max_workers=BUILD_PARALLEL) as pool:
+        with env_build_lock(), ThreadPoolExecutor(max_workers=BUILD_PARALLEL) as pool:
             list(pool.map(one, todo))
 
     def framework(self, name: str) -> Framework:
@@ -77,7 +91,7 @@ class FrameworkEnvs:
 def framework_envs(request) -> FrameworkEnvs:
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv("NBBATCH_FRAMEWORKS_DIR", raising=False)
-        project = Project(ROOT)
+        project = Project(REPO)
         frameworks = list_frameworks(project)
     envs = FrameworkEnvs(project, frameworks)
     needed = []

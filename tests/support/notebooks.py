@@ -1,9 +1,9 @@
-"""Test helpers: small training-like notebooks executed for real with papermill in the ``python3`` kernel.
+"""Notebooks for tests: :func:`make_notebook` writes a tiny one for the ``python3`` kernel; the rest are
+small training-like notebooks executed for real with papermill.
 
-The notebooks call ``nbbatch.record(...)`` like the framework notebooks do; :func:`make_run`
+The training notebooks call ``nbbatch.record(...)`` like the framework notebooks do; :func:`make_run`
 executes one into a share layout (``<share>/<experiment>/<run id>/output.ipynb``) and writes its
 ``run.json`` from :class:`nbbatch.store.runjson.RunRecord`, the way the executor records a run.
-nbformat and papermill are imported when used, so :class:`FakeNvml` imports cheaply.
 """
 
 from __future__ import annotations
@@ -12,12 +12,33 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import nbformat
+import papermill
+from papermill.exceptions import PapermillExecutionError
+
 from nbbatch.metrics import metrics_from_notebook
 from nbbatch.plan.runs import run_id_for
 from nbbatch.store.layout import OUTPUT_NOTEBOOK, RUN_RECORD
 from nbbatch.store.runjson import RunError, RunRecord, utc_now
 
 KERNEL = "python3"
+
+
+def make_notebook(path: Path, cells: list[str], parameters: str | None = "A = 1\nB = 'x'", kernel: str = KERNEL,
+                  extra_parameter_cells: int = 0) -> Path:
+    """Write a notebook whose first cell (tagged `parameters`) is ``parameters``, then ``cells``."""
+    nb = nbformat.v4.new_notebook()
+    if parameters is not None:
+        for _ in range(1 + extra_parameter_cells):
+            cell = nbformat.v4.new_code_cell(parameters)
+            cell.metadata["tags"] = ["parameters"]
+            nb.cells.append(cell)
+    nb.cells.extend(nbformat.v4.new_code_cell(src) for src in cells)
+    nb.metadata["kernelspec"] = {"name": kernel, "display_name": kernel, "language": "python"}
+    nb.metadata["language_info"] = {"name": "python"}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+    return path
 
 PARAMETERS = """\
 EPOCHS = 2
@@ -55,8 +76,6 @@ FRAMEWORKS = {"pytorch": (0.80, 1.5), "keras": (0.76, 2.5)}
 
 def training_notebook(folder: Path, framework: str) -> Path:
     """Write ``<Framework>_CIFAR.ipynb`` (parameters cell tagged ``parameters``) and return its path."""
-    import nbformat
-
     base, speed = FRAMEWORKS[framework]
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": KERNEL, "display_name": "Python 3", "language": "python"}
@@ -75,9 +94,6 @@ def training_notebook(folder: Path, framework: str) -> Path:
 
 def execute(notebook: Path, output: Path, parameters: dict[str, Any]) -> bool:
     """Execute with papermill in the ``python3`` kernel; return whether it succeeded (output written either way)."""
-    import papermill
-    from papermill.exceptions import PapermillExecutionError
-
     output.parent.mkdir(parents=True, exist_ok=True)
     try:
         papermill.execute_notebook(
@@ -92,8 +108,6 @@ def execute(notebook: Path, output: Path, parameters: dict[str, Any]) -> bool:
 def make_run(share: Path, experiment: str, framework: str, parameters: dict[str, Any], notebooks: Path,
              telemetry: dict[str, Any] | None = None, write_record: bool = True) -> Path:
     """Execute one run into ``<share>/<experiment>/<run id>/`` and write its run.json; return the run folder."""
-    import nbformat
-
     notebook = training_notebook(notebooks, framework)
     run_id = run_id_for(framework, notebook.read_bytes(), parameters, "test-lock")
     folder = share / experiment / run_id
@@ -139,40 +153,3 @@ def build_share(root: Path) -> dict[str, Path]:
     execute(training_notebook(notebooks, "keras"), plain / "keras_lr0.1.ipynb", {"LR": 0.1, "EPOCHS": 3})
     execute(training_notebook(notebooks, "keras"), plain / "sub" / "keras_fail.ipynb", {"LR": 0.1, "FAIL": True})
     return {"share": share, "plain": plain, "notebooks": notebooks}
-
-
-class FakeNvml:
-    """Stands in for ``pynvml`` on machines without a GPU: a GPU whose load ramps up, then down."""
-
-    class NVMLError(Exception):
-        pass
-
-    def __init__(self, gpus: int = 2):
-        self.gpus = gpus
-        self.calls = 0
-        self.initialised = False
-
-    def nvmlInit(self) -> None:  # noqa: N802 - pynvml's names
-        self.initialised = True
-
-    def nvmlShutdown(self) -> None:  # noqa: N802
-        self.initialised = False
-
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:  # noqa: N802
-        if index >= self.gpus:
-            raise self.NVMLError("Invalid Argument")
-        return index
-
-    def nvmlDeviceGetUtilizationRates(self, handle: int) -> Any:  # noqa: N802
-        from types import SimpleNamespace
-
-        self.calls += 1
-        return SimpleNamespace(gpu=min(100, 10 * self.calls + 5 * handle), memory=20)
-
-    def nvmlDeviceGetMemoryInfo(self, handle: int) -> Any:  # noqa: N802
-        from types import SimpleNamespace
-
-        return SimpleNamespace(used=(1024 + 256 * self.calls) * 2**20, total=16384 * 2**20, free=0)
-
-    def nvmlDeviceGetPowerUsage(self, handle: int) -> int:  # noqa: N802
-        return 70_000 + 1_000 * self.calls

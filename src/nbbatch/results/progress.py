@@ -1,4 +1,7 @@
-"""Live terminal progress: the table of ``nbbatch submit`` and of ``nbbatch status --watch``, updated as runs change."""
+"""Live terminal progress: the table of ``nbbatch submit`` and of ``nbbatch status --watch``, updated as runs change.
+
+In the results layer, below :mod:`nbbatch.api`: ``submit(progress=True)`` draws it from Python as the command line does.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +10,19 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
+from rich.console import Console, Group
+from rich.live import Live
+from rich.text import Text
+
+from nbbatch.results.status import status_table, summary_counts
+from nbbatch.store.runfiles import read_record
 from nbbatch.store.runjson import RunRecord
 from nbbatch.store.share import Share
-
-if TYPE_CHECKING:  # pragma: no cover
-    from rich.console import Console
 
 
 def table_title(experiment: str, records: list[RunRecord]) -> str:
     """``<experiment>: 2 running, 7 succeeded`` (a ``str``: status_table shows it as Text, never as markup)."""
-    from nbbatch.results.status import summary_counts
-
     counts = summary_counts(records)
     return f"{experiment}: " + (", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no runs")
 
@@ -27,13 +30,6 @@ def table_title(experiment: str, records: list[RunRecord]) -> str:
 @contextlib.contextmanager
 def live_progress(share: Share, experiment: str, run_ids: list[str]) -> Iterator[Callable[[RunRecord], None]]:
     """Yield an ``on_update`` callback; show a live table (TTY) or one line per final run (pipes, CI)."""
-    from rich.console import Console, Group
-    from rich.live import Live
-    from rich.text import Text
-
-    from nbbatch.results.status import status_table
-    from nbbatch.store.runfiles import read_record
-
     records: dict[str, RunRecord] = {}
     for run_id in run_ids:
         try:
@@ -91,11 +87,6 @@ def watch_status(load: Callable[[], list[RunRecord]], experiment: str, interval:
     run's status, attempt or cell count changed (metrics that tick every step would flood a log), and
     always for the final state. Ctrl-C raises :class:`KeyboardInterrupt` with the table left as it was.
     """
-    from rich.console import Console
-    from rich.live import Live
-
-    from nbbatch.results.status import status_table
-
     console = console or Console()
     records = load()
     if console.is_terminal:

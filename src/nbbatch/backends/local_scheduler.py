@@ -1,0 +1,306 @@
+"""The local backend's scheduler: which pending run starts next, on which GPUs, and what ends the batch.
+
+:class:`LocalScheduler` holds the batch's state (pending and active runs, the GPU slots, the runs to run
+again alone, the cancel event, the share's failures) and makes each decision in a method of its own; the
+runs themselves go through :meth:`LocalBackend._execute <nbbatch.backends.local.LocalBackend._execute>`
+in worker threads. Everything but that call runs without kernels, so each decision can be tested alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from nbbatch.backends.base import SubmitOptions
+from nbbatch.errors import ShareError
+from nbbatch.execute.attempt import SHARE_FAILED, kernel_launch
+from nbbatch.execute.gpus import GpuLease, MemoryNeeds, SlotPool, is_gpu_oom
+from nbbatch.execute.kernels import KernelPool
+from nbbatch.execute.mps import MpsDaemon
+from nbbatch.plan.runs import Run
+from nbbatch.store.runfiles import CancelRequests, cancel_requests, write_record
+from nbbatch.store.runjson import ErrorKind, GpuSharing, RunError, RunRecord, Status
+from nbbatch.store.share import Share, poll_interval
+
+if TYPE_CHECKING:
+    from nbbatch.backends.local import LocalBackend
+
+logger = logging.getLogger(__name__)
+
+PRESTART_DEFAULT = 2  # kernels started ahead of the next runs (`backend: {name: local, prestart: N}`; 0: none)
+SIMULATE_NODES_ENV = "NBBATCH_SIMULATE_NODES"  # tests: every node of a distributed run on this machine
+WAKE_S = 0.5  # the longest a pass waits for a run to finish before it looks at the cancel requests again
+
+
+def nodes_here(run: Run) -> int:
+    """How many of the run's nodes run on this machine: one, or all of them when simulated."""
+    return int(run.distribution.nodes) if run.distribution and os.environ.get(SIMULATE_NODES_ENV) else 1
+
+
+def run_batch(backend: LocalBackend, runs: Sequence[Run], share: Share, options: SubmitOptions) -> None:
+    """Run every run on this machine, with the batch's MPS daemon when ``resources.mps`` asks for one."""
+    with contextlib.ExitStack() as stack:
+        daemon = None
+        if options.mps and any(r.gpus for r in runs):
+            daemon = stack.enter_context(MpsDaemon([g.index for g in backend.gpus]))
+        LocalScheduler(backend, runs, share, options, daemon).run()
+
+
+class LocalScheduler:
+    """Starts a batch's runs in worker threads as the parallel limits and the GPU slots allow; returns when all are final.
+
+    The main thread runs :meth:`run`, one :meth:`step` per pass; worker threads run :meth:`work` and
+    wake it through :attr:`changed`, the condition that guards the pending and active runs.
+    """
+
+    def __init__(self, backend: LocalBackend, runs: Sequence[Run], share: Share, options: SubmitOptions,
+                 daemon: MpsDaemon | None = None):
+        max_parallel, prestart, container = _settings(backend)
+        self.backend, self.share, self.options, self.daemon = backend, share, options, daemon
+        self.pool = SlotPool(backend.gpus, options.runs_per_gpu, mps=daemon is not None)
+        self.needs = MemoryNeeds(options.earlier if self.pool.auto else ())
+        self.cpu_parallel = options.max_parallel or max_parallel or (os.cpu_count() or 1)
+        self.gpu_parallel = options.max_parallel or max_parallel or max(self.pool.capacity, 1)
+        self.pending = list(runs)
+        # The CPUs a run keeps busy: a distributed CPU run, one per rank.
+        self.weight = {r.run_id: r.world_size if r.distribution and not r.gpus else 1 for r in runs}
+        self.active: dict[str, threading.Thread] = {}
+        self.gpu_runs: set[str] = set()  # active runs holding GPU slots
+        self.out_of_memory: dict[str, str] = {}  # runs to run again alone: the error that ended their shared attempt
+        self.cancel = threading.Event()
+        self.changed = threading.Condition()
+        self.notify = options.guarded_update  # a failing display never changes a run's record
+        self.share_failures: list[ShareError] = []  # the share cannot be written (full): start no more runs
+        # A container starts its run's kernel itself: nothing to start ahead.
+        self.kernels = KernelPool(0 if container else PRESTART_DEFAULT if prestart is None else prestart)
+        self.requests = CancelWatch(share, runs[0].experiment if runs else "")
+
+    # --- the loop (main thread) -----------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Pass after pass until every run is final. Ctrl-C, SIGTERM or a defect cancels the runs not started
+        and waits for the running ones (which see :attr:`cancel`), so no run is left ``running``."""
+        try:
+            with self.changed:
+                while self.pending or self.active:
+                    if not self.step() and (self.pending or self.active):  # a pass may end the last pending runs
+                        self.changed.wait(timeout=WAKE_S)
+        except BaseException as exc:
+            self.cancel.set()
+            interrupted = isinstance(exc, KeyboardInterrupt)
+            self.cancel_pending("interrupted before it started" if interrupted else f"not started: nbbatch error: {exc}")
+            for thread in list(self.active.values()):
+                thread.join()
+            raise
+        finally:
+            self.kernels.close()
+        if self.share_failures:
+            raise self.share_failures[0]
+
+    def step(self) -> bool:
+        """One pass, holding :attr:`changed`: end the runs that must not start, start those that fit, start
+        kernels ahead of the next ones. Whether a run started."""
+        standing = self.stop_starts()
+        started = False
+        for run in list(self.pending):
+            if run.run_id in standing:
+                self.cancel_before_start(run)
+                continue
+            lease = self.admit(run)
+            if lease is not None:
+                self.launch(run, lease)
+                started = True
+        self.prestart()
+        return started
+
+    def stop_starts(self) -> CancelRequests:
+        """End the pending runs when no more may start (the share failed, another driver took the experiment
+        over, everything is cancelled); the cancel requests standing now."""
+        if self.share_failures and self.pending:
+            self.end_pending(Status.CANCELLED, RunError("ShareError", str(self.share_failures[0]),
+                                                        reason="not started: " + SHARE_FAILED, kind=ErrorKind.SHARE))
+            self.kernels.close()
+        if self.pending and self.options.halt is not None and self.options.halt.is_set():
+            self.cancel_pending("not started: another driver took the experiment over (its lease on the share)")
+        standing = self.requests.current()
+        if self.cancel.is_set() or standing.everything:
+            self.cancel.set()
+            self.cancel_pending("cancelled before it started")
+            self.kernels.close()
+        return standing
+
+    def admit(self, run: Run) -> GpuLease | None:
+        """The GPUs the run starts on now (an empty lease for a CPU run), or None while the parallel limits or the
+        GPU slots keep it waiting."""
+        if not self.within_parallel_limit(run):
+            return None
+        need_mb = self.needs.need_mb(run) if self.pool.auto and run.gpus else None
+        return self.pool.acquire(run.gpus * nodes_here(run), need_mb,
+                                 alone=run.run_id in self.out_of_memory or bool(run.distribution))
+
+    def within_parallel_limit(self, run: Run) -> bool:
+        """Whether one more run of its kind (GPU or CPU) may run beside the active ones. A CPU run always may
+        when no CPU run is active, even one whose ranks alone exceed the limit."""
+        if run.gpus:
+            return sum(1 for r in self.active if r in self.gpu_runs) < self.gpu_parallel
+        running_cpu = sum(self.weight[r] for r in self.active if r not in self.gpu_runs)
+        return not running_cpu or running_cpu + self.weight[run.run_id] <= self.cpu_parallel
+
+    def launch(self, run: Run, lease: GpuLease) -> None:
+        """Start the run in a worker thread of its own."""
+        self.pending.remove(run)
+        if run.gpus:
+            self.gpu_runs.add(run.run_id)
+        thread = threading.Thread(target=self.work, args=(run, lease), name=f"run-{run.run_id}", daemon=True)
+        self.active[run.run_id] = thread
+        thread.start()
+
+    def cancel_before_start(self, run: Run) -> None:
+        """End a pending run whose cancel was requested."""
+        self.pending.remove(run)
+        self.kernels.discard(run.run_id)
+        try:
+            self.backend.finalize(self.share, run, Status.CANCELLED, RunError(
+                "cancelled", "", reason="cancelled before it started", kind=ErrorKind.CANCELLED), self.notify)
+        except ShareError as exc:
+            self.share_failures.append(exc)
+
+    def end_pending(self, status: Status, error: RunError) -> None:
+        """End every run not started yet with ``status`` and ``error``."""
+        for run in self.pending:
+            self.kernels.discard(run.run_id)
+            try:
+                self.backend.finalize(self.share, run, status, error, self.notify)
+            except ShareError as exc:  # not recorded: resubmitting reruns it
+                self.share_failures.append(exc)
+        self.pending.clear()
+
+    def cancel_pending(self, reason: str) -> None:
+        """Cancel every run not started yet, saying why in its error's reason."""
+        self.end_pending(Status.CANCELLED, RunError("cancelled", "", reason=reason, kind=ErrorKind.CANCELLED))
+
+    def prestart(self) -> None:
+        """Start the kernels of the next runs to start. A GPU run's kernel is started for the GPUs it will most
+        likely get; if it gets others, the kernel is not used (its environment does not match) and is killed."""
+        for run in self.pending[:self.kernels.size]:
+            if run.run_id in self.kernels or run.distribution:  # a distributed run starts a kernel per rank itself
+                continue
+            try:
+                gpu_ids = self.pool.preview(run.gpus)
+                alone = run.run_id in self.out_of_memory
+                need_mb = self.needs.need_mb(run) if self.pool.auto else None
+                lease = GpuLease(gpu_ids, need_mb, exclusive=alone or (self.pool.auto and need_mb is None), alone=alone)
+                shared, gpu_env, _info = self.placement(run, lease)
+                self.kernels.prestart(run.run_id, *kernel_launch(run, gpu_ids, shared, gpu_env=gpu_env, share=self.share))
+            except Exception:  # noqa: BLE001 - the run then starts its kernel itself
+                return
+
+    # --- one run (its worker thread) ------------------------------------------------------------------
+
+    def work(self, run: Run, lease: GpuLease) -> None:
+        """Execute the run, then give its GPUs back and wake the loop; a run out of GPU memory beside others
+        goes back to the front of the queue."""
+        again = False
+        try:
+            again = self.execute(run, lease)
+        except ShareError as exc:  # not even the failure could be recorded; resubmitting reruns the run
+            self.share_failures.append(exc)
+        finally:
+            self.pool.release(lease)
+            with self.changed:
+                self.active.pop(run.run_id, None)
+                self.gpu_runs.discard(run.run_id)
+                if again:
+                    self.pending.insert(0, run)
+                self.changed.notify_all()
+
+    def execute(self, run: Run, lease: GpuLease) -> bool:
+        """Execute the run on its lease; whether to run it again, alone. A failure of nbbatch (not of the
+        notebook) fails this run only, never another's results."""
+        try:
+            shared, gpu_env, info = self.placement(run, lease)
+            record = self.backend._execute(run, self.share, lease, shared, gpu_env, info, self.cancel, self.notify,
+                                           self.kernels)
+            return self.on_finished(run, lease, record)
+        except ShareError as exc:
+            self.share_failures.append(exc)
+            self.backend.finalize(self.share, run, Status.FAILED, RunError(
+                "ShareError", str(exc), reason=SHARE_FAILED, kind=ErrorKind.SHARE), self.notify)
+        except Exception as exc:  # noqa: BLE001 - a failure in one run never loses another's results
+            self.backend.finalize(self.share, run, Status.FAILED, RunError(
+                type(exc).__name__, str(exc), reason="nbbatch error", kind=ErrorKind.INTERNAL), self.notify)
+        return False
+
+    def placement(self, run: Run, lease: GpuLease) -> tuple[bool, dict[str, str], GpuSharing | None]:
+        """Whether the run shares its GPUs, its MPS environment, and what run.json says about both."""
+        if not lease.gpu_ids:
+            return False, {}, None
+        shared = self.pool.shared(lease)
+        info = GpuSharing(runs_per_gpu=self.options.runs_per_gpu, shared=shared, exclusive=lease.exclusive,
+                          mps=self.daemon is not None)
+        if self.pool.auto:
+            info = replace(info, need_mb=lease.need_mb, need_from=self.needs.source(run))
+        if lease.alone:
+            info = replace(info, alone=True, retried_after=self.out_of_memory.get(run.run_id, ""))
+        return shared, self.daemon.client_env(lease.gpu_ids) if self.daemon else {}, info
+
+    def on_finished(self, run: Run, lease: GpuLease, record: RunRecord) -> bool:
+        """Learn the run's memory need from its record; whether it ran out of GPU memory beside other runs, and so
+        runs again, alone (its record says why, and is ``queued`` again)."""
+        self.needs.learn(record)
+        if record.error is None or not self.out_of_memory_while_sharing(record, lease):
+            return False
+        summary = record.error.summary()
+        record.gpu_share = replace(record.gpu_share or GpuSharing(), out_of_memory=summary)
+        record.status = Status.QUEUED  # its next attempt says why it runs alone
+        write_record(self.share, record)
+        self.notify(record)
+        self.out_of_memory[run.run_id] = summary
+        return True
+
+    def out_of_memory_while_sharing(self, record: RunRecord, lease: GpuLease) -> bool:
+        """Whether the run failed for GPU memory on GPUs other runs could share (running it alone may help)."""
+        return (record.status == Status.FAILED and not lease.exclusive and bool(lease.gpu_ids)
+                and record.error is not None and is_gpu_oom(record.error) and self.pool.capacity > len(self.pool.load))
+
+
+def _settings(backend: LocalBackend) -> tuple[int | None, int | None, bool]:
+    """The backend settings the scheduler reads: ``max_parallel``, ``prestart`` and ``container``."""
+    settings = backend.settings
+    return settings.max_parallel, settings.prestart, settings.container
+
+
+class CancelWatch:
+    """The scheduler's view of the cancel requests: one listing per pass at most every ``poll`` seconds.
+
+    A share error keeps the last answer and backs off (doubling, at most 30 s): a flaky share neither
+    floods the service nor stops the batch; each running run's watchdog watches its own markers too.
+    """
+
+    def __init__(self, share: Share, experiment: str):
+        self.share, self.experiment = share, experiment
+        self.poll = poll_interval(share)
+        self.failures = 0
+        self._last = CancelRequests()
+        self._next = 0.0
+
+    def current(self) -> CancelRequests:
+        """The cancel requests standing now (the last answer between two listings, or while the share fails)."""
+        if not self.experiment or time.monotonic() < self._next:
+            return self._last
+        try:
+            self._last = cancel_requests(self.share, self.experiment)
+            self.failures = 0
+            self._next = time.monotonic() + self.poll
+        except (ShareError, OSError) as exc:
+            self.failures += 1
+            self._next = time.monotonic() + min(self.poll * 2 ** self.failures, 30.0)
+            if self.failures == 1:
+                logger.warning("cannot read the cancel requests of %s (%s); retrying", self.experiment, exc)
+        return self._last
