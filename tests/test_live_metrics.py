@@ -317,6 +317,7 @@ while not os.path.exists(RELEASE):
 """
 
 
+@pytest.mark.kernel
 @pytest.mark.gpu
 def test_a_real_gpu_run_streams_its_telemetry_and_history(project):
     pytest.importorskip("torch")
