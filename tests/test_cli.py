@@ -132,3 +132,15 @@ def test_the_command_line_starts_without_the_notebook_runtime():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("module", ["nbbatch.api", "nbbatch.widgets"])
+def test_the_python_api_and_the_widgets_import_without_what_is_slow_to_import(module):
+    """`import nbbatch.api` (status, logs from a notebook) and `import nbbatch.widgets` stay quick: the notebook
+    runtime loads when a notebook runs, jsonschema and nbformat's validator (rfc3987_syntax builds a grammar for a
+    second) when an experiment or a notebook is validated."""
+    slow = ("papermill", "jupyter_client", "nbclient", "jsonschema", "nbformat", *OPTIONAL_EXTRAS)
+    probe = f"import sys\nimport {module}\nprint(sorted(set({slow!r}) & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -15,8 +15,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import nbformat
-
 from nbbatch.errors import ValidationError, did_you_mean
 
 PARAMETERS_TAG = "parameters"
@@ -76,6 +74,8 @@ def _schema_problem(data: dict[str, Any]) -> str | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. cells without ids in nbformat 4.5: nbformat fills them in
+            import nbformat  # its validator imports jsonschema (a second): only when a notebook is planned
+
             nbformat.validate(copy.deepcopy(data))
     except nbformat.ValidationError as exc:
         message = getattr(exc, "message", None) or str(exc)

@@ -14,12 +14,13 @@ import json
 import reprlib
 from collections.abc import Iterable, Mapping
 from functools import cache
-from typing import Any
-
-import jsonschema
-from jsonschema.exceptions import ValidationError as SchemaError
+from typing import TYPE_CHECKING, Any
 
 from nbbatch.errors import SpecError, did_you_mean
+
+if TYPE_CHECKING:
+    import jsonschema
+    from jsonschema.exceptions import ValidationError as SchemaError
 
 SCHEMA_FILE = "experiment.schema.json"
 _TYPE_WORDS = {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "true or false",
@@ -45,6 +46,10 @@ def keys(*path: str) -> tuple[str, ...]:
 
 @cache
 def _validator() -> jsonschema.Draft202012Validator:
+    # jsonschema loads its format checkers' packages (rfc3987_syntax builds a grammar for a second): only when an
+    # experiment is validated, so `import nbbatch.api` and the widgets stay quick
+    import jsonschema
+
     return jsonschema.Draft202012Validator(experiment_schema())
 
 
