@@ -309,6 +309,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nbbatch", description="Run parameterized notebooks as a batch.")
     parser.add_argument("--version", action="version", version=f"nbbatch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_batch_parsers(sub)
+    _add_run_parsers(sub)
+    _add_setup_parsers(sub)
+    add_images_parser(sub)
+    add_data_parser(sub)
+    add_results_parsers(sub)
+    return parser
+
+
+def _add_batch_parsers(sub: argparse._SubParsersAction) -> None:
+    """An experiment's commands: submit, plan, status, logs, cancel, fetch."""
 
     p = sub.add_parser("submit", help="plan, validate and run an experiment")
     p.add_argument("experiment", help="experiment YAML file")
@@ -324,18 +335,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 
-    for name, func, helptext in (("status", cmd_status_interruptible,
-                                  "table of runs: varying parameters, status, duration, metrics, error"),):
-        p = sub.add_parser(name, help=helptext)
-        p.add_argument("experiment", help="experiment name (or its YAML file)")
-        p.add_argument("--share", help="the share (default: where it was submitted from this project)")
-        p.add_argument("--json", action="store_true", help="every field of every run as JSON (for scripts)")
-        p.add_argument("--check", action="store_true", help="exit 1 unless every run succeeded")
-        p.add_argument("-w", "--watch", action="store_true",
-                       help="redraw the table until every run has ended (with --json: wait, then print)")
-        p.add_argument("--interval", type=_interval, default=2.0, metavar="SECONDS",
-                       help="how often --watch reads the runs again (default: 2)")
-        p.set_defaults(func=func)
+    p = sub.add_parser("status", help="table of runs: varying parameters, status, duration, metrics, error")
+    p.add_argument("experiment", help="experiment name (or its YAML file)")
+    p.add_argument("--share", help="the share (default: where it was submitted from this project)")
+    p.add_argument("--json", action="store_true", help="every field of every run as JSON (for scripts)")
+    p.add_argument("--check", action="store_true", help="exit 1 unless every run succeeded")
+    p.add_argument("-w", "--watch", action="store_true",
+                   help="redraw the table until every run has ended (with --json: wait, then print)")
+    p.add_argument("--interval", type=_interval, default=2.0, metavar="SECONDS",
+                   help="how often --watch reads the runs again (default: 2)")
+    p.set_defaults(func=cmd_status_interruptible)
 
     p = sub.add_parser("logs", help="a run's output (log.txt); -f follows it")
     p.add_argument("experiment")
@@ -352,6 +361,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--share")
     p.set_defaults(func=cmd_cancel)
 
+    p = sub.add_parser("fetch", help="copy an experiment's executed notebooks and run records to a folder")
+    p.add_argument("experiment")
+    p.add_argument("dest")
+    p.add_argument("--share")
+    p.set_defaults(func=cmd_fetch)
+
+
+def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
+    """One notebook (papermill-style) and one planned run (what every backend's node calls)."""
     p = sub.add_parser("run", help="run one notebook, papermill-style: nbbatch run in.ipynb out.ipynb -p lr 0.1")
     p.add_argument("input")
     p.add_argument("output")
@@ -375,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where an input of the run is on this machine (an Azure ML mount); repeatable")
     p.set_defaults(func=cmd_run_one)
 
+
+def _add_setup_parsers(sub: argparse._SubParsersAction) -> None:
+    """What runs need: framework environments, the Azure ML cluster, the experiment file's schema."""
     p = sub.add_parser("envs", help="framework environments: create | list | remove")
     p.add_argument("action", choices=["create", "list", "remove"])
     p.add_argument("names", nargs="*")
@@ -386,9 +407,6 @@ def build_parser() -> argparse.ArgumentParser:
                          help="install the framework's GPU builds (framework.yaml gpu_packages), as its image does")
     variant.add_argument("--cpu", dest="gpu", action="store_false", help="install the pins as they are (the default)")
     p.set_defaults(func=cmd_envs)
-
-    add_images_parser(sub)
-    add_data_parser(sub)
 
     p = sub.add_parser("cluster", help="the azureml backend's compute cluster: create | status | scale | delete")
     p.add_argument("action", choices=["create", "status", "scale", "delete"])
@@ -410,15 +428,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("schema", help="print the experiment file's JSON Schema (for editors that validate YAML)")
     p.add_argument("-o", "--output", help="write it to this file instead")
     p.set_defaults(func=cmd_schema)
-
-    p = sub.add_parser("fetch", help="copy an experiment's executed notebooks and run records to a folder")
-    p.add_argument("experiment")
-    p.add_argument("dest")
-    p.add_argument("--share")
-    p.set_defaults(func=cmd_fetch)
-
-    add_results_parsers(sub)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
