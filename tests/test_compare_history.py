@@ -208,7 +208,9 @@ def test_history_best_picks_min_loss_max_accuracy_and_the_step(share: Path) -> N
     assert compare.default_best_mode("val_top1_error") == "min" and compare.default_best_mode("bleu") == "max"
 
 
-def test_compare_cli_at_step_and_best(share: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_compare_cli_at_step_and_best(share: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # wide enough for `step.loss` on one header line (piped: 120)
     assert _compare(EXPERIMENT, "--share", str(share), "--at-step", "3", "--json", str(tmp_path / "t.json"),
                     "--report", str(tmp_path / "r.html")) == 0
     out = capsys.readouterr().out

@@ -17,17 +17,18 @@ from pathlib import Path
 from typing import Any
 
 from nbbatch.backends import Backend, SubmitOptions, get_backend
-from nbbatch.errors import NbbatchError, ValidationError, did_you_mean
+from nbbatch.errors import NbbatchError, NotebookStopped, ValidationError, did_you_mean
 from nbbatch.plan.notebook import inspect_notebook, validate_parameters
 from nbbatch.plan.runs import Plan, plan
 from nbbatch.results.progress import live_progress
-from nbbatch.results.status import follow_log, read_log, resolve_run_id
+from nbbatch.results.status import follow_log, load_plan_records, read_log, resolve_run_id
 from nbbatch.spec.experiment import Experiment, load_experiment
 from nbbatch.spec.project import Project, find_project
-from nbbatch.store.known import lookup, open_experiment_share, remember
+from nbbatch.store.known import check_experiment, lookup, open_experiment_share, remember
 from nbbatch.store.layout import experiment_paths
 from nbbatch.store.lease import ShareLease
 from nbbatch.store.lock import ExperimentLock
+from nbbatch.store.notebook_io import check_notebook_target
 from nbbatch.store.runfiles import clear_cancel, load_records
 from nbbatch.store.runjson import RunRecord, Status, utc_now
 from nbbatch.store.share import Share, open_share
@@ -118,10 +119,11 @@ def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, 
         result.skipped = outcome.skipped
         result.warnings.extend(outcome.notes)
         result.started = [*outcome.started, *outcome.in_flight]
-        _write_manifest(share, spec, the_plan)
+        result.warnings.extend(_write_manifest(share, spec, the_plan, experiment))
         options = submit_options(spec, wait=wait, force=force, on_update=progress if callable(progress) else None,
                                  halt=lease.lost)
-        todo = [r for r in runs if r.run_id in set(outcome.started)]
+        starting = set(outcome.started)
+        todo = [r for r in runs if r.run_id in starting]
         if todo and progress is True:
             with live_progress(share, spec.name, [r.run_id for r in runs]) as on_update:
                 options.on_update = on_update
@@ -142,18 +144,56 @@ def submit_options(spec: Experiment, **more: Any) -> SubmitOptions:
     return SubmitOptions.of(spec.resources, **more)
 
 
-def _write_manifest(share: Share, spec: Experiment, the_plan: Plan) -> None:
+def _write_manifest(share: Share, spec: Experiment, the_plan: Plan, source: object = None) -> list[str]:
+    """Write the submission's manifest, ``<experiment>/experiment.json``: its ``runs`` are the experiment's
+    current plan (what ``status``, ``compare`` and ``check`` show). Return a warning when the last submission
+    under this name came from another experiment file: its runs are superseded by this one's."""
+    path = experiment_paths(spec.name).manifest
     manifest = {
         "experiment": spec.name, "updated": utc_now(), "backend": spec.backend,
+        # the experiment file (None for one built in Python): tells a reused name from an edited file
+        "source": str(Path(source).resolve()) if isinstance(source, (str, os.PathLike)) else None,
         "frameworks": spec.frameworks, "notebooks": [str(n.path.name) for n in spec.notebooks],
         "parameters": spec.parameters, "sweep": spec.sweep,
         "runs": [r.run_id for r in the_plan.runs],
     }
-    share.write_bytes(experiment_paths(spec.name).manifest, json.dumps(manifest, indent=2, default=str).encode())
+    try:
+        previous = json.loads(share.read_bytes(path))
+    except (OSError, ValueError, UnicodeDecodeError, NbbatchError):
+        previous = None
+    share.write_bytes(path, json.dumps(manifest, indent=2, default=str).encode())
+    if not isinstance(previous, dict) or not isinstance(previous.get("runs"), list):
+        return []
+    if previous.get("source") and manifest["source"]:
+        reused = previous["source"] != manifest["source"]
+    else:  # a file or a submission without a known path: another experiment if it runs other notebooks
+        reused = [previous.get("frameworks"), previous.get("notebooks")] != [spec.frameworks, manifest["notebooks"]]
+    if not reused:
+        return []
+    return [f"experiment name `{spec.name}` was last submitted to {share.url} from {_submitted_from(previous)} (at "
+            f"{previous.get('updated')}); this submission from {_submitted_from(manifest)} reuses the name and "
+            f"replaces its plan: "
+            f"`nbbatch status {spec.name}` and `nbbatch compare {spec.name}` now show this submission's "
+            f"{len(manifest['runs'])} run(s), and the earlier runs stay on the share (shown with --all). If they "
+            f"are different experiments, give one of the files its own `experiment:` name"]
 
 
-def status(experiment: str, share: str | Share | None = None, refresh: bool = True) -> list[RunRecord]:
-    """The run records of an experiment (a name known to this project, or an experiment file)."""
+def _submitted_from(manifest: dict[str, Any]) -> str:
+    """Where a manifest's submission came from, for people: its experiment file, else what it ran."""
+    if manifest.get("source"):
+        return str(manifest["source"])
+    ran = [str(n) for key in ("frameworks", "notebooks") if isinstance(manifest.get(key), list) for n in manifest[key]]
+    return f"an experiment built in Python (running {', '.join(ran)})"
+
+
+def status(experiment: str, share: str | Share | None = None, refresh: bool = True,
+           all_runs: bool = False) -> list[RunRecord]:
+    """The run records of an experiment (a name known to this project, or an experiment file).
+
+    Those of its current plan: the runs its last submission planned. Runs that an earlier submission
+    planned (before a notebook, the sweep or the experiment file changed) are superseded: kept on the
+    share, and returned too with ``all_runs``.
+    """
     project = find_project()
     name, the_share = open_experiment_share(experiment, share, project)
     if refresh:
@@ -161,8 +201,13 @@ def status(experiment: str, share: str | Share | None = None, refresh: bool = Tr
             known_backend(name, project).refresh(name, the_share)
         except NbbatchError:
             pass
-    records, problems = load_records(the_share, name)
+    records, problems, planned = load_plan_records(the_share, name, all_runs)
     if not records and not problems:
+        if planned is not None and not all_runs and load_records(the_share, name)[0]:
+            raise NbbatchError(f"none of the {len(planned)} run(s) of experiment `{name}`'s last submission has "
+                               f"a run record in {the_share.url} yet (it may still be starting, or it was stopped "
+                               f"before they were queued); `nbbatch status {name} --all` shows the runs of earlier "
+                               f"submissions")
         raise NbbatchError(f"experiment `{name}` has no runs in {the_share.url}; submit it with "
                            f"`nbbatch submit <experiment.yaml>` or pass --share where its results are")
     for problem in problems:
@@ -194,6 +239,7 @@ def cancel(experiment: str, runs: list[str] | None = None, share: str | Share | 
     """Ask runs to stop (all unfinished ones by default); they end as ``cancelled`` with their partial output."""
     project = find_project()
     name, the_share = open_experiment_share(experiment, share, project)
+    check_experiment(the_share, name)  # a mistyped name: refused, no marker left behind
     ids = [resolve_run_id(the_share, name, r) for r in runs] if runs else None
     return known_backend(name, project).cancel(name, the_share, ids)
 
@@ -203,18 +249,25 @@ def run_notebook(input_path: str | os.PathLike[str], output_path: str | os.PathL
                  timeout: float | None = None, cell_timeout: float | None = None, log_output: bool = True) -> Any:
     """Execute one notebook papermill-style (any notebook, any installed kernel); return the executed notebook.
 
-    The output is written atomically as cells complete; on failure it keeps the outputs up to the failing
-    cell and papermill's error marker, and :class:`papermill.PapermillExecutionError` is raised.
+    The output path is checked before the notebook runs. The output is written atomically as cells complete;
+    on failure it keeps the outputs up to the failing cell: with papermill's error marker and
+    :class:`papermill.PapermillExecutionError` for a cell error, with :class:`~nbbatch.errors.NotebookStopped`
+    when the kernel died or a cell ran past ``cell_timeout``. The kernel and every process it started are
+    killed when this process dies, even by SIGKILL.
     """
     # papermill, jupyter_client and the engine take a second to import: only this command needs them, not the CLI's others
     import papermill  # noqa: F401 - before nbbatch.execute.engine: papermill's entry-point scan imports it
     from jupyter_client.kernelspec import KernelSpecManager
+    from nbclient.exceptions import CellTimeoutError, DeadKernelError
+    from papermill.exceptions import PapermillMissingParameterException
+    from papermill.parameterize import add_builtin_parameters, parameterize_path
 
     from nbbatch.execute import engine
 
     find_project().activate_kernels()
     info = inspect_notebook(input_path)
-    for warning in validate_parameters(info, parameters or {}):
+    # nan and ±inf: papermill writes them as float('nan') in Python only
+    for warning in validate_parameters(info, parameters or {}, non_finite=info.language == "python"):
         print(f"warning: {warning}", file=sys.stderr)
     kernel = kernel or info.kernel
     if not kernel:
@@ -223,9 +276,36 @@ def run_notebook(input_path: str | os.PathLike[str], output_path: str | os.PathL
     if kernel not in known:
         raise ValidationError(f"kernel `{kernel}` does not exist{did_you_mean(kernel, known)}; known kernels: "
                               f"{', '.join(sorted(known))}")
-    return engine.execute_notebook_file(  # papermill.execute_notebook, with atomic writes of the output
-        str(input_path), str(output_path), parameters=parameters or {}, kernel_name=kernel,
-        log_output=False, stdout_file=sys.stdout if log_output else None,
-        stderr_file=sys.stderr if log_output else None, execution_timeout=cell_timeout,
-        kernel_cwd=cwd or str(Path(input_path).resolve().parent),
-    )
+    try:  # papermill fills `{name}` in the output path from the parameters
+        target = parameterize_path(str(output_path), add_builtin_parameters(parameters))
+    except PapermillMissingParameterException as exc:
+        raise ValidationError(f"the output path {output_path} names a parameter that is not given ({exc}); "
+                              "pass it with -p, or write a literal brace as {{ or }}") from exc
+    check_notebook_target(target)  # now, not once the whole notebook has run
+    kernel_groups: list[int | None] = []
+    cells = [0, 0]  # the cell last completed (1-based; papermill completes a failing one too), of how many
+
+    def on_kernel(km: Any) -> None:
+        kernel_groups.append(engine.REAPER.watch(km))  # killed with this process, even by SIGKILL, as submit's
+
+    def on_cell(done: int, total: int) -> None:
+        cells[:] = [done, total]
+
+    try:
+        return engine.execute_notebook_file(  # papermill.execute_notebook, with atomic writes of the output
+            str(input_path), str(output_path), parameters=parameters or {}, kernel_name=kernel,
+            log_output=False, stdout_file=sys.stdout if log_output else None,
+            stderr_file=sys.stderr if log_output else None, execution_timeout=cell_timeout,
+            kernel_cwd=cwd or str(Path(input_path).resolve().parent), on_kernel=on_kernel, on_cell=on_cell,
+        )
+    except (CellTimeoutError, DeadKernelError) as exc:
+        where = f"in cell {cells[0]} of {cells[1]}" if cells[0] else "before its first cell"
+        why = "its kernel died (it crashed, exited, or was killed, e.g. out of memory)"
+        if isinstance(exc, CellTimeoutError):
+            why = f"the cell ran longer than the cell timeout ({cell_timeout:g} s)" if cell_timeout else \
+                f"the kernel stopped answering ({str(exc).strip().splitlines()[0]})"
+        raise NotebookStopped(f"{Path(input_path).name} stopped {where}: {why} (executed notebook with its outputs "
+                              f"up to there: {target})") from exc
+    finally:
+        for group in kernel_groups:
+            engine.REAPER.forget(group)

@@ -44,6 +44,13 @@ class ContainerError(NbbatchError):
     """No usable container engine, image or GPU passthrough."""
 
 
+class NotebookStopped(NbbatchError):
+    """``nbbatch run``: the notebook stopped before its end without a cell error (its kernel died, or a cell ran
+    past the cell timeout); the output notebook holds its outputs up to there."""
+
+    exit_code = 1
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """Return `` (did you mean `x`?)`` for the closest choice, or an empty string."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)

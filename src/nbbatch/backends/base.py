@@ -27,6 +27,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -44,6 +45,7 @@ from nbbatch.store.runfiles import (
     new_record,
     read_record,
     read_record_or_none,
+    run_ids,
     write_cancel_markers,
     write_record,
 )
@@ -55,6 +57,8 @@ if TYPE_CHECKING:
     from nbbatch.spec.project import Project
 
 UpdateCallback = Callable[[RunRecord], None]
+QUEUED_FIRST = 32  # queued records written before any run starts; the rest are written while the first runs go
+QUEUED_WRITERS = 8  # queued records written at once (each write waits on the disk or the network, not the CPU)
 
 _log = logging.getLogger(__name__)
 
@@ -164,6 +168,7 @@ class Backend(ABC):
     settings: Any  # the validated Settings instance: read ``self.settings.max_parallel``
     settings_hint: ClassVar[str] = ""  # added to the unknown-setting error (e.g. where else a key belongs)
     poll_s: float | None = None  # how often :meth:`wait` reads the records (None: by the share's kind)
+    _queued: QueuedRecords | None = None  # the queued records :meth:`launch` is writing
     heartbeat_s: ClassVar[float] = 10.0  # how often :meth:`wait` calls :meth:`heartbeat`
 
     def __init__(self, settings: Any = None, /, **values: Any) -> None:
@@ -293,8 +298,10 @@ class Backend(ABC):
     def triage(self, runs: Sequence[Run], share: Share, force: bool = False) -> SubmitOutcome:
         """Which runs to start: not those that already succeeded (unless ``force``), nor those still in flight."""
         outcome = SubmitOutcome()
+        folders = set(run_ids(share, runs[0].experiment)) if runs else set()  # one listing, not a read per run
         for run in runs:
-            record = read_record(share, run.experiment, run.run_id)  # a corrupt record stops here, naming its path
+            # a corrupt record stops here, naming its path
+            record = read_record(share, run.experiment, run.run_id) if run.run_id in folders else None
             done = record is not None and record.status == Status.SUCCEEDED and not force
             if done and not share.exists(run_paths(run.experiment, run.run_id).notebook):
                 outcome.notes.append(f"run {run.run_id} succeeded before but its {OUTPUT_NOTEBOOK} is gone from "
@@ -318,20 +325,33 @@ class Backend(ABC):
         todo = order_longest_first(runs, options.earlier)
         clear_run_cancels(share, todo[0].experiment, [r.run_id for r in todo])  # before the queued records
         notify = options.guarded_update
-        earlier = {r.run_id: r for r in options.earlier}
-        for run in todo:
-            if run.run_id in earlier:
-                clear_run_folders(share, run, fresh=options.force or earlier[run.run_id].status == Status.SUCCEEDED)
-            record = new_record(run, self.name)
-            write_record(share, record)
-            notify(record)
-        self.start(todo, share, options)
+        fresh = {r.run_id: options.force or r.status == Status.SUCCEEDED for r in options.earlier}
+        self._queued = queued = QueuedRecords(share, self.name, todo, fresh, notify)
+        try:
+            queued.write(todo[:QUEUED_FIRST])
+            if self.capabilities.gpu_slots:  # the local scheduler claims each run as it starts it (claim_queued)
+                queued.write_in_background(todo[QUEUED_FIRST:])
+            else:  # a cluster's start() hands over every run at once: each has its queued record first
+                queued.write(todo[QUEUED_FIRST:])
+            self.start(todo, share, options)
+        finally:
+            late_error = queued.finish()
+            self._queued = None
+        if late_error is not None:  # the runs wrote their own records since: what they say stands
+            _log.warning("writing the queued records in the background failed: %s", late_error)
         if options.wait and self.capabilities.detached:
             self.wait(todo[0].experiment, share, [r.run_id for r in todo], notify)
+
+    def claim_queued(self, run_id: str) -> None:
+        """Called by a :meth:`start` that starts runs one at a time, as it starts (or ends) each: the run's queued
+        record, when not written yet, is left to its executor, so it never overwrites a newer one."""
+        if self._queued is not None:
+            self._queued.claim(run_id)
 
     def finalize(self, share: Share, run: Run | RunRecord, status: Status, error: RunError | None = None,
                  notify: UpdateCallback | None = None) -> RunRecord:
         """End a run's record with ``status`` and ``error`` (see :func:`~nbbatch.store.runfiles.finalize_record`)."""
+        self.claim_queued(run.run_id)  # a queued record written late must not replace this one
         record = finalize_record(share, run, status, error, self.name)
         if notify is not None:
             guarded(notify)(record)
@@ -377,6 +397,97 @@ class Backend(ABC):
         except KeyboardInterrupt:
             self.interrupted(experiment, share, pending)
             raise
+
+
+class QueuedRecords:
+    """The ``queued`` records of a launch, written :data:`QUEUED_WRITERS` at a time and, past the first runs, in
+    the background while those runs go: 10^5 records take a minute to write, the first runs should not wait.
+
+    Each run's record is written once, by whoever comes first: this writer, or whoever starts or ends the run
+    and :meth:`claims <claim>` it first (its executor then writes the record from scratch). A run that ran
+    before has its old outputs cleared (and its checkpoints when ``fresh``) either way.
+    """
+
+    def __init__(self, share: Share, backend: str, runs: Sequence[Run], fresh: Mapping[str, bool],
+                 notify: UpdateCallback) -> None:
+        self.share, self.backend, self.notify = share, backend, notify
+        self.runs = {r.run_id: r for r in runs}
+        self.fresh = fresh  # run id -> clear its checkpoints too; only runs that ran before are in it
+        self.handled: set[str] = set()  # written, or claimed
+        self.writing: set[str] = set()
+        self.changed = threading.Condition()
+        self.stopped = False
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+
+    def _take(self, run_id: str) -> bool:
+        with self.changed:
+            while run_id in self.writing:
+                self.changed.wait()
+            if run_id in self.handled or self.stopped:
+                return False
+            self.writing.add(run_id)
+            return True
+
+    def _done(self, run_id: str) -> None:
+        with self.changed:
+            self.writing.discard(run_id)
+            self.handled.add(run_id)
+            self.changed.notify_all()
+
+    def _clear_earlier(self, run: Run) -> None:
+        if run.run_id in self.fresh:
+            clear_run_folders(self.share, run, fresh=self.fresh[run.run_id])
+
+    def _write_one(self, run: Run) -> None:
+        if not self._take(run.run_id):
+            return
+        try:
+            self._clear_earlier(run)
+            record = new_record(run, self.backend)
+            write_record(self.share, record)
+            self.notify(record)
+        finally:
+            self._done(run.run_id)
+
+    def claim(self, run_id: str) -> None:
+        """The run starts or ends now: its queued record is not written any more (it waits for one being written)."""
+        run = self.runs.get(run_id)
+        if run is None or not self._take(run_id):
+            return
+        try:
+            self._clear_earlier(run)
+        finally:
+            self._done(run_id)
+
+    def write(self, runs: Sequence[Run]) -> None:
+        """Write these runs' records (in order, a few at once); the first error is raised."""
+        with ThreadPoolExecutor(QUEUED_WRITERS, thread_name_prefix="queued") as pool:
+            for start in range(0, len(runs), QUEUED_WRITERS * 4):  # a few futures at a time, not 10^5
+                list(pool.map(self._write_one, runs[start:start + QUEUED_WRITERS * 4]))
+                if self.stopped:
+                    return
+
+    def write_in_background(self, runs: Sequence[Run]) -> None:
+        """:meth:`write` in a thread; :meth:`finish` returns its error."""
+        def write() -> None:
+            try:
+                self.write(runs)
+            except BaseException as exc:  # noqa: BLE001 - raised again by finish()
+                self.error = exc
+                with self.changed:
+                    self.stopped = True  # the runs' executors write their own records (or meet the same error)
+
+        self.thread = threading.Thread(target=write, name="queued-records", daemon=True)
+        self.thread.start()
+
+    def finish(self) -> BaseException | None:
+        """Stop writing (when the start ended early), wait for the writes in flight; the background writer's error."""
+        with self.changed:
+            self.stopped = True
+        if self.thread is not None:
+            self.thread.join()
+        return self.error
 
 
 def order_longest_first(runs: Sequence[Run], records: Sequence[RunRecord]) -> list[Run]:

@@ -92,16 +92,27 @@ class LocalScheduler:
                     if not self.step() and (self.pending or self.active):  # a pass may end the last pending runs
                         self.changed.wait(timeout=WAKE_S)
         except BaseException as exc:
-            self.cancel.set()
-            interrupted = isinstance(exc, KeyboardInterrupt)
-            self.cancel_pending("interrupted before it started" if interrupted else f"not started: nbbatch error: {exc}")
-            for thread in list(self.active.values()):
-                thread.join()
+            self.stop("interrupted before it started" if isinstance(exc, KeyboardInterrupt)
+                      else f"not started: nbbatch error: {exc}")
             raise
         finally:
             self.kernels.close()
         if self.share_failures:
             raise self.share_failures[0]
+
+    def stop(self, reason: str) -> None:
+        """Cancel the runs not started (saying ``reason``) and wait for the running ones, whose watchdogs kill their
+        kernels and record them ``cancelled``. A second Ctrl-C does not cut this short: that would leave them
+        ``running``; it takes as long as killing a kernel and writing its records."""
+        self.cancel.set()
+        while True:
+            try:
+                self.cancel_pending(reason)
+                for thread in list(self.active.values()):
+                    thread.join()
+                return
+            except KeyboardInterrupt:
+                continue
 
     def step(self) -> bool:
         """One pass, holding :attr:`changed`: end the runs that must not start, start those that fit, start
@@ -155,6 +166,7 @@ class LocalScheduler:
     def launch(self, run: Run, lease: GpuLease) -> None:
         """Start the run in a worker thread of its own."""
         self.pending.remove(run)
+        self.backend.claim_queued(run.run_id)  # a queued record not written yet is left to its executor
         if run.gpus:
             self.gpu_runs.add(run.run_id)
         thread = threading.Thread(target=self.work, args=(run, lease), name=f"run-{run.run_id}", daemon=True)
@@ -173,13 +185,14 @@ class LocalScheduler:
 
     def end_pending(self, status: Status, error: RunError) -> None:
         """End every run not started yet with ``status`` and ``error``."""
-        for run in self.pending:
+        while self.pending:  # one at a time, so that an interrupted stop (see stop) goes on where it was
+            run = self.pending[-1]
             self.kernels.discard(run.run_id)
             try:
                 self.backend.finalize(self.share, run, status, error, self.notify)
             except ShareError as exc:  # not recorded: resubmitting reruns it
                 self.share_failures.append(exc)
-        self.pending.clear()
+            self.pending.pop()
 
     def cancel_pending(self, reason: str) -> None:
         """Cancel every run not started yet, saying why in its error's reason."""

@@ -9,6 +9,9 @@
 * A kernel may be started ahead of its run (:class:`nbbatch.execute.kernels.KernelPool`), with the run's own kernel,
   environment and working directory, so that its start-up overlaps the runs before it. A kernel
   only ever executes the one notebook it was started for.
+* A cell's output is read to its end while it keeps coming, also after the cell's reply (nbclient waits
+  4 s, then papermill fails the cell: a cell that printed faster than the driver reads was failed), and a
+  cell timeout says which cell ran too long.
 * The caller sees the kernel's process (to enforce run timeouts and cancel), each cell's
   progress, and each point of the metric history as the kernel sends it (``on_point``: the
   ``nbbatch.record(step=...)`` displays and display updates).
@@ -20,13 +23,15 @@ papermill then writes the final notebook itself, in place; :func:`execute_notebo
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
-from nbclient.util import run_sync
+from nbclient.exceptions import CellTimeoutError, DeadKernelError
+from nbclient.util import ensure_async, run_sync
 
 
 def __getattr__(name: str) -> object:
@@ -47,6 +52,7 @@ from papermill.iorw import load_notebook_node, local_file_io_cwd  # noqa: E402
 from papermill.parameterize import add_builtin_parameters, parameterize_notebook, parameterize_path  # noqa: E402
 
 from nbbatch.execute.kernels import BatchKernelManager, PrestartedKernel, reap_kernel  # noqa: E402
+from nbbatch.execute.watchdog import REAPER  # noqa: E402, F401 - for `nbbatch run`, whose api loads this module lazily
 from nbbatch.metrics import HISTORY_MIME  # noqa: E402
 from nbbatch.store.notebook_io import write_notebook_atomic  # noqa: E402
 
@@ -105,6 +111,10 @@ class _BatchClient(PapermillNotebookClient):
     What a cell prints beyond that still reaches ``log.txt`` (papermill logs every output as it
     comes); the notebook gets a note instead. The driver's memory is then bounded by the limit, not
     by what the notebook prints.
+
+    A cell's output is read to its end after the cell's reply for as long as it keeps coming (nbclient
+    gives it ``iopub_timeout`` seconds in all, and papermill then fails the cell: a kernel that printed
+    faster than the driver reads is still sending). A cell timeout names the cell.
     """
 
     def __init__(self, nb_man: Any, on_kernel: Callable[[Any], None] | None = None,
@@ -114,8 +124,61 @@ class _BatchClient(PapermillNotebookClient):
         self._on_point = on_point
         self._max_output = max_output_bytes
         self._printed: dict[int, int] = {}  # cell index → characters of stream output kept or seen
+        self._messages_read = 0  # of the cells' output, read so far: the drain after a reply goes on while it grows
+        self._output_task: asyncio.Future[Any] | None = None
+
+    async def async_execute_cell(self, cell: Any, cell_index: int, execution_count: int | None = None,
+                                 store_history: bool = True) -> Any:
+        try:
+            return await super().async_execute_cell(cell, cell_index, execution_count, store_history)
+        except CellTimeoutError as exc:
+            _name_the_cell(exc, cell, cell_index, self._get_timeout(cell))
+            raise
+        finally:  # nbclient leaves its output reader pending after a cell timeout: asyncio would complain of it
+            task, self._output_task = self._output_task, None
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.wait({task})
+
+    # nbclient binds its sync wrapper to the base coroutine; rebind it to ours.
+    execute_cell = run_sync(async_execute_cell)
+
+    async def _async_poll_output_msg(self, parent_msg_id: str, cell: Any, cell_index: int) -> None:
+        self._output_task = asyncio.current_task()
+        await super()._async_poll_output_msg(parent_msg_id, cell, cell_index)
+
+    async def _async_poll_for_reply(self, msg_id: str, cell: Any, timeout: int | None,
+                                    task_poll_output_msg: asyncio.Future[Any],
+                                    task_poll_kernel_alive: asyncio.Future[Any]) -> dict[str, Any]:
+        # nbclient's wait for the reply, told the output is read already: the wait for it is _drain_output's
+        read = asyncio.get_running_loop().create_future()
+        read.set_result(None)
+        reply = await super()._async_poll_for_reply(msg_id, cell, timeout, read, task_poll_kernel_alive)
+        await self._drain_output(task_poll_output_msg)
+        return reply
+
+    async def _drain_output(self, output: asyncio.Future[Any]) -> None:
+        """Wait for the rest of a replied cell's output while it keeps coming; a quiet, live kernel ends the wait."""
+        while True:
+            read_before = self._messages_read
+            done, _ = await asyncio.wait({output}, timeout=self.iopub_timeout)
+            if done:
+                output.result()  # its error, if any
+                return
+            if self._messages_read != read_before or await ensure_async(self.kc.iopub_channel.msg_ready()):
+                continue
+            output.cancel()
+            if not await ensure_async(self.kc.is_alive()):
+                raise DeadKernelError("Kernel died")
+            # Its end (the kernel's idle status) never came: lost by the kernel's full output queue. Go on.
+            note = f"\n[nbbatch: the rest of this cell's output did not come within {self.iopub_timeout} s]\n"
+            self.log.warning(note.strip())
+            if self.stderr_file:
+                self.stderr_file.write(note)
+            return
 
     def process_message(self, msg: dict[str, Any], cell: Any, cell_index: int) -> Any:
+        self._messages_read += 1
         if self._on_point is not None and msg.get("msg_type") in _DISPLAYS:
             point = (msg.get("content", {}).get("data") or {}).get(HISTORY_MIME)
             if isinstance(point, dict):  # every point, also those a later update of the same output replaces
@@ -140,6 +203,17 @@ class _BatchClient(PapermillNotebookClient):
                 outs.append(nbformat.v4.new_output("stream", name=name,
                                                    text=ELIDED.format(limit=self._max_output / 2**20)))
         return out  # whole: papermill writes it to log.txt
+
+    def log_output_message(self, output: Any) -> None:
+        # papermill's joins a stream's text into a copy first: one message of a cell that printed tens of MiB
+        # between two flushes is held twice more
+        text = output.get("text") if output.get("output_type") == "stream" else None
+        sink = {"stdout": self.stdout_file, "stderr": self.stderr_file}.get(output.get("name"))
+        if not isinstance(text, str) or self.log_output or sink is None:
+            super().log_output_message(output)
+            return
+        sink.write(text)
+        sink.flush()
 
     def clear_output(self, outs: list[Any], msg: dict[str, Any], cell_index: int) -> None:
         super().clear_output(outs, msg, cell_index)
@@ -243,6 +317,18 @@ def execute_notebook_file(input_path: str, output_path: str, parameters: dict[st
             raise
         saver(nb)
     return nb
+
+
+def _name_the_cell(exc: CellTimeoutError, cell: Any, cell_index: int, timeout: float | None) -> None:
+    """nbclient's message ends in a line of dashes, and names no cell: say which cell, and what it ran."""
+    source = str(cell.get("source", ""))
+    first_line = next((line.strip() for line in source.splitlines() if line.strip()), "")
+    limit = f" ({timeout:g} s)" if timeout else ""
+    what = f": {first_line}" if first_line else ""
+    exc.args = (f"cell {cell_index} ran longer than the cell timeout{limit}{what}",)
+    # what nbbatch records (the cell's index and source are fields of their own)
+    exc.evalue = f"ran longer than {timeout:g} s{what}" if timeout else f"ran too long{what}"  # type: ignore[attr-defined]
+    exc.cell_index, exc.source, exc.timeout = cell_index, source, timeout  # type: ignore[attr-defined]
 
 
 def _atomic_path_saver(path: str) -> Saver:

@@ -52,8 +52,8 @@ class RunFolders:
         if self.remote:
             shutil.rmtree(self.outputs.parent, ignore_errors=True)  # left by a process of this pid long gone
             self.outputs.parent.mkdir(mode=0o700)  # the run's files, not for other users of the machine
-        for folder in (self.outputs, self.checkpoints):
-            folder.mkdir(parents=True, mode=0o700, exist_ok=True)
+        for folder in (self.outputs, self.checkpoints):  # on the share: the umask's mode, like the run's other files
+            folder.mkdir(parents=True, exist_ok=True)
         if self.remote and share.exists(self.paths.checkpoints):
             pull(share, self.paths.checkpoints, self.checkpoints)
         self._push_every = push_every_s

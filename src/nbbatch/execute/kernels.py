@@ -1,9 +1,12 @@
 """Kernels for a batch: started with the run's own settings, ready without sleeping, killed at once.
 
-jupyter_client's kernel manager and client with three changes, and a pool of kernels started ahead:
+jupyter_client's kernel manager and client with these changes, and a pool of kernels started ahead:
 
 * A kernel is ready once one ``kernel_info`` round trip has been seen on both shell and IOPub,
   without jupyter_client's fixed 0.2-s IOPub flush (:class:`ReadyKernelClient`).
+* A kernel's output is taken off its socket as soon as it comes, and held up to ``IOPUB_BUFFER_BYTES``
+  until the driver handles it (:class:`_IOPubChannel`): a kernel printing faster than the driver handles
+  neither fills the driver's memory nor, in short bursts, loses lines.
 * A killed kernel is reaped in milliseconds, not on jupyter_client's 0.1-s poll (:class:`BatchKernelManager`).
 * :class:`KernelPool` starts a kernel for a run before that run starts, with the run's own kernel,
   environment and working directory, so that its start-up overlaps the runs before it. A kernel only
@@ -31,16 +34,23 @@ import stat
 import tempfile
 import threading
 import time
+from collections import deque
 from queue import Empty
 from typing import Any, BinaryIO
 
 import zmq
+import zmq.asyncio
 from jupyter_client.asynchronous.client import AsyncKernelClient
+from jupyter_client.channels import AsyncZMQSocketChannel
 from jupyter_client.localinterfaces import localhost
 from jupyter_client.manager import AsyncKernelManager
 from jupyter_core.utils import run_sync
 from traitlets import DottedObjectName, Type, default
 
+# A kernel's output the driver has received but not handled yet: at most this many bytes (see _IOPubChannel),
+# and this many messages in ZeroMQ's own queue (its default, 1000, is 1 GiB of 1-MiB lines).
+IOPUB_BUFFER_BYTES = 16 << 20
+IOPUB_QUEUE = 32
 KERNEL_ARGUMENTS = ["--HistoryManager.hist_file=:memory:"]  # what nbclient gives the kernels it starts
 TRANSPORT_VARIABLE = "NBBATCH_KERNEL_TRANSPORT"
 SOCKET_PATH_MAX = 100  # bytes: a Unix socket path must fit sun_path (108 on Linux, 104 on macOS)
@@ -138,6 +148,48 @@ def _remove_live_folders() -> None:
         _remove_folder(folder)
 
 
+class _IOPubChannel(AsyncZMQSocketChannel):
+    """jupyter_client's IOPub channel, taking every message that has come off the socket whenever one is asked for.
+
+    ipykernel publishes its output on a PUB socket, which drops what its subscriber is not ready to take
+    once 1000 messages wait in its own queue and ``IOPUB_QUEUE`` in the driver's; the driver handles a
+    message (parse, notebook, log) far more slowly than ZeroMQ hands it over. Here waiting messages are
+    received at each request (microseconds each) and held, still serialized, up to ``IOPUB_BUFFER_BYTES``:
+    a burst of thousands of short lines is kept whole, and 1-MiB lines cost the driver at most that much.
+    """
+
+    def __init__(self, socket: zmq.asyncio.Socket, session: Any, loop: Any = None) -> None:
+        super().__init__(socket, session, loop)
+        self._held: deque[list[bytes]] = deque()
+        self._held_bytes = 0
+        self._receiver = zmq.Socket.shadow(socket.underlying)  # non-blocking receives, in the same thread
+
+    def _take_waiting(self) -> bool:
+        """Receive what has come, within the byte limit; whether a message is held."""
+        while self._held_bytes < IOPUB_BUFFER_BYTES:
+            try:
+                frames = self._receiver.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._held.append(frames)
+            self._held_bytes += sum(map(len, frames))
+        return bool(self._held)
+
+    async def get_msg(self, timeout: float | None = None) -> dict[str, Any]:  # type: ignore[override]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._take_waiting():
+            left = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            if not await self.socket.poll(left) and deadline is not None:
+                raise Empty
+        frames = self._held.popleft()
+        self._held_bytes -= sum(map(len, frames))
+        _, message = self.session.feed_identities(frames)
+        return self.session.deserialize(message)
+
+    async def msg_ready(self) -> bool:  # type: ignore[override]
+        return self._take_waiting() or bool(await self.socket.poll(timeout=0))
+
+
 class ReadyKernelClient(AsyncKernelClient):
     """jupyter_client's async client, with a ``wait_for_ready`` that does not sleep.
 
@@ -164,6 +216,21 @@ class ReadyKernelClient(AsyncKernelClient):
                 raise RuntimeError(f"Kernel didn't respond in {timeout:g} seconds")
 
     wait_for_ready = _ready_wait  # type: ignore[assignment]
+    iopub_channel_class = Type(_IOPubChannel)  # type: ignore[assignment]
+
+    def connect_iopub(self, identity: bytes | None = None) -> zmq.Socket[Any]:
+        """The IOPub socket, holding at most ``IOPUB_QUEUE`` messages not received yet (the rest wait in the kernel)."""
+        # A socket's queue limit counts when it connects: pyzmq sets its context's defaults on the sockets it makes.
+        defaults = self.context.sockopts
+        before = defaults.get(zmq.RCVHWM)
+        defaults[zmq.RCVHWM] = IOPUB_QUEUE
+        try:
+            return super().connect_iopub(identity)
+        finally:
+            if before is None:
+                del defaults[zmq.RCVHWM]
+            else:
+                defaults[zmq.RCVHWM] = before
 
     async def _next_reply(self, asked: set[str], wait: float) -> dict[str, Any] | None:
         until = time.monotonic() + wait

@@ -70,6 +70,7 @@ from nbbatch.store.share import Share
 SHARE_FAILED = "the share could not be written"
 _MAX_PARAMETERS_ENV = 64 * 1024  # an environment variable much larger than this can stop exec
 _FAILED_OUTPUT = ".failed-output.ipynb"  # papermill's own error write, removed after the attempt
+_LOG_CHUNK = 1 << 20  # characters
 
 
 class _LogSink(io.TextIOBase):
@@ -93,7 +94,8 @@ class _LogSink(io.TextIOBase):
         with self._lock:
             if self._handle is not None and self.error is None:
                 try:
-                    self._handle.write(text)
+                    for start in range(0, len(text), _LOG_CHUNK):  # encoded a slice at a time, not as one copy
+                        self._handle.write(text[start:start + _LOG_CHUNK])
                     self._handle.flush()
                 except OSError as exc:
                     self.error = exc
@@ -527,7 +529,8 @@ def _classify(exc: Exception, watchdog: Watchdog, run: Run) -> tuple[Status, Run
     if watchdog.reason:
         return watchdog.reason, error
     if isinstance(exc, CellTimeoutError):
-        error.reason = f"a cell ran longer than the cell timeout ({run.cell_timeout_s:g} s)"
+        limit = getattr(exc, "timeout", None) or run.cell_timeout_s
+        error.reason = "stopped by the cell timeout" + (f" ({limit:g} s)" if limit else "")
         error.kind = ErrorKind.TIMEOUT
         return Status.TIMED_OUT, error
     if isinstance(exc, DeadKernelError):

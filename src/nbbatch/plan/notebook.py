@@ -18,6 +18,7 @@ from typing import Any
 from nbbatch.errors import ValidationError, did_you_mean
 
 PARAMETERS_TAG = "parameters"
+NBFORMAT = 4  # the major notebook format nbbatch, papermill and nbclient read (any 4.x)
 
 
 @dataclass(frozen=True)
@@ -55,18 +56,28 @@ def _read(path: Path) -> tuple[bytes, dict[str, Any]]:
         data = json.loads(content)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ValidationError(f"{path} is not a notebook: it is not JSON ({exc})") from exc
-    if not isinstance(data, dict) or not isinstance(data.get("cells"), list) or "nbformat" not in data:
+    if not isinstance(data, dict) or "nbformat" not in data:
         raise ValidationError(f"{path} is not a notebook: it has no `cells`/`nbformat` (is it an .ipynb file?)")
     version = data["nbformat"]
-    if isinstance(version, bool) or not isinstance(version, int):
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise ValidationError(f"{path} is not a notebook: its `nbformat` is {version!r}, not a version number")
-    if version < 4:
-        raise ValidationError(f"{path} is nbformat {data.get('nbformat')}; convert it to nbformat 4 "
-                              "(`jupyter nbconvert --to notebook --nbformat 4`)")
+    if version != NBFORMAT:  # checked before `cells`: nbformat 3 keeps its cells in `worksheets`
+        raise ValidationError(_version_problem(path, version))
+    if not isinstance(data.get("cells"), list):
+        raise ValidationError(f"{path} is not a notebook: it has no `cells`/`nbformat` (is it an .ipynb file?)")
     problem = _schema_problem(data)
     if problem:
         raise ValidationError(f"{path} is not a valid notebook: {problem}. Open and save it in Jupyter, or fix it by hand")
     return content, data
+
+
+def _version_problem(path: Path, version: int) -> str:
+    """Why a notebook of another major nbformat version is refused, and what to do."""
+    if version < NBFORMAT:
+        return (f"{path} is nbformat {version}; convert it to nbformat {NBFORMAT}, the notebook format nbbatch reads: "
+                f"`jupyter nbconvert --to notebook --nbformat {NBFORMAT} --inplace {path}` (or open and save it in Jupyter)")
+    return (f"{path} is nbformat {version}, a notebook format newer than nbbatch knows; nbbatch "
+            f"reads nbformat {NBFORMAT}: save it as nbformat {NBFORMAT} with the tool that wrote it")
 
 
 def _schema_problem(data: dict[str, Any]) -> str | None:
@@ -151,13 +162,14 @@ def _compatible(default: Any, value: Any) -> bool:
     return isinstance(value, type(default))
 
 
-def check_literal(name: str, value: Any) -> None:
+def check_literal(name: str, value: Any, non_finite: bool = False) -> None:
     """Parameters must be plain literals papermill injects as they are: numbers, strings, booleans, None,
     and lists or string-keyed dicts of those (what YAML and JSON hold). Anything else is refused, so the
     notebook never receives a value other than the one given (papermill would turn a tuple, set, bytes or
-    object into its string)."""
+    object into its string). ``non_finite``: nan and ±inf are numbers too (papermill writes them as
+    ``float('nan')`` in Python; a run's record, which is JSON, cannot hold them)."""
     try:
-        problem = _not_literal(value, set())
+        problem = _not_literal(value, set(), non_finite)
     except RecursionError:
         problem = "nested too deeply"
     if problem:
@@ -178,7 +190,7 @@ def _type_path(value: Any) -> str:
     return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
-def _not_literal(value: Any, seen: set[int]) -> str | None:
+def _not_literal(value: Any, seen: set[int], non_finite: bool = False) -> str | None:
     if value is None or isinstance(value, bool):
         return None
     if isinstance(value, int):
@@ -190,7 +202,7 @@ def _not_literal(value: Any, seen: set[int]) -> str | None:
     if isinstance(value, float):
         if type(value) is not float:
             return f"a {_type_path(value)}; convert it with float()"
-        return None if math.isfinite(value) else "not a finite number"
+        return None if non_finite or math.isfinite(value) else "not a finite number"
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -209,7 +221,7 @@ def _not_literal(value: Any, seen: set[int]) -> str | None:
         else:
             items = value
         for item in items:
-            problem = _not_literal(item, seen)
+            problem = _not_literal(item, seen, non_finite)
             if problem:
                 return problem
         return None
@@ -218,11 +230,12 @@ def _not_literal(value: Any, seen: set[int]) -> str | None:
     return f"a {_type_path(value)}" + ("; use a list" if isinstance(value, (tuple, set, frozenset)) else "")
 
 
-def validate_parameters(info: NotebookInfo, parameters: dict[str, Any]) -> list[str]:
-    """Check names and types against the parameters cell; return warnings (e.g. no parameters cell)."""
+def validate_parameters(info: NotebookInfo, parameters: dict[str, Any], non_finite: bool = False) -> list[str]:
+    """Check names and types against the parameters cell; return warnings (e.g. no parameters cell).
+    ``non_finite``: accept nan and ±inf (see :func:`check_literal`)."""
     warnings: list[str] = []
     for name, value in parameters.items():
-        check_literal(name, value)
+        check_literal(name, value, non_finite)
     if not info.has_parameters_cell:
         if parameters:
             warnings.append(f"{info.path.name} has no cell tagged `parameters`: the parameters are injected at the "

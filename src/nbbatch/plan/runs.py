@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
     from nbbatch.spec.project import Project
 
 
+_parameters_json = json.JSONEncoder(sort_keys=True, default=repr).encode  # json.dumps(…, sort_keys, default), made once
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "run"
 
@@ -41,22 +45,36 @@ def run_id_for(label: str, notebook_bytes: bytes, parameters: dict[str, Any], en
     ``env``, ``gpus``, ``inputs`` and ``distribution`` enter the hash only when set, so ids of runs
     without them stay what they were.
     """
-    digest = hashlib.sha256()
-    digest.update(notebook_bytes)
-    digest.update(json.dumps(parameters, sort_keys=True, default=repr).encode())
-    digest.update(env_lock.encode())
+    return run_id_maker(label, notebook_bytes, env_lock, env, gpus, inputs, distribution)(parameters)
+
+
+def run_id_maker(label: str, notebook_bytes: bytes, env_lock: str, env: dict[str, str] | None = None, gpus: int = 0,
+                 inputs: dict[str, str] | None = None,
+                 distribution: Distribution | None = None) -> Callable[[dict[str, Any]], str]:
+    """:func:`run_id_for` of one notebook and environment, as a function of the parameters: what does not vary is
+    hashed once (a sweep of 10^5 runs of a large notebook would hash it 10^5 times)."""
+    head = hashlib.sha256(notebook_bytes)
+    tail = env_lock.encode()
     if env:
-        digest.update(b"\0env" + json.dumps(env, sort_keys=True).encode())
+        tail += b"\0env" + json.dumps(env, sort_keys=True).encode()
     if gpus:
-        digest.update(f"\0gpus={gpus}".encode())
+        tail += f"\0gpus={gpus}".encode()
     if inputs:
-        digest.update(b"\0inputs" + json.dumps(inputs, sort_keys=True).encode())
+        tail += b"\0inputs" + json.dumps(inputs, sort_keys=True).encode()
     if distribution:
-        digest.update(b"\0distribution" + json.dumps(distribution.to_dict(), sort_keys=True).encode())
-    return f"{_slug(label)}-{digest.hexdigest()[:10]}"
+        tail += b"\0distribution" + json.dumps(distribution.to_dict(), sort_keys=True).encode()
+    prefix = _slug(label)
+
+    def run_id(parameters: dict[str, Any]) -> str:
+        digest = head.copy()
+        digest.update(_parameters_json(parameters).encode())
+        digest.update(tail)
+        return f"{prefix}-{digest.hexdigest()[:10]}"
+
+    return run_id
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a sweep of 10^5 runs holds 10^5 of them
 class Run:
     """One planned execution of a notebook with parameters in a kernel."""
 
@@ -170,24 +188,33 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
                                   f"`kernel:` in the experiment (known kernels: {', '.join(sorted(kernels))})")
         targets.append((entry.label or entry.path.stem, entry.path, kernel, None, kernel, {}, None))
 
+    # What every run of a target shares is computed once, and its dicts are shared by the (frozen) runs: a sweep
+    # of 10^5 runs costs one parameters dict and one hash of them per run.
+    env, inputs, identities = dict(experiment.env), dict(experiment.inputs), input_identities(experiment.inputs,
+                                                                                              project.root)
     for label, notebook, kernel, framework_name, env_lock, shared_env, memory_mb in targets:
         info = inspect_notebook(notebook)
         if check_kernels and kernel not in kernels:
             raise ValidationError(f"kernel `{kernel}` (for {notebook.name}) does not exist{did_you_mean(kernel, kernels)}; "
                                   f"known kernels: {', '.join(sorted(kernels)) or '(none)'}. "
                                   "List them with `jupyter kernelspec list`.")
+        run_id = run_id_maker(label, info.content, env_lock, experiment.env, experiment.resources.gpus, identities,
+                              experiment.resources.distribution)
+        checked: set[tuple[str, int]] = set()  # (name, id(value)): a grid's values recur in many runs, checked once
+        notebook_path, rel = str(notebook), notebook_rel(notebook)
         for params in combos:
-            bound = {**params, **experiment.inputs}  # an input is a parameter too: its name is checked the same way
-            warnings.extend(w for w in validate_parameters(info, bound) if w not in warnings)
-            run_id = run_id_for(label, info.content, params, env_lock, experiment.env, experiment.resources.gpus,
-                                input_identities(experiment.inputs, project.root), experiment.resources.distribution)
+            fresh = {name: value for name, value in params.items() if (name, id(value)) not in checked}
+            if fresh or not checked:
+                bound = {**fresh, **inputs}  # an input is a parameter too: its name is checked the same way
+                warnings.extend(w for w in validate_parameters(info, bound) if w not in warnings)
+                checked.update((name, id(value)) for name, value in fresh.items())
             runs.append(Run(
-                run_id=run_id, experiment=experiment.name, notebook=str(notebook), notebook_rel=notebook_rel(notebook),
-                kernel=kernel, parameters=dict(params), framework=framework_name, gpus=experiment.resources.gpus,
+                run_id=run_id(params), experiment=experiment.name, notebook=notebook_path, notebook_rel=rel,
+                kernel=kernel, parameters=params, framework=framework_name, gpus=experiment.resources.gpus,
                 timeout_s=experiment.timeout, cell_timeout_s=experiment.cell_timeout, retries=experiment.retries,
                 max_output_mb=experiment.max_output_mb,
-                env=dict(experiment.env), shared_gpu_env=shared_env, gpu_memory_mb=memory_mb,
-                inputs=dict(experiment.inputs), distribution=experiment.resources.distribution,
+                env=env, shared_gpu_env=shared_env, gpu_memory_mb=memory_mb,
+                inputs=inputs, distribution=experiment.resources.distribution,
             ))
     seen: dict[str, Run] = {}
     unique: list[Run] = []

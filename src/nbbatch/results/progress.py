@@ -6,19 +6,26 @@ In the results layer, below :mod:`nbbatch.api`: ``submit(progress=True)`` draws 
 from __future__ import annotations
 
 import contextlib
+import json
+import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
+from nbbatch.backends import backend_class
+from nbbatch.errors import NbbatchError
 from nbbatch.results.status import status_table, summary_counts
+from nbbatch.store.layout import experiment_paths
+from nbbatch.store.lease import STALE_AFTER_S
+from nbbatch.store.lock import pid_alive
 from nbbatch.store.runfiles import read_record
-from nbbatch.store.runjson import RunRecord
-from nbbatch.store.share import Share
+from nbbatch.store.runjson import RunRecord, Status
+from nbbatch.store.share import LeaseStore, Share
 
 
 def table_title(experiment: str, records: list[RunRecord]) -> str:
@@ -63,7 +70,7 @@ def live_progress(share: Share, experiment: str, run_ids: list[str]) -> Iterator
         console.print(render())
         return
 
-    with Live(render(), console=console, refresh_per_second=4, transient=False) as live:
+    with _drawn(Live(render(), console=console, refresh_per_second=4, transient=False)) as live:
         def on_update(record: RunRecord) -> None:
             with lock:  # also a running run's record: its latest metrics show in the table
                 records[record.run_id] = record
@@ -73,14 +80,58 @@ def live_progress(share: Share, experiment: str, run_ids: list[str]) -> Iterator
         live.update(render())
 
 
+@contextlib.contextmanager
+def _drawn(live: Live) -> Iterator[Live]:
+    """``with live:``, except that a terminal that closed (SIGHUP: the window or the ssh session is gone) ends the
+    drawing quietly: the error of its last redraw must not replace the interrupt that cancels the runs."""
+    live.start(refresh=True)  # as `with live:` does
+    try:
+        yield live
+    finally:
+        with contextlib.suppress(OSError):
+            live.stop()
+
+
+def abandoned_runs(share: Share, experiment: str, records: Sequence[RunRecord]) -> list[RunRecord]:
+    """The queued runs that nothing will start: runs of a backend that executes them in the submitting process
+    (``local``), while no live ``nbbatch submit`` holds the experiment's lease on the share (it was killed). None
+    when the share keeps no lease, so cannot tell. (Its running runs name their process: ``status`` fails them.)"""
+    waiting = [r for r in records if r.status == Status.QUEUED]
+    if not waiting or not isinstance(share, LeaseStore) or _driver_alive(share, experiment):
+        return []
+    try:
+        return [r for r in waiting if not backend_class(r.backend).capabilities.detached]
+    except NbbatchError:  # a backend not installed here: its runs may well go on
+        return []
+
+
+def _driver_alive(share: LeaseStore, experiment: str) -> bool:
+    """Whether a driver holds the experiment's lease: alive on this machine, or renewed lately on another."""
+    try:
+        held = share.lease_read(experiment_paths(experiment).lease)
+    except OSError:
+        return True  # cannot tell
+    if held is None:
+        return False
+    try:
+        holder = json.loads(held[0])
+    except ValueError:
+        holder = None
+    if isinstance(holder, dict) and holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
+        return pid_alive(holder["pid"])
+    return held[1] <= STALE_AFTER_S
+
+
 def _changes(records: list[RunRecord]) -> tuple[tuple[str, str, int, int], ...]:
     """What makes the plain (non-terminal) watch print the table again: a status, an attempt, a cell done."""
     return tuple(sorted((r.run_id, str(r.status), r.attempts, r.cells_done) for r in records))
 
 
 def watch_status(load: Callable[[], list[RunRecord]], experiment: str, interval: float = 2.0,
-                 console: Console | None = None) -> list[RunRecord]:
-    """Show the runs table until every run is final (``nbbatch status --watch``); return the last records.
+                 console: Console | None = None,
+                 stuck: Callable[[list[RunRecord]], object] = lambda records: False) -> list[RunRecord]:
+    """Show the runs table until every run is final, or ``stuck`` (e.g. :func:`abandoned_runs`) says that nothing will
+    move any more (``nbbatch status --watch``); return the last records.
 
     ``load`` reads the records again every ``interval`` seconds. On a terminal the table is redrawn
     in place and its last state stays on screen. Elsewhere (a pipe, a CI log) it is printed when a
@@ -89,10 +140,13 @@ def watch_status(load: Callable[[], list[RunRecord]], experiment: str, interval:
     """
     console = console or Console()
     records = load()
+
+    def ended() -> bool:
+        return all(r.final for r in records) or bool(stuck(records))
     if console.is_terminal:
-        with Live(status_table(records, title=table_title(experiment, records)), console=console,
-                  refresh_per_second=1, transient=False) as live:  # 1/s: elapsed times tick between reads
-            while not all(r.final for r in records):
+        with _drawn(Live(status_table(records, title=table_title(experiment, records)), console=console,
+                         refresh_per_second=1, transient=False)) as live:  # 1/s: elapsed times tick between reads
+            while not ended():
                 time.sleep(interval)
                 records = load()
                 live.update(status_table(records, title=table_title(experiment, records)), refresh=True)
@@ -103,7 +157,7 @@ def watch_status(load: Callable[[], list[RunRecord]], experiment: str, interval:
             printed = _changes(records)
             title = f"{time.strftime('%H:%M:%S')} {table_title(experiment, records)}"  # a log says when
             console.print(status_table(records, title=title))
-        if all(r.final for r in records):
+        if ended():
             return records
         time.sleep(interval)
         records = load()

@@ -8,17 +8,18 @@ import math
 import numbers
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from rich.text import Text
 
-from nbbatch.errors import NbbatchError, did_you_mean
+from nbbatch.errors import NbbatchError, ShareError, did_you_mean
+from nbbatch.plan.runs import Run
 from nbbatch.results.fitted import ALWAYS, FitColumn, FittedTable, fit_column
-from nbbatch.store.layout import run_paths
-from nbbatch.store.runfiles import read_record, run_ids
+from nbbatch.store.layout import MANIFEST, experiment_paths, run_paths
+from nbbatch.store.runfiles import load_records, read_record, run_ids
 from nbbatch.store.runjson import RunRecord, Status
 from nbbatch.store.share import RangeStore, Share, poll_interval
 
@@ -45,6 +46,43 @@ def resolve_run_id(share: Share, experiment: str, ref: str) -> str:
     raise NbbatchError(f"`{ref}` matches {len(matches)} runs ({', '.join(matches)}); give more of the run id")
 
 
+def planned_run_ids(share: Share, folder: str) -> list[str] | None:
+    """The run ids of the current plan of the experiment in ``folder``: the runs its last submission planned.
+
+    They are in the manifest ``<experiment>/experiment.json`` that every submission writes. Runs in the folder
+    that are not in it were planned by an earlier submission (a notebook, the sweep or the experiment file
+    changed since): they are superseded, kept on the share, and shown only on request (``--all``).
+    None when there is no readable manifest (a folder of runs written otherwise): every run then counts.
+    """
+    path = experiment_paths(folder).manifest if folder else MANIFEST
+    try:
+        runs = json.loads(share.read_bytes(path)).get("runs")
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError, NbbatchError):
+        return None
+    if not isinstance(runs, list) or not all(isinstance(r, str) for r in runs):
+        return None
+    return runs
+
+
+def load_plan_records(share: Share, experiment: str, all_runs: bool = False
+                      ) -> tuple[list[RunRecord], list[str], list[str] | None]:
+    """The records of the experiment's current plan (with ``all_runs``: of every run in its folder), the
+    problems found (corrupt records, with their paths), and the planned run ids (None: no plan known)."""
+    planned = planned_run_ids(share, experiment)
+    if all_runs or planned is None:
+        return (*load_records(share, experiment), planned)
+    records, problems = [], []
+    for run_id in sorted(set(planned).intersection(run_ids(share, experiment))):  # only folders the share has
+        try:
+            record = read_record(share, experiment, run_id)
+        except ShareError as exc:
+            problems.append(str(exc))
+            continue
+        if record is not None:
+            records.append(record)
+    return records, problems, planned
+
+
 def format_metric(value: Any) -> str:
     """A metric or parameter value, short: floats to 4 significant digits, ``12346`` rather than ``1.235e+04``."""
     if isinstance(value, float):
@@ -68,7 +106,7 @@ def status_rows(records: list[RunRecord]) -> list[dict[str, Any]]:
     return rows
 
 
-def varying_parameters(records: list[RunRecord]) -> list[str]:
+def varying_parameters(records: Sequence[RunRecord | Run]) -> list[str]:
     """Parameter names whose values differ between runs (what tells the runs apart), in first-seen order."""
     names: list[str] = []
     for record in records:
@@ -99,6 +137,30 @@ def status_table(records: list[RunRecord], title: Any = None, max_metrics: int =
     """
     records = list(records)
     return FittedTable(lambda: _columns(records, max_metrics, now or datetime.now(timezone.utc)), title=title)
+
+
+def plan_table(runs: Sequence[Run], title: Any = None, max_rows: int | None = None) -> FittedTable:
+    """The runs ``nbbatch plan`` would start, laid out like :func:`status_table` (the run id never cut).
+
+    Columns: the run id, one per parameter that varies across the runs, the kernel, the notebook and the
+    GPUs (when a run asks for one); the parameters every run gets alike are named once, under the table.
+    """
+    runs = list(runs)
+    varying = varying_parameters(runs)
+    runs = runs[:max_rows]  # the first runs as rows; the columns and the caption are of all of them
+    columns = [fit_column("run", [r.run_id for r in runs], ALWAYS)]
+    for index, name in enumerate(varying):
+        values = [r.parameters.get(name) for r in runs]
+        columns.append(fit_column(name, [format_metric(v) if name in r.parameters else "" for v, r in
+                                         zip(values, runs, strict=True)], 80 - index,
+                                  numeric=all(_is_number(v) for v in values)))
+    columns.append(fit_column("kernel", [r.kernel for r in runs], 50, cap=24))
+    columns.append(fit_column("notebook", [r.notebook_rel for r in runs], 45, cap=40))
+    if any(r.gpus for r in runs):
+        columns.append(fit_column("GPUs", [str(r.gpus) for r in runs], 40, numeric=True))
+    alike = {k: v for k, v in (runs[0].parameters if runs else {}).items() if k not in varying}
+    caption = "every run: " + ", ".join(f"{k}={v}" for k, v in alike.items()) if alike else None
+    return FittedTable(columns, title=title, caption=caption)
 
 
 def _is_number(value: Any) -> bool:

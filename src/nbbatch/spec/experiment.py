@@ -23,6 +23,7 @@ from nbbatch.spec.frameworks import list_frameworks
 from nbbatch.spec.resources import AUTO, DISTRIBUTIONS, Distribution, Resources, resources_problem
 from nbbatch.spec.schema import shape_error
 from nbbatch.spec.sweep import expand_sweep
+from nbbatch.spec.yaml_loader import load_yaml
 
 __all__ = ["AUTO", "DISTRIBUTIONS", "Distribution", "Experiment", "NotebookEntry", "Resources", "experiment_problem",
            "load_experiment"]
@@ -55,12 +56,14 @@ class Experiment:
     backend: str = "local"
     backend_settings: dict[str, Any] = field(default_factory=dict)
     share: str = "results"
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # a number or true/false given here becomes text (_env_text)
     base_dir: Path = field(default_factory=Path.cwd)
 
     def __post_init__(self) -> None:
         if isinstance(self.inputs, Mapping):  # folders relative to base_dir, also for experiments built in Python
             self.inputs = _inputs(self.inputs, Path(self.base_dir))
+        if isinstance(self.env, Mapping):
+            self.env = {name: _env_text(value) for name, value in self.env.items()}
         self.validate()
 
     def validate(self) -> None:
@@ -75,7 +78,8 @@ class Experiment:
 
     def combinations(self) -> list[dict[str, Any]]:
         """The parameter dicts every framework/notebook runs with (fixed parameters, then the sweep)."""
-        return [{**self.parameters, **combo} for combo in expand_sweep(self.sweep)]
+        return [{**self.parameters, **combo} for combo in expand_sweep(  # refused above resources.max_runs
+            self.sweep, self.resources.max_runs, len(self.frameworks) + len(self.notebooks))]
 
     @classmethod
     def from_dict(cls, data: Any, base_dir: Path | None = None, default_name: str | None = None) -> Experiment:
@@ -114,7 +118,7 @@ class Experiment:
             backend=backend,
             backend_settings=settings,
             share=share if "://" in share else str((base / share).resolve()),
-            env={str(k): str(v) for k, v in (data.get("env") or {}).items()},
+            env=dict(data.get("env") or {}),
             base_dir=base,
         )
 
@@ -165,6 +169,14 @@ def _inputs(value: Mapping[str, Any], base: Path) -> dict[str, str]:
             and "://" not in where else where for name, where in value.items()}
 
 
+def _env_text(value: Any) -> Any:
+    """An ``env:`` value as the kernel's environment gets it: true/false as YAML writes them, a number as Python
+    does; anything else as it is, for the schema to refuse (a null, a list). A file's values are already its text."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value) if isinstance(value, (int, float)) else value
+
+
 def _string_keys(value: Any, where: str) -> None:
     if isinstance(value, Mapping):
         for key, inner in value.items():
@@ -191,7 +203,9 @@ def load_experiment(path: str | os.PathLike[str]) -> Experiment:
     if not path.exists():
         raise SpecError(f"experiment file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        # environment variables are text, kept as written (also the backend's, e.g. Ray's env and env_vars)
+        data = load_yaml(path.read_text(), as_written=[("env",), ("backend", "env"),
+                                                       ("backend", "runtime_env", "env_vars")])
     except yaml.YAMLError as exc:
         raise SpecError(f"{path} is not valid YAML: {exc}") from exc
     except UnicodeDecodeError as exc:

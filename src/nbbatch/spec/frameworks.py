@@ -16,6 +16,7 @@ import yaml
 from nbbatch.errors import ValidationError, did_you_mean
 from nbbatch.spec.project import Project, find_project
 from nbbatch.spec.resources import DISTRIBUTIONS
+from nbbatch.spec.yaml_loader import load_yaml
 
 FRAMEWORK_FILE = "framework.yaml"
 _KNOWN_KEYS = {
@@ -101,7 +102,8 @@ class Framework:
 def _load(folder: Path, project: Project) -> Framework:
     source = folder / FRAMEWORK_FILE
     try:
-        data: dict[str, Any] = yaml.safe_load(source.read_text()) or {}
+        # its variables are text, kept as written (TF_CPP_MIN_LOG_LEVEL: 2 gives "2")
+        data: dict[str, Any] = load_yaml(source.read_text(), as_written=[("kernel_env",), ("shared_gpu_env",)]) or {}
     except yaml.YAMLError as exc:
         raise ValidationError(f"{source} is not valid YAML: {exc}") from exc
     unknown = set(data) - _KNOWN_KEYS

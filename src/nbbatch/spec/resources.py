@@ -57,6 +57,7 @@ class Resources:
     runs_per_gpu: int | str = AUTO  # a number, or "auto": packed by memory (see nbbatch.execute.gpus)
     mps: bool = False  # the runs on a GPU share it through a CUDA MPS daemon nbbatch starts
     max_parallel: int | None = None  # None: as many as the compute allows
+    max_runs: int = 10_000  # the most runs the experiment may plan: a larger sweep is refused before it is expanded
     distribution: Distribution | None = None  # None: each run is one kernel
 
     @classmethod

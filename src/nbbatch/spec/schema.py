@@ -4,13 +4,15 @@ as people type (e.g. a ``# yaml-language-server: $schema=experiment.schema.json`
 The schema is data (``experiment.schema.json``) and the one description of an experiment's *shape*:
 :func:`shape_error` validates a file against it and turns the first error into nbbatch's own sentence
 ("did you mean" for a misspelt key). Where a generic sentence would not help, a schema node carries
-its own ``errorMessage`` (a string, or one per keyword: the convention of VS Code and ajv-errors).
+its own ``errorMessage`` (a string, or one per keyword: the convention of VS Code and ajv-errors); ``{where}`` in
+it is the failing value's place (``env.SEED``).
 """
 
 from __future__ import annotations
 
 import importlib.resources
 import json
+import re
 import reprlib
 from collections.abc import Iterable, Mapping
 from functools import cache
@@ -42,6 +44,18 @@ def keys(*path: str) -> tuple[str, ...]:
     for name in path:
         node = node["properties"][name]
     return tuple(node["properties"])
+
+
+def parameter_name_problem(name: Any) -> str | None:
+    """Why ``name`` cannot be a notebook parameter (papermill sets it as a Python variable), or ``None``: the
+    schema's own rule for parameter names, for names that come from elsewhere (``nbbatch run -p NAME VALUE``)."""
+    rule = experiment_schema()["$defs"]["identifier"]
+    messages = rule["errorMessage"]
+    if not isinstance(name, str):
+        return messages["type"]
+    if not re.fullmatch(rule["pattern"], name):
+        return messages["pattern"]
+    return messages["not"] if name in rule["not"]["enum"] else None
 
 
 @cache
@@ -135,6 +149,7 @@ def _sentence(error: SchemaError) -> str:
             return f"unknown key `{key}` in the experiment{did_you_mean(key, allowed)}; known keys: {', '.join(allowed)}"
         return f"unknown key `{where}.{key}`{did_you_mean(key, allowed)}; {message or 'known: ' + ', '.join(allowed)}"
     if message:
+        message = message.replace("{where}", where)
         return message if not where else f"{message} (got {got})"
     if error.validator == "enum":
         choices = [str(c) for c in error.validator_value]

@@ -2,6 +2,10 @@
 
 A sweep is a mapping with any of the three keys; they are crossed with each other (and later with
 the frameworks). Each yields a list of parameter dicts, reproducible for a given seed.
+
+How many runs a sweep makes is counted before anything is expanded: beyond ``resources.max_runs``
+(:data:`DEFAULT_MAX_RUNS` unless raised) the experiment is refused with the count, so a grid of 10^10
+or ``random: {samples: 1000000000}`` is one clear error instead of a machine out of memory.
 """
 
 from __future__ import annotations
@@ -9,27 +13,32 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from nbbatch.errors import SpecError, did_you_mean
+from nbbatch.spec.resources import Resources
 from nbbatch.spec.schema import keys as schema_keys
 
 DISTRIBUTIONS = ("uniform", "loguniform", "normal", "randint", "choice")
 SWEEP_KINDS = schema_keys("sweep")
+DEFAULT_MAX_RUNS: int = Resources.max_runs  # resources.max_runs when the experiment does not raise it
+
+Expansion = tuple[int, Callable[[], list[dict[str, Any]]]]  # how many combinations, and how to make them
 
 
-def _grid(spec: Any) -> list[dict[str, Any]]:
+def _grid(spec: Any) -> Expansion:
     if not isinstance(spec, Mapping) or not spec:
         raise SpecError("sweep.grid must map parameter names to lists of values, e.g. grid: {LR: [0.01, 0.1]}")
     for name, values in spec.items():
         if not isinstance(values, list) or not values:
             raise SpecError(f"sweep.grid.{name} must be a non-empty list of values (got {values!r})")
     names = list(spec)
-    return [dict(zip(names, combo, strict=True)) for combo in itertools.product(*(spec[n] for n in names))]
+    return math.prod(len(spec[n]) for n in names), lambda: [
+        dict(zip(names, combo, strict=True)) for combo in itertools.product(*(spec[n] for n in names))]
 
 
-def _zip(spec: Any) -> list[dict[str, Any]]:
+def _zip(spec: Any) -> Expansion:
     if not isinstance(spec, Mapping) or not spec:
         raise SpecError("sweep.zip must map parameter names to lists of equal length, e.g. zip: {LR: [0.1, 0.01], "
                         "EPOCHS: [5, 10]}")
@@ -42,7 +51,8 @@ def _zip(spec: Any) -> list[dict[str, Any]]:
         detail = ", ".join(f"{k}: {v}" for k, v in lengths.items())
         raise SpecError(f"sweep.zip lists must have the same length ({detail})")
     names = list(spec)
-    return [dict(zip(names, combo, strict=True)) for combo in zip(*(spec[n] for n in names), strict=True)]
+    return next(iter(lengths.values())), lambda: [
+        dict(zip(names, combo, strict=True)) for combo in zip(*(spec[n] for n in names), strict=True)]
 
 
 def _pair(name: str, kind: str, args: Any) -> tuple[float, float]:
@@ -84,7 +94,7 @@ def _sampler(name: str, spec: Any):
     return lambda rng: rng.randint(int(low), int(high))
 
 
-def _random(spec: Any) -> list[dict[str, Any]]:
+def _random(spec: Any) -> Expansion:
     if not isinstance(spec, Mapping):
         raise SpecError("sweep.random must be a mapping: {samples: N, seed: S, params: {NAME: {distribution: args}}}")
     unknown = set(spec) - {"samples", "seed", "params"}
@@ -102,23 +112,56 @@ def _random(spec: Any) -> list[dict[str, Any]]:
     if not isinstance(params, Mapping) or not params:
         raise SpecError("sweep.random.params must map parameter names to distributions")
     samplers = {name: _sampler(name, dist) for name, dist in params.items()}
-    rng = random.Random(seed)
-    return [{name: draw(rng) for name, draw in samplers.items()} for _ in range(samples)]
+
+    def draw_all() -> list[dict[str, Any]]:
+        rng = random.Random(seed)
+        return [{name: draw(rng) for name, draw in samplers.items()} for _ in range(samples)]
+
+    return samples, draw_all
 
 
-def expand_sweep(sweep: Mapping[str, Any] | None) -> list[dict[str, Any]]:
-    """All parameter combinations a sweep describes (``[{}]`` for no sweep)."""
+def _count(n: int) -> str:
+    """``12,000``; ``about 10^40`` for a number too long to read."""
+    return f"{n:,}" if n < 10**15 else f"about 10^{len(str(n)) - 1}"
+
+
+def _too_many(sizes: dict[str, int], per_combination: int, total: int, max_runs: int) -> SpecError:
+    factors = [f"{kind} {_count(n)}" for kind, n in sizes.items()]
+    made = " × ".join(factors + ([f"{per_combination} frameworks/notebooks"] if per_combination > 1 else []))
+    return SpecError(
+        f"the experiment makes {_count(total)} runs ({made}), more than resources.max_runs ({max_runs:,}); nothing "
+        "was expanded or started. A batch that large is usually a mistake (a grid parameter too many, a zero too many "
+        "in random.samples): shrink the sweep (random: {samples: N} searches a large space in N runs), or, if you "
+        f"mean it, raise the cap in the experiment file: resources: {{max_runs: {total}}}")
+
+
+def _expansions(sweep: Mapping[str, Any] | None) -> dict[str, Expansion]:
     if not sweep:
-        return [{}]
+        return {}
     if not isinstance(sweep, Mapping):
         raise SpecError("`sweep` must be a mapping with any of grid, zip, random")
     unknown = set(sweep) - set(SWEEP_KINDS)
     if unknown:
         key = sorted(unknown)[0]
         raise SpecError(f"sweep: unknown kind `{key}`{did_you_mean(key, SWEEP_KINDS)}; use grid, zip or random")
-    parts = [{"grid": _grid, "zip": _zip, "random": _random}[kind](sweep[kind]) for kind in SWEEP_KINDS if kind in sweep]
+    return {kind: {"grid": _grid, "zip": _zip, "random": _random}[kind](sweep[kind]) for kind in SWEEP_KINDS
+            if kind in sweep}
+
+
+def expand_sweep(sweep: Mapping[str, Any] | None, max_runs: int = DEFAULT_MAX_RUNS,
+                 per_combination: int = 1) -> list[dict[str, Any]]:
+    """All parameter combinations a sweep describes (``[{}]`` for no sweep).
+
+    Refused with a :class:`SpecError`, before anything is expanded, when the combinations times
+    ``per_combination`` (the frameworks and notebooks each of them runs on) exceed ``max_runs``.
+    """
+    expansions = _expansions(sweep)
+    total = math.prod(n for n, _expand in expansions.values()) * per_combination
+    if total > max_runs:
+        raise _too_many({kind: n for kind, (n, _expand) in expansions.items()}, per_combination, total, max_runs)
     combos: list[dict[str, Any]] = [{}]
-    for part in parts:
+    for _n, expand in expansions.values():
+        part = expand()
         clash = set(part[0]) & set(combos[0])
         if clash:
             raise SpecError(f"sweep: parameter `{sorted(clash)[0]}` appears in more than one sweep kind")

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from nbbatch.errors import NbbatchError
+from nbbatch.errors import NbbatchError, did_you_mean
 from nbbatch.spec.experiment import load_experiment
 from nbbatch.spec.project import Project, find_project
 from nbbatch.store.runjson import utc_now
@@ -37,21 +37,37 @@ def remember(project: Project, name: str, share_url: str, backend: str, settings
     path = project.state_dir / REGISTRY_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(path):
-        try:
-            known = json.loads(path.read_text()) if path.exists() else {}
-        except ValueError:
-            known = {}
+        known = _read(path)  # never rewritten when it cannot be read: it holds the other experiments' shares
         known[name] = {"share": share_url, "backend": backend, "backend_settings": settings, "updated": utc_now()}
         write_file_atomic(path, json.dumps(known, indent=2, default=str).encode())  # 0600: the owner's only
 
 
 def lookup(project: Project, name: str) -> dict[str, Any]:
     """What :func:`remember` stored for experiment ``name`` (empty when unknown)."""
-    path = project.state_dir / REGISTRY_FILE
+    entry = _read(project.state_dir / REGISTRY_FILE).get(name, {})
+    if not isinstance(entry, dict):
+        raise _damaged(project.state_dir / REGISTRY_FILE, f"the entry of `{name}` is not a mapping")
+    return entry
+
+
+def _read(path: Path) -> dict[str, Any]:
+    """The registry's entries (empty when there is no file); NbbatchError when it is damaged."""
     try:
-        return json.loads(path.read_text()).get(name, {}) if path.exists() else {}
-    except ValueError:
+        known = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
         return {}
+    except (OSError, ValueError) as exc:
+        raise _damaged(path, str(exc)) from None
+    if not isinstance(known, dict):
+        raise _damaged(path, f"it is not a JSON object of experiments but a {type(known).__name__}")
+    return known
+
+
+def _damaged(path: Path, why: str) -> NbbatchError:
+    return NbbatchError(f"{path} cannot be read ({why}); it records which share each experiment of this project "
+                        "went to, and is left as it is. Repair it (a JSON object: each experiment's name → its share "
+                        "and backend), or delete it: commands then find an experiment in the project's results/, or "
+                        "where --share says, and the next submit records it again")
 
 
 def open_experiment_share(experiment: str, share: str | os.PathLike[str] | Share | None = None,
@@ -70,6 +86,30 @@ def open_experiment_share(experiment: str, share: str | os.PathLike[str] | Share
         return experiment, open_share(share)
     project = project or find_project()
     return experiment, open_share(lookup(project, experiment).get("share") or project.results_dir)
+
+
+def check_experiment(share: Share, name: str) -> None:
+    """Raise :class:`NbbatchError` unless ``share`` has a folder for experiment ``name`` (suggesting close names)."""
+    where = f"{share.url.rstrip('/')}/{name}"
+    if not share.exists(name):
+        experiments = share.list("")
+        raise NbbatchError(f"no experiment `{name}` in the share {share.url}{did_you_mean(name, experiments)}"
+                           + (f"; experiments there: {', '.join(experiments[:20])}" if experiments else "")
+                           + ". Check the name, or pass --share where its results are")
+    if not share.list(name) and _is_file(share, name):
+        raise NbbatchError(f"{where} is a file, not the folder of experiment `{name}`'s results; check the name "
+                           "and the share (--share)")
+
+
+def _is_file(share: Share, path: str) -> bool:
+    local = share.local_path(path)
+    if local is not None:
+        return local.is_file()
+    try:
+        share.read_bytes(path)
+    except (OSError, NbbatchError):  # a folder (IsADirectoryError), or gone
+        return False
+    return True
 
 
 @contextlib.contextmanager

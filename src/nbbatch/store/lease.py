@@ -7,9 +7,10 @@ an Azure Files lease on ``azfiles://``), naming its holder and renewed by a hear
 
 A lease is stale, and taken over, when its holder is a dead process of this machine, or when it
 has not been renewed for :data:`STALE_AFTER_S` (a holder on another machine that died, or lost
-the share). Limits (docs/reliability.md): clocks of the machines and of the share must agree
-within a minute; a holder cut off from the share for longer than the stale time loses its lease,
-notices on its next renewal (:attr:`ShareLease.lost`) and starts no more runs.
+the share), or when it names no holder (empty or unparsable: a crash between its creation and its
+write) and is older than :data:`UNNAMED_HOLDER_STALE_S`. Limits (docs/reliability.md): clocks of the
+machines and of the share must agree within a minute; a holder cut off from the share for longer
+than the stale time loses its lease, notices on its next renewal (:attr:`ShareLease.lost`) and starts no more runs.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 RENEW_EVERY_S = 20.0
 STALE_AFTER_S = 120.0
+UNNAMED_HOLDER_STALE_S = 10.0  # a lease without a holder's name: left by a crash between its creation and its write
 
 
 class ShareLease:
@@ -92,6 +94,8 @@ class ShareLease:
                           f"try again in a minute, or see who holds it: {self.share.url}/{self.path}")
 
     def _stale(self, holder: dict[str, Any], age: float) -> bool:
+        if not holder:  # empty or unreadable: no driver of ours wrote it (one being written is seconds old at most)
+            return age > min(UNNAMED_HOLDER_STALE_S, self.stale_after_s)
         if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
             return not pid_alive(holder["pid"])  # this machine's holder: alive or not, no need to wait
         return age > self.stale_after_s

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from nbbatch.errors import LockedError, ShareError
+from nbbatch.store.share import file_in_the_way
 
 try:
     import fcntl
@@ -36,6 +37,10 @@ class ExperimentLock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
+            blocking = file_in_the_way(self.path.parent)
+            if blocking is not None:  # say so, rather than blame the lock file inside it
+                raise ShareError(f"{blocking} is a file, where experiment `{self.experiment}` keeps its folder of "
+                                 "results; move or rename that file, or give the experiment another name") from exc
             raise ShareError(f"cannot create the lock file {self.path} of experiment `{self.experiment}`: "
                              f"{exc.strerror or exc}") from exc
         try:

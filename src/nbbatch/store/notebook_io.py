@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
+from nbbatch.errors import ValidationError
 from nbbatch.store.share import FILE_MODE, write_file_atomic
 
 
@@ -17,3 +21,30 @@ def notebook_bytes(nb: Any) -> bytes:
 def write_notebook_atomic(nb: Any, path: str | os.PathLike[str]) -> None:
     """Write ``nb`` to ``path`` atomically (:func:`~nbbatch.artifacts.write_file_atomic`), readable as the umask allows."""
     write_file_atomic(path, notebook_bytes(nb), FILE_MODE)
+
+
+def check_notebook_target(path: str | os.PathLike[str]) -> None:
+    """Refuse, before a notebook runs, an output path it could not be written to: a folder, a path under a missing
+    folder or under a file, a folder this user cannot write (permissions, a read-only mount).
+
+    A missing folder is not created (as papermill does not): a mistyped path should not pass silently.
+    """
+    target = Path(path)
+    folder = target.parent
+    try:
+        if target.is_dir():
+            raise ValidationError(f"the output notebook {target} is a folder; name a file, e.g. {target / 'out.ipynb'}")
+        existing = next(p for p in (folder, *folder.parents) if p.exists())  # the root exists
+        if not existing.is_dir():
+            raise ValidationError(f"cannot write the output notebook {target}: {existing} is a file, not a folder")
+        if existing != folder:
+            raise ValidationError(f"cannot write the output notebook {target}: its folder {folder} does not exist; "
+                                  f"create it first (mkdir -p {folder}) or choose another output path")
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=f".{target.name}.", suffix=".probe")  # as the saves will
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:  # e.g. a parent folder this user may not enter, a full disk
+        if isinstance(exc, PermissionError) or exc.errno == errno.EROFS:
+            raise ValidationError(f"cannot write the output notebook {target}: its folder {folder} is not writable "
+                                  "(permissions or a read-only file system); choose another output path") from exc
+        raise ValidationError(f"cannot write the output notebook {target}: {exc.strerror or exc}") from exc

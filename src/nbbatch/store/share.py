@@ -107,13 +107,18 @@ class FileShare:
             target.parent.mkdir(parents=True, exist_ok=True)
             write_file_atomic(target, data, FILE_MODE)  # results are meant to be read by others on the share
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise ShareError(
-                    f"the share at {self.root} is out of space while writing `{path}`; "
-                    "the previous version of that file (if any) is untouched. Free some space "
-                    "and resubmit: finished runs are kept and skipped."
-                ) from exc
-            raise ShareError(f"cannot write `{path}` in the share {self.root}: {exc}") from exc
+            raise self._write_error(path, exc) from exc
+
+    def _write_error(self, path: str, exc: OSError) -> ShareError:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return ShareError(f"the share at {self.root} is out of space while writing `{path}`; the previous "
+                              "version of that file (if any) is untouched. Free some space and resubmit: finished "
+                              "runs are kept and skipped.")
+        blocking = file_in_the_way(self._abs(path).parent)
+        if blocking is not None:
+            return ShareError(f"{blocking} is a file, where nbbatch needs a folder (to hold `{path}`); move or "
+                              "rename that file, or give the experiment another name")
+        return ShareError(f"cannot write `{path}` in the share {self.root}: {exc}")
 
     def read_bytes(self, path: str) -> bytes:
         return self._abs(path).read_bytes()
@@ -161,14 +166,19 @@ class FileShare:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)  # exclusive, also over NFSv3+
-        except FileExistsError:
-            return False
         except OSError as exc:
-            raise ShareError(f"cannot create the lease `{path}` in the share {self.root}: {exc}") from exc
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(holder)
-            handle.flush()
-            os.fsync(handle.fileno())
+            if isinstance(exc, FileExistsError) and target.parent.is_dir():
+                return False  # held
+            raise self._write_error(path, exc) from exc
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(holder)
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as exc:  # a full share: an empty lease left behind would lock the experiment out
+            with _suppress():
+                target.unlink()
+            raise self._write_error(path, exc) from exc
         return True
 
     def lease_read(self, path: str) -> tuple[bytes, float] | None:
@@ -213,6 +223,14 @@ def poll_interval(share: Share, local: float = 0.5, remote: float = 2.0) -> floa
     """How long to wait between two reads of ``share`` while watching it: ``local`` seconds on a folder of this
     machine (a read is a cheap stat), ``remote`` seconds on a remote share (each read is a request, often billed)."""
     return local if share.local_path("") is not None else remote
+
+
+def file_in_the_way(folder: Path) -> Path | None:
+    """The file at ``folder`` or above it that stops ``folder`` from being made (None: no file is in the way)."""
+    for candidate in (folder, *folder.parents):
+        if candidate.exists() or candidate.is_symlink():
+            return None if candidate.is_dir() else candidate
+    return None
 
 
 class _suppress:

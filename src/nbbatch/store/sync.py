@@ -28,7 +28,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +70,8 @@ class SyncResult:
     removed: list[str] = field(default_factory=list)  # deleted at the destination (``delete=True``)
     bytes_copied: int = 0
     files: list[FileEntry] = field(default_factory=list)  # push: the source's files; pull: the share's
+    unreadable: list[str] = field(default_factory=list)  # pull: share paths left out, not readable (skip_unreadable)
+    warnings: list[str] = field(default_factory=list)  # pull: what was left out, and why (one line each)
 
 
 # --- names --------------------------------------------------------------------------------------------
@@ -170,13 +172,15 @@ def _write_local(dest: Path, name: str, data: bytes) -> None:
         raise ShareError(f"cannot write {target}: {exc.strerror or exc}") from exc
 
 
-def _delete_local(dest: Path, keep: set[str], visible_only: bool) -> list[str]:
-    """Delete files under ``dest`` not in ``keep`` (with ``visible_only``, hidden ones stay); prune emptied folders."""
+def _delete_local(dest: Path, keep: set[str], visible_only: bool, left_out: Sequence[str] = ()) -> list[str]:
+    """Delete files under ``dest`` not in ``keep`` nor ``left_out`` (files or folders the pull could not read or
+    follow), with ``visible_only`` hidden ones kept too; prune emptied folders."""
     removed = []
     if not dest.is_dir():
         return removed
     for name, path in list(_walk_files(dest)):
-        if name in keep or (visible_only and any(p.startswith(".") for p in name.split("/"))):
+        if name in keep or (visible_only and any(p.startswith(".") for p in name.split("/"))) \
+                or any(name == gone or name.startswith(gone + "/") for gone in left_out):
             continue
         try:
             path.unlink()
@@ -357,7 +361,7 @@ def push(source: Path, share: Share, prefix: str = "", *, delete: bool = False,
 
 
 def pull(share: Share, prefix: str, dest: Path, *, delete: bool = False,
-         progress: Progress | None = None) -> SyncResult:
+         progress: Progress | None = None, skip_unreadable: bool = False) -> SyncResult:
     """Copy the folder ``prefix`` of ``share`` to the local folder ``dest`` (created when absent).
 
     With a sync manifest (written by :func:`push`), each listed file whose local copy is missing or
@@ -365,21 +369,30 @@ def pull(share: Share, prefix: str, dest: Path, *, delete: bool = False,
     a mismatch) and written atomically. Without one (a folder uploaded by another tool) the folder is
     listed recursively and every file downloaded; a local file with the same bytes is not rewritten and
     counts as skipped (sizes alone are not trusted: a rewritten file often keeps its size). Hidden files are
-    not listed by shares, so they are not pulled then. With ``delete``, local files the share lacks are
-    deleted (without a manifest, hidden local files stay). ``progress`` as for :func:`push`; ``total_bytes``
-    is 0 (unknown) without a manifest. Raises :class:`ShareError` when nothing is at ``prefix``.
+    not listed by shares, so they are not pulled then. On a folder share, symlinks are never followed out of
+    the share nor into folders (no loops, no trees from elsewhere): a link to a file of the share comes as
+    that file, any other link is left out with a line in ``result.warnings``. With ``delete``, local files the
+    share lacks are deleted (without a manifest, hidden local files stay). A file or folder the share refuses to
+    read (permissions) is a :class:`ShareError`, or with ``skip_unreadable`` left out, named in
+    ``result.unreadable`` and ``result.warnings``. ``progress`` as for :func:`push`; ``total_bytes`` is 0
+    (unknown) without a manifest. Raises :class:`ShareError` when nothing is at ``prefix``.
     """
     prefix = _clean_prefix(prefix)
     dest = Path(dest).expanduser()
     if dest.exists() and not dest.is_dir():
         raise ShareError(f"cannot pull into {dest}: it is a file; name a folder (created when absent)")
     _check_overlap(dest, share, prefix, "pull")
-    manifest = _read_manifest(share, prefix)
+    result = SyncResult()
+    try:
+        manifest = _read_manifest(share, prefix)
+    except PermissionError as exc:
+        _denied(share, prefix, exc, skip_unreadable, result)
+        return result
     if manifest is None:
-        return _pull_unlisted(share, prefix, dest, delete, progress)
+        return _pull_unlisted(share, prefix, dest, delete, progress, result, skip_unreadable)
     where = _where(share, prefix)
     entries = sorted(manifest.values(), key=lambda e: e.name)
-    result = SyncResult(files=entries)
+    result.files = entries
     todo = []
     for entry in entries:
         if _same_local(dest / entry.name, entry):
@@ -392,6 +405,9 @@ def pull(share: Share, prefix: str, dest: Path, *, delete: bool = False,
     for entry in todo:
         try:
             data = share.read_bytes(_join(prefix, entry.name))
+        except PermissionError as exc:
+            _denied(share, _join(prefix, entry.name), exc, skip_unreadable, result)
+            continue
         except (FileNotFoundError, IsADirectoryError) as exc:
             raise ShareError(f"`{entry.name}` is listed in the sync manifest of {where} but is not a file there; "
                              "push the folder again (nbbatch data push), then pull") from exc
@@ -410,10 +426,25 @@ def pull(share: Share, prefix: str, dest: Path, *, delete: bool = False,
     return result
 
 
-def _pull_unlisted(share: Share, prefix: str, dest: Path, delete: bool, progress: Progress | None) -> SyncResult:
+def _denied(share: Share, path: str, exc: OSError, skip: bool, result: SyncResult) -> None:
+    """A file or folder of the share we may not read: a ShareError, or (``skip``) noted in ``result``."""
+    where = _where(share, path)
+    if not skip:
+        raise ShareError(f"cannot read {where}: permission denied; ask its owner to make it readable "
+                         "(chmod -R a+rX), or pull as a user who may read it") from exc
+    result.unreadable.append(path)
+    result.warnings.append(f"{where} is not readable (permission denied): left out")
+
+
+def _pull_unlisted(share: Share, prefix: str, dest: Path, delete: bool, progress: Progress | None,
+                   result: SyncResult, skip_unreadable: bool) -> SyncResult:
     """Pull a folder that has no sync manifest: list it, download every file, rewrite those that differ."""
     where = _where(share, prefix)
-    top = share.list(prefix)
+    try:
+        top = share.list(prefix)
+    except PermissionError as exc:
+        _denied(share, prefix, exc, skip_unreadable, result)
+        return result
     if not top:
         if not share.exists(prefix):
             raise ShareError(f"nothing at {where}: check the URL and folder, or push there first "
@@ -425,9 +456,9 @@ def _pull_unlisted(share: Share, prefix: str, dest: Path, delete: bool, progress
                 pass  # an empty folder
             else:
                 raise ShareError(f"{where} is a file; pull names a folder (its parent, say)")
-    result = SyncResult()
     seen: dict[str, FileEntry] = {}
-    for name, data in _walk_share(share, prefix, "", top):
+    walk = _ShareWalk(share, prefix, result, skip_unreadable)
+    for name, data in walk.files("", top):
         entry = FileEntry(name, len(data), hashlib.sha256(data).hexdigest())
         seen[name] = entry
         if _same_local(dest / name, entry):
@@ -439,26 +470,66 @@ def _pull_unlisted(share: Share, prefix: str, dest: Path, delete: bool, progress
         if progress:
             progress(name, result.bytes_copied, 0)
     result.files = sorted(seen.values(), key=lambda e: e.name)
-    if delete:  # hidden names: list() never shows them, so the share may well have them
-        result.removed = _delete_local(dest, set(seen), visible_only=True)
+    if delete:  # hidden names: list() never shows them, so the share may well have them; nor what was left out
+        result.removed = _delete_local(dest, set(seen), visible_only=True, left_out=walk.left_out)
     return result
 
 
-def _walk_share(share: Share, prefix: str, rel: str, children: list[str]) -> Iterator[tuple[str, bytes]]:
-    """(name, bytes) of every file under ``prefix/rel``, depth first in name order.
+class _ShareWalk:
+    """Every file under a share's folder, depth first in name order, links and unreadable entries left out."""
 
-    Reading each name first tells files from folders with the Share protocol alone: a folder raises
-    IsADirectoryError (a FileShare, Azure Files) or FileNotFoundError (some servers), and is then listed.
-    """
-    for child in children:
-        if _bad_name(child) or "/" in child:
-            raise ShareError(f"{_where(share, _join(prefix, rel))} lists an entry named `{child}`, which is not a "
-                             "file name: refused, nothing is written outside the destination")
-        name = _join(rel, child)
-        try:
-            data = share.read_bytes(_join(prefix, name))
-        except (IsADirectoryError, FileNotFoundError):
-            below = share.list(_join(prefix, name))  # empty: an empty folder, or a file gone meanwhile
-            yield from _walk_share(share, prefix, name, below)
-            continue
-        yield name, data
+    def __init__(self, share: Share, prefix: str, result: SyncResult, skip_unreadable: bool) -> None:
+        self.share, self.prefix, self.result, self.skip_unreadable = share, prefix, result, skip_unreadable
+        self.links = share.local_path(prefix)  # on a folder share: where to look for symlinks (never followed)
+        self.left_out: list[str] = []  # names (files or folders) not pulled: a local copy of them is not deleted
+
+    def files(self, rel: str, children: list[str]) -> Iterator[tuple[str, bytes]]:
+        """(name, bytes) of every file under ``prefix/rel``.
+
+        Reading each name first tells files from folders with the Share protocol alone: a folder raises
+        IsADirectoryError (a FileShare, Azure Files) or FileNotFoundError (some servers), and is then listed.
+        """
+        share, prefix = self.share, self.prefix
+        for child in children:
+            if _bad_name(child) or "/" in child:
+                raise ShareError(f"{_where(share, _join(prefix, rel))} lists an entry named `{child}`, which is "
+                                 "not a file name: refused, nothing is written outside the destination")
+            name = _join(rel, child)
+            refusal = _link_refusal(self.links / name, share.local_path("")) if self.links is not None else None
+            if refusal:
+                self._leave_out(name, f"{_where(share, _join(prefix, name))} is a symbolic link {refusal}: "
+                                      "not followed, left out")
+                continue
+            try:
+                data = share.read_bytes(_join(prefix, name))
+            except PermissionError as exc:
+                _denied(share, _join(prefix, name), exc, self.skip_unreadable, self.result)
+                self.left_out.append(name)
+                continue
+            except (IsADirectoryError, FileNotFoundError):
+                try:
+                    below = share.list(_join(prefix, name))  # empty: an empty folder, or a file gone meanwhile
+                except PermissionError as exc:
+                    _denied(share, _join(prefix, name), exc, self.skip_unreadable, self.result)
+                    self.left_out.append(name)
+                    continue
+                yield from self.files(name, below)
+                continue
+            yield name, data
+
+    def _leave_out(self, name: str, warning: str) -> None:
+        self.left_out.append(name)
+        self.result.warnings.append(warning)
+
+
+def _link_refusal(path: Path, root: Path | None) -> str | None:
+    """Why the symlink ``path`` on the folder share ``root`` is not followed; None when it is no symlink, or ends at a
+    file inside the share (that file is copied then, like ``cp -L``)."""
+    if not path.is_symlink():
+        return None
+    target = path.resolve()
+    if root is None or not (target == root or root in target.parents):
+        return f"to {target}, out of the share"
+    if target.is_dir():
+        return "to a folder (it may loop, or bring a tree from elsewhere)"
+    return None if target.is_file() else "that leads to no file"

@@ -6,6 +6,7 @@ Every user mistake is one paragraph on stderr and a non-zero exit, never a trace
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -25,18 +26,19 @@ from rich.text import Text
 import nbbatch.ui.skip_iri_grammar  # noqa: F401 - first of nbbatch's imports: before any of them imports jsonschema
 from nbbatch import __version__, api
 from nbbatch.backends.placement import placement_reader
-from nbbatch.errors import NbbatchError
+from nbbatch.errors import NbbatchError, NotebookStopped
 from nbbatch.execute.context import AttemptContext
 from nbbatch.execute.envs import build_envs, remove_env
 from nbbatch.execute.placement import placement_from_env
 from nbbatch.plan.runs import Run
-from nbbatch.results.progress import table_title, watch_status
-from nbbatch.results.status import status_rows, status_table
+from nbbatch.results.progress import abandoned_runs, table_title, watch_status
+from nbbatch.results.status import plan_table, status_rows, status_table
 from nbbatch.spec.environments import list_envs
 from nbbatch.spec.frameworks import get_framework, list_frameworks
 from nbbatch.spec.project import find_project
-from nbbatch.spec.schema import experiment_schema
-from nbbatch.store.fetch import fetch
+from nbbatch.spec.schema import experiment_schema, parameter_name_problem
+from nbbatch.spec.yaml_loader import load_yaml
+from nbbatch.store.fetch import FetchWarning, fetch
 from nbbatch.store.known import open_experiment_share
 from nbbatch.store.runjson import ContainerInfo, GpuSharing, RunRecord, Status, from_json_value
 from nbbatch.store.share import open_share
@@ -46,12 +48,10 @@ from nbbatch.ui.results_commands import add_results_parsers
 
 
 def _typed(value: str) -> Any:
-    """papermill's ``-p`` typing: int, float, bool, None, else the string."""
-    lowered = value.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered in ("none", "null"):
-        return None
+    """papermill's ``-p`` typing (papermill.cli._resolve_type), exactly: ``True``, ``False`` and ``None`` as
+    spelled, then whatever int() and then float() accept (``1_000``, ``1e-4``, ``nan``, ``-inf``), else the string."""
+    if value in ("True", "False", "None"):
+        return {"True": True, "False": False, "None": None}[value]
     for kind in (int, float):
         try:
             return kind(value)
@@ -64,15 +64,15 @@ def _parameters(args: argparse.Namespace) -> dict[str, Any]:
     params: dict[str, Any] = {}
     for path in args.parameters_file or []:
         try:
-            loaded = yaml.safe_load(Path(path).read_text())
-        except (OSError, yaml.YAMLError) as exc:
+            loaded = load_yaml(Path(path).read_text())
+        except (OSError, ValueError, yaml.YAMLError) as exc:  # ValueError: not UTF-8 text
             raise NbbatchError(f"cannot read parameters file {path}: {exc}") from exc
         if not isinstance(loaded, dict):
             raise NbbatchError(f"parameters file {path} must be a YAML mapping of names to values")
         params.update(loaded)
     for text in args.parameters_yaml or []:
         try:
-            loaded = yaml.safe_load(text)
+            loaded = load_yaml(text)
         except yaml.YAMLError as exc:
             raise NbbatchError(f"-y {text!r} is not valid YAML: {exc}") from exc
         if not isinstance(loaded, dict):
@@ -82,16 +82,31 @@ def _parameters(args: argparse.Namespace) -> dict[str, Any]:
         params[name] = _typed(value)
     for name, value in args.parameters_raw or []:
         params[name] = value
+    for name in params:  # papermill sets each as a Python variable: `class = 1` would fail in the notebook
+        problem = parameter_name_problem(name)
+        if problem is not None:
+            raise NbbatchError(f"parameter {name!r}: {problem}")
     return params
 
 
 def _add_param_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-p", "--parameters", nargs=2, action="append", metavar=("NAME", "VALUE"),
-                        help="a parameter, typed like papermill (int, float, bool, None, else str)")
+                        help="a parameter, typed like papermill: True, False, None, else an int or float (1e-4, "
+                             "-inf, nan) where Python reads one, else the string")
     parser.add_argument("-r", "--parameters-raw", nargs=2, action="append", metavar=("NAME", "VALUE"),
                         help="a parameter kept as a string")
     parser.add_argument("-y", "--parameters-yaml", action="append", metavar="YAML", help="parameters as YAML")
     parser.add_argument("-f", "--parameters-file", action="append", metavar="FILE", help="parameters from a YAML file")
+
+    class NegativeNumber:
+        """What argparse reads as a value, not an option: every negative number int() or float() reads, as papermill
+        does (`-p lr -inf`, `-p lr -1e-4`); argparse's own pattern knows only the likes of -1 and -1.5."""
+
+        @staticmethod
+        def match(text: str) -> bool:
+            return text.startswith("-") and not isinstance(_typed(text), str)
+
+    parser._negative_number_matcher = NegativeNumber()  # type: ignore[assignment]  # no option of nbbatch is a number
 
 
 def _console() -> Console:
@@ -122,20 +137,23 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+PLAN_ROWS = 50  # runs `nbbatch plan` lists unless --all: a sweep of 10^5 runs is read as its count and first rows
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     the_plan, _backend, share = api.prepare(args.experiment)
-    if args.json:
-        print(json.dumps([r.to_dict() for r in the_plan.runs], indent=2))
+    runs = the_plan.runs
+    if args.json:  # json.dumps(runs, indent=2) written one run at a time, not as one string (10^5 runs: 50 MB)
+        for index, run in enumerate(runs):
+            sys.stdout.write(("[\n  " if index == 0 else ",\n  ") + json.dumps(run.to_dict(), indent=2).replace("\n", "\n  "))
+        print("\n]" if runs else "[]")
         return 0
-    table = Table(title=Text(f"{the_plan.experiment.name}: {len(the_plan.runs)} run(s) → {share.url}"))
-    for col in ("run", "kernel", "notebook", "parameters", "gpus"):
-        table.add_column(col, overflow="fold")
-    for run in the_plan.runs:  # Text: run data is never read as rich markup
-        table.add_row(*(Text(str(cell)) for cell in (run.run_id, run.kernel, run.notebook_rel,
-                                                      ", ".join(f"{k}={v}" for k, v in run.parameters.items()),
-                                                      run.gpus)))
-    console = _console()
-    console.print(table)
+    console = _console()  # the table fits the width as `status` does; run data is Text, never read as markup
+    shown = len(runs) if args.all else PLAN_ROWS
+    console.print(plan_table(runs, title=f"{the_plan.experiment.name}: {len(runs):,} run(s) → {share.url}", max_rows=shown))
+    if shown < len(runs):
+        console.print(Text(f"… and {len(runs) - shown:,} more run(s): `nbbatch plan --all` lists every one, "
+                           "`--json` gives them as data"))
     for name, location in the_plan.experiment.inputs.items():
         console.print(Text(f"input {name} ← {location}"), soft_wrap=True)
     world = the_plan.experiment.world()
@@ -160,28 +178,35 @@ def _interval(text: str) -> float:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    name, _share = open_experiment_share(args.experiment, args.share)
+    name, share = open_experiment_share(args.experiment, args.share)
     problems: list[str] = []
 
     def load() -> list[RunRecord]:
         with warnings.catch_warnings(record=True) as caught:  # corrupt run records: one line each, with the path
             warnings.simplefilter("always", UserWarning)
-            records = api.status(args.experiment, share=args.share)
+            records = api.status(args.experiment, share=args.share, all_runs=args.all)
         for problem in (str(w.message) for w in caught if w.category is UserWarning):
             if problem not in problems:  # a watch reads the records again and again: say it once
                 problems.append(problem)
                 print(f"nbbatch: warning: {problem}", file=sys.stderr)
         return records
 
+    def stuck(records: list[RunRecord]) -> list[RunRecord]:
+        return abandoned_runs(share, name, records)
+
     if not args.watch:
         records = load()
     elif args.json:  # for scripts: wait quietly, then the JSON of the final state
         records = load()
-        while not all(r.final for r in records):
+        while not all(r.final for r in records) and not stuck(records):
             time.sleep(args.interval)
             records = load()
     else:
-        records = watch_status(load, name, interval=args.interval, console=_console())
+        records = watch_status(load, name, interval=args.interval, console=_console(), stuck=stuck)
+    abandoned = stuck(records) if args.watch else []
+    if abandoned:  # a watch would wait forever: say why it stops
+        print(f"nbbatch: warning: {len(abandoned)} run(s) of `{name}` are still queued, but no `nbbatch submit` "
+              "will start them (it was killed); submit the experiment again to run them", file=sys.stderr)
     if args.json:
         print(json.dumps(status_rows(records), indent=2, default=str))
     elif not args.watch:
@@ -194,8 +219,9 @@ def cmd_status_interruptible(args: argparse.Namespace) -> int:
     try:
         return cmd_status(args)
     except KeyboardInterrupt as exc:
-        print(file=sys.stderr)
-        return 143 if isinstance(exc, Terminated) else 130
+        with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+            print(file=sys.stderr)
+        return 128 + exc.signum if isinstance(exc, Terminated) else 130
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
@@ -222,6 +248,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"{Path(args.input).name} failed in cell {exc.exec_count}: {exc.ename}: {exc.evalue} "
               f"(executed notebook with its outputs: {args.output})", file=sys.stderr)
         return 1
+    except NotebookStopped as exc:  # the kernel died, or a cell timed out: as a failing cell, one line
+        print(exc, file=sys.stderr)
+        return exc.exit_code
     return 0
 
 
@@ -283,9 +312,15 @@ def cmd_envs(args: argparse.Namespace) -> int:
 
 def cmd_fetch(args: argparse.Namespace) -> int:
     name, share = open_experiment_share(args.experiment, args.share)
-    copied = fetch(share, name, Path(args.dest))
-    print(f"fetched {len(copied)} file(s) of {name} into {args.dest}")
-    return 0
+    with warnings.catch_warnings(record=True) as caught:  # files it could not read: one line each, the rest came
+        warnings.simplefilter("always", FetchWarning)
+        copied = fetch(share, name, Path(args.dest))
+    left_out = [str(w.message) for w in caught if issubclass(w.category, FetchWarning)]
+    for problem in left_out:
+        print(f"nbbatch: warning: {problem}", file=sys.stderr)
+    print(f"fetched {len(copied)} file(s) of {name} into {args.dest}"
+          + (f"; {len(left_out)} left out (see the warnings)" if left_out else ""))
+    return 1 if left_out else 0
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
@@ -333,13 +368,17 @@ def _add_batch_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="show the runs an experiment would start, after validation (a dry run)")
     p.add_argument("experiment")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--all", action="store_true", help=f"list every run (default: the first {PLAN_ROWS})")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("status", help="table of runs: varying parameters, status, duration, metrics, error")
     p.add_argument("experiment", help="experiment name (or its YAML file)")
     p.add_argument("--share", help="the share (default: where it was submitted from this project)")
     p.add_argument("--json", action="store_true", help="every field of every run as JSON (for scripts)")
-    p.add_argument("--check", action="store_true", help="exit 1 unless every run succeeded")
+    p.add_argument("--check", action="store_true", help="exit 1 unless every run of the current plan succeeded")
+    p.add_argument("--all", action="store_true",
+                   help="also the runs of earlier submissions (superseded by a later plan: a notebook, the sweep "
+                        "or the experiment file changed); by default only the last submission's runs are shown")
     p.add_argument("-w", "--watch", action="store_true",
                    help="redraw the table until every run has ended (with --json: wait, then print)")
     p.add_argument("--interval", type=_interval, default=2.0, metavar="SECONDS",
@@ -438,33 +477,60 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.names = [*args.names, *extra]  # `images build --cpu pytorch`: names after options
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    # run-one is stopped by its backend (Ray, Azure ML), which records why: it keeps the default SIGTERM.
-    previous = _terminate_like_ctrl_c() if args.command != "run-one" else None
+    # run-one is stopped by its backend (Ray, Azure ML), which records why: it keeps the default signals.
+    previous = _terminate_like_ctrl_c() if args.command != "run-one" else {}
     try:
         return int(args.func(args) or 0)
     except NbbatchError as exc:
         print(f"nbbatch: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt as exc:
-        print("nbbatch: interrupted; unfinished runs were cancelled, finished results are kept", file=sys.stderr)
-        return 143 if isinstance(exc, Terminated) else 130
+        signum = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
+        hung_up = signum == getattr(signal, "SIGHUP", None)
+        with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+            print(f"nbbatch: {'the terminal closed (SIGHUP)' if hung_up else 'interrupted'}; unfinished runs were "
+                  "cancelled, finished results are kept" + (
+                      "; to keep a batch running after you log out, start it with `nohup nbbatch submit …` or "
+                      "inside tmux or screen" if hung_up else ""), file=sys.stderr)
+        return 128 + signum
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (``kill``, a batch scheduler, a container stop): handled like Ctrl-C, so no run is left ``running``."""
+    """SIGTERM (``kill``, a batch scheduler, a container stop) or SIGHUP (the terminal or ssh session closed):
+    handled like Ctrl-C, so no run is left ``running``."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
-def _terminate_like_ctrl_c() -> Any:
+def _terminate_like_ctrl_c() -> dict[int, Any]:
+    """Make Ctrl-C, SIGTERM and SIGHUP stop the command the same way; return the handlers they replaced.
+
+    The first of them raises :class:`KeyboardInterrupt` (:class:`Terminated` for SIGTERM and SIGHUP) in the main
+    thread: the runs not started are cancelled, the running ones' kernels killed, and every record says so. A
+    later one must not cut that short (it would leave runs ``running``): it only says that nbbatch is stopping.
+    A signal ignored when nbbatch started (``nohup``, a background job) stays ignored."""
     if threading.current_thread() is not threading.main_thread():
-        return None
+        return {}
+    stopping: list[int] = []
 
     def handler(signum: int, frame: object) -> None:
-        raise Terminated()
+        stopping.append(signum)
+        if len(stopping) == 1:
+            raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+        if len(stopping) == 2:  # os.write: print() may be in the middle of a write of the main thread
+            with contextlib.suppress(OSError):
+                os.write(2, f"nbbatch: already stopping: the running runs are being recorded as cancelled "
+                            f"(their kernels are killed); this takes a moment (`kill -9 {os.getpid()}` would end it at "
+                            "once, leaving them for the next `nbbatch status` to mark failed)\n".encode())
 
-    return signal.signal(signal.SIGTERM, handler)
+    stop_signals = [getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)]
+    return {signum: signal.signal(signum, handler) for signum in stop_signals
+            if signal.getsignal(signum) is not signal.SIG_IGN}
 
 
 if __name__ == "__main__":

@@ -62,6 +62,8 @@ def cmd_data_pull(args: argparse.Namespace) -> int:
             result = pull(share, "", Path(args.dest), delete=args.delete, progress=progress)
     finally:
         _close(share)
+    for warning in result.warnings:  # symlinks on the share, never followed
+        print(f"nbbatch: warning: {warning}", file=sys.stderr)
     print(f"pulled {_counts(result, args.delete)}, from {share.url} into {args.dest}")
     return 0
 

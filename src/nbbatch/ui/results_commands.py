@@ -52,6 +52,9 @@ def add_compare_arguments(parser: argparse.ArgumentParser, share_option: bool = 
                              "(default: every experiment in the share)")
     if share_option:
         parser.add_argument("--share", default=None, help="the share (default: the project's results/ folder)")
+    parser.add_argument("--all", dest="all_runs", action="store_true",
+                        help="also the runs of earlier submissions of an experiment (superseded by a later plan); "
+                             "by default only its last submission's runs are shown")
     parser.add_argument("--where", action="append", default=[], metavar="COND",
                         help="keep runs matching COND, e.g. param.LR=0.1, framework=pytorch,keras, "
                              "metric.accuracy>=0.9, status!=failed (repeatable: all must hold)")
@@ -89,7 +92,10 @@ def add_compare_arguments(parser: argparse.ArgumentParser, share_option: bool = 
 def cli_compare(args: argparse.Namespace) -> int:
     """``nbbatch compare``: print the runs table; write CSV/JSON/report as asked."""
     console = terminal()
-    frame = collect_targets(args.targets, getattr(args, "share", None))
+    frame = collect_targets(args.targets, getattr(args, "share", None), all_runs=args.all_runs)
+    if frame.attrs.get("superseded"):
+        console.print(f"{frame.attrs['superseded']} run(s) of earlier submissions not shown (--all shows them)",
+                      style="dim", **_PLAIN)
     # history values first, so that --where, --sort and --group-by see them
     frame = select_history(frame, at_step=args.at_step, history=args.history, best=args.best_mode,
                            share=getattr(args, "share", None))

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from nbbatch.errors import NbbatchError, did_you_mean
 from nbbatch.metrics import metrics_from_notebook
+from nbbatch.results.status import planned_run_ids
 from nbbatch.spec.project import find_project
 from nbbatch.store.known import open_experiment_share
 from nbbatch.store.layout import LOG_FILE, METRICS_FILE, OLD_TELEMETRY_FILE, OUTPUT_NOTEBOOK, RUN_RECORD, TELEMETRY_FILE
@@ -108,6 +109,28 @@ def _find(share: Share, base: str, experiment: str | None, root_name: str) -> li
 
     walk(base, 0)
     return found
+
+
+def _current_plan(share: Share, found: list[_Found]) -> tuple[list[_Found], int]:
+    """``found`` without the runs superseded by a later submission, and how many were left out.
+
+    A run folder is superseded when the manifest beside it (``experiment.json``) does not list it (see
+    :func:`nbbatch.results.status.planned_run_ids`); without a manifest every run counts.
+    """
+    plans: dict[str, set[str] | None] = {}
+    kept = []
+    for run in found:
+        if run.folder is None:  # a lone notebook: no submission planned it
+            kept.append(run)
+            continue
+        parent, _, name = run.folder.rpartition("/")
+        if parent not in plans:
+            planned = planned_run_ids(share, parent)
+            plans[parent] = None if planned is None else set(planned)
+        plan = plans[parent]
+        if plan is None or name in plan:
+            kept.append(run)
+    return kept, len(found) - len(kept)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,14 +295,15 @@ def _root_name(share: Share) -> str:
 
 
 def collect(share_or_path: str | os.PathLike[str] | Share,
-            experiments: str | Sequence[str] | None = None) -> pd.DataFrame:
+            experiments: str | Sequence[str] | None = None, all_runs: bool = False) -> pd.DataFrame:
     """One row per run of ``experiments`` in a share, or of every run under a folder.
 
     ``share_or_path`` is a share (URL, folder or :class:`~nbbatch.store.share.Share`), any folder of
     papermill outputs (searched a few levels deep), or one executed ``.ipynb``. ``experiments``
-    names folders in it; ``None`` takes everything below. Columns: see the module docstring
-    (``param.*`` and ``metric.*`` come from whatever the runs have). Raises :class:`NbbatchError`
-    when an experiment has no runs, naming the experiments there are.
+    names folders in it; ``None`` takes everything below. An experiment's runs are those of its current
+    plan (its last submission's), unless ``all_runs``: how many were left out is ``frame.attrs["superseded"]``.
+    Columns: see the module docstring (``param.*`` and ``metric.*`` come from whatever the runs have).
+    Raises :class:`NbbatchError` when an experiment has no runs, naming the experiments there are.
     """
     pd = _pandas()
     if isinstance(share_or_path, (str, os.PathLike)) and str(share_or_path).endswith(".ipynb") \
@@ -287,13 +311,12 @@ def collect(share_or_path: str | os.PathLike[str] | Share,
         path = Path(share_or_path).resolve()
         share = open_share(path.parent)
         found = [_Found(path.parent.name, path.stem, None, path.name, None, None)]
-        rows = [_read_run(share, f) for f in found]
-        return _frame(pd, rows, share)
+        return _frame(pd, [_read_run(share, f) for f in found], share)
     share = open_share(share_or_path)
     root_name = _root_name(share)
     if isinstance(experiments, str):
         experiments = [experiments]
-    rows: list[dict[str, Any]] = []
+    found = []
     if not experiments:
         found = _find(share, "", None, root_name)
         if not found:
@@ -301,15 +324,18 @@ def collect(share_or_path: str | os.PathLike[str] | Share,
                 f"no runs under {share.url}: it holds no run folders (`<experiment>/<run id>/{RUN_RECORD}` or "
                 f"`{OUTPUT_NOTEBOOK}`) and no executed .ipynb files. Check the path, or submit an experiment first."
             )
-        rows = [_read_run(share, f) for f in found]
-    else:
-        for experiment in experiments:
-            name = experiment.strip("/")
-            found = _find(share, name, name, root_name) if name else []
-            if not found:
-                raise NbbatchError(_no_runs_message(share, name))
-            rows.extend(_read_run(share, f) for f in found)
-    return _frame(pd, rows, share)
+    for experiment in experiments or []:
+        name = experiment.strip("/")
+        runs = _find(share, name, name, root_name) if name else []
+        if not runs:
+            raise NbbatchError(_no_runs_message(share, name))
+        found.extend(runs)
+    superseded = 0
+    if not all_runs:
+        found, superseded = _current_plan(share, found)
+    frame = _frame(pd, [_read_run(share, f) for f in found], share)
+    frame.attrs["superseded"] = superseded
+    return frame
 
 
 def _no_runs_message(share: Share, experiment: str) -> str:
@@ -332,29 +358,31 @@ def _frame(pd: Any, rows: list[dict[str, Any]], share: Share) -> pd.DataFrame:
     return frame
 
 
-def collect_targets(targets: Sequence[str], share: str | os.PathLike[str] | Share | None = None) -> pd.DataFrame:
+def collect_targets(targets: Sequence[str], share: str | os.PathLike[str] | Share | None = None,
+                    all_runs: bool = False) -> pd.DataFrame:
     """What ``nbbatch compare`` reads: each target an existing folder/.ipynb or an experiment.
 
     Without ``share``, a target that exists as a path is read as a folder of executed notebooks; any
     other target is an experiment (name or YAML file) in the share it was submitted to from this
     project (:func:`nbbatch.store.known.open_experiment_share`; default ``results/``). No targets: the
-    project's whole ``results/`` share.
+    project's whole ``results/`` share. ``all_runs``: also the runs superseded by a later submission (see :func:`collect`).
     """
     pd = _pandas()
     if not targets:
-        return collect(share if share is not None else _default_share())
+        return collect(share if share is not None else _default_share(), all_runs=all_runs)
     frames = []
     for target in targets:
         if share is None and Path(target).exists() and not target.endswith((".yaml", ".yml")):
-            frames.append(collect(target))
+            frames.append(collect(target, all_runs=all_runs))
         else:
             name, opened = open_experiment_share(target, share)
-            frames.append(collect(opened, [name]))
+            frames.append(collect(opened, [name], all_runs=all_runs))
     if len(frames) == 1:
         return frames[0]
     combined = pd.concat(frames, ignore_index=True, sort=False)
     combined = combined[_order_columns(combined.columns)]
     combined.attrs["share"] = frames[0].attrs.get("share")
+    combined.attrs["superseded"] = sum(f.attrs.get("superseded", 0) for f in frames)
     return combined
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.text import Text
 
-from nbbatch.results.compare.collect import METRIC, PARAM, _pandas
+from nbbatch.results.compare.collect import LEADING_COLUMNS, METRIC, PARAM, _pandas
 from nbbatch.results.compare.query import resolve_column
 from nbbatch.results.compare.steps import STEP
 from nbbatch.results.fitted import ALWAYS, FittedTable, fit_column
@@ -29,7 +29,9 @@ def display_columns(frame: pd.DataFrame) -> list[str]:
     shown += [c for c in ("run_id", "framework", "status") if c in frame]
     shown += [c for c in frame.columns if str(c).startswith(PARAM) and frame[c].astype(str).nunique() > 1]
     for column in frame.columns:
-        if str(column).startswith(METRIC) and not _repeats_run_column(frame, str(column)):
+        # a metric named like a column that names the run (`nbbatch.record(framework="PyTorch")`) only relabels
+        # it: left out here, still in the frame for --columns, --where, CSV and JSON
+        if str(column).startswith(METRIC) and str(column).removeprefix(METRIC) not in LEADING_COLUMNS:
             values = frame[column].dropna()
             if values.empty or not values.map(lambda v: isinstance(v, str) and v[:1] in "[{").all():
                 shown.append(str(column))
@@ -45,22 +47,13 @@ def column_header(column: str, columns: Iterable[Any]) -> str:
     """A column's header: a metric without its ``metric.`` prefix, unless its name is also a column of the runs.
 
     A notebook may record a metric named like a run column (``nbbatch.record(framework="PyTorch")``);
-    its header stays ``metric.framework`` so the table never shows two ``framework`` columns.
+    asked for with ``--columns``, its header stays ``metric.framework``, so no table has two ``framework`` columns.
     """
     if column.startswith(METRIC):
         name = column.removeprefix(METRIC)
         if name not in {str(c) for c in columns}:
             return name
     return column
-
-
-def _repeats_run_column(frame: pd.DataFrame, column: str) -> bool:
-    """Whether metric ``column`` only repeats the run column of its name (e.g. ``framework``) where it is set."""
-    name = column.removeprefix(METRIC)
-    if name not in frame.columns:
-        return False
-    present = frame[column].notna()
-    return bool((frame.loc[present, column].astype(str) == frame.loc[present, name].astype(str)).all())
 
 
 def _cell_text(value: Any) -> str:
@@ -125,9 +118,12 @@ def _keep(column: str, numeric: bool, index: int) -> int:
     return {"framework": 50, "gpu_ids": 40}.get(column, 20)
 
 
+PIPED_WIDTH = 120  # a log or a pager reads a table this wide; the columns that do not fit are named under it
+
+
 def terminal() -> Console:
-    """A rich console: the terminal's width, or ``$COLUMNS`` (default 200) when output goes to a file or CI log."""
+    """A rich console: the terminal's width, or ``$COLUMNS`` (default 120) when output goes to a file or CI log."""
     console = Console()
     if not console.is_terminal and not os.environ.get("COLUMNS"):
-        console = Console(width=200)
+        console = Console(width=PIPED_WIDTH)
     return console

@@ -18,8 +18,7 @@ import nbbatch.ui.widgets.display as display
 from nbbatch import api
 from nbbatch.errors import NbbatchError
 from nbbatch.results.history import history_metrics, metric_series, read_history
-from nbbatch.results.status import KEY_METRICS, format_metric, status_rows, varying_parameters
-from nbbatch.store.runfiles import load_records
+from nbbatch.results.status import KEY_METRICS, format_metric, load_plan_records, status_rows, varying_parameters
 from nbbatch.store.runjson import RunRecord
 from nbbatch.store.share import poll_interval
 from nbbatch.ui.widgets.links import NotebookLinks, notebook_links_for
@@ -385,7 +384,8 @@ class JobsSummary:
         self._syncing = False  # render() is setting the dropdown: not the user's choice
 
     def load(self) -> list[RunRecord]:
-        """The experiment's records from the share (corrupt ones become the model's problems).
+        """The records of the experiment's current plan (its last submission's runs) from the share
+        (corrupt ones become the model's problems).
 
         Every ``backend_refresh_s`` seconds the backend first brings them up to date with its own
         view (:func:`nbbatch.api.status`), e.g. a job Azure ML failed to start, or a run whose
@@ -393,7 +393,7 @@ class JobsSummary:
         """
         if self.submission is not None:
             self.model.expect(self.submission.model.run_ids)
-        records, problems = load_records(self.share, self.model.experiment)
+        records, problems, _planned = load_plan_records(self.share, self.model.experiment)  # the current plan's
         if records and not problems and time.monotonic() - self._backend_refreshed > self.backend_refresh_s:
             self._backend_refreshed = time.monotonic()
             records = api.status(self.model.experiment, share=self.share, refresh=True)

@@ -1,0 +1,74 @@
+"""The one way nbbatch reads YAML that people write: experiment files, ``framework.yaml``, ``nbbatch run -y/-f``.
+
+PyYAML resolves plain scalars by YAML 1.1, where a float needs a dot: ``1e-4`` and ``1e4`` would be strings, so
+``loguniform: [1e-4, 1e-1]`` would be refused and a parameter would get ``'1e-4'``. :class:`YamlLoader` is PyYAML's
+safe loader with floats read as YAML 1.2 reads them (an exponent without a dot, a signed ``-.5``); a quoted
+``'1e-4'`` stays a string. Everything else is PyYAML's safe loading, unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import yaml
+
+__all__ = ["YamlLoader", "load_yaml"]
+
+_FLOAT_TAG = "tag:yaml.org,2002:float"
+_STR_TAG = "tag:yaml.org,2002:str"
+_NULL_TAG = "tag:yaml.org,2002:null"
+_FLOAT = re.compile(r"""^(?:
+      [-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?     # 1.5, 1., 1.0e-4, 1.5e+3
+    | [-+]?[0-9][0-9_]*[eE][-+]?[0-9]+                   # 1e-4, 1e4: YAML 1.2 (a string for YAML 1.1)
+    | [-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?                 # .5, -.5
+    | [-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*        # 1:30.5, YAML 1.1's base 60, as PyYAML reads it
+    | [-+]?\.(?:inf|Inf|INF)
+    | \.(?:nan|NaN|NAN))$""", re.X)
+
+
+class YamlLoader(yaml.SafeLoader):
+    """PyYAML's ``SafeLoader`` with YAML 1.2's floats: ``1e-4`` is the number 0.0001, ``'1e-4'`` a string."""
+
+
+# PyYAML's float resolver swapped for ours (its int resolver, tried first, matches nothing that ours does)
+YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag != _FLOAT_TAG]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+YamlLoader.add_implicit_resolver(_FLOAT_TAG, _FLOAT, list("-+0123456789."))
+
+
+def load_yaml(text: str, as_written: Iterable[tuple[str, ...]] = ()) -> Any:
+    """``text`` read with :class:`YamlLoader` (raises ``yaml.YAMLError``).
+
+    ``as_written``: key paths of mappings (``("env",)``) whose plain keys and values are text, kept as the user wrote
+    them: ``1e-4`` stays ``"1e-4"``, ``true`` stays ``"true"``, a key ``OFF`` is not ``False``. A null, a list or a
+    mapping there is left as it is, for validation to refuse."""
+    loader = YamlLoader(text)
+    try:
+        root = loader.get_single_node()
+        if root is None:
+            return None
+        for path in as_written:
+            _keep_as_written(root, path)
+        return loader.construct_document(root)
+    finally:
+        loader.dispose()
+
+
+def _keep_as_written(root: yaml.Node, path: tuple[str, ...]) -> None:
+    node: yaml.Node | None = root
+    for key in path:
+        node = next((value for name, value in reversed(node.value) if isinstance(name, yaml.ScalarNode)
+                     and name.value == key), None) if isinstance(node, yaml.MappingNode) else None
+    if isinstance(node, yaml.MappingNode):
+        node.value = [(_as_text(name), _as_text(value)) for name, value in node.value]
+
+
+def _as_text(node: yaml.Node) -> yaml.Node:
+    """A plain value as the string written (``OFF``, ``1e-4``): a new node, not a retagged one, so an anchored value
+    (``LR: &lr 1e-4`` … ``env: {LR: *lr}``) stays a number elsewhere. A null or a collection is left as it is."""
+    if not isinstance(node, yaml.ScalarNode) or node.tag == _NULL_TAG:
+        return node
+    return yaml.ScalarNode(_STR_TAG, node.value, node.start_mark, node.end_mark, node.style)
