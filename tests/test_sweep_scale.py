@@ -4,6 +4,7 @@ queued record). Memory is measured with tracemalloc; nothing here asserts on wal
 
 from __future__ import annotations
 
+import io
 import threading
 import tracemalloc
 from pathlib import Path
@@ -165,3 +166,22 @@ def test_plan_lists_the_first_runs_and_says_how_many_more(project: Path, capsys:
     assert len(shown.splitlines()) < 70
     assert cli.main(["plan", "--all", "exp.yaml"]) == 0
     assert len(capsys.readouterr().out.splitlines()) >= 200
+
+
+def test_the_live_table_of_a_large_sweep_shows_a_screenful_running_runs_first() -> None:
+    from rich.console import Console
+
+    from nbbatch.results.progress import _screenful
+
+    records = [new_record(run, "local") for run in _runs(5000)]
+    for index in (10, 4000):
+        records[index].status = Status.RUNNING
+    records[4500].status = Status.FAILED
+    console = Console(width=120, height=30, record=True, file=io.StringIO())
+    console.print(*_screenful(records, "big", console))
+    text = console.export_text()
+    assert "big: 1 failed, 4997 queued, 2 running" in " ".join(text.split())  # the title counts every run
+    shown = [line.split()[0] for line in text.splitlines() if line.split() and line.split()[0][1:].isdigit()]
+    assert len(shown) == 22  # the terminal's height less the title, header and notes
+    assert {"r10", "r4000", "r4500"} <= set(shown)  # the runs that moved or went wrong, whatever their place
+    assert "… and 4978 more run(s) not shown (4978 queued)" in text

@@ -53,8 +53,7 @@ def live_progress(share: Share, experiment: str, run_ids: list[str]) -> Iterator
             current = list(records.values())
         # run data reaches rich as Text only (status_table's cells and a str title): never read as markup;
         # the table is laid out when drawn, so a running run's elapsed time ticks with each refresh
-        return Group(status_table(current, title=table_title(experiment, current)),
-                     Text(f"share: {share.url}", style="dim"))
+        return Group(*_screenful(current, experiment, console), Text(f"share: {share.url}", style="dim"))
 
     if not console.is_terminal:
         def on_update_plain(record: RunRecord) -> None:
@@ -90,6 +89,28 @@ def _drawn(live: Live) -> Iterator[Live]:
     finally:
         with contextlib.suppress(OSError):
             live.stop()
+
+
+# the runs a live table shows first when they do not all fit the terminal: those moving, then those that went wrong
+_SHOWN_FIRST = (Status.RUNNING, Status.FAILED, Status.TIMED_OUT, Status.CANCELLED, Status.QUEUED, Status.SUCCEEDED)
+
+
+def _screenful(records: list[RunRecord], experiment: str, console: Console) -> list[object]:
+    """The live table of ``records``, with at most a screenful of rows: a large sweep (10^4 runs and more) would
+    otherwise be laid out whole four times a second. The title counts every run; the runs left out are counted
+    under the table (``nbbatch status`` lists them all)."""
+    room = max(10, console.size.height - 8)
+    title = table_title(experiment, records)
+    if len(records) <= room:
+        return [status_table(records, title=title)]
+    rank = {status: index for index, status in enumerate(_SHOWN_FIRST)}
+    order = sorted(range(len(records)), key=lambda i: rank.get(records[i].status, len(rank)))
+    shown = sorted(order[:room])
+    left = summary_counts([records[i] for i in order[room:]])
+    note = ", ".join(f"{n} {s}" for s, n in sorted(left.items()))
+    return [status_table([records[i] for i in shown], title=title),
+            Text(f"… and {len(records) - room} more run(s) not shown ({note}); `nbbatch status` lists them all",
+                 style="dim")]
 
 
 def abandoned_runs(share: Share, experiment: str, records: Sequence[RunRecord]) -> list[RunRecord]:
@@ -144,12 +165,12 @@ def watch_status(load: Callable[[], list[RunRecord]], experiment: str, interval:
     def ended() -> bool:
         return all(r.final for r in records) or bool(stuck(records))
     if console.is_terminal:
-        with _drawn(Live(status_table(records, title=table_title(experiment, records)), console=console,
+        with _drawn(Live(Group(*_screenful(records, experiment, console)), console=console,
                          refresh_per_second=1, transient=False)) as live:  # 1/s: elapsed times tick between reads
             while not ended():
                 time.sleep(interval)
                 records = load()
-                live.update(status_table(records, title=table_title(experiment, records)), refresh=True)
+                live.update(Group(*_screenful(records, experiment, console)), refresh=True)
         return records
     printed = None
     while True:
