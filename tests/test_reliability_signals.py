@@ -60,9 +60,18 @@ def _one_running(project: Path) -> bool:
     return any(project.glob("started-*"))
 
 
+def _as_from_a_terminal() -> None:
+    """In a child before exec: the stop signals as a shell on a terminal leaves them. Where the tests run under
+    `nohup` or as a background job, SIGHUP or SIGINT is ignored, and nbbatch rightly keeps an ignored signal
+    ignored: the tests of what those signals do would then test nothing (or wait forever)."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def _submit(project: Path, *extra: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen[str]:
     return subprocess.Popen([*prefix, sys.executable, "-m", "nbbatch", "submit", "exp.yaml", *extra], cwd=project,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_as_from_a_terminal)
 
 
 def _all_cancelled(project: Path, name: str) -> None:
@@ -98,6 +107,7 @@ def _spawn_on_terminal(project: Path, *argv: str) -> tuple[int, int]:
     pid, master = pty.fork()
     if pid == 0:  # the child: only exec (or exit) after a fork
         try:
+            _as_from_a_terminal()
             os.chdir(project)
             os.execv(sys.executable, [sys.executable, "-m", "nbbatch", *argv])
         finally:
