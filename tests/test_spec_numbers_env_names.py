@@ -34,6 +34,17 @@ def test_exponents_are_numbers_and_quoted_ones_stay_strings(notebook, write_expe
     assert spec.parameters["LR"] == value and type(spec.parameters["LR"]) is type(value)
 
 
+@pytest.mark.parametrize(("written", "value"), [
+    ("010", 10), ("-007", -7), ("0o10", 8), ("0x1F", 31), ("1_000", 1000), ("+5", 5), ("0", 0),
+    ("true", True), ("FALSE", False), ("~", None), ("null", None),
+    ("yes", "yes"), ("on", "on"), ("NO", "NO"), ("Off", "Off"), ("1:20", "1:20"), ("0b101", "0b101"),
+])
+def test_other_scalars_are_read_as_yaml_1_2_reads_them(notebook, write_experiment, written, value):
+    """YAML 1.1 (PyYAML's) read 010 as 8, 1:20 as 80, and yes/on/NO as booleans: a country code NO became False."""
+    spec = load_experiment(write_experiment(f"notebooks: [nb.ipynb]\nparameters: {{LR: {written}}}\n"))
+    assert spec.parameters["LR"] == value and type(spec.parameters["LR"]) is type(value)
+
+
 def test_the_readmes_loguniform_sweep_is_accepted(notebook, write_experiment):
     path = write_experiment("notebooks: [nb.ipynb]\n"
                             "sweep: {random: {samples: 8, seed: 0, params: {LR: {loguniform: [1e-4, 1e-1]}}}}\n")

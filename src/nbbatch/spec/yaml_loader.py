@@ -1,9 +1,11 @@
 """The one way nbbatch reads YAML that people write: experiment files, ``framework.yaml``, ``nbbatch run -y/-f``.
 
 PyYAML resolves plain scalars by YAML 1.1, where a float needs a dot: ``1e-4`` and ``1e4`` would be strings, so
-``loguniform: [1e-4, 1e-1]`` would be refused and a parameter would get ``'1e-4'``. :class:`YamlLoader` is PyYAML's
-safe loader with floats read as YAML 1.2 reads them (an exponent without a dot, a signed ``-.5``); a quoted
-``'1e-4'`` stays a string. Everything else is PyYAML's safe loading, unchanged.
+``loguniform: [1e-4, 1e-1]`` would be refused and a parameter would get ``'1e-4'``; ``010`` would be 8 (octal),
+``1:20`` 80 (base 60), and ``yes``, ``on``, ``NO`` booleans. :class:`YamlLoader` is PyYAML's safe loader with the
+scalars of YAML 1.2's core schema: ``1e-4`` and ``-.5`` are floats, ``010`` is 10 (``0o10`` is octal, ``0x10``
+hexadecimal), only ``true``/``false`` are booleans, and ``1:20`` or ``NO`` are text. Digits may be grouped with
+``_`` (``1_000``), as in Python. A quoted scalar is always a string.
 """
 
 from __future__ import annotations
@@ -19,24 +21,38 @@ __all__ = ["YamlLoader", "load_yaml"]
 _FLOAT_TAG = "tag:yaml.org,2002:float"
 _STR_TAG = "tag:yaml.org,2002:str"
 _NULL_TAG = "tag:yaml.org,2002:null"
+_INT_TAG = "tag:yaml.org,2002:int"
+_BOOL_TAG = "tag:yaml.org,2002:bool"
 _FLOAT = re.compile(r"""^(?:
       [-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?     # 1.5, 1., 1.0e-4, 1.5e+3
     | [-+]?[0-9][0-9_]*[eE][-+]?[0-9]+                   # 1e-4, 1e4: YAML 1.2 (a string for YAML 1.1)
     | [-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?                 # .5, -.5
-    | [-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*        # 1:30.5, YAML 1.1's base 60, as PyYAML reads it
     | [-+]?\.(?:inf|Inf|INF)
     | \.(?:nan|NaN|NAN))$""", re.X)
+_INT = re.compile(r"^(?:[-+]?[0-9][0-9_]*|0o[0-7_]+|0x[0-9a-fA-F_]+)$")  # 010 is ten; 0o10 eight, 0x10 sixteen
+_BOOL = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")  # not YAML 1.1's yes/no/on/off
 
 
 class YamlLoader(yaml.SafeLoader):
-    """PyYAML's ``SafeLoader`` with YAML 1.2's floats: ``1e-4`` is the number 0.0001, ``'1e-4'`` a string."""
+    """PyYAML's ``SafeLoader`` with YAML 1.2's core scalars: ``1e-4`` is the number 0.0001, ``010`` is 10, ``yes``
+    is text; ``'1e-4'`` is a string."""
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        """A YAML 1.2 integer: decimal even with a leading zero, ``0o`` octal, ``0x`` hexadecimal."""
+        text = str(self.construct_scalar(node)).replace("_", "")
+        if text[:2] in ("0o", "0x"):
+            return int(text[2:], 8 if text[1] == "o" else 16)
+        return int(text, 10)
 
 
-# PyYAML's float resolver swapped for ours (its int resolver, tried first, matches nothing that ours does)
+# PyYAML's YAML 1.1 resolvers of booleans, integers and floats swapped for YAML 1.2's
 YamlLoader.yaml_implicit_resolvers = {
-    first: [(tag, pattern) for tag, pattern in resolvers if tag != _FLOAT_TAG]
+    first: [(tag, pattern) for tag, pattern in resolvers if tag not in (_FLOAT_TAG, _INT_TAG, _BOOL_TAG)]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+YamlLoader.add_implicit_resolver(_BOOL_TAG, _BOOL, list("tTfF"))
+YamlLoader.add_implicit_resolver(_INT_TAG, _INT, list("-+0123456789"))
 YamlLoader.add_implicit_resolver(_FLOAT_TAG, _FLOAT, list("-+0123456789."))
+YamlLoader.add_constructor(_INT_TAG, YamlLoader.construct_yaml_int)
 
 
 def load_yaml(text: str, as_written: Iterable[tuple[str, ...]] = ()) -> Any:
