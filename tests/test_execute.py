@@ -7,10 +7,9 @@ import threading
 import time
 
 import nbformat
-import psutil
 import pytest
 from support.notebooks import make_notebook
-from support.processes import kernels_of
+from support.processes import gone, kernels_of
 
 import nbbatch
 from nbbatch.api import submit
@@ -91,13 +90,6 @@ def test_cell_timeout_gives_timed_out_with_partial_notebook(project, write_exper
     assert any(getattr(c, "outputs", None) and "started" in c.outputs[0].get("text", "") for c in _output(project, record).cells)
 
 
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
 @pytest.mark.kernel
 def test_run_timeout_kills_the_kernel_and_its_children(project, write_experiment):
     make_notebook(project / "nb.ipynb", [
@@ -112,9 +104,9 @@ def test_run_timeout_kills_the_kernel_and_its_children(project, write_experiment
     kernel, child = map(int, (project / "pids").read_text().split())
     grandchild = int((project / "grandchild.pid").read_text())  # a child of the kernel's child
     deadline = time.time() + 15
-    while time.time() < deadline and not all(_gone(p) for p in (kernel, child, grandchild)):
+    while time.time() < deadline and not all(gone(p) for p in (kernel, child, grandchild)):
         time.sleep(0.2)
-    assert _gone(kernel) and _gone(child) and _gone(grandchild)
+    assert gone(kernel) and gone(child) and gone(grandchild)
     nb = _output(project, record)
     assert "nbbatch stopped this run" in nb.cells[0].source
     started = next(c for c in nb.cells if "print('started'" in c.source)

@@ -14,11 +14,12 @@ import time
 from pathlib import Path
 
 import nbformat
-import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.notebooks import make_notebook
+from support.processes import gone
+from support.tmpfs import mounted_tmpfs
 
 from nbbatch.api import submit
 from nbbatch.errors import LockedError
@@ -44,13 +45,6 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):
             return value
         time.sleep(poll)
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def records_on_disk(folder: Path) -> dict[str, dict]:
@@ -256,16 +250,8 @@ def test_oom_killed_kernel_is_a_failed_run(project, write_experiment):
 @pytest.fixture
 def small_share(project):
     """A tmpfs of 3 MiB as the share (root only: mount -t tmpfs); skipped where mounting is not allowed."""
-    mountpoint = project / "share"
-    mountpoint.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m,mode=755", "tmpfs", str(mountpoint)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or done.returncode}); run as root")
-    try:
+    with mounted_tmpfs(project / "share", "3m") as mountpoint:
         yield mountpoint
-    finally:
-        subprocess.run(["umount", "-l", str(mountpoint)], check=False)
 
 
 @pytest.mark.kernel

@@ -13,10 +13,10 @@ import tempfile
 from pathlib import Path
 
 import nbformat
-import psutil
 import pytest
 from papermill.cli import _resolve_type
 from support.notebooks import make_notebook
+from support.processes import gone
 from support.waiting import wait_until
 
 from nbbatch.api import submit
@@ -142,13 +142,6 @@ def test_dash_p_values_reach_the_notebook_as_papermill_types_them(project, capsy
     assert _outputs(project / "out.ipynb")[-1] == "-inf 'none' 'NULL' nan -0.0001\n"
 
 
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
 @pytest.mark.kernel
 def test_a_sigkilled_nbbatch_run_leaves_no_process_of_its_notebook(project):
     make_notebook(project / "nb.ipynb", [
@@ -165,4 +158,4 @@ def test_a_sigkilled_nbbatch_run_leaves_no_process_of_its_notebook(project):
         driver.send_signal(signal.SIGKILL)
         driver.wait(10)
     kernel, child = (int(p) for p in text.split())
-    wait_until(lambda: _gone(kernel) and _gone(child), 30, "the kernel and its child process to die")
+    wait_until(lambda: gone(kernel) and gone(child), 30, "the kernel and its child process to die")

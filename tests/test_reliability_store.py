@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.tmpfs import mounted_tmpfs
 
 import nbbatch
 from nbbatch.errors import LockedError, NbbatchError, ShareError
@@ -64,13 +65,7 @@ def _results(root: Path, experiment: str = "exp", runs: tuple[str, ...] = ("run-
 @pytest.fixture
 def full_share(project):
     """A tmpfs of 1 MiB as the share, filled (root only: mount -t tmpfs); skipped where mounting is not allowed."""
-    mountpoint = project / "share"
-    mountpoint.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=755", "tmpfs", str(mountpoint)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or done.returncode}); run as root")
-    try:
+    with mounted_tmpfs(project / "share", "1m") as mountpoint:
         with open(mountpoint / "filler", "wb") as filler:
             try:
                 while True:
@@ -79,8 +74,6 @@ def full_share(project):
             except OSError as exc:
                 assert exc.errno == errno.ENOSPC
         yield mountpoint
-    finally:
-        subprocess.run(["umount", "-l", str(mountpoint)], check=False)
 
 
 def test_a_full_share_at_submit_is_one_clear_error_and_the_next_submit_is_not_locked_out(project, full_share):

@@ -30,3 +30,13 @@ def kernels_of(experiment: str, wait: float = 15.0) -> list[int]:
         if not found or time.monotonic() > deadline:
             return found
         time.sleep(0.2)
+
+
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie waiting for its parent counts as ended)."""
+    import psutil  # the test extra, not nbbatch's
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
