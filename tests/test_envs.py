@@ -74,3 +74,6 @@ def test_failed_build_names_its_log(project):
     done = subprocess.run([sys.executable, "-m", "nbbatch", "envs", "create", "broken"], cwd=project,
                           capture_output=True, text=True)
     assert done.returncode == 2 and "broken.log" in done.stderr and "Traceback" not in done.stderr
+    # tried twice (a network hiccup gets a second chance), and pip's own reason is in the message
+    assert "2 tries" in done.stderr and "this-package-does-not-exist-nbbatch" in done.stderr.split("broken.log", 1)[1]
+    assert "trying again (2 of 2)" in (project / ".nbbatch/envs/broken.log").read_text()

@@ -27,6 +27,19 @@ from nbbatch.spec.project import Project, find_project
 from nbbatch.store.share import FILE_MODE, write_file_atomic
 
 KERNEL_REQUIREMENTS = ("ipykernel>=6.25",)
+INSTALL_ATTEMPTS = 2  # an install fails now and then on a network or mirror hiccup; a second try is cheap
+
+
+def _last_lines(log_path: Path, start: int, count: int = 8) -> str:
+    """The last lines the failed step wrote (pip's own error), indented under the message."""
+    try:
+        with open(log_path, "rb") as log:
+            log.seek(start)
+            text = log.read().decode(errors="replace")
+    except OSError:
+        return ""
+    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("WARNING: Location")]
+    return "".join(f"\n    {line}" for line in lines[-count:])
 
 
 def installer() -> str:
@@ -103,16 +116,24 @@ def build_env(framework: Framework, project: Project | None = None, force: bool 
     log_path = project.envs_dir / f"{framework.name}.log"
     step = on_step or (lambda _msg: None)
     with open(log_path, "w") as log:
-        def run(cmd: list[str], what: str) -> None:
+        def run(cmd: list[str], what: str, attempts: int = 1) -> None:
             step(what)
-            log.write(f"$ {' '.join(cmd)}\n")
-            log.flush()
-            done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PIP_PROGRESS_BAR": "off"})
-            if done.returncode != 0:
-                raise NbbatchError(
-                    f"building the environment for `{framework.name}` failed while {what} "
-                    f"(exit {done.returncode}); see the build log {log_path}"
-                )
+            for attempt in range(1, attempts + 1):
+                log.write(f"$ {' '.join(cmd)}\n")
+                log.flush()
+                start = log.tell()
+                done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                      env={**os.environ, "PIP_PROGRESS_BAR": "off"})
+                if done.returncode == 0:
+                    return
+                if attempt < attempts:  # a download cut short or a busy mirror: pip resumes from its cache
+                    log.write(f"# exit {done.returncode}; trying again ({attempt + 1} of {attempts})\n")
+                    step(f"{what} (try {attempt + 1})")
+            raise NbbatchError(
+                f"building the environment for `{framework.name}` failed while {what} "
+                f"(exit {done.returncode}{', ' + str(attempts) + ' tries' if attempts > 1 else ''}); "
+                f"see the build log {log_path}{_last_lines(log_path, start)}"
+            )
 
         try:
             (path / MARKER).unlink(missing_ok=True)
@@ -125,14 +146,15 @@ def build_env(framework: Framework, project: Project | None = None, force: bool 
                 else:
                     run([sys.executable, "-m", "venv", str(path)], "creating the venv")
             if framework.setup_requirements:
-                run(_install_cmd(python, list(framework.setup_requirements)), "installing setup requirements")
+                run(_install_cmd(python, list(framework.setup_requirements)), "installing setup requirements",
+                INSTALL_ATTEMPTS)
             requirements = framework.requirements
             if gpu:
                 requirements = path / "requirements-gpu.txt"
                 requirements.write_text("\n".join(framework.requirement_lines(gpu=True)) + "\n")
             options = [*framework.pip_options, *(framework.gpu_pip_options if gpu else ())]
             run(_install_cmd(python, [*options, *KERNEL_REQUIREMENTS, "-r", str(requirements)]),
-                "installing pinned requirements" + (" (GPU builds)" if gpu else ""))
+                "installing pinned requirements" + (" (GPU builds)" if gpu else ""), INSTALL_ATTEMPTS)
             step("registering the kernel")
             _link_nbbatch(python, log)
             _write_kernel(framework, project, python, gpu)
