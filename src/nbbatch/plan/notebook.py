@@ -10,6 +10,7 @@ import json
 import math
 import reprlib
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -40,6 +41,7 @@ class NotebookInfo:
     language: str | None
     has_parameters_cell: bool
     parameters: dict[str, NotebookParameter] = field(default_factory=dict)
+    imports: frozenset[str] = frozenset()  # the modules its code cells import, dotted ones with their parents
 
 
 def _read(path: Path) -> tuple[bytes, dict[str, Any]]:
@@ -134,7 +136,31 @@ def _inspect_cached(path: Path, mtime_ns: int) -> NotebookInfo:
     kernelspec = data.get("metadata", {}).get("kernelspec") or {}
     language = (data.get("metadata", {}).get("language_info") or {}).get("name") or kernelspec.get("language")
     params = _parse_parameters(path, _source(tagged[0])) if tagged else {}
-    return NotebookInfo(path, content, kernelspec.get("name"), language, bool(tagged), params)
+    imports = _imports(_source(c) for c in data["cells"] if c.get("cell_type") == "code")
+    return NotebookInfo(path, content, kernelspec.get("name"), language, bool(tagged), params, imports)
+
+
+def _imports(sources: Iterable[str]) -> frozenset[str]:
+    """Every module the cells import (``from a.b import c`` gives a, a.b and a.b.c: c may be a module). IPython's
+    magics and shell lines are blanked first; a cell that still does not parse is skipped."""
+    found: set[str] = set()
+    for source in sources:
+        code = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
+        try:
+            tree = ast.parse(code)
+        except (SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [f"{node.module}.{alias.name}" for alias in node.names if alias.name != "*"] or [node.module]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                found.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return frozenset(found)
 
 
 def inspect_notebook(path: str | Path) -> NotebookInfo:

@@ -19,7 +19,8 @@ from nbbatch.errors import ValidationError, did_you_mean
 from nbbatch.plan.inputs import check_inputs, input_identities
 from nbbatch.plan.notebook import inspect_notebook, validate_parameters
 from nbbatch.spec.environments import require_ready
-from nbbatch.spec.frameworks import get_framework
+from nbbatch.spec.frameworks import Framework, get_framework, list_frameworks
+from nbbatch.spec.gpu_sharing import recognise, shared_gpu_env
 from nbbatch.spec.project import find_project
 from nbbatch.spec.resources import Distribution
 
@@ -93,6 +94,8 @@ class Run:
     env: dict[str, str] = field(default_factory=dict)  # variables for the kernel (on top of the kernelspec's)
     shared_gpu_env: dict[str, str] = field(default_factory=dict)  # added when the run shares its GPU
     gpu_memory_mb: int | None = None  # the framework's estimate of the GPU memory a run needs (None: unknown)
+    preload: tuple[str, ...] = ()  # modules a kernel started ahead of the run imports before it is given the run
+    recognised_as: str | None = None  # the framework a notebook given by path was recognised as (its kernel, imports)
     cwd: str | None = None  # kernel working directory (default: the notebook's folder)
     inputs: dict[str, str] = field(default_factory=dict)  # parameter -> folder or share URL (bound where it runs)
     distribution: Distribution | None = None  # what a distributed run spans (``gpus`` is then per node); None: one kernel
@@ -125,6 +128,18 @@ class Run:
         if absolute.exists() or project_root is None:
             return absolute
         return project_root / self.notebook_rel
+
+
+@dataclass(frozen=True)
+class _Target:
+    """One notebook of an experiment (a framework's, or one given by path) and what its runs share."""
+
+    label: str
+    notebook: Path
+    kernel: str
+    env_lock: str  # what stands for its environment in the run ids: the framework's pins, else the kernel's name
+    framework: Framework | None  # its framework, declared or recognised (None: not known)
+    declared: bool = False  # named in `frameworks:` (not recognised from a notebook given by path)
 
 
 @dataclass
@@ -163,7 +178,7 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
         except ValueError:
             return path.name
 
-    targets: list[tuple[str, Path, str, str | None, str, dict[str, str], int | None]] = []
+    targets: list[_Target] = []
     for name in experiment.frameworks:
         framework = get_framework(name, project)
         if check_kernels:
@@ -178,27 +193,33 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
             raise ValidationError(f"framework `{name}` cannot use a GPU (frameworks/{name}/framework.yaml says "
                                   "gpu: false) but the experiment asks for resources.gpus: "
                                   f"{experiment.resources.gpus}; set gpus: 0 or drop `{name}`")
-        targets.append((name, framework.notebook, framework.kernel_name, name, framework.fingerprint(),
-                        dict(framework.shared_gpu_env), framework.gpu_memory_mb))
+        targets.append(_Target(name, framework.notebook, framework.kernel_name, framework.fingerprint(), framework,
+                               declared=True))
+    known = list_frameworks(project) if experiment.notebooks else {}
     for entry in experiment.notebooks:
         info = inspect_notebook(entry.path)
         kernel = entry.kernel or info.kernel
         if not kernel:
             raise ValidationError(f"{entry.path.name} names no kernel in its metadata; give one with "
                                   f"`kernel:` in the experiment (known kernels: {', '.join(sorted(kernels))})")
-        targets.append((entry.label or entry.path.stem, entry.path, kernel, None, kernel, {}, None))
+        targets.append(_Target(entry.label or entry.path.stem, entry.path, kernel, kernel,
+                               recognise(kernel, info.imports, known)))
 
     # What every run of a target shares is computed once, and its dicts are shared by the (frozen) runs: a sweep
     # of 10^5 runs costs one parameters dict and one hash of them per run.
     env, inputs, identities = dict(experiment.env), dict(experiment.inputs), input_identities(experiment.inputs,
                                                                                               project.root)
-    for label, notebook, kernel, framework_name, env_lock, shared_env, memory_mb in targets:
+    for target in targets:
+        label, notebook, kernel, framework = target.label, target.notebook, target.kernel, target.framework
+        shared_env, memory_mb = shared_gpu_env(framework), framework.gpu_memory_mb if framework else None
+        framework_name = framework.name if framework and target.declared else None
+        recognised_as = framework.name if framework and not target.declared else None
         info = inspect_notebook(notebook)
         if check_kernels and kernel not in kernels:
             raise ValidationError(f"kernel `{kernel}` (for {notebook.name}) does not exist{did_you_mean(kernel, kernels)}; "
                                   f"known kernels: {', '.join(sorted(kernels)) or '(none)'}. "
                                   "List them with `jupyter kernelspec list`.")
-        run_id = run_id_maker(label, info.content, env_lock, experiment.env, experiment.resources.gpus, identities,
+        run_id = run_id_maker(label, info.content, target.env_lock, experiment.env, experiment.resources.gpus, identities,
                               experiment.resources.distribution)
         checked: set[tuple[str, int]] = set()  # (name, id(value)): a grid's values recur in many runs, checked once
         notebook_path, rel = str(notebook), notebook_rel(notebook)
@@ -214,6 +235,7 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
                 timeout_s=experiment.timeout, cell_timeout_s=experiment.cell_timeout, retries=experiment.retries,
                 max_output_mb=experiment.max_output_mb,
                 env=env, shared_gpu_env=shared_env, gpu_memory_mb=memory_mb,
+                preload=framework.preload if framework else (), recognised_as=recognised_as,
                 inputs=inputs, distribution=experiment.resources.distribution,
             ))
     seen: dict[str, Run] = {}

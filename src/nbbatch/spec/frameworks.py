@@ -22,7 +22,7 @@ FRAMEWORK_FILE = "framework.yaml"
 _KNOWN_KEYS = {
     "title", "notebook", "requirements", "setup_requirements", "pip_options", "kernel_env",
     "shared_gpu_env", "gpu_memory_mb", "gpu", "image", "base_image", "description", "python",
-    "gpu_packages", "gpu_pip_options", "system_packages", "distribution",
+    "gpu_packages", "gpu_pip_options", "system_packages", "distribution", "imports", "preload",
 }
 DEFAULT_PYTHON = "3.11"  # the Python of the environments and images, unless framework.yaml says `python:`
 _PACKAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # the distribution name a pin line starts with
@@ -56,6 +56,10 @@ class Framework:
     # The `distribution.type`s its notebook can run as (``[torch]``), or why it runs in one process only.
     distribution: tuple[str, ...] = ()
     no_distribution: str = ""
+    # The modules a notebook imports that make it one of this framework's, when given by path (all of them).
+    imports: tuple[str, ...] = ()
+    # What a kernel started ahead of one of its runs imports before the run is given to it (no CUDA is touched).
+    preload: tuple[str, ...] = ()
 
     @property
     def kernel_name(self) -> str:
@@ -135,6 +139,8 @@ def _load(folder: Path, project: Project) -> Framework:
         gpu_pip_options=tuple(str(o) for o in data.get("gpu_pip_options") or ()),
         system_packages=_system_packages(source, data.get("system_packages")),
         **_distribution(source, data.get("distribution")),
+        imports=_modules(source, "imports", data.get("imports")),
+        preload=_modules(source, "preload", data.get("preload")),
     )
 
 
@@ -150,6 +156,17 @@ def _distribution(source: Path, value: Any) -> dict[str, Any]:
         raise ValidationError(f"{source}: `distribution` must list types of {', '.join(DISTRIBUTIONS)} "
                               f"(e.g. [torch]) or be a sentence saying why it cannot run distributed; not {value!r}")
     return {"distribution": tuple(value)}
+
+
+_MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def _modules(source: Path, key: str, value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(n, str) and _MODULE.fullmatch(n) for n in value):
+        raise ValidationError(f"{source}: `{key}` must be a list of Python module names (e.g. [torch, flax]); not {value!r}")
+    return tuple(value)
 
 
 def _system_packages(source: Path, value: Any) -> tuple[str, ...]:

@@ -1,0 +1,138 @@
+"""The framework notebooks as users give them (by path, in the ``python3`` kernel) sharing one GPU.
+
+    python benchmarks/gpu_share_frameworks.py                        # both batches, modes 1,auto,auto,auto+mps
+    python benchmarks/gpu_share_frameworks.py --batches pytorch9 --modes 1,auto --samples 2000
+    python benchmarks/gpu_share_frameworks.py --cpu --kernels own --samples 300 --epochs 1   # no GPU: checks the script
+
+Two batches of 9 runs, each a sweep over ``SEED`` of notebooks from ``notebooks/`` given as
+``notebooks: [{path: ..., kernel: python3}]``, on CIFAR-shaped synthetic data (``--samples`` images, ``--epochs``,
+``--batchsize``):
+
+  * ``pytorch9``: 9 × PyTorch_CIFAR;
+  * ``mixed``: 3 × (PyTorch_CIFAR, Lightning_CIFAR, JAX_Flax_CIFAR).
+
+Each mode of ``--modes`` is one submission of the batch, in order: ``1`` (``runs_per_gpu: 1``, one after
+another: the baseline), ``auto`` (the first ``auto`` of a batch finds nothing measured: only what nbbatch
+recognises from the notebook; later ones start from what it measured), ``+mps`` under CUDA MPS. Prints one
+markdown table: wall time, the ratio to the batch's sequential time, the median setup (every cell up to the
+training loop: imports, CUDA context, data on the GPU, the model), the median setup of runs that got a kernel
+started ahead with its framework imported, and the memory reserved per run. Needs this repo's src (found on its
+own), papermill and ipykernel, and in this Python torch, pytorch_lightning, jax with CUDA, flax and optax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from gpu_notebooks import ROOT, find_gpus, isolate, use_gpus, write_data
+from machine import describe, median
+
+BATCHES = {"pytorch9": ["PyTorch_CIFAR"] * 9, "mixed": ["PyTorch_CIFAR", "Lightning_CIFAR", "JAX_Flax_CIFAR"] * 3}
+OWN_KERNELS = {"PyTorch_CIFAR": "nbbatch-pytorch", "Lightning_CIFAR": "nbbatch-lightning",
+               "JAX_Flax_CIFAR": "nbbatch-jax-flax"}
+WARM = "imported ahead"  # what log.txt says of a run whose kernel was started ahead with its framework imported
+
+
+def submit_batch(names: list[str], tag: str, mode: str, args: argparse.Namespace, share: Path, data: Path,
+                 backend: str) -> dict:
+    import nbbatch
+
+    per_gpu, mps = mode.removesuffix("+mps"), mode.endswith("+mps")
+    counts = {n: names.count(n) for n in dict.fromkeys(names)}
+    notebooks = [{"path": str(ROOT / "notebooks" / f"{n}.ipynb"),
+                  "kernel": OWN_KERNELS[n] if args.kernels == "own" else "python3"} for n in counts]
+    spec = {"experiment": f"share-{tag}-{'seq' if per_gpu == '1' else 'auto'}", "notebooks": notebooks,
+            "parameters": {"EPOCHS": args.epochs, "BATCHSIZE": args.batchsize, "MAX_SAMPLES": args.samples,
+                           "DATASET": "cifar10", "DATA_DIR": str(data), "GPU": not args.cpu},
+            "sweep": {"grid": {"SEED": list(range(max(counts.values())))}},
+            "resources": {"gpus": 0 if args.cpu else 1, "runs_per_gpu": int(per_gpu) if per_gpu.isdigit() else per_gpu,
+                          "mps": mps}, "backend": backend, "share": str(share)}
+    start = time.perf_counter()
+    result = nbbatch.submit(spec, progress=False, force=True)
+    wall = time.perf_counter() - start
+    failed = [(r.run_id, r.error.summary() if r.error else r.status) for r in result.records if r.status != "succeeded"]
+    if failed:
+        raise SystemExit(f"{tag} {mode}: runs failed: {failed[:3]} (see {share}/<experiment>/<run>/log.txt)")
+    setups, warm_setups, needs = [], [], set()
+    for record in result.records:
+        folder = share / record.experiment / record.run_id
+        setup = setup_seconds(json.loads((folder / "output.ipynb").read_text()))
+        setups.append(setup)
+        if WARM in (folder / "log.txt").read_text():
+            warm_setups.append(setup)
+        share_info = record.gpu_share
+        needs.add(f"{share_info.need_mb:.0f} MiB ({share_info.need_from})" if share_info and share_info.need_mb
+                  else "alone first" if share_info and share_info.exclusive else "-")
+    return {"wall": wall, "setup": median(setups), "warm": (median(warm_setups), len(warm_setups)) if warm_setups else None,
+            "needs": ", ".join(sorted(needs))}
+
+
+def setup_seconds(nb: dict) -> float:
+    """Seconds of the cells before the training loop: up to the one defining ``summarize_epochs``."""
+    total = 0.0
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        total += cell.get("metadata", {}).get("papermill", {}).get("duration") or 0.0
+        if "def summarize_epochs" in "".join(cell["source"]):
+            return total
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="pytorch9,mixed", help="of: " + ", ".join(BATCHES))
+    parser.add_argument("--modes", default="1,auto,auto,auto+mps", help="1, k, auto, each optionally +mps")
+    parser.add_argument("--samples", type=int, default=10000, help="training images (default 10000)")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batchsize", type=int, default=256)
+    parser.add_argument("--gpu", type=int, default=0, help="the GPU to use (NVML index)")
+    parser.add_argument("--kernels", choices=["python3", "own"], default="python3",
+                        help="python3 (this Python; default) or the frameworks' own nbbatch-<name> kernels")
+    parser.add_argument("--cpu", action="store_true", help="no GPU: runs on the CPU (checks the script only)")
+    args = parser.parse_args()
+    batches = [b.strip() for b in args.batches.split(",") if b.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not set(batches) <= set(BATCHES) or not modes:
+        raise SystemExit(f"--batches: choose from {', '.join(BATCHES)}; --modes: e.g. 1,auto,auto+mps")
+    gpus = [] if args.cpu else [g for g in find_gpus() if g.index == args.gpu]
+    if not gpus and not args.cpu:
+        raise SystemExit(f"no GPU {args.gpu} here; --cpu checks the script without one")
+    where = f"GPU {gpus[0].index}: {gpus[0].name}, {gpus[0].memory_mb} MiB" if gpus else "CPU only (a check, not a measurement)"
+    print(describe(f"framework notebooks by path sharing one GPU: {', '.join(batches)} × {', '.join(modes)}"), end="")
+    print(f"- {where}; {args.samples} images × {args.epochs} epochs, batch {args.batchsize}; kernels: {args.kernels}\n",
+          flush=True)
+    import papermill  # noqa: F401 - imported before timing
+
+    import nbbatch.api  # noqa: F401
+
+    if args.kernels == "own":
+        from nbbatch.spec.project import Project
+        Project(ROOT).activate_kernels()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        isolate(root)
+        data = write_data(root / "data", args.samples, 1000)
+        backend = use_gpus(gpus)
+        for tag in batches:
+            base = None
+            for mode in modes:
+                result = submit_batch(BATCHES[tag], tag, mode, args, root / "share", data, backend)
+                base = base or result["wall"]
+                rows.append((tag, mode, result, base))
+                print(f"{tag} {mode}: {result['wall']:.1f} s", file=sys.stderr, flush=True)
+    print("| batch | mode | wall | vs sequential | median setup | warm runs: median setup (runs) | reserved / run |")
+    print("|---|---|---|---|---|---|---|")
+    for tag, mode, r, base in rows:
+        warm = f"{r['warm'][0]:.2f} s ({r['warm'][1]})" if r["warm"] else "-"
+        print(f"| {tag} | {mode} | {r['wall']:.1f} s | {base / r['wall']:.2f}× | {r['setup']:.2f} s | {warm} | {r['needs']} |")
+
+
+if __name__ == "__main__":
+    main()
