@@ -4,6 +4,9 @@ notebook given by path is recognised as a framework (its kernel, else its import
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from support.notebooks import make_notebook
@@ -135,3 +138,16 @@ def test_the_kernel_of_any_notebook_sharing_a_gpu_gets_them(project, monkeypatch
         assert seen["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     else:
         assert seen["XLA_PYTHON_CLIENT_PREALLOCATE"] is None and seen["PYTORCH_CUDA_ALLOC_CONF"] is None
+
+
+def test_plan_says_what_a_notebook_was_recognised_as(frameworks, project):
+    make_notebook(project / "mine.ipynb", ["import torch"], kernel="python3")
+    (project / "exp.yaml").write_text("experiment: mine\nnotebooks: [{path: mine.ipynb, kernel: python3}]\n")
+    done = subprocess.run([sys.executable, "-m", "nbbatch", "plan", "exp.yaml"], cwd=project, capture_output=True,
+                          text=True, env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 0, done.stderr
+    assert "mine.ipynb: recognised as framework `torchy` (by its kernel or imports)" in done.stdout
+    done = subprocess.run([sys.executable, "-m", "nbbatch", "plan", "exp.yaml", "--json"], cwd=project,
+                          capture_output=True, text=True)
+    (run,) = json.loads(done.stdout)
+    assert run["recognised_as"] == "torchy" and run["preload"] == ["torch"] and run["gpu_memory_mb"] == 1500

@@ -156,6 +156,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                            "`--json` gives them as data"))
     for name, location in the_plan.experiment.inputs.items():
         console.print(Text(f"input {name} ← {location}"), soft_wrap=True)
+    for notebook, framework in dict.fromkeys((r.notebook_rel, r.recognised_as) for r in runs if r.recognised_as):
+        console.print(Text(f"{notebook}: recognised as framework `{framework}` (by its kernel or imports): its GPU "
+                           "sharing settings, memory estimate and preload apply"), soft_wrap=True)
     world = the_plan.experiment.world()
     if world:  # every run is a gang of ranks
         gpus = f", {world.gpus_per_node} GPU(s) per node" if world.gpus_per_node else ", CPU ranks"
