@@ -35,7 +35,7 @@ from machine import describe, median
 BATCHES = {"pytorch9": ["PyTorch_CIFAR"] * 9, "mixed": ["PyTorch_CIFAR", "Lightning_CIFAR", "JAX_Flax_CIFAR"] * 3}
 OWN_KERNELS = {"PyTorch_CIFAR": "nbbatch-pytorch", "Lightning_CIFAR": "nbbatch-lightning",
                "JAX_Flax_CIFAR": "nbbatch-jax-flax"}
-WARM = "imported ahead"  # what log.txt says of a run whose kernel was started ahead with its framework imported
+WARM = "imported in"  # log.txt of a run whose kernel was started ahead with its framework imported
 
 
 def submit_batch(names: list[str], tag: str, mode: str, args: argparse.Namespace, share: Path, data: Path,

@@ -151,3 +151,20 @@ def test_plan_says_what_a_notebook_was_recognised_as(frameworks, project):
                           capture_output=True, text=True)
     (run,) = json.loads(done.stdout)
     assert run["recognised_as"] == "torchy" and run["preload"] == ["torch"] and run["gpu_memory_mb"] == 1500
+
+
+@pytest.mark.kernel
+def test_run_json_says_what_the_notebook_was_recognised_as(frameworks, project):
+    make_notebook(project / "mine.ipynb", ["import os"], kernel="python3")
+    (project / "exp.yaml").write_text("experiment: rec\nnotebooks: [{path: mine.ipynb, kernel: nbbatch-torchy}]\n")
+    (run,) = plan(load_experiment(project / "exp.yaml"), check_kernels=False).runs
+    assert run.recognised_as == "torchy"  # by its kernel
+    (project / "exp.yaml").write_text("experiment: rec\nnotebooks: [{path: mine.ipynb, kernel: python3}]\n")
+    (record,) = submit(project / "exp.yaml", progress=False).records
+    assert record.recognised_as is None
+    make_notebook(project / "mine.ipynb", ["import json  # torch is not needed to be recognised\n"
+                                           "if False:\n    import torch"], kernel="python3")
+    (record,) = submit(project / "exp.yaml", progress=False).records
+    assert record.status == "succeeded" and record.recognised_as == "torchy"
+    saved = json.loads((project / "results/rec" / record.run_id / "run.json").read_text())
+    assert saved["recognised_as"] == "torchy"

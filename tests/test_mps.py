@@ -29,11 +29,12 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 
 FAKE = '''#!{python}
 """A fake nvidia-cuda-mps-control: `-d` daemonizes, stdin commands drive the daemon."""
-import ctypes, json, os, subprocess, sys, time
+import contextlib, ctypes, json, os, subprocess, sys, time
 
-pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
+pipe = sys.argv[2] if sys.argv[1:2] == ["--server"] else os.environ["CUDA_MPS_PIPE_DIRECTORY"]
 log = os.environ.get("CUDA_MPS_LOG_DIRECTORY", "")  # a client command needs only the pipe
 flag = os.path.join(pipe, "quit-flag")
+clients_dir = os.path.join(pipe, "clients")  # a stand-in client notes its pid here: MPS knows its clients
 
 
 def note(line):
@@ -45,9 +46,45 @@ def rename(name):  # like the real daemon and servers: /proc/<pid>/comm is nvidi
     ctypes.CDLL(None).prctl(15, name.encode(), 0, 0, 0)
 
 
-def spawn(role):
-    return subprocess.Popen([sys.executable, __file__, role], start_new_session=True, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def spawn(role, env=None):
+    return subprocess.Popen([sys.executable, __file__, role, pipe], start_new_session=True, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{{pid}}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def clients():
+    try:
+        return [int(name) for name in os.listdir(clients_dir) if alive(int(name))]
+    except OSError:
+        return []
+
+
+def wait_for(condition):
+    deadline = time.monotonic() + 120  # never outlive a broken test for long
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def write_pid_file():
+    path, text = os.path.join(pipe, "nvidia-cuda-mps-control.pid"), str(os.getpid())
+    if os.environ.get("FAKE_MPS_PIDFILE") == "split":  # in place, in two writes: a reader may see the first alone
+        first = next((text[:k] for k in range(len(text) - 1, 0, -1) if not os.path.exists(f"/proc/{{text[:k]}}")), "")
+        with open(path, "w") as f:
+            f.write(first)
+            f.flush()
+            time.sleep(1.0)
+            f.write(text[len(first):] + "\\n")
+        return
+    with open(os.path.join(pipe, "pid.tmp"), "w") as f:
+        f.write(text + "\\n")
+    os.replace(os.path.join(pipe, "pid.tmp"), path)
 
 
 mode = os.environ.get("FAKE_MPS_START", "ok")
@@ -59,31 +96,47 @@ if sys.argv[1:] == ["-d"]:
     if mode != "nopid":
         spawn("--daemon")
     sys.exit(0)
-if sys.argv[1:] == ["--daemon"]:
+if sys.argv[1:2] == ["--daemon"]:
     if os.environ.get("FAKE_MPS_NAME"):  # opt-in: a test session beside this one would see it as another MPS
         rename("nvidia-cuda-mps-control")
     keys = ("CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
     with open(os.path.join(log, "env.json"), "w") as f:
         json.dump({{"pid": os.getpid(), **{{k: os.environ.get(k) for k in keys}}}}, f)
-    if os.environ.get("FAKE_MPS_SERVER"):
-        note(f"server {{spawn('--server').pid}}")
+    server_mode = os.environ.get("FAKE_MPS_SERVER")
+    if server_mode:
+        env = dict(os.environ)
+        if os.environ.get("FAKE_MPS_SERVER_ENV") == "clean":  # a server whose environment does not name the pipe
+            env = {{k: v for k, v in env.items() if not k.startswith("CUDA_MPS_")}}
+        server = spawn("--server", env)
+        with open(os.path.join(pipe, "servers"), "w") as f:
+            f.write(f"{{server.pid}}\\n")
+        note(f"server {{server.pid}}")
     note(f"daemon {{os.getpid()}}")  # before the pid file: once start() returns, the record names the daemon
-    with open(os.path.join(pipe, "pid.tmp"), "w") as f:
-        f.write(f"{{os.getpid()}}\\n")
-    os.replace(os.path.join(pipe, "pid.tmp"), os.path.join(pipe, "nvidia-cuda-mps-control.pid"))
-    deadline = time.monotonic() + 120  # never outlive a broken test for long
-    while not os.path.exists(flag) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    time.sleep(0.5)  # shutdown is asynchronous: `quit` returns before the daemon is gone
+    write_pid_file()
+    wait_for(lambda: os.path.exists(flag))
+    if clients():  # like MPS: quit waits for the clients still connected
+        note("quit with clients")
+        wait_for(lambda: not clients())
+    if server_mode != "graceful":  # a graceful server outlives the daemon, which leaves at once
+        time.sleep(0.5)  # shutdown is asynchronous: `quit` returns before the daemon is gone
     note("daemon quit")
     sys.exit(0)
-if sys.argv[1:] == ["--server"]:  # a server that ignores quit: stop() must find and kill it
+if sys.argv[1:2] == ["--server"]:
     rename("nvidia-cuda-mps-server")
-    time.sleep(120)
+    if os.environ.get("FAKE_MPS_SERVER") != "graceful":  # one that ignores quit: stop() must find and kill it
+        time.sleep(120)
+        sys.exit(0)
+    wait_for(lambda: os.path.exists(flag))  # told to go by the daemon, it leaves once its clients have...
+    wait_for(lambda: not clients())
+    time.sleep(1.0)  # ...and it has torn down its GPU contexts: after the daemon is gone
+    note("server quit")
     sys.exit(0)
 for line in sys.stdin:
     command = line.strip()
     note(f"command {{command}}")
+    if command == "get_server_list" and os.environ.get("FAKE_MPS_LIST") != "empty":
+        with contextlib.suppress(OSError), open(os.path.join(pipe, "servers")) as f:
+            print(*[p for p in f.read().split() if alive(int(p))], sep="\\n")
     if command == "quit" and os.environ.get("FAKE_MPS_QUIT") != "ignore":
         open(flag, "w").close()
 '''
@@ -110,7 +163,8 @@ def fake(tmp_path, monkeypatch, short_tmp):
     record.touch()
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
     monkeypatch.setenv("FAKE_MPS_RECORD", str(record))
-    for var in ("FAKE_MPS_START", "FAKE_MPS_QUIT", "FAKE_MPS_SERVER", "FAKE_MPS_NAME", "CUDA_VISIBLE_DEVICES"):
+    for var in ("FAKE_MPS_START", "FAKE_MPS_QUIT", "FAKE_MPS_SERVER", "FAKE_MPS_NAME", "FAKE_MPS_SERVER_ENV",
+                "FAKE_MPS_LIST", "FAKE_MPS_PIDFILE", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(var, raising=False)
     yield record
 
@@ -203,7 +257,7 @@ def test_daemon_ignoring_quit_is_killed(fake, monkeypatch):
 def test_server_left_behind_is_killed(fake, monkeypatch):
     monkeypatch.setenv("FAKE_MPS_SERVER", "1")
     monkeypatch.setenv("FAKE_MPS_NAME", "1")
-    daemon = MpsDaemon([0]).start()
+    daemon = MpsDaemon([0], stop_timeout=1.0).start()
     servers = [int(p) for p in _lines(fake, "server")]
     assert servers and all(_alive(p) for p in servers)
     check_mps([GpuInfo(0, "H100", 81559)])  # our own daemon and its server are not "another MPS"
@@ -352,7 +406,9 @@ def test_exception_without_with_is_cleaned_at_exit(fake, tmp_path):
     assert _lines(fake, "daemon")[-1] == "quit"
 
 
-def test_check_tells_a_busy_daemon_from_a_left_over_one(fake, tmp_path, monkeypatch):
+def test_check_tells_a_busy_daemon_from_a_left_over_one_and_stops_that(fake, tmp_path, monkeypatch, caplog):
+    import logging
+
     monkeypatch.setenv("FAKE_MPS_NAME", "1")
     process = _driver(tmp_path, """
         with MpsDaemon([0]) as daemon:
@@ -364,14 +420,14 @@ def test_check_tells_a_busy_daemon_from_a_left_over_one(fake, tmp_path, monkeypa
         pid, folder = _ready(process)
         with pytest.raises(ValidationError, match=f"another nbbatch \\(pid {process.pid}\\).*Wait until"):
             check_mps([H100])
+        assert _alive(pid), "a daemon in use is left alone"
         process.kill()  # kill -9: no clean-up of its own runs
         process.communicate(timeout=60)
-        with pytest.raises(ValidationError, match="was killed") as refusal:
-            check_mps([H100])
-        command = str(refusal.value).split("`")[1]
-        assert command.startswith(f"echo quit | CUDA_MPS_PIPE_DIRECTORY={folder}/pipe ")
-        subprocess.run(command, shell=True, check=True, timeout=60)  # the advice works
-        assert mps._wait_gone([pid], 60)
+        with caplog.at_level(logging.WARNING, logger="nbbatch.execute.mps"):
+            check_mps([H100])  # the daemon it left is nbbatch's own and unused: stopped, not a reason to refuse
+        assert f"[{pid}] left running by an nbbatch that has gone" in caplog.text
+        assert not _alive(pid) and _lines(fake, "daemon")[-1] == "quit", "asked to quit, not killed"
+        assert not os.path.exists(folder)
     finally:
         process.kill()
         if pid and mps._alive(pid):
@@ -470,3 +526,118 @@ def test_ctrl_c_during_a_batch_stops_the_daemon(fake, two_gpus, project, write_e
     assert _lines(fake, "daemon")[-1] == "quit", "the daemon was asked to quit, not left running"
     assert not mps._live
     assert {r.status for r in nbbatch.status("mpsctrlc")} == {"cancelled"}
+
+
+# --- stopping against the races of a real MPS (issue 33: a daemon's server left running after a batch) ---------
+
+CLIENT = ("import os, sys, time\n"
+          "folder = os.path.join(os.environ['CUDA_MPS_PIPE_DIRECTORY'], 'clients')\n"
+          "os.makedirs(folder, exist_ok=True)\n"
+          "open(os.path.join(folder, str(os.getpid())), 'w').close()\n"
+          "while not os.path.exists(sys.argv[1]):\n"
+          "    time.sleep(0.02)\n")
+
+
+def test_stop_waits_for_a_server_that_outlives_its_daemon(fake, monkeypatch):
+    # MPS's `quit` is asynchronous: the daemon may be gone while its server still tears down its GPU contexts
+    monkeypatch.setenv("FAKE_MPS_SERVER", "graceful")
+    daemon = MpsDaemon([0], stop_timeout=60).start()
+    server = int(_lines(fake, "server")[0])
+    daemon.stop()
+    assert not _alive(server)
+    assert _lines(fake, "server") == [str(server), "quit"], "the server left by itself, not killed mid-teardown"
+
+
+def test_stop_finds_a_reparented_server_that_names_no_pipe(fake, monkeypatch):
+    # A server not in get_server_list whose environment does not name the pipe, re-parented once its daemon has
+    # gone: only the daemon's process tree, taken before `quit`, still finds it.
+    monkeypatch.setenv("FAKE_MPS_SERVER", "graceful")
+    monkeypatch.setenv("FAKE_MPS_SERVER_ENV", "clean")
+    monkeypatch.setenv("FAKE_MPS_LIST", "empty")
+    daemon = MpsDaemon([0], stop_timeout=60).start()
+    server = int(_lines(fake, "server")[0])
+    try:
+        assert mps._parent_of(server) == daemon.pid
+        daemon.stop()
+        assert not _alive(server), "the server outlived stop()"
+        assert _lines(fake, "server")[-1] == "quit"
+    finally:
+        if _alive(server):
+            os.kill(server, signal.SIGKILL)
+
+
+def test_stop_waits_for_the_last_clients_before_quit(fake, tmp_path, caplog):
+    import logging
+    import threading
+
+    from support.waiting import wait_until
+
+    caplog.set_level(logging.INFO, logger="nbbatch.execute.mps")
+    daemon = MpsDaemon([0], stop_timeout=60).start()
+    release = tmp_path / "release"
+    pipe = daemon.pipe_dir
+    assert pipe is not None
+    # a run's kernel still exiting when the batch ends: a client of the daemon
+    client = subprocess.Popen([sys.executable, "-c", CLIENT, str(release)],
+                              env={**os.environ, **daemon.client_env([0])})
+    try:
+        wait_until(lambda: os.path.exists(os.path.join(pipe, "clients", str(client.pid))), 60, "the client")
+        stopper = threading.Thread(target=daemon.stop)
+        stopper.start()
+        wait_until(lambda: "command quit" in fake.read_text() or "waiting for its clients" in caplog.text, 60,
+                   "stop() to quit or to wait for the client")
+        assert "command quit" not in fake.read_text(), "quit was sent while a client was still connected"
+        release.touch()
+        stopper.join(120)
+        assert not stopper.is_alive()
+    finally:
+        release.touch()
+        client.wait(60)
+    assert "quit with clients" not in _lines(fake, "daemon") and _lines(fake, "daemon")[-1] == "quit"
+    assert _lines(fake, "command") == ["get_server_list", "quit"]
+
+
+def test_a_pid_file_read_half_written_is_not_taken_for_the_daemon(fake, monkeypatch):
+    monkeypatch.setenv("FAKE_MPS_PIDFILE", "split")
+    daemon = MpsDaemon([0]).start()
+    recorded = int(_lines(fake, "daemon")[0])
+    assert daemon.pid == recorded, "start() took the pid file's first half for the daemon's pid"
+    daemon.stop()
+    assert not _alive(recorded) and _lines(fake, "daemon")[-1] == "quit", "the daemon was asked to quit, not killed"
+
+
+def _stray_server(env: dict[str, str], pipe: str) -> subprocess.Popen[bytes]:
+    binary = shutil.which(MPS_CONTROL)
+    assert binary is not None
+    server = subprocess.Popen([binary, "--server", pipe], env={**os.environ, **env, "CUDA_MPS_PIPE_DIRECTORY": pipe},
+                              start_new_session=True)
+    from support.waiting import wait_until
+
+    wait_until(lambda: mps._comm(server.pid) == "nvidia-cuda-mps", 60, "the stand-in server's name")
+    return server
+
+
+def test_check_stops_a_server_left_by_an_nbbatch_whose_folder_is_gone(fake, caplog, short_tmp):
+    import logging
+
+    pipe = os.path.join(str(short_tmp), "nbbatch-mps-gone1234", "pipe")  # removed by the stop() it outlived
+    server = _stray_server({}, pipe)
+    try:
+        with caplog.at_level(logging.WARNING, logger="nbbatch.execute.mps"):
+            check_mps([H100])
+        assert mps._wait_gone([server.pid], 60)
+        assert f"{server.pid}" in caplog.text and "left running" in caplog.text
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_check_still_refuses_a_server_of_a_folder_that_is_not_nbbatchs(fake, short_tmp):
+    server = _stray_server({}, os.path.join(str(short_tmp), "someone-mps", "pipe"))
+    try:
+        with pytest.raises(ValidationError, match=f"pid {server.pid}"):
+            check_mps([H100])
+        assert _alive(server.pid)
+    finally:
+        server.kill()
+        server.wait()

@@ -37,7 +37,7 @@ from nbbatch.containers.images import ImageSpec, build_image, image_spec, requir
 from nbbatch.containers.runner import execute_in_container
 from nbbatch.errors import ContainerError, ValidationError
 from nbbatch.execute.attempt import execute_run
-from nbbatch.execute.context import AttemptContext
+from nbbatch.execute.context import AttemptContext, SamplerCallback
 from nbbatch.execute.gpus import GpuInfo, GpuLease, detect_gpus
 from nbbatch.execute.mps import check_mps
 from nbbatch.execute.placement import local_placements
@@ -184,13 +184,14 @@ class LocalBackend(Backend):
 
     def _execute(self, run: Run, share: Share, lease: GpuLease, shared: bool, gpu_env: dict[str, str],
                  info: GpuSharing | None, cancel: threading.Event, notify: Callable[[RunRecord], None],
-                 kernels: KernelPool) -> RunRecord:
-        """One run: in a kernel of this machine's venv, or with ``container: true`` inside its framework's image."""
+                 kernels: KernelPool, *, on_sampler: SamplerCallback | None = None) -> RunRecord:
+        """One run: in a kernel of this machine's venv, or with ``container: true`` inside its framework's image.
+        ``on_sampler`` is given the run's GPU sampler while it samples (see :class:`AttemptContext`)."""
         if run.distribution:  # a gang's GPUs are its own: no sharing, no kernel started ahead
             return _execute_distributed(run, share, AttemptContext(gpu_ids=lease.gpu_ids, cancel_event=cancel,
                                                                    on_update=notify))
         context = AttemptContext(gpu_ids=lease.gpu_ids, shared_gpu=shared, gpu_share=info, cancel_event=cancel,
-                                 on_update=notify)
+                                 on_update=notify, on_sampler=on_sampler)
         if not self.settings.container:
             return execute_run(run, share, dataclasses.replace(context, gpu_env=gpu_env, kernels=kernels))
         if run.framework not in self._images:

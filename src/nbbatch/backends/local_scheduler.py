@@ -30,12 +30,14 @@ from nbbatch.store.share import Share, poll_interval
 
 if TYPE_CHECKING:
     from nbbatch.backends.local import LocalBackend
+    from nbbatch.execute.telemetry import GpuSampler
 
 logger = logging.getLogger(__name__)
 
 PRESTART_DEFAULT = 2  # kernels started ahead of the next runs (`backend: {name: local, prestart: N}`; 0: none)
 SIMULATE_NODES_ENV = "NBBATCH_SIMULATE_NODES"  # tests: every node of a distributed run on this machine
 WAKE_S = 0.5  # the longest a pass waits for a run to finish before it looks at the cancel requests again
+SETTLE_QUIET_S = 3.0  # a run of unknown need whose memory has not grown for this long lets other runs join it
 
 
 def nodes_here(run: Run) -> int:
@@ -73,6 +75,11 @@ class LocalScheduler:
         self.active: dict[str, threading.Thread] = {}
         self.gpu_runs: set[str] = set()  # active runs holding GPU slots
         self.out_of_memory: dict[str, str] = {}  # runs to run again alone: the error that ended their shared attempt
+        # Runs alone on their GPUs because their need is unknown (auto): since when, and their GPU sampler once it
+        # samples; then how long they ran alone before their memory settled and other runs joined them.
+        self.unmeasured: dict[str, tuple[Run, GpuLease, float]] = {}
+        self.samplers: dict[str, GpuSampler] = {}
+        self.opened: dict[str, float] = {}
         self.cancel = threading.Event()
         self.changed = threading.Condition()
         self.notify = options.guarded_update  # a failing display never changes a run's record
@@ -115,9 +122,10 @@ class LocalScheduler:
                 continue
 
     def step(self) -> bool:
-        """One pass, holding :attr:`changed`: end the runs that must not start, start those that fit, start
-        kernels ahead of the next ones. Whether a run started."""
+        """One pass, holding :attr:`changed`: end the runs that must not start, open the GPUs of runs whose memory
+        settled, start those that fit, start kernels ahead of the next ones. Whether a run started."""
         standing = self.stop_starts()
+        self.open_settled()
         started = False
         for run in list(self.pending):
             if run.run_id in standing:
@@ -169,6 +177,9 @@ class LocalScheduler:
         self.backend.claim_queued(run.run_id)  # a queued record not written yet is left to its executor
         if run.gpus:
             self.gpu_runs.add(run.run_id)
+        if (self.pool.auto and lease.gpu_ids and lease.exclusive and lease.need_mb is None and not lease.alone
+                and not run.distribution):
+            self.unmeasured[run.run_id] = (run, lease, time.monotonic())
         thread = threading.Thread(target=self.work, args=(run, lease), name=f"run-{run.run_id}", daemon=True)
         self.active[run.run_id] = thread
         thread.start()
@@ -210,7 +221,8 @@ class LocalScheduler:
                 need_mb = self.needs.need_mb(run) if self.pool.auto else None
                 lease = GpuLease(gpu_ids, need_mb, exclusive=alone or (self.pool.auto and need_mb is None), alone=alone)
                 shared, gpu_env, _info = self.placement(run, lease)
-                self.kernels.prestart(run.run_id, *kernel_launch(run, gpu_ids, shared, gpu_env=gpu_env, share=self.share))
+                self.kernels.prestart(run.run_id, *kernel_launch(run, gpu_ids, shared, gpu_env=gpu_env, share=self.share),
+                                      preload=run.preload)
             except Exception:  # noqa: BLE001 - the run then starts its kernel itself
                 return
 
@@ -225,8 +237,12 @@ class LocalScheduler:
         except ShareError as exc:  # not even the failure could be recorded; resubmitting reruns the run
             self.share_failures.append(exc)
         finally:
-            self.pool.release(lease)
-            with self.changed:
+            with self.changed:  # not while a pass opens its GPUs to others (open_settled)
+                self.pool.release(lease)
+                self.unmeasured.pop(run.run_id, None)
+                self.samplers.pop(run.run_id, None)
+                self.opened.pop(run.run_id, None)
+                self.needs.forget_running(run.run_id)
                 self.active.pop(run.run_id, None)
                 self.gpu_runs.discard(run.run_id)
                 if again:
@@ -238,8 +254,10 @@ class LocalScheduler:
         notebook) fails this run only, never another's results."""
         try:
             shared, gpu_env, info = self.placement(run, lease)
+            watch = {"on_sampler": lambda sampler: self.on_sampler(run.run_id, sampler)} \
+                if run.run_id in self.unmeasured else {}  # only these runs' memory is watched while they run
             record = self.backend._execute(run, self.share, lease, shared, gpu_env, info, self.cancel, self.notify,
-                                           self.kernels)
+                                           self.kernels, **watch)
             return self.on_finished(run, lease, record)
         except ShareError as exc:
             self.share_failures.append(exc)
@@ -263,11 +281,42 @@ class LocalScheduler:
             info = replace(info, alone=True, retried_after=self.out_of_memory.get(run.run_id, ""))
         return shared, self.daemon.client_env(lease.gpu_ids) if self.daemon else {}, info
 
+    def on_sampler(self, run_id: str, sampler: GpuSampler | None) -> None:
+        """A run of unknown need started sampling its GPUs (None: stopped)."""
+        with self.changed:
+            if sampler is None:
+                self.samplers.pop(run_id, None)
+            elif run_id in self.unmeasured:
+                self.samplers[run_id] = sampler
+
+    def open_settled(self) -> None:
+        """Open the GPUs of each run of unknown need whose memory stopped growing to other runs: its peak so far,
+        with headroom, is reserved for it, and becomes the need of its notebook's runs until a finished run's
+        replaces it. A run that ran out of memory after others joined is run again alone (:meth:`on_finished`)."""
+        for run_id, sampler in list(self.samplers.items()):
+            peak_mb = sampler.settled_run_memory_mb(SETTLE_QUIET_S)
+            if peak_mb is None:
+                continue
+            run, lease, started = self.unmeasured.pop(run_id)
+            del self.samplers[run_id]
+            sampler.others_join()
+            self.pool.share(lease, self.needs.learn_running(run, peak_mb))
+            self.opened[run_id] = round(time.monotonic() - started, 1)
+            logger.info("run %s: its GPU memory settled at %.0f MiB after %.1f s; other runs may join its GPUs",
+                        run_id, peak_mb, self.opened[run_id])
+
     def on_finished(self, run: Run, lease: GpuLease, record: RunRecord) -> bool:
         """Learn the run's memory need from its record; whether it ran out of GPU memory beside other runs, and so
         runs again, alone (its record says why, and is ``queued`` again)."""
         self.needs.learn(record)
+        alone_for_s = self.opened.get(run.run_id)
+        if alone_for_s is not None and record.gpu_share is not None:  # others joined it: its record says when
+            record.gpu_share = replace(record.gpu_share, exclusive=False, need_mb=lease.need_mb,
+                                       alone_for_s=alone_for_s)
         if record.error is None or not self.out_of_memory_while_sharing(record, lease):
+            if alone_for_s is not None and record.gpu_share is not None:
+                write_record(self.share, record)
+                self.notify(record)
             return False
         summary = record.error.summary()
         record.gpu_share = replace(record.gpu_share or GpuSharing(), out_of_memory=summary)

@@ -13,8 +13,10 @@ from nbbatch.store.runjson import ContainerInfo, GpuSharing, RunRecord
 
 if TYPE_CHECKING:
     from nbbatch.execute.kernels import KernelPool
+    from nbbatch.execute.telemetry import GpuSampler
 
 UpdateCallback = Callable[[RunRecord], None]
+SamplerCallback = Callable[["GpuSampler | None"], None]
 
 
 def ignore_update(_record: RunRecord) -> None:
@@ -40,6 +42,9 @@ class AttemptContext:
     save_every: float = 1.0  # seconds between checkpoints of the output notebook
     placement: NodePlacement | None = None  # a distributed run: this node's place in the gang (None: from the environment)
     new_endpoints: Callable[[], tuple[str, ...]] | None = None  # fresh rendezvous ports when one was taken (local)
+    # Called with the attempt's GPU sampler once it samples, and with None when it stops (the local scheduler
+    # watches the memory of a run whose need is unknown, to let other runs join it once that stopped growing).
+    on_sampler: SamplerCallback | None = None
 
     @property
     def notify(self) -> UpdateCallback:

@@ -5,9 +5,10 @@ Room is either a fixed number of runs per GPU (``runs_per_gpu: N``) or, with ``r
 memory: each run reserves what it needs (:class:`MemoryNeeds`: what an earlier run of the same
 notebook used, else its framework's estimate) against the GPU's free memory less a safety margin,
 never more than :data:`AUTO_CAP` runs per GPU (nor more than the CPU cores per GPU: each run's
-Python loop needs a core to keep the GPU fed). A run whose need is unknown gets its GPUs to itself;
-once it ends, its measured peak tells the next runs of that notebook what to reserve. No GPU (or no
-NVML) means CPU-only runs, with ``CUDA_VISIBLE_DEVICES`` empty.
+Python loop needs a core to keep the GPU fed). A run whose need is unknown gets its GPUs to itself
+until its memory stops growing (or it ends): its peak so far then tells the next runs of that notebook
+what to reserve, and they join it (:meth:`SlotPool.share`); its final peak replaces that measure once
+it ends. No GPU (or no NVML) means CPU-only runs, with ``CUDA_VISIBLE_DEVICES`` empty.
 """
 
 from __future__ import annotations
@@ -172,6 +173,15 @@ class SlotPool:
                 if lease.exclusive:
                     self.exclusive.discard(gpu)
 
+    def share(self, lease: GpuLease, need_mb: float) -> None:
+        """Open the GPUs of a run held alone (its need was unknown) to other runs, reserving ``need_mb`` on each for
+        it: its memory was measured while it runs. The caller guarantees the lease is still held."""
+        with self._lock:
+            for gpu in lease.gpu_ids:
+                self.exclusive.discard(gpu)
+                self.reserved_mb[gpu] += need_mb
+            lease.need_mb, lease.exclusive = need_mb, False
+
     def shared(self, lease: GpuLease) -> bool:
         """Whether the run must leave room for others (its framework's ``shared_gpu_env``: no grabbing all memory).
 
@@ -202,9 +212,13 @@ class MemoryNeeds:
     Only peaks of runs that shared their GPU count: alone, frameworks such as JAX and TensorFlow take most of
     a GPU's memory whether they need it or not."""
 
+    MEASURED = "measured"
+    RUNNING = "measured (running)"  # the peak so far of a run that still runs, once its memory stopped growing
+
     def __init__(self, records: Iterable[RunRecord] = ()):
         self._by_run: dict[str, float] = {}
         self._by_notebook: dict[str, float] = {}
+        self._running: dict[str, tuple[str, float]] = {}  # run id -> (notebook or framework, peak per GPU so far)
         self._lock = threading.Lock()
         for record in records:
             self.learn(record)
@@ -221,18 +235,40 @@ class MemoryNeeds:
             key = record.framework or record.notebook
             self._by_notebook[key] = max(self._by_notebook.get(key, 0.0), per_gpu)
 
-    def need_mb(self, run: Run) -> float | None:
+    def learn_running(self, run: Run, peak_mb: float) -> float:
+        """Remember the peak so far (over its GPUs) of a run still running whose memory stopped growing, until
+        :meth:`forget_running`; the other runs of its notebook reserve it until a finished run is learnt. Returns
+        what the run itself reserves from now on."""
+        per_gpu = float(peak_mb) / max(1, run.gpus)
         with self._lock:
-            measured = self._by_run.get(run.run_id) or self._by_notebook.get(run.framework or run.notebook_rel)
+            self._running[run.run_id] = (run.framework or run.notebook_rel, per_gpu)
+        return round(per_gpu * HEADROOM, 1)
+
+    def forget_running(self, run_id: str) -> None:
+        """The run ended: its final peak (:meth:`learn`), if it counts, replaces what it used while running."""
+        with self._lock:
+            self._running.pop(run_id, None)
+
+    def _measured(self, run: Run) -> tuple[float | None, str]:
+        key = run.framework or run.notebook_rel
+        with self._lock:
+            measured = self._by_run.get(run.run_id) or self._by_notebook.get(key)
+            if measured:
+                return measured, self.MEASURED
+            return max((mb for k, mb in self._running.values() if k == key), default=None), self.RUNNING
+
+    def need_mb(self, run: Run) -> float | None:
+        measured, _ = self._measured(run)
         if measured:
             return round(measured * HEADROOM, 1)
         return float(run.gpu_memory_mb) if run.gpu_memory_mb else None
 
     def source(self, run: Run) -> str:
-        """Where :meth:`need_mb` comes from: ``measured``, ``framework`` or ``unknown``."""
-        with self._lock:
-            if run.run_id in self._by_run or (run.framework or run.notebook_rel) in self._by_notebook:
-                return "measured"
+        """Where :meth:`need_mb` comes from: ``measured``, ``measured (running)`` (a run of the same notebook that
+        still runs), ``framework`` or ``unknown``."""
+        measured, source = self._measured(run)
+        if measured:
+            return source
         return "framework" if run.gpu_memory_mb else "unknown"
 
 

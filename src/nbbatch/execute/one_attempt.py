@@ -120,12 +120,12 @@ def _kernel_env(run: Run, gpu_ids: list[int] | None, shared_gpu: bool,
         if is_secret(name, env[name]):
             del env[name]
     env.update(tracking_credentials(os.environ))  # only with MLFLOW_TRACKING_URI: nbbatch.record logs there
+    if shared_gpu:  # under the experiment's own `env:`, which may set them otherwise
+        env.update(run.shared_gpu_env)
     env.update(run.env)
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids or [])
     if gpu_ids:  # CUDA's default order puts the fastest GPU first; nbbatch's indices are NVML's, by PCI bus
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-    if shared_gpu:
-        env.update(run.shared_gpu_env)
     env.update(gpu_env or {})  # a CUDA MPS daemon's pipe, and the devices as it numbers them
     env.update({"NBBATCH_RUN_ID": run.run_id, "NBBATCH_EXPERIMENT": run.experiment,
                 "PYDEVD_DISABLE_FILE_VALIDATION": "1"})
@@ -360,7 +360,14 @@ class _Attempt:
                                                             context.project_root, context.gpu_env, self.share)
         kernel_env = _rank_kernel_env(kernel_env, self.rank)
         kernels = context.kernels
-        prestarted = kernels.take(run.run_id, kernel_name, kernel_env, kernel_cwd) if kernels is not None else None
+        prestarted = kernels.take(run.run_id, kernel_name, kernel_env, kernel_cwd, run.preload) \
+            if kernels is not None else None
+
+        def on_kernel(km: Any) -> None:  # whether the run got the kernel started ahead, warm
+            if prestarted is not None:
+                self.log.write(f"=== nbbatch: {prestarted.describe(km)}\n")
+            self.on_kernel(km)
+
         alone = self.record.gpu_share is not None and self.record.gpu_share.exclusive
         if self.folders is not None and self.primary:
             self.folders.start()
@@ -370,17 +377,21 @@ class _Attempt:
                 open(self.log_path, "ab") as kernel_output:
             if self.sampler is not None and self.sampler.unavailable is None:
                 self.live.summary = self.sampler.summary
+                if context.on_sampler is not None:
+                    context.on_sampler(self.sampler)
             try:
                 self.nb = NbbatchEngine.execute_notebook(
                     self.nb, kernel_name, saver=self.save_notebook, save_every=context.save_every,
                     on_cell=self.on_cell, stdout_file=self.log, stderr_file=self.log, start_timeout=120,
                     execution_timeout=run.cell_timeout_s, kernel_env=kernel_env, kernel_cwd=kernel_cwd,
-                    on_kernel=self.on_kernel, input_path=str(notebook_path), kernel_stderr=kernel_output,
+                    on_kernel=on_kernel, input_path=str(notebook_path), kernel_stderr=kernel_output,
                     prestarted=prestarted, final_save=False,  # saved by _save, once
                     max_output_bytes=int(run.max_output_mb * 2**20), on_point=self.on_point,
                 )
             finally:
                 REAPER.forget(self.kernel_group)
+                if context.on_sampler is not None:
+                    context.on_sampler(None)
 
     def _stopped(self, status: Status, error: RunError | None) -> tuple[Status, RunError | None]:
         """A run stopped by its timeout or a cancel ends as such, whatever the kernel said last."""

@@ -48,6 +48,10 @@ SERIES_FIELDS = ("t", "gpu", "util_pct", "memory_mb", "power_w")
 OPTIONAL_SERIES_FIELDS = ("run_memory_mb",)  # in a sample only when known
 _NOT_AVAILABLE = 2**63  # a raw NVML "not available" (2**64 - 1) from a pynvml that does not map it to None
 _MIN_INTERVAL_S = 0.1
+SETTLED_TOLERANCE = 0.02  # of the peak: growth this small (or ≤ SETTLED_TOLERANCE_MB) counts as not growing
+SETTLED_TOLERANCE_MB = 32.0
+
+Round = tuple[float, dict[int, float], float | None, float | None]  # t, used memory per GPU, the run's, utilisation
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +87,10 @@ class GpuSampler:
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
         self._lock = threading.Lock()
-        # per round: the GPUs' used memory {gpu: MB} and the run's own memory over them (None: unknown)
-        self._rounds: list[tuple[dict[int, float], float | None]] = []
+        # per round: its time, the GPUs' used memory {gpu: MB}, the run's own memory over them (None: unknown) and
+        # the GPUs' highest utilisation (None: unknown)
+        self._rounds: list[Round] = []
+        self._alone_rounds: int | None = None  # others joined the GPUs after this many rounds (see others_join)
         self._latest: list[dict[str, Any]] = []  # the rows of the last round
 
     # -- context manager -------------------------------------------------------------------------
@@ -175,10 +181,11 @@ class GpuSampler:
                 continue
             taken.append(row)
         used = {r["gpu"]: r["memory_mb"] for r in taken if r["memory_mb"] is not None}
+        busy = max((r["util_pct"] for r in taken if r["util_pct"] is not None), default=None)
         with self._lock:
             self.samples.extend(taken)
             if taken:  # a round is one sample, also two within the same millisecond
-                self._rounds.append((used, None if run_total is None else round(run_total, 1)))
+                self._rounds.append((t, used, None if run_total is None else round(run_total, 1), busy))
                 self._latest = taken
         if taken and self.sink is not None:
             try:
@@ -257,17 +264,56 @@ class GpuSampler:
             result["unavailable"] = self.unavailable
         return result
 
-    def _run_peak(self, rounds: list[tuple[dict[int, float], float | None]]) -> tuple[float | None, str | None]:
+    def _run_peak(self, rounds: list[Round]) -> tuple[float | None, str | None]:
         """The run's peak memory (MB) and where it comes from: ``"processes"``, ``"device"`` or ``None``."""
-        from_processes = [run for _, run in rounds if run is not None]
-        if from_processes:
-            return max(from_processes), "processes"
-        if not self.alone or not rounds or not rounds[0][0]:
+        series, source = self._run_series(rounds)
+        if source is None:
             return None, None
-        baseline = rounds[0][0]  # taken at start(), before the kernel exists
+        return round(max(0.0, *(mb for _, mb, _ in series)), 1), source
+
+    def _run_series(self, rounds: list[Round]) -> tuple[list[tuple[float, float, float | None]], str | None]:
+        """The run's memory in each round it is known, ``(t, MB, utilisation)``, and where it comes from."""
+        from_processes = [(t, run, busy) for t, _, run, busy in rounds if run is not None]
+        if from_processes:
+            return from_processes, "processes"
+        if self._alone_rounds is not None:
+            rounds = rounds[:self._alone_rounds]  # later growth may be the other runs'
+        if not self.alone or not rounds or not rounds[0][1]:
+            return [], None
+        baseline = rounds[0][1]  # taken at start(), before the kernel exists
         # per GPU, so that a GPU missing from a round does not count as freed memory
-        growth = [sum(used[g] - baseline[g] for g in baseline if g in used) for used, _ in rounds]
-        return round(max(0.0, *growth), 1), "device"
+        return [(t, sum(used[g] - baseline[g] for g in baseline if g in used), busy)
+                for t, used, _, busy in rounds], "device"
+
+    def settled_run_memory_mb(self, quiet_s: float) -> float | None:
+        """The run's peak memory so far (MB, as ``summary()``'s ``memory_run_max_mb``) once it has stopped growing:
+        it grew by no more than :data:`SETTLED_TOLERANCE` (or :data:`SETTLED_TOLERANCE_MB`) over the last
+        ``quiet_s`` seconds, seen in two rounds at least, while the GPU computed (utilisation above 0 in one of
+        them, where NVML tells it: a run that only created its CUDA context and still loads its data has not
+        settled). ``None`` otherwise: not started, nothing sampled, no memory of its own yet, still growing."""
+        with self._lock:
+            rounds = list(self._rounds)
+        series, source = self._run_series(rounds)
+        if source is None or not series:
+            return None
+        cutoff = series[-1][0] - quiet_s
+        before = [mb for t, mb, _ in series if t <= cutoff]
+        window = [(mb, busy) for t, mb, busy in series if t > cutoff]
+        if not before or len(window) < 2:
+            return None
+        peak_before = max(before)
+        peak = max(peak_before, *(mb for mb, _ in window))
+        known = [busy for _, busy in window if busy is not None]
+        if peak <= 0 or peak - peak_before > max(SETTLED_TOLERANCE_MB, SETTLED_TOLERANCE * peak) \
+                or (known and not any(busy > 0 for busy in known)):
+            return None
+        return round(peak, 1)
+
+    def others_join(self) -> None:
+        """Other runs may use these GPUs from now on: the growth of their used memory is no longer the run's, so a
+        run ``alone`` keeps the peak it reached until now (its own processes' memory, when seen, still counts)."""
+        with self._lock:
+            self._alone_rounds = len(self._rounds)
 
     def series_jsonl(self) -> bytes:
         """The whole series as JSON Lines (what the run's ``telemetry.jsonl`` holds at the end)."""

@@ -31,6 +31,8 @@ class PlannedRun(Protocol):
     @property
     def framework(self) -> str | None: ...
     @property
+    def recognised_as(self) -> str | None: ...
+    @property
     def parameters(self) -> dict[str, Any]: ...
     @property
     def timeout_s(self) -> float | None: ...
@@ -64,7 +66,8 @@ def write_record(share: Share, record: RunRecord) -> None:
 def new_record(run: PlannedRun, backend: str = "local") -> RunRecord:
     """A ``queued`` record for a run that is about to be scheduled."""
     return RunRecord(run_id=run.run_id, experiment=run.experiment, notebook=run.notebook_rel, kernel=run.kernel,
-                     framework=run.framework, parameters=dict(run.parameters), status=Status.QUEUED,
+                     framework=run.framework, recognised_as=run.recognised_as,
+                     parameters=dict(run.parameters), status=Status.QUEUED,
                      queued_at=utc_now(), backend=backend, timeout_s=run.timeout_s, world_size=run.world_size)
 
 

@@ -147,7 +147,9 @@ class GpuSharing:
     exclusive: bool = False  # no other run joined its GPUs
     mps: bool = False  # under CUDA MPS
     need_mb: float | None = _written_when_set()  # with runs_per_gpu auto: the memory reserved for it
-    need_from: str | None = _written_when_set()  # where need_mb comes from: measured, framework or unknown
+    need_from: str | None = _written_when_set()  # where need_mb comes from: measured, measured (running), framework
+    # or unknown
+    alone_for_s: float | None = _written_when_set()  # need unknown: how long it ran alone before other runs joined it
     alone: bool = _written_when_set(False)  # run again alone, after running out of GPU memory beside others
     retried_after: str | None = _written_when_set()  # the error of that shared attempt
     out_of_memory: str | None = _written_when_set()  # set on the shared attempt that ran out of GPU memory
@@ -180,6 +182,7 @@ class RunRecord:
     notebook: str
     kernel: str
     framework: str | None = None
+    recognised_as: str | None = _written_when_set()  # a notebook given by path: the framework whose GPU settings it got
     parameters: dict[str, Any] = field(default_factory=dict)
     status: Status = Status.QUEUED
     attempts: int = 0
