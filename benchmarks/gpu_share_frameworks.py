@@ -9,7 +9,12 @@ Two batches of 9 runs, each a sweep over ``SEED`` of notebooks from ``notebooks/
 ``--batchsize``):
 
   * ``pytorch9``: 9 × PyTorch_CIFAR;
-  * ``mixed``: 3 × (PyTorch_CIFAR, Lightning_CIFAR, JAX_Flax_CIFAR).
+  * ``mixed``: 3 × (PyTorch_CIFAR, Lightning_CIFAR, JAX_Flax_CIFAR);
+  * ``pytorch18``: 18 × PyTorch_CIFAR, 9 at a time (``max_parallel: 9``) with 9 kernels started ahead
+    (``prestart: 9``), so that the second 9 start warm under 9-way concurrency.
+
+The notebooks are recognised by their imports against this repo's ``frameworks/`` (``NBBATCH_FRAMEWORKS_DIR``),
+as in a project that has them.
 
 Each mode of ``--modes`` is one submission of the batch, in order: ``1`` (``runs_per_gpu: 1``, one after
 another: the baseline), ``auto`` (the first ``auto`` of a batch finds nothing measured: only what nbbatch
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -32,7 +38,9 @@ from pathlib import Path
 from gpu_notebooks import ROOT, find_gpus, isolate, use_gpus, write_data
 from machine import describe, median
 
-BATCHES = {"pytorch9": ["PyTorch_CIFAR"] * 9, "mixed": ["PyTorch_CIFAR", "Lightning_CIFAR", "JAX_Flax_CIFAR"] * 3}
+BATCHES = {"pytorch9": ["PyTorch_CIFAR"] * 9, "mixed": ["PyTorch_CIFAR", "Lightning_CIFAR", "JAX_Flax_CIFAR"] * 3,
+           "pytorch18": ["PyTorch_CIFAR"] * 18}  # 9 at a time: the second 9 get kernels started ahead (warm)
+AT_A_TIME = {"pytorch18": 9}
 OWN_KERNELS = {"PyTorch_CIFAR": "nbbatch-pytorch", "Lightning_CIFAR": "nbbatch-lightning",
                "JAX_Flax_CIFAR": "nbbatch-jax-flax"}
 WARM = "imported in"  # log.txt of a run whose kernel was started ahead with its framework imported
@@ -51,37 +59,43 @@ def submit_batch(names: list[str], tag: str, mode: str, args: argparse.Namespace
                            "DATASET": "cifar10", "DATA_DIR": str(data), "GPU": not args.cpu},
             "sweep": {"grid": {"SEED": list(range(max(counts.values())))}},
             "resources": {"gpus": 0 if args.cpu else 1, "runs_per_gpu": int(per_gpu) if per_gpu.isdigit() else per_gpu,
-                          "mps": mps}, "backend": backend, "share": str(share)}
+                          "mps": mps, "max_parallel": AT_A_TIME.get(tag)},
+            "backend": {"name": backend, "prestart": AT_A_TIME.get(tag, 2)}, "share": str(share)}
     start = time.perf_counter()
     result = nbbatch.submit(spec, progress=False, force=True)
     wall = time.perf_counter() - start
     failed = [(r.run_id, r.error.summary() if r.error else r.status) for r in result.records if r.status != "succeeded"]
     if failed:
         raise SystemExit(f"{tag} {mode}: runs failed: {failed[:3]} (see {share}/<experiment>/<run>/log.txt)")
-    setups, warm_setups, needs = [], [], set()
+    setups, warm_setups, imports, warm_imports, needs = [], [], [], [], set()
     for record in result.records:
         folder = share / record.experiment / record.run_id
-        setup = setup_seconds(json.loads((folder / "output.ipynb").read_text()))
+        setup, first = setup_seconds(json.loads((folder / "output.ipynb").read_text()))
         setups.append(setup)
+        imports.append(first)
         if WARM in (folder / "log.txt").read_text():
             warm_setups.append(setup)
+            warm_imports.append(first)
         share_info = record.gpu_share
         needs.add(f"{share_info.need_mb:.0f} MiB ({share_info.need_from})" if share_info and share_info.need_mb
                   else "alone first" if share_info and share_info.exclusive else "-")
-    return {"wall": wall, "setup": median(setups), "warm": (median(warm_setups), len(warm_setups)) if warm_setups else None,
+    return {"wall": wall, "setup": median(setups), "imports": median(imports),
+            "warm": (median(warm_setups), median(warm_imports), len(warm_setups)) if warm_setups else None,
             "needs": ", ".join(sorted(needs))}
 
 
-def setup_seconds(nb: dict) -> float:
-    """Seconds of the cells before the training loop: up to the one defining ``summarize_epochs``."""
-    total = 0.0
+def setup_seconds(nb: dict) -> tuple[float, float]:
+    """Seconds of the cells before the training loop (up to the one defining ``summarize_epochs``), and of the
+    first of them, the imports cell."""
+    spans = []
     for cell in nb["cells"]:
-        if cell["cell_type"] != "code":
+        tags = cell.get("metadata", {}).get("tags", [])
+        if cell["cell_type"] != "code" or "parameters" in tags or "injected-parameters" in tags:
             continue
-        total += cell.get("metadata", {}).get("papermill", {}).get("duration") or 0.0
+        spans.append(cell.get("metadata", {}).get("papermill", {}).get("duration") or 0.0)
         if "def summarize_epochs" in "".join(cell["source"]):
-            return total
-    return total
+            break
+    return sum(spans), spans[0] if spans else 0.0
 
 
 def main() -> None:
@@ -118,6 +132,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         isolate(root)
+        os.environ["NBBATCH_FRAMEWORKS_DIR"] = str(ROOT / "frameworks")  # recognised as in a project that has them
         data = write_data(root / "data", args.samples, 1000)
         backend = use_gpus(gpus)
         for tag in batches:
@@ -127,11 +142,13 @@ def main() -> None:
                 base = base or result["wall"]
                 rows.append((tag, mode, result, base))
                 print(f"{tag} {mode}: {result['wall']:.1f} s", file=sys.stderr, flush=True)
-    print("| batch | mode | wall | vs sequential | median setup | warm runs: median setup (runs) | reserved / run |")
+    print("| batch | mode | wall | vs sequential | median setup (imports cell) | warm runs: median setup (imports cell), "
+          "runs | reserved / run |")
     print("|---|---|---|---|---|---|---|")
     for tag, mode, r, base in rows:
-        warm = f"{r['warm'][0]:.2f} s ({r['warm'][1]})" if r["warm"] else "-"
-        print(f"| {tag} | {mode} | {r['wall']:.1f} s | {base / r['wall']:.2f}× | {r['setup']:.2f} s | {warm} | {r['needs']} |")
+        warm = f"{r['warm'][0]:.2f} s ({r['warm'][1]:.2f} s), {r['warm'][2]}" if r["warm"] else "-"
+        print(f"| {tag} | {mode} | {r['wall']:.1f} s | {base / r['wall']:.2f}× | {r['setup']:.2f} s ({r['imports']:.2f} s) | "
+              f"{warm} | {r['needs']} |")
 
 
 if __name__ == "__main__":
