@@ -113,7 +113,8 @@ class Run:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Run:
-        return cls(**{**data, "distribution": Distribution.from_dict(data.get("distribution"))})
+        return cls(**{**data, "distribution": Distribution.from_dict(data.get("distribution")),
+                      "preload": tuple(data.get("preload") or ())})  # JSON gives a list
 
     def project_root(self) -> Path:
         """The project the run's notebook belongs to (its path minus its project-relative path)."""
