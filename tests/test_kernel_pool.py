@@ -99,7 +99,7 @@ def test_cancel_kills_kernels_started_for_queued_runs(project, write_experiment)
 
 
 def test_a_kernel_started_with_other_settings_is_not_used(tmp_path):
-    from nbbatch.execute.kernels import KernelPool
+    from nbbatch.execute.prestart import KernelPool
 
     pool = KernelPool(1)
     env = dict(os.environ, NBBATCH_RUN_ID="a")

@@ -14,7 +14,7 @@ from support.waiting import wait_until
 
 from nbbatch.api import submit
 from nbbatch.execute.engine import execute_notebook_file
-from nbbatch.execute.kernels import KernelPool
+from nbbatch.execute.prestart import KernelPool
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.kernel]  # every test starts kernels
 
@@ -117,3 +117,44 @@ def test_runs_of_a_recognised_framework_get_warm_kernels(project, write_experime
             assert "kernel started ahead" not in log and not preloaded, log
     assert warm >= 2, "the runs after the first must get the kernels started ahead of them"
     assert not kernels_of("warm"), "kernels were left running"
+
+
+WARMUP = "import sys\nsys.nbbatch_warmed = 'yes'\nleft_behind = 1\n"  # stands in for a CUDA context made ahead
+
+
+def test_the_warmup_runs_after_the_preload_in_a_namespace_of_its_own(tmp_path):
+    pool, env = KernelPool(1), dict(os.environ)
+    assert pool.prestart("run", "python3", env, str(tmp_path), ("json",), warmup=WARMUP)
+    make_notebook(tmp_path / "nb.ipynb", ["import sys\nprint([getattr(sys, 'nbbatch_warmed', None), "
+                                          "'left_behind' in globals()])"], parameters=None)
+    assert pool.take("run", "python3", env, str(tmp_path), ("json",)) is None, "another warmup: not that kernel"
+    assert pool.prestart("run", "python3", env, str(tmp_path), ("json",), warmup=WARMUP)
+    kernel = pool.take("run", "python3", env, str(tmp_path), ("json",), warmup=WARMUP)
+    nb = execute_notebook_file(str(tmp_path / "nb.ipynb"), str(tmp_path / "out.ipynb"), kernel_name="python3",
+                               kernel_env=env, kernel_cwd=str(tmp_path), prestarted=kernel, start_timeout=120)
+    assert nb.cells[0].outputs[0].text.strip() == "['yes', False]" and nb.cells[0].execution_count == 1
+    assert kernel.describe(kernel.km).startswith("kernel started ahead, json imported and its warm-up run in ")
+
+
+@pytest.mark.parametrize(("runs_per_gpu", "warmed"), [(2, True), (1, False)])
+def test_kernels_started_ahead_warm_up_only_for_runs_that_share_a_gpu(project, write_experiment, monkeypatch,
+                                                                       runs_per_gpu, warmed):
+    from nbbatch.backends import local
+    from nbbatch.execute.gpus import GpuInfo
+
+    monkeypatch.setattr(local, "detect_gpus", lambda: [GpuInfo(0, "Fake", 8000)])
+    (project / "frameworks" / "toy").mkdir()
+    (project / "frameworks" / "toy" / "framework.yaml").write_text(
+        "title: Toy\nnotebook: nb.ipynb\nimports: [colorsys]\npreload: [colorsys]\n"
+        "warmup: |\n  import sys\n  sys.nbbatch_warmed = 'yes'\n")
+    (project / "frameworks" / "toy" / "requirements.txt").write_text("")
+    make_notebook(project / "nb.ipynb", ["import colorsys, sys\nprint('WARMED', getattr(sys, 'nbbatch_warmed', None))"])
+    exp = write_experiment("experiment: warmup\nnotebooks: [{path: nb.ipynb, kernel: python3}]\n"
+                           f"sweep: {{grid: {{A: [1, 2, 3]}}}}\nresources: {{gpus: 1, runs_per_gpu: {runs_per_gpu}, "
+                           "max_parallel: 1}\nbackend: {name: local, prestart: 2}\n")
+    result = submit(exp, progress=False)
+    assert result.ok
+    logs = [(project / "results/warmup" / r.run_id / "log.txt").read_text() for r in result.records]
+    warm = [log for log in logs if "kernel started ahead, colorsys imported" in log]
+    assert len(warm) >= 2, logs
+    assert all(("WARMED yes" in log) == warmed and ("its warm-up run" in log) == warmed for log in warm), warm

@@ -22,7 +22,8 @@ from support.notebooks import make_notebook
 
 import nbbatch
 from nbbatch.api import submit
-from nbbatch.execute.kernels import TRANSPORT_VARIABLE, KernelPool, kernel_transport
+from nbbatch.execute.kernels import TRANSPORT_VARIABLE, kernel_transport
+from nbbatch.execute.prestart import KernelPool
 
 pytestmark = [pytest.mark.kernel, pytest.mark.timeout(180),
               pytest.mark.skipif(os.name != "posix", reason="ipc (Unix sockets) is the POSIX transport")]

@@ -49,7 +49,7 @@ from nbbatch.store.runjson import ContainerInfo, ErrorKind, GpuSharing, RunError
 from nbbatch.store.share import Share
 
 if TYPE_CHECKING:
-    from nbbatch.execute.kernels import KernelPool
+    from nbbatch.execute.prestart import KernelPool
 
 
 @dataclass(frozen=True)

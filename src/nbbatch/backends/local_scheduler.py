@@ -21,8 +21,8 @@ from nbbatch.backends.base import SubmitOptions
 from nbbatch.errors import ShareError
 from nbbatch.execute.attempt import SHARE_FAILED, kernel_launch
 from nbbatch.execute.gpus import GpuLease, MemoryNeeds, SlotPool, is_gpu_oom
-from nbbatch.execute.kernels import KernelPool
 from nbbatch.execute.mps import MpsDaemon
+from nbbatch.execute.prestart import KernelPool
 from nbbatch.plan.runs import Run
 from nbbatch.store.runfiles import CancelRequests, cancel_requests, write_record
 from nbbatch.store.runjson import ErrorKind, GpuSharing, RunError, RunRecord, Status
@@ -222,7 +222,7 @@ class LocalScheduler:
                 lease = GpuLease(gpu_ids, need_mb, exclusive=alone or (self.pool.auto and need_mb is None), alone=alone)
                 shared, gpu_env, _info = self.placement(run, lease)
                 self.kernels.prestart(run.run_id, *kernel_launch(run, gpu_ids, shared, gpu_env=gpu_env, share=self.share),
-                                      preload=run.preload)
+                                      preload=run.preload, warmup=run.warmup if gpu_ids and shared else "")
             except Exception:  # noqa: BLE001 - the run then starts its kernel itself
                 return
 

@@ -12,7 +12,7 @@ from nbbatch.execute.placement import NodePlacement
 from nbbatch.store.runjson import ContainerInfo, GpuSharing, RunRecord
 
 if TYPE_CHECKING:
-    from nbbatch.execute.kernels import KernelPool
+    from nbbatch.execute.prestart import KernelPool
     from nbbatch.execute.telemetry import GpuSampler
 
 UpdateCallback = Callable[[RunRecord], None]

@@ -6,7 +6,7 @@
   without jupyter_client's 0.1-s polling (see :mod:`nbbatch.execute.kernels`).
 * A kernel is ready once one ``kernel_info`` round trip has been seen on both shell and IOPub,
   without jupyter_client's fixed 0.2-s IOPub flush.
-* A kernel may be started ahead of its run (:class:`nbbatch.execute.kernels.KernelPool`), with the run's own kernel,
+* A kernel may be started ahead of its run (:class:`nbbatch.execute.prestart.KernelPool`), with the run's own kernel,
   environment and working directory, so that its start-up overlaps the runs before it. A kernel
   only ever executes the one notebook it was started for.
 * A cell's output is read to its end while it keeps coming, also after the cell's reply (nbclient waits
@@ -51,7 +51,8 @@ from papermill.exceptions import PapermillExecutionError  # noqa: E402
 from papermill.iorw import load_notebook_node, local_file_io_cwd  # noqa: E402
 from papermill.parameterize import add_builtin_parameters, parameterize_notebook, parameterize_path  # noqa: E402
 
-from nbbatch.execute.kernels import BatchKernelManager, PrestartedKernel, reap_kernel  # noqa: E402
+from nbbatch.execute.kernels import BatchKernelManager, reap_kernel  # noqa: E402
+from nbbatch.execute.prestart import PrestartedKernel  # noqa: E402
 from nbbatch.execute.watchdog import REAPER  # noqa: E402, F401 - for `nbbatch run`, whose api loads this module lazily
 from nbbatch.metrics import HISTORY_MIME  # noqa: E402
 from nbbatch.store.notebook_io import write_notebook_atomic  # noqa: E402
