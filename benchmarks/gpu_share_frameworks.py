@@ -43,7 +43,7 @@ BATCHES = {"pytorch9": ["PyTorch_CIFAR"] * 9, "mixed": ["PyTorch_CIFAR", "Lightn
 AT_A_TIME = {"pytorch18": 9}
 OWN_KERNELS = {"PyTorch_CIFAR": "nbbatch-pytorch", "Lightning_CIFAR": "nbbatch-lightning",
                "JAX_Flax_CIFAR": "nbbatch-jax-flax"}
-WARM = "imported in"  # log.txt of a run whose kernel was started ahead with its framework imported
+WARM = "=== nbbatch: kernel started ahead, "  # log.txt of a run given a kernel started ahead, its framework imported
 
 
 def submit_batch(names: list[str], tag: str, mode: str, args: argparse.Namespace, share: Path, data: Path,
@@ -76,12 +76,21 @@ def submit_batch(names: list[str], tag: str, mode: str, args: argparse.Namespace
         if WARM in (folder / "log.txt").read_text():
             warm_setups.append(setup)
             warm_imports.append(first)
+            if args.cells:  # where a warm run's setup goes: each cell's seconds
+                print(f"{record.run_id}: " + ", ".join(f"{t:.2f}" for t in cell_seconds(
+                    json.loads((folder / "output.ipynb").read_text()))), file=sys.stderr)
         share_info = record.gpu_share
         needs.add(f"{share_info.need_mb:.0f} MiB ({share_info.need_from})" if share_info and share_info.need_mb
                   else "alone first" if share_info and share_info.exclusive else "-")
     return {"wall": wall, "setup": median(setups), "imports": median(imports),
             "warm": (median(warm_setups), median(warm_imports), len(warm_setups)) if warm_setups else None,
             "needs": ", ".join(sorted(needs))}
+
+
+def cell_seconds(nb: dict) -> list[float]:
+    """Each code cell's seconds, the parameters cells left out."""
+    return [c.get("metadata", {}).get("papermill", {}).get("duration") or 0.0 for c in nb["cells"]
+            if c["cell_type"] == "code" and not {"parameters", "injected-parameters"} & set(c["metadata"].get("tags", []))]
 
 
 def setup_seconds(nb: dict) -> tuple[float, float]:
@@ -108,6 +117,7 @@ def main() -> None:
     parser.add_argument("--gpu", type=int, default=0, help="the GPU to use (NVML index)")
     parser.add_argument("--kernels", choices=["python3", "own"], default="python3",
                         help="python3 (this Python; default) or the frameworks' own nbbatch-<name> kernels")
+    parser.add_argument("--cells", action="store_true", help="print each cell's seconds for runs that started warm")
     parser.add_argument("--cpu", action="store_true", help="no GPU: runs on the CPU (checks the script only)")
     args = parser.parse_args()
     batches = [b.strip() for b in args.batches.split(",") if b.strip()]

@@ -222,7 +222,7 @@ class LocalScheduler:
                 lease = GpuLease(gpu_ids, need_mb, exclusive=alone or (self.pool.auto and need_mb is None), alone=alone)
                 shared, gpu_env, _info = self.placement(run, lease)
                 self.kernels.prestart(run.run_id, *kernel_launch(run, gpu_ids, shared, gpu_env=gpu_env, share=self.share),
-                                      preload=run.preload, warmup=run.warmup if gpu_ids and shared else "")
+                                      preload=run.preload)
             except Exception:  # noqa: BLE001 - the run then starts its kernel itself
                 return
 

@@ -360,8 +360,8 @@ class _Attempt:
                                                             context.project_root, context.gpu_env, self.share)
         kernel_env = _rank_kernel_env(kernel_env, self.rank)
         kernels = context.kernels
-        prestarted = kernels.take(run.run_id, kernel_name, kernel_env, kernel_cwd, run.preload,
-                                  run.warmup if context.gpu_ids and context.shared_gpu else "") if kernels is not None else None
+        prestarted = kernels.take(run.run_id, kernel_name, kernel_env, kernel_cwd, run.preload) \
+            if kernels is not None else None
 
         def on_kernel(km: Any) -> None:  # whether the run got the kernel started ahead, warm
             if prestarted is not None:

@@ -1,10 +1,9 @@
 """Kernels started ahead of their runs: :class:`KernelPool` starts a run's kernel before the run starts, with the
 run's own kernel, environment and working directory, so that its start-up overlaps the runs before it.
 
-Once up, such a kernel imports the run's framework (``preload``) in one silent request that binds no name,
-and may run the framework's ``warmup`` (a CUDA context made ahead, in a namespace of its own): a kernel's GPUs
-are fixed when it starts, and it is used only by a run that got those GPUs. A kernel only ever executes the one
-notebook it was started for.
+Once up, such a kernel imports the run's framework (``preload``) in one silent request that binds no name and
+never touches CUDA: a kernel's GPUs are fixed when it starts, and it is used only by a run that got those GPUs.
+A kernel only ever executes the one notebook it was started for.
 """
 
 from __future__ import annotations
@@ -77,15 +76,12 @@ class PrestartedKernel:
     With ``preload``, the kernel then imports those modules (one silent ``execute_request`` that binds no name,
     keeps no history and leaves the execution count alone; a module that cannot be imported is skipped), so that
     the run's own imports of them are instant. Nothing touches CUDA: a kernel's GPUs are fixed when it starts.
-    With ``warmup``, it then runs that code in a namespace of its own (a CUDA context made ahead: the kernel's
-    GPUs are those its run will have, or it is not used). A kernel that dies while importing, or takes longer
-    than ``preload_timeout``, is not used.
+    A kernel that dies while importing, or takes longer than ``preload_timeout``, is not used.
     """
 
     def __init__(self, kernel_name: str, env: dict[str, str], cwd: str, preload: Sequence[str] = (),
-                 preload_timeout: float = PRELOAD_TIMEOUT, warmup: str = ""):
+                 preload_timeout: float = PRELOAD_TIMEOUT):
         self.kernel_name, self.env, self.cwd, self.preload = kernel_name, env, cwd, tuple(preload)
-        self.warmup = warmup  # code run after the imports, in a namespace of its own (the framework's `warmup`)
         self.preload_timeout = preload_timeout
         self.km = BatchKernelManager(kernel_name=kernel_name)
         self.error: BaseException | None = None
@@ -116,18 +112,18 @@ class PrestartedKernel:
         finally:
             self._output.launched()
         self._launched.set()
-        if (self.preload or self.warmup) and not self._stop.is_set():
+        if self.preload and not self._stop.is_set():
             await self._import_preload()
 
     async def _import_preload(self) -> None:
-        names = ", ".join(self.preload) + (" (and warming up)" if self.warmup else "")
+        names = ", ".join(self.preload)
         deadline = time.monotonic() + self.preload_timeout
         client = self.km.client()
         client.start_channels(stdin=False, hb=False, control=False)
         try:
             await client.wait_for_ready(timeout=self.preload_timeout)
             began = time.monotonic()
-            asked = client.execute(_preload_code(self.preload, self.warmup), silent=True, store_history=False, allow_stdin=False,
+            asked = client.execute(_preload_code(self.preload), silent=True, store_history=False, allow_stdin=False,
                                    stop_on_error=False, user_expressions={"imported": _imported_expression(self.preload)})
             printed: list[str] = []
             while True:  # the request's output, up to its `idle`: after that the reply is on the shell channel
@@ -153,10 +149,8 @@ class PrestartedKernel:
         finally:
             client.stop_channels()
 
-    def matches(self, kernel_name: str, env: dict[str, str], cwd: str, preload: Sequence[str] = (),
-                warmup: str = "") -> bool:
-        return ((kernel_name, env, cwd, tuple(preload), warmup)
-                == (self.kernel_name, self.env, self.cwd, self.preload, self.warmup))
+    def matches(self, kernel_name: str, env: dict[str, str], cwd: str, preload: Sequence[str] = ()) -> bool:
+        return (kernel_name, env, cwd, tuple(preload)) == (self.kernel_name, self.env, self.cwd, self.preload)
 
     def claim(self, kernel_output: BinaryIO | None, wait: float = 120.0) -> BatchKernelManager | None:
         """The started kernel's manager, its process output now going to ``kernel_output``, once it has imported
@@ -178,12 +172,11 @@ class PrestartedKernel:
         """One line for the run's log: whether the run got this kernel (``km`` is the one it got), and what it imported."""
         if km is not self.km:
             return f"the kernel started ahead was not used ({self.error}); this run started its own"
-        if not self.preload and not self.warmup:
+        if not self.preload:
             return "kernel started ahead"
         missing = [name for name in self.preload if name not in self.imported]
-        done = ", ".join(self.imported) + " imported" if self.imported else ""
-        done += (" and " if done else "") + "its warm-up run" if self.warmup else ""
-        line = "kernel started ahead" + (f", {done} in {self.preload_seconds or 0:.1f} s" if done else "")
+        line = "kernel started ahead" + (f", {', '.join(self.imported)} imported in {self.preload_seconds or 0:.1f} s"
+                                         if self.imported else "")
         line += f", {', '.join(missing)} not importable" if missing else ""
         return line + (f"; importing printed:\n{self.preload_output.rstrip()}" if self.preload_output.strip() else "")
 
@@ -202,14 +195,10 @@ class PrestartedKernel:
         self.release_output(wait=0.5)
 
 
-def _preload_code(modules: Sequence[str], warmup: str = "") -> str:
-    """Import each module, then run ``warmup`` in a namespace of its own, skipping what fails; no name is bound in
-    the kernel's namespace."""
-    code = "".join(f'try:\n    __import__("importlib").import_module({name!r})\nexcept Exception:\n    pass\n'
+def _preload_code(modules: Sequence[str]) -> str:
+    """Import each module, skipping those that fail; no name is bound in the kernel's namespace."""
+    return "".join(f'try:\n    __import__("importlib").import_module({name!r})\nexcept Exception:\n    pass\n'
                    for name in modules)
-    if warmup:
-        code += f'try:\n    exec(compile({warmup!r}, "<nbbatch warmup>", "exec"), {{}})\nexcept Exception:\n    pass\n'
-    return code
 
 
 def _imported_expression(modules: Sequence[str]) -> str:
@@ -240,22 +229,21 @@ class KernelPool:
         with self._lock:
             return key in self._kernels
 
-    def prestart(self, key: str, kernel_name: str, env: dict[str, str], cwd: str, preload: Sequence[str] = (),
-                 warmup: str = "") -> bool:
-        """Start a kernel for run ``key`` (importing ``preload``, then running ``warmup``, once started) unless the
-        pool is full or has one for it; whether it started one."""
+    def prestart(self, key: str, kernel_name: str, env: dict[str, str], cwd: str, preload: Sequence[str] = ()) -> bool:
+        """Start a kernel for run ``key`` (importing ``preload`` once started) unless the pool is full or has one
+        for it; whether it started one."""
         with self._lock:
             if self._closed or key in self._kernels or len(self._kernels) >= self.size:
                 return False
-            self._kernels[key] = PrestartedKernel(kernel_name, env, cwd, preload, self.preload_timeout, warmup)
+            self._kernels[key] = PrestartedKernel(kernel_name, env, cwd, preload, self.preload_timeout)
             return True
 
     def take(self, key: str, kernel_name: str, env: dict[str, str], cwd: str,
-             preload: Sequence[str] = (), warmup: str = "") -> PrestartedKernel | None:
+             preload: Sequence[str] = ()) -> PrestartedKernel | None:
         """The kernel started for run ``key``, if it was started with exactly these settings."""
         with self._lock:
             kernel = self._kernels.pop(key, None)
-        if kernel is not None and not kernel.matches(kernel_name, env, cwd, preload, warmup):
+        if kernel is not None and not kernel.matches(kernel_name, env, cwd, preload):
             kernel.discard()
             return None
         return kernel

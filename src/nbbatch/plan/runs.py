@@ -95,7 +95,6 @@ class Run:
     shared_gpu_env: dict[str, str] = field(default_factory=dict)  # added when the run shares its GPU
     gpu_memory_mb: int | None = None  # the framework's estimate of the GPU memory a run needs (None: unknown)
     preload: tuple[str, ...] = ()  # modules a kernel started ahead of the run imports before it is given the run
-    warmup: str = ""  # code such a kernel then runs for a run sharing a GPU, in a namespace of its own (CUDA made ahead)
     recognised_as: str | None = None  # the framework a notebook given by path was recognised as (its kernel, imports)
     cwd: str | None = None  # kernel working directory (default: the notebook's folder)
     inputs: dict[str, str] = field(default_factory=dict)  # parameter -> folder or share URL (bound where it runs)
@@ -237,8 +236,7 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
                 timeout_s=experiment.timeout, cell_timeout_s=experiment.cell_timeout, retries=experiment.retries,
                 max_output_mb=experiment.max_output_mb,
                 env=env, shared_gpu_env=shared_env, gpu_memory_mb=memory_mb,
-                preload=framework.preload if framework else (), warmup=framework.warmup if framework else "",
-                recognised_as=recognised_as,
+                preload=framework.preload if framework else (), recognised_as=recognised_as,
                 inputs=inputs, distribution=experiment.resources.distribution,
             ))
     seen: dict[str, Run] = {}

@@ -22,7 +22,7 @@ FRAMEWORK_FILE = "framework.yaml"
 _KNOWN_KEYS = {
     "title", "notebook", "requirements", "setup_requirements", "pip_options", "kernel_env",
     "shared_gpu_env", "gpu_memory_mb", "gpu", "image", "base_image", "description", "python",
-    "gpu_packages", "gpu_pip_options", "system_packages", "distribution", "imports", "preload", "warmup",
+    "gpu_packages", "gpu_pip_options", "system_packages", "distribution", "imports", "preload",
 }
 DEFAULT_PYTHON = "3.11"  # the Python of the environments and images, unless framework.yaml says `python:`
 _PACKAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # the distribution name a pin line starts with
@@ -60,8 +60,6 @@ class Framework:
     imports: tuple[str, ...] = ()
     # What a kernel started ahead of one of its runs imports before the run is given to it (no CUDA is touched).
     preload: tuple[str, ...] = ()
-    # Code such a kernel then runs for a GPU run, in a namespace of its own: a CUDA context made ahead.
-    warmup: str = ""
 
     @property
     def kernel_name(self) -> str:
@@ -143,7 +141,6 @@ def _load(folder: Path, project: Project) -> Framework:
         **_distribution(source, data.get("distribution")),
         imports=_modules(source, "imports", data.get("imports")),
         preload=_modules(source, "preload", data.get("preload")),
-        warmup=_warmup(source, data.get("warmup")),
     )
 
 
@@ -170,18 +167,6 @@ def _modules(source: Path, key: str, value: Any) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(n, str) and _MODULE.fullmatch(n) for n in value):
         raise ValidationError(f"{source}: `{key}` must be a list of Python module names (e.g. [torch, flax]); not {value!r}")
     return tuple(value)
-
-
-def _warmup(source: Path, value: Any) -> str:
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise ValidationError(f"{source}: `warmup` must be Python code (a block of text, `warmup: |`); not {value!r}")
-    try:
-        compile(value, f"{source}: warmup", "exec")
-    except SyntaxError as exc:
-        raise ValidationError(f"{source}: `warmup` is not valid Python (line {exc.lineno}: {exc.msg})") from exc
-    return value
 
 
 def _system_packages(source: Path, value: Any) -> tuple[str, ...]:
