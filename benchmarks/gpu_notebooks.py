@@ -125,6 +125,20 @@ def use_gpus(gpus: list, name: str = "bench-local") -> str:
     return name
 
 
+def submit_all(spec: dict, what: str) -> tuple:
+    """Submit ``spec`` (``force``: every run again); its result and wall seconds. Exits naming the first failed
+    runs (``what`` says where their logs are)."""
+    import nbbatch
+
+    start = time.perf_counter()
+    result = nbbatch.submit(spec, progress=False, force=True)
+    wall = time.perf_counter() - start
+    failed = [(r.run_id, r.error.summary() if r.error else r.status) for r in result.records if r.status != "succeeded"]
+    if failed:
+        raise SystemExit(f"{what}: runs failed: {failed[:3]} (see {spec['share']}/{spec['experiment']}/<run>/log.txt)")
+    return result, wall
+
+
 def isolate(folder: Path) -> None:
     """Keep the benchmark's experiment registry out of the user's project."""
     os.environ["NBBATCH_PROJECT"] = str(folder)

@@ -28,11 +28,10 @@ import json
 import re
 import sys
 import tempfile
-import time
 from datetime import datetime
 from pathlib import Path
 
-from gpu_notebooks import find_gpus, isolate, torch_version, use_gpus, write_notebook
+from gpu_notebooks import find_gpus, isolate, submit_all, torch_version, use_gpus, write_notebook
 from machine import describe, median
 
 RUNS = 9
@@ -40,18 +39,11 @@ RUNS = 9
 
 def batch(notebook: Path, share: Path, backend: str, tag: str, runs_per_gpu: int | str, steps: int, runs: int = RUNS,
           mps: bool = False) -> dict:
-    import nbbatch
-
     spec = {"experiment": f"gpushare-{tag}", "notebooks": [{"path": str(notebook), "kernel": "python3"}],
             "parameters": {"STEPS": steps}, "sweep": {"grid": {"ID": list(range(runs))}},
             "resources": {"gpus": 1, "runs_per_gpu": runs_per_gpu, "mps": mps}, "backend": backend,
             "share": str(share)}
-    start = time.perf_counter()
-    result = nbbatch.submit(spec, progress=False, force=True)
-    wall = time.perf_counter() - start
-    failed = [(r.run_id, r.error.summary() if r.error else r.status) for r in result.records if r.status != "succeeded"]
-    if failed:
-        raise SystemExit(f"{tag}: runs failed: {failed[:3]} (see {share}/gpushare-{tag}/<run>/log.txt)")
+    result, wall = submit_all(spec, tag)
     trained, phases = [], []
     for record in result.records:
         out = (share / record.experiment / record.run_id / "output.ipynb").read_text()

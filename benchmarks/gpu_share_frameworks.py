@@ -32,10 +32,9 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from gpu_notebooks import ROOT, find_gpus, isolate, use_gpus, write_data
+from gpu_notebooks import ROOT, find_gpus, isolate, submit_all, use_gpus, write_data
 from machine import describe, median
 
 BATCHES = {"pytorch9": ["PyTorch_CIFAR"] * 9, "mixed": ["PyTorch_CIFAR", "Lightning_CIFAR", "JAX_Flax_CIFAR"] * 3,
@@ -48,7 +47,6 @@ WARM = "=== nbbatch: kernel started ahead, "  # log.txt of a run given a kernel 
 
 def submit_batch(names: list[str], tag: str, mode: str, args: argparse.Namespace, share: Path, data: Path,
                  backend: str) -> dict:
-    import nbbatch
 
     per_gpu, mps = mode.removesuffix("+mps"), mode.endswith("+mps")
     counts = {n: names.count(n) for n in dict.fromkeys(names)}
@@ -61,12 +59,7 @@ def submit_batch(names: list[str], tag: str, mode: str, args: argparse.Namespace
             "resources": {"gpus": 0 if args.cpu else 1, "runs_per_gpu": int(per_gpu) if per_gpu.isdigit() else per_gpu,
                           "mps": mps, "max_parallel": AT_A_TIME.get(tag)},
             "backend": {"name": backend, "prestart": AT_A_TIME.get(tag, 2)}, "share": str(share)}
-    start = time.perf_counter()
-    result = nbbatch.submit(spec, progress=False, force=True)
-    wall = time.perf_counter() - start
-    failed = [(r.run_id, r.error.summary() if r.error else r.status) for r in result.records if r.status != "succeeded"]
-    if failed:
-        raise SystemExit(f"{tag} {mode}: runs failed: {failed[:3]} (see {share}/<experiment>/<run>/log.txt)")
+    result, wall = submit_all(spec, f"{tag} {mode}")
     setups, warm_setups, imports, warm_imports, needs = [], [], [], [], set()
     for record in result.records:
         folder = share / record.experiment / record.run_id

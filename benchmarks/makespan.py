@@ -25,28 +25,20 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from datetime import datetime
 from pathlib import Path
 
-from gpu_notebooks import find_gpus, isolate, torch_version, use_gpus, write_notebook
+from gpu_notebooks import find_gpus, isolate, submit_all, torch_version, use_gpus, write_notebook
 from machine import describe
 
 SECONDS = [10, 10, 10, 10, 15, 15, 20, 25, 45]  # planned shortest first: the worst order for a greedy start
 
 
 def submit(notebook: Path, share: Path, backend: str, seconds: list[float]) -> dict:
-    import nbbatch
-
     spec = {"experiment": "makespan", "notebooks": [{"path": str(notebook), "kernel": "python3"}],
             "parameters": {"STEPS": 0}, "sweep": {"zip": {"ID": list(range(len(seconds))), "SECONDS": seconds}},
             "resources": {"gpus": 1, "runs_per_gpu": 1}, "backend": backend, "share": str(share)}
-    start = time.perf_counter()
-    result = nbbatch.submit(spec, progress=False, force=True)
-    wall = time.perf_counter() - start
-    failed = [(r.run_id, r.error.summary() if r.error else r.status) for r in result.records if r.status != "succeeded"]
-    if failed:
-        raise SystemExit(f"runs failed: {failed[:3]} (see {share}/makespan/<run>/log.txt)")
+    result, wall = submit_all(spec, "makespan")
     records = sorted(result.records, key=lambda r: r.started_at)
     first = min(datetime.fromisoformat(r.started_at) for r in records)
     last = max(datetime.fromisoformat(r.ended_at) for r in records)
