@@ -5,6 +5,12 @@ them to :class:`FakeAzureML`, which routes them by method and URL to small handl
 (computes, environments, code assets, datastores, jobs) and answer with the JSON bodies the
 service sends. Nothing leaves the process. Requests no handler knows are answered 404 and kept in
 :attr:`CannedTransport.unmatched`, so a test can assert that the SDK asked only for what was canned.
+
+The fake is as strict as the service (``strict=True``, the default): it refuses what the live service
+refuses, with the service's error body (:func:`service_error`), so the refusal paths are tested too:
+a job whose experiment name, job name, compute name or ``shmSize`` breaks the service's rules, a cancel of
+a job that is finalizing or already finished, a compute whose name breaks the rules. Each rule below
+says where its text comes from.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import requests
 from azure.core.credentials import AccessToken, AccessTokenInfo
@@ -144,7 +150,8 @@ def _response(request: Any, status: int, payload: Any, headers: dict[str, str], 
     internal.headers = CaseInsensitiveDict({"Content-Type": "application/json; charset=utf-8", **headers})
     internal._content = raw
     internal.raw = HTTPResponse(body=io.BytesIO(raw), preload_content=False, status=status)
-    internal.reason = {200: "OK", 201: "Created", 202: "Accepted", 204: "No Content", 404: "Not Found"}.get(status, "")
+    internal.reason = {200: "OK", 201: "Created", 202: "Accepted", 204: "No Content", 400: "Bad Request",
+                       404: "Not Found", 409: "Conflict", 500: "Internal Server Error"}.get(status, "")
     internal.url = request.url
     internal.encoding = "utf-8"
     if type(request).__module__.startswith("azure.core.rest"):
@@ -157,6 +164,58 @@ def _response(request: Any, status: int, payload: Any, headers: dict[str, str], 
 
 def _error(code: str, message: str) -> dict[str, Any]:
     return {"error": {"code": code, "message": message}}
+
+
+def service_error(status: int, message: str, code: str = "UserError", inner: str | None = None,
+                  details: list[dict[str, Any]] | None = None, location: str = "westeurope") -> Reply:
+    """A refusal as Azure ML's management front end writes it: the ``error`` object azure-core parses
+    (``code``, ``message``, ``details``, nested ``innerError`` codes) and the correlation envelope.
+
+    The shape is that of the UserError bodies quoted in Azure/azure-sdk-for-python#11368 and
+    Azure/MachineLearningNotebooks#700 (``code``, ``message``, ``details``, ``innerError``, ``debugInfo``).
+    """
+    inner_error = {"code": "BadArgument", "innerError": {"code": inner}} if inner else None
+    body = {
+        "error": {"code": code, "severity": None, "message": message, "messageFormat": None,
+                  "messageParameters": None, "referenceCode": None, "detailsUri": None, "target": None,
+                  "details": details or [], "innerError": inner_error, "debugInfo": None, "additionalInfo": None},
+        "correlation": {"operation": "00000000000000000000000000000000", "request": "0000000000000000"},
+        "environment": location, "location": location, "time": "2025-01-01T00:00:00.0000000+00:00",
+        "componentName": "managementfrontend",
+    }
+    return status, body, {"x-ms-error-code": code}
+
+
+# --- the service's rules (what `strict` refuses) ------------------------------------------------------------
+# Experiment names: the service's own text, quoted in microsoft/dstoolkit-mlops-v2#180 and
+# dotnet/machinelearning-modelbuilder#1773 (a 400 on job creation).
+EXPERIMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,255}")
+EXPERIMENT_NAME_MESSAGE = ("Experiment name must be 1-256 characters, start with a letter or a number, and can only "
+                           "contain letters, numbers, underscores, and dashes.")
+# Job names are run ids: the pattern azure-ai-ml's own run history client puts on `runId`
+# (_restclient/runhistory/operations/_runs_operations.py). No public quote of the refusal was found: the text is ours.
+JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,255}")
+JOB_NAME_MESSAGE = ("Job name {name!r} is invalid: it must be 1-256 characters, start with a letter or a number, and "
+                    "can only contain letters, numbers, underscores, and dashes.")
+# Compute names: the service's text, quoted in MicrosoftLearning/DP100#50 and augerai/a2ml#65 (then 2-16 characters);
+# clusters now take 3-32 (Microsoft's resource naming rules for Microsoft.MachineLearningServices computes).
+COMPUTE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9-]{1,30}[A-Za-z0-9]")
+COMPUTE_NAME_MESSAGE = ("Compute name is invalid. It can include letters, digits and dashes. It must start with a "
+                        "letter, end with a letter or digit, and be between 3 and 32 characters in length.")
+# shmSize: the REST model's own description (azure-ai-ml JobResourceConfiguration.shm_size, and the command job
+# YAML reference): "(number)(unit) where number as to be greater than 0 and the unit can be one of b, k, m, g".
+SHM_SIZE = re.compile(r"0*[1-9][0-9]*[bkmgBKMG]")
+SHM_SIZE_MESSAGE = ("Invalid shmSize {value!r}: it must be in the format (number)(unit) where number has to be "
+                    "greater than 0 and the unit is one of b(bytes), k(kilobytes), m(megabytes) or g(gigabytes).")
+# Cancelling a job that is finalizing or has ended is an error (Azure/azureml-assets#2496: "the job was finalizing
+# and we tried cancelling it which is an error"). The service's exact status and words are not quoted publicly;
+# this 400 UserError is our stand-in until `make azure-smoke` records the live answer.
+UNCANCELLABLE = ("Finalizing", "Completed", "Failed", "Canceled")
+CANCEL_MESSAGE = "Cannot cancel job {name} because it is in {status} state; only a job that has not ended can be canceled."
+# A cluster that cannot grow: the AmlCompute resource's `properties.errors` (a list of ErrorResponse) with
+# allocationState Resizing. The message has the shape of Azure's core quota refusals (hashicorp/terraform#10056).
+QUOTA_MESSAGE = ("Operation results in exceeding quota limits of Core. Maximum allowed: 0, Current in use: 0, "
+                 "Additional requested: 4.")
 
 
 def _not_found(what: str) -> Reply:
@@ -186,6 +245,11 @@ class FakeAzureML:
     # job name -> (status, {log name: text}) steps of the run history's details (the last one sticks)
     run_history: dict[str, list[tuple[str, dict[str, str]]]] = field(default_factory=dict)
     log_texts: dict[tuple[str, str], str] = field(default_factory=dict)
+    # refuse what the live service refuses (see the rules above); False: accept anything, as the fake once did
+    strict: bool = True
+    allocation_state: str = "Steady"  # what every compute reports (Resizing while it waits for nodes)
+    # display name (run id) -> the answer to creating its job: a refusal only the service can make
+    job_refusals: dict[str, Reply] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.transport = CannedTransport()
@@ -211,6 +275,14 @@ class FakeAzureML:
         self.jobs[name]["properties"]["status"] = status
         if error:
             self.jobs[name]["properties"].setdefault("properties", {})["azureml.nbbatch.fake-error"] = error
+
+    def stall_allocation(self, job: str | None = None, code: str = "QuotaExceeded", message: str = QUOTA_MESSAGE) -> None:
+        """Make the clusters unable to get nodes (resizing, with ``code: message`` in their ``errors``), and ``job``
+        (when given) wait in Queued for them, as a job does on a cluster whose VM family has no quota."""
+        self.allocation_state = "Resizing"
+        self.compute_errors = [{"error": {"code": code, "message": message, "details": [], "additionalInfo": []}}]
+        if job is not None:
+            self.set_job_status(job, "Queued")
 
     def forget_code_snapshots(self) -> None:
         """Make the service answer that no snapshot was uploaded yet (the SDK then uploads to blob storage)."""
@@ -267,6 +339,8 @@ class FakeAzureML:
 
     def _put_compute(self, call: Call) -> Reply:
         name = call.match["name"]  # type: ignore[index]
+        if self.strict and not COMPUTE_NAME.fullmatch(name):
+            return service_error(400, COMPUTE_NAME_MESSAGE, inner="ComputeNameInvalid", location=self.location)
         body = call.json()
         body.update({"id": f"{self.ws_path}/computes/{name}", "name": name,
                      "type": "Microsoft.MachineLearningServices/workspaces/computes"})
@@ -275,7 +349,7 @@ class FakeAzureML:
         inner = props.setdefault("properties", {})
         scale = inner.get("scaleSettings") or {}
         inner.update({
-            "allocationState": "Steady",
+            "allocationState": self.allocation_state,
             "currentNodeCount": scale.get("minNodeCount", 0),
             "targetNodeCount": scale.get("minNodeCount", 0),
             "nodeStateCounts": {"idleNodeCount": scale.get("minNodeCount", 0), "runningNodeCount": 0,
@@ -293,6 +367,7 @@ class FakeAzureML:
             return _not_found(f"compute {name}")
         body = self.computes[name]
         body["properties"]["properties"]["errors"] = self.compute_errors or None
+        body["properties"]["properties"]["allocationState"] = self.allocation_state
         return 200, body, {}
 
     def _patch_compute(self, call: Call) -> Reply:
@@ -377,9 +452,33 @@ class FakeAzureML:
         return 201, stored, {}
 
     # jobs -----------------------------------------------------------------------------------------
+    def _job_refusal(self, name: str, props: dict[str, Any]) -> Reply | None:
+        """The service's answer to a job it refuses, or None: it takes it."""
+        def refuse(message: str, inner: str, target: str) -> Reply:
+            return service_error(400, message, inner=inner, location=self.location,
+                                 details=[{"code": "Invalid", "target": target, "message": message}])
+
+        if props.get("displayName") in self.job_refusals:
+            return self.job_refusals[props["displayName"]]
+        if not JOB_NAME.fullmatch(name):
+            return refuse(JOB_NAME_MESSAGE.format(name=name), "JobNameInvalid", "name")
+        experiment = props.get("experimentName") or "Default"
+        if not EXPERIMENT_NAME.fullmatch(experiment):
+            return refuse(EXPERIMENT_NAME_MESSAGE, "ExperimentNameInvalid", "experimentName")
+        compute = str(props.get("computeId") or "").rstrip("/").rsplit("/", 1)[-1]
+        if compute and not COMPUTE_NAME.fullmatch(compute):
+            return refuse(COMPUTE_NAME_MESSAGE, "ComputeNameInvalid", "computeId")
+        shm_size = (props.get("resources") or {}).get("shmSize")
+        if shm_size is not None and not SHM_SIZE.fullmatch(str(shm_size)):
+            return refuse(SHM_SIZE_MESSAGE.format(value=shm_size), "ShmSizeInvalid", "resources.shmSize")
+        return None
+
     def _put_job(self, call: Call) -> Reply:
-        name = call.match["name"]  # type: ignore[index]
+        name = unquote(call.match["name"])  # type: ignore[index]
         body = call.json()
+        refusal = self._job_refusal(name, body.get("properties") or {}) if self.strict else None
+        if refusal is not None:
+            return refusal
         body.update({"id": f"{self.ws_path}/jobs/{name}", "name": name,
                      "type": "Microsoft.MachineLearningServices/workspaces/jobs"})
         props = body["properties"]
@@ -420,6 +519,10 @@ class FakeAzureML:
         name = call.match["name"]  # type: ignore[index]
         if name not in self.jobs:
             return _not_found(f"job {name}")
+        status = self.jobs[name]["properties"]["status"]
+        if self.strict and status in UNCANCELLABLE:
+            return service_error(400, CANCEL_MESSAGE.format(name=name, status=status), inner="JobInTerminalState",
+                                 location=self.location)
         self.cancelled.append(name)
         self.jobs[name]["properties"]["status"] = "CancelRequested"
         return 202, None, {"Location": f"{ARM}/fake-operations/cancel-{name}?api-version=2023-08-01"}

@@ -102,6 +102,7 @@ def status_rows(records: list[RunRecord]) -> list[dict[str, Any]]:
             "status": r.status, "attempts": r.attempts, "progress": progress,
             "duration_s": r.duration_s, "gpu_ids": r.gpu_ids, "world_size": r.world_size, "metrics": r.metrics,
             "error": r.error.summary() if r.error else "",
+            "note": (r.note or "") if not r.final else "",
         })
     return rows
 
@@ -252,11 +253,15 @@ def _columns(records: list[RunRecord], max_metrics: int, now: datetime) -> list[
         values = [r.metrics.get(name) for r in records]
         add(name, [format_metric(v) for v in values], 70 if index == 0 else 60 - index,
             numeric=all(v is None or _is_number(v) for v in values))
-    errors = [" ".join(r.error.summary().splitlines()) if r.error else "" for r in records]
+    # a run's error, or while it is not final the backend's note on it (waiting for nodes, cancel requested)
+    errors = [" ".join(r.error.summary().splitlines()) if r.error else (r.note or "") if not r.final else ""
+              for r in records]
     if any(errors):
-        error = add("error", errors, 90, flexible=True)
+        noted = any(r.note and not r.error and not r.final for r in records)
+        header = ("error / note" if any(r.error for r in records) else "note") if noted else "error"
+        error = add(header, errors, 90, flexible=True)
         # where the error does not fit one line, the exception matters more than the cell it came from
-        error.short = [Text(text.removeprefix(f"cell {r.error.cell_index}: ")) if r.error else Text()
+        error.short = [Text(text.removeprefix(f"cell {r.error.cell_index}: ") if r.error else text)
                        for text, r in zip(errors, records, strict=True)]
     return columns
 

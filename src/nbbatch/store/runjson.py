@@ -209,6 +209,8 @@ class RunRecord:
     world_size: int = 1  # ranks of a distributed run (one kernel each)
     ranks: list[RankOutcome] = field(default_factory=list)  # a distributed run's, one per rank
     rank: int | None = None  # set in ranks/<rank>/run.json: the record of that rank alone
+    # what the backend says of a run not final yet (waiting for nodes: quota; cancel requested); shown while not final
+    note: str | None = _written_when_set()
     schema_version: int = SCHEMA_VERSION
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -132,8 +132,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     console.print(Text.assemble("experiment ", (result.experiment, "bold"), ": ",
                                 ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
                                 f" — results in {result.share}/{result.experiment}"))
-    if args.no_wait:
-        return 0
+    if args.no_wait:  # the runs go on; one that already failed (its job refused) fails the command
+        return 1 if any(r.status == Status.FAILED for r in result.records) else 0
     return 0 if result.ok else 1
 
 
@@ -235,8 +235,12 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    asked = api.cancel(args.experiment, args.runs or None, share=args.share)
+    with warnings.catch_warnings(record=True) as caught:  # a run the backend could not cancel: one line each, with why
+        warnings.simplefilter("always", UserWarning)
+        asked = api.cancel(args.experiment, args.runs or None, share=args.share)
     print(f"asked {len(asked)} run(s) to stop: {', '.join(asked)}" if asked else "no unfinished runs to cancel")
+    for problem in dict.fromkeys(str(w.message) for w in caught if issubclass(w.category, UserWarning)):
+        print(f"nbbatch: warning: {problem}", file=sys.stderr)
     return 0
 
 

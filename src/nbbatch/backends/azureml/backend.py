@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 import tempfile
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,20 +36,25 @@ from nbbatch.backends.azureml.images import (
     project_root_of,
 )
 from nbbatch.backends.azureml.jobs import (
+    CANCEL_REQUESTED,
+    ENDED,
     JOB_FILE,
     JobState,
+    canonical_status,
     job_distribution,
     job_status_text,
     map_job_status,
     new_job_name,
     reconcile,
+    refused_job_error,
 )
 from nbbatch.backends.azureml.logstream import stream_job
+from nbbatch.backends.azureml.rules import check_location, check_run, check_settings, datastore_path, job_timeout_s
 from nbbatch.backends.azureml.workspace import connect, error_text
 from nbbatch.backends.base import Backend, Capabilities, Compute, SubmitOptions
 from nbbatch.backends.placement import azureml_placement
 from nbbatch.backends.settings import setting
-from nbbatch.errors import BackendError, ValidationError
+from nbbatch.errors import BackendError, NbbatchError, ValidationError
 from nbbatch.execute.placement import NodePlacement
 from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret, is_secret_value
@@ -159,16 +165,21 @@ class AzureMLBackend(Backend):
         return azureml_placement(run, environ)
 
     def check_share(self, share: Share) -> None:
-        """Jobs write to an Azure File share: refuse any other share before anything starts."""
-        _azure_files_location(share)
+        """Jobs write to an Azure File share: refuse any other share, or one Azure ML cannot mount, before anything starts."""
+        location = _azure_files_location(share)
+        check_location(location, self.settings.datastore or datastore_name_for(location.account, location.share),
+                       "the experiment's share")
 
     def check(self, runs: Sequence[Run], options: SubmitOptions | None = None) -> None:
-        """Fail before anything starts when a run has no environment to run in, or the cluster cannot hold it."""
+        """Fail before anything starts when a run has no environment to run in, the cluster cannot hold it, or Azure ML
+        would refuse its job (names, shm_size, datastore paths, time limit: :mod:`nbbatch.backends.azureml.rules`)."""
         super().check(runs, options)
+        check_settings(datastore=self.settings.datastore, shm_size=self.settings.shm_size)
         for run in runs:
-            self._environment_for(run, register=False)
+            environment = self._environment_for(run, register=False)
             for name, location in run.inputs.items():
                 _input_location(name, location)
+            check_run(run, environment, self.cluster_settings.tier)
         self._check_placement(runs)
 
     def _check_placement(self, runs: Sequence[Run]) -> None:
@@ -213,47 +224,80 @@ class AzureMLBackend(Backend):
         return state is not None and state.active and self._refresh_state(state).active
 
     def start(self, runs: Sequence[Run], share: Share, options: SubmitOptions) -> None:
-        """Ensure cluster and datastore, snapshot the code once, and create one command job per run."""
+        """Ensure cluster and datastore, snapshot the code once, and create one command job per run.
+
+        A job Azure ML refuses does not strand the others: that run is failed at once with the service's answer
+        (``AzureMLJobRefused``) and the rest are created; only when it refuses every job is a :class:`BackendError`
+        raised. A create that times out may have made its job all the same: that run keeps the job's name (a
+        resubmission finds the job), the rest are created, and a BackendError says so at the end. When something
+        before the jobs fails (cluster, datastore, environment, a run's job), the runs left without a job are failed
+        with that error, not left ``queued`` forever, and the error is raised.
+        """
         location = _azure_files_location(share)
-        if self.settings.create_cluster:
-            self.cluster.ensure()
-        elif not self.cluster.status().exists:
-            raise BackendError(f"cluster `{self.cluster_settings.name}` does not exist and create_cluster is false; "
-                               "create it with `nbbatch cluster create`")
-        datastore = self.settings.datastore or datastore_name_for(location.account, location.share)
-        if self.settings.share_mode == "mount":
-            ensure_datastore(self.ml_client, datastore, location.account, location.share)
-        inputs = {_input_location(n, u) for r in runs for n, u in r.inputs.items()}
-        for place in sorted({(i.account, i.share) for i in inputs} - {(location.account, location.share)}):
-            ensure_datastore(self.ml_client, datastore_name_for(*place), *place)
-        with tempfile.TemporaryDirectory(prefix="nbbatch-code-") as tmp:
-            code_dir = build_code_snapshot(runs, Path(tmp) / "code")
-            for run in runs:
-                job = self.build_job(run, self._environment_for(run, register=True), code_dir,
-                                     datastore=datastore, share_url=location.url, share_prefix=location.prefix)
-                # The job's name is on the share before the job exists: when creating it times out (and Azure ML
-                # creates it anyway), a resubmission finds this job (in_flight, sync) instead of making a second.
-                self._write_state(share, JobState(run.run_id, job.name, run.experiment, status=Status.QUEUED,
-                                                  note="being created in Azure ML", submitted_at=utc_now(),
-                                                  updated_at=utc_now()))
-                try:
-                    created = self.ml_client.jobs.create_or_update(job)
-                except HttpResponseError as exc:
-                    raise BackendError(f"Azure ML refused the job for run {run.run_id}: {error_text(exc)}") from exc
-                except AzureError as exc:  # a timeout or a dropped connection: the job may exist all the same
-                    raise BackendError(
-                        f"creating Azure ML job {job.name} for run {run.run_id} failed ({exc}); it may have been "
-                        "created all the same. Submit again: nbbatch looks that job up and leaves it running "
-                        "rather than creating another") from exc
-                job_status = job_status_text(created.status)
-                status, note = map_job_status(job_status)
-                state = JobState(run.run_id, created.name, run.experiment, studio_url=created.studio_url,
-                                 job_status=job_status, status=status, note=note, submitted_at=utc_now(),
-                                 updated_at=utc_now())
-                self._write_state(share, state)
+        tried: set[str] = set()
+        refused: list[str] = []
+        uncertain: list[str] = []
+        try:
+            if self.settings.create_cluster:
+                self.cluster.ensure()
+            elif not self.cluster.status().exists:
+                raise BackendError(f"cluster `{self.cluster_settings.name}` does not exist and create_cluster is "
+                                   "false; create it with `nbbatch cluster create`")
+            datastore = self.settings.datastore or datastore_name_for(location.account, location.share)
+            if self.settings.share_mode == "mount":
+                ensure_datastore(self.ml_client, datastore, location.account, location.share)
+            inputs = {_input_location(n, u) for r in runs for n, u in r.inputs.items()}
+            for place in sorted({(i.account, i.share) for i in inputs} - {(location.account, location.share)}):
+                ensure_datastore(self.ml_client, datastore_name_for(*place), *place)
+            with tempfile.TemporaryDirectory(prefix="nbbatch-code-") as tmp:
+                code_dir = build_code_snapshot(runs, Path(tmp) / "code")
+                for run in runs:
+                    job = self.build_job(run, self._environment_for(run, register=True), code_dir,
+                                         datastore=datastore, share_url=location.url, share_prefix=location.prefix)
+                    tried.add(run.run_id)
+                    # The job's name is on the share before the job exists: when creating it times out (and Azure ML
+                    # creates it anyway), a resubmission finds this job (in_flight, sync) instead of making a second.
+                    state = JobState(run.run_id, job.name, run.experiment, status=Status.QUEUED,
+                                     note="being created in Azure ML", submitted_at=utc_now(), updated_at=utc_now())
+                    self._write_state(share, state)
+                    try:
+                        created = self.ml_client.jobs.create_or_update(job)
+                    except HttpResponseError as exc:  # refused: this run fails with the service's answer, whole
+                        error = refused_job_error(job.name, error_text(exc), exc.status_code)
+                        state.status, state.note, state.updated_at = Status.FAILED, error.evalue, utc_now()
+                        self._write_state(share, state)
+                        self.finalize(share, run, Status.FAILED, error, options.guarded_update)
+                        refused.append(f"run {run.run_id}: {error_text(exc)}")
+                        continue
+                    except AzureError as exc:  # a timeout or a dropped connection: the job may exist all the same
+                        uncertain.append(f"creating Azure ML job {job.name} for run {run.run_id} failed ({exc})")
+                        continue
+                    job_status = job_status_text(created.status)
+                    status, note = map_job_status(job_status)
+                    self._write_state(share, JobState(run.run_id, created.name, run.experiment,
+                                                      studio_url=created.studio_url, job_status=job_status,
+                                                      status=status, note=note, submitted_at=utc_now(),
+                                                      updated_at=utc_now()))
+        except (NbbatchError, AzureError) as exc:
+            for run in runs:  # those without a job: failed with why, so neither status nor wait waits on them
+                if run.run_id not in tried:
+                    self.finalize(share, run, Status.FAILED, RunError(
+                        "NotSubmitted", error_text(exc) if isinstance(exc, AzureError) else str(exc),
+                        reason="no Azure ML job was created for this run: fix the error and submit again",
+                        kind=ErrorKind.INFRA), options.guarded_update)
+            raise
+        if uncertain:
+            raise BackendError(f"{'; '.join(uncertain)}; it may have been created all the same. Submit again: nbbatch "
+                               "looks that job up and leaves it running rather than creating another")
+        if refused and len(refused) == len(runs):
+            raise BackendError(f"Azure ML refused every job ({len(runs)}), so nothing runs: {refused[0]}"
+                               + (f" (and {len(refused) - 1} more: `nbbatch status` shows each)"
+                                  if len(refused) > 1 else ""))
 
     def sync(self, experiment: str, share: Share, run_ids: Sequence[str] | None = None) -> None:
-        """Map the jobs' states onto the records of runs that are not final (a job that ended first ends its run)."""
+        """Map the jobs' states onto the records of runs that are not final (a job that ended first ends its run),
+        with the job's note (waiting for nodes, cancel requested, not responding) as the record's ``note``."""
+        clusters: dict[str, str | None] = {}  # one look at each cluster per sync, however many jobs wait on it
         for run_id in run_ids if run_ids is not None else list_run_ids(share, experiment):
             state = self.job_state(share, experiment, run_id)
             if state is None:
@@ -262,33 +306,63 @@ class AzureMLBackend(Backend):
             if record is not None and record.final and state.status.final:
                 continue
             before = (state.job_status, state.note)
-            self._refresh_state(state)
+            self._refresh_state(state, clusters)
             if (state.job_status, state.note) != before:
                 self._write_state(share, state)
-            change = None if record is None or record.final else reconcile(record, state)
-            if change is None:
+            if record is None or record.final:
                 continue
-            status, error = change
-            if status.final:
-                self.finalize(share, record, status, error)
-            else:
-                record.status = status
-                write_record(share, record)
+            change = reconcile(record, state)
+            if change is not None and change[0].final:
+                self.finalize(share, record, *change)
+                continue
+            note = state.note if state.active else None
+            if change is None and record.note == note:
+                continue
+            if change is not None:
+                record.status = change[0]
+            record.note = note
+            write_record(share, record)
 
     def cancel(self, experiment: str, share: Share, run_ids: Sequence[str] | None = None) -> list[str]:
-        """Cancel the jobs of unfinished runs (all when ``run_ids`` is None); return the run ids asked to stop."""
+        """Cancel the jobs of unfinished runs (all when ``run_ids`` is None); return the run ids asked to stop.
+
+        Each run's cancel marker is written first (its executor stops at the next cell, whatever Azure ML answers),
+        then its job is cancelled and the run recorded as cancelled. Azure ML refuses to cancel a job that is
+        finalizing or has ended (its notebook is done): such a run is not recorded as cancelled but as its job ends
+        (:meth:`sync`: a completed job's run succeeds, a failed one's fails, a finalizing one stays running until its
+        job ends), it is left out of the ids returned, and a :class:`UserWarning` names it with the service's answer.
+        Any other error for one job (a refusal, the service unreachable) is warned about too and stops no other
+        cancel; that run is recorded as cancelled, as its marker stops its notebook.
+        """
         asked: list[str] = []
         for run_id in list(run_ids) if run_ids else list_run_ids(share, experiment):
             state = self.job_state(share, experiment, run_id)
             record = read_record(share, experiment, run_id)
             if state is None or record is None or record.final:
                 continue
+            share.write_bytes(run_paths(experiment, run_id).cancel, utc_now().encode())  # the executor stops too
             try:
                 self.ml_client.jobs.begin_cancel(state.job_name)
             except ResourceNotFoundError:
                 pass
-            share.write_bytes(run_paths(experiment, run_id).cancel, utc_now().encode())  # the executor stops too
-            state.job_status, state.status, state.note = "CancelRequested", Status.CANCELLED, None
+            except AzureError as exc:
+                answer = error_text(exc)
+                try:
+                    self._refresh_state(state)
+                except AzureError:
+                    pass
+                if canonical_status(state.job_status) in ENDED:
+                    self._write_state(share, state)
+                    self.sync(experiment, share, [run_id])  # the run ends as its job did, not as cancelled
+                    warnings.warn(f"run {run_id} was not cancelled: its Azure ML job {state.job_name} is "
+                                  f"{state.job_status} (Azure ML: {answer}); `nbbatch status` shows how it ended",
+                                  UserWarning, stacklevel=2)
+                    continue
+                warnings.warn(f"Azure ML did not cancel job {state.job_name} of run {run_id} ({answer}); the run's "
+                              "cancel marker stops its notebook, but the job may hold its node until it ends: cancel "
+                              "it in the studio", UserWarning, stacklevel=2)
+            state.job_status = CANCEL_REQUESTED  # active until the service says Canceled (or Completed, Failed)
+            state.status, state.note = map_job_status(state.job_status)
             state.updated_at = utc_now()
             self._write_state(share, state)
             self.finalize(share, record, Status.CANCELLED, RunError(
@@ -328,7 +402,8 @@ class AzureMLBackend(Backend):
                 "history, so they must hold no secrets. Keep secrets in a workspace connection or Key Vault and read "
                 "them from the notebook"
             )
-        remote = dataclasses.replace(run, notebook=run.notebook_rel,
+        # Azure ML sets MLflow's URI and the run token in every job: its kernels track only when asked (`tracking:`)
+        remote = dataclasses.replace(run, notebook=run.notebook_rel, tracking=run.tracking or "none",
                                      cwd=run.cwd if run.cwd and not Path(run.cwd).is_absolute() else None)
         spec = command_json(remote.to_dict())
         gpus = ",".join(str(i) for i in range(run.gpus))
@@ -368,7 +443,7 @@ class AzureMLBackend(Backend):
             instance_count=instance_count,
             distribution=distribution,
             shm_size=self.settings.shm_size,
-            timeout=int(run.timeout_s) + 600 if run.timeout_s else None,
+            timeout=job_timeout_s(run),  # every attempt of the runner inside, not one
         )
 
     def _environment_for(self, run: Run, register: bool) -> str:
@@ -403,8 +478,12 @@ class AzureMLBackend(Backend):
     def _write_state(self, share: Share, state: JobState) -> None:
         share.write_bytes(run_paths(state.experiment, state.run_id).file(JOB_FILE), state.to_json())
 
-    def _refresh_state(self, state: JobState) -> JobState:
-        """``state`` updated from the job's status in Azure ML (not written)."""
+    def _refresh_state(self, state: JobState, clusters: dict[str, str | None] | None = None) -> JobState:
+        """``state`` updated from the job's status in Azure ML (not written).
+
+        With ``clusters`` (a cache of notes by cluster, filled as it goes), a Queued job's note says what its cluster
+        reports while the job waits for nodes: allocation errors (quota exceeded …) or a resize under way.
+        """
         try:
             job = self.ml_client.jobs.get(state.job_name)
         except ResourceNotFoundError:
@@ -414,6 +493,11 @@ class AzureMLBackend(Backend):
             return state
         state.job_status = job_status_text(job.status)
         state.status, state.note = map_job_status(state.job_status)
+        if clusters is not None and canonical_status(state.job_status) == "Queued" and job.compute:
+            if job.compute not in clusters:
+                clusters[job.compute] = AzureMLCluster(self.ml_client, dataclasses.replace(
+                    self.cluster_settings, name=job.compute)).allocation().waiting_note()
+            state.note = clusters[job.compute] or state.note
         state.studio_url = job.studio_url or state.studio_url
         state.updated_at = utc_now()
         return state
@@ -430,8 +514,8 @@ def command_json(value: Any) -> str:
 
 
 def _datastore_path(datastore: str, prefix: str) -> str:
-    """A folder of a datastore as Azure ML names it (``azureml://datastores/<name>/paths/<folder>/``)."""
-    return f"azureml://datastores/{datastore}/paths/{prefix.strip('/')}".rstrip("/") + "/"
+    """A folder of a datastore as Azure ML names it (``azureml://datastores/<name>/paths/<folder>/``; the root: ``./``)."""
+    return datastore_path(datastore, prefix)
 
 
 def _azure_files_location_of(url: str) -> tuple[str, str]:

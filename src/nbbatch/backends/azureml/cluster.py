@@ -11,6 +11,7 @@ from azure.ai.ml import MLClient
 from azure.ai.ml.entities import AmlCompute
 from azure.core.exceptions import AzureError, HttpResponseError, ResourceNotFoundError
 
+from nbbatch.backends.azureml.rules import check_name
 from nbbatch.backends.azureml.workspace import error_text
 from nbbatch.errors import BackendError
 
@@ -65,8 +66,7 @@ class ClusterSettings:
         if tier not in TIERS:
             raise BackendError(f"cluster tier `{self.tier}` is not one of {', '.join(TIERS)}")
         self.tier = tier
-        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9-]{1,31}", self.name):
-            raise BackendError(f"cluster name `{self.name}` must be 2-32 letters, digits or '-', starting with a letter")
+        check_name("compute", self.name, "cluster name")  # the service's rule (rules.yaml), before anything is created
         if not (0 <= int(self.min_nodes) <= int(self.max_nodes)) or int(self.max_nodes) < 1:
             raise BackendError(f"cluster nodes must satisfy 0 <= min_nodes <= max_nodes and max_nodes >= 1 "
                                f"(got min_nodes={self.min_nodes}, max_nodes={self.max_nodes})")
@@ -123,6 +123,16 @@ class ClusterStatus:
             lines.append(f"  - {node['name']}: {node['state']}{job}")
         lines.extend(f"  error: {err}" for err in self.errors)
         return "\n".join(lines)
+
+    def waiting_note(self) -> str | None:
+        """What a job queued on this cluster waits on (None: nothing worth saying): errors that keep the cluster from
+        getting nodes (a VM family without quota, a size the region lacks) until someone acts, or a resize under way."""
+        if self.errors:
+            return f"waiting for nodes: cluster {self.name} cannot allocate: {'; '.join(self.errors)}"
+        if str(self.allocation_state or "").lower() == "resizing":
+            nodes = f" ({self.current_nodes or 0} of {self.target_nodes} nodes)" if self.target_nodes is not None else ""
+            return f"waiting for nodes: cluster {self.name} is resizing{nodes}"
+        return None
 
 
 def _enum_text(value: Any) -> str | None:
@@ -202,6 +212,12 @@ class AzureMLCluster:
                                  "job": _node_field(node, "run_id", "runId"),
                                  "private_ip": _node_field(node, "private_ip_address", "privateIpAddress")})
             status.nodes_by_state[state] = status.nodes_by_state.get(state, 0) + 1
+        return status
+
+    def allocation(self) -> ClusterStatus:
+        """Only the allocation state, node counts and errors (one request: what a queued job waits on)."""
+        status = ClusterStatus(self.name, exists=True)
+        self._add_allocation(status)
         return status
 
     def _add_allocation(self, status: ClusterStatus) -> None:

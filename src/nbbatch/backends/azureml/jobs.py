@@ -12,6 +12,7 @@ from typing import Any
 from azure.ai.ml import MpiDistribution, PyTorchDistribution, TensorFlowDistribution
 from azure.ai.ml.entities import Command
 
+from nbbatch.backends.azureml.rules import job_name
 from nbbatch.errors import BackendError
 from nbbatch.spec.resources import Distribution
 from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status
@@ -20,12 +21,18 @@ JOB_FILE = "azureml.json"  # in the run's folder: run_paths(experiment, run_id).
 
 _QUEUED = ("NotStarted", "Queued", "Preparing", "Provisioning", "Starting")
 _RUNNING = ("Running", "Finalizing")
+# CancelRequested is not an end: the job may still complete or fail before the cancel lands (the service moves it
+# to Canceled, Completed or Failed), so the run stays active, with this note, until the service says which.
+CANCEL_REQUESTED = "CancelRequested"
 _NOTED = {
     "NotResponding": "Azure ML reports the job as not responding (node lost or hung); it may recover",
     "Paused": "the job is paused in Azure ML",
+    CANCEL_REQUESTED: "cancel requested in Azure ML; the job may still finish before it stops",
 }
-_FINAL = {"Completed": Status.SUCCEEDED, "Failed": Status.FAILED, "Canceled": Status.CANCELLED,
-          "CancelRequested": Status.CANCELLED}
+_FINAL = {"Completed": Status.SUCCEEDED, "Failed": Status.FAILED, "Canceled": Status.CANCELLED}
+# The states in which the service refuses a cancel: the job's command has ended (Finalizing: its outputs are being
+# collected) or the job has (Azure/azureml-assets#2496).
+ENDED = ("Finalizing", *_FINAL)
 _LOWER = {name.lower(): name for name in (*_QUEUED, *_RUNNING, *_NOTED, *_FINAL)}
 
 
@@ -33,14 +40,11 @@ def map_job_status(status: str | None) -> tuple[Status, str | None]:
     """An Azure ML job status as ``(nbbatch status, note)``.
 
     NotStarted/Queued/Preparing/Provisioning/Starting → queued; Running/Finalizing → running;
-    Completed → succeeded; Failed → failed; Canceled/CancelRequested → cancelled;
-    NotResponding/Paused → running, with a note saying so. Unknown states are kept as queued with
-    a note.
+    Completed → succeeded; Failed → failed; Canceled → cancelled; NotResponding/Paused/CancelRequested →
+    running (still active: a job whose cancel was requested may yet complete), with a note saying so.
+    Unknown states are kept as queued with a note.
     """
-    text = str(getattr(status, "value", status) or "NotStarted")
-    key = text.replace("_", "").lower()
-    if key in _LOWER:
-        text = _LOWER[key]
+    text = canonical_status(status)
     if text in _QUEUED:
         return Status.QUEUED, None
     if text in _RUNNING:
@@ -50,6 +54,23 @@ def map_job_status(status: str | None) -> tuple[Status, str | None]:
     if text in _FINAL:
         return _FINAL[text], None
     return Status.QUEUED, f"unknown Azure ML job status {text!r}"
+
+
+def canonical_status(status: Any) -> str:
+    """A job status as the service spells it (``CANCEL_REQUESTED`` and ``cancelrequested`` → ``CancelRequested``)."""
+    text = str(getattr(status, "value", status) or "NotStarted")
+    return _LOWER.get(text.replace("_", "").lower(), text)
+
+
+def refused_job_error(job_name: str, reason: str, status_code: int | None) -> RunError:
+    """The error of a run whose job Azure ML refused to create (``reason``: the service's answer, whole).
+
+    A 4xx names something of the job to fix (a name, a setting); a 5xx is the service's own trouble.
+    """
+    fix = ("fix what Azure ML names and submit again" if status_code is not None and status_code < 500 else
+           "Azure ML failed to take it; submit again")
+    return RunError("AzureMLJobRefused", f"Azure ML refused to create job {job_name} (HTTP {status_code}): {reason}",
+                    reason=f"the run never started: {fix}", kind=ErrorKind.INFRA)
 
 
 def job_status_text(status: Any) -> str:
@@ -95,8 +116,8 @@ def reconcile(record: RunRecord, state: JobState) -> tuple[Status, RunError | No
 
     The executor's own record wins: a failed or cancelled job only fills in an error the record lacks.
     """
-    if state.status == Status.RUNNING and record.status == Status.QUEUED:
-        return Status.RUNNING, None
+    if state.status == Status.RUNNING and record.status == Status.QUEUED and state.job_status != CANCEL_REQUESTED:
+        return Status.RUNNING, None  # (a cancel requested says nothing of whether the job had started)
     if not state.status.final:
         return None
     error = record.error
@@ -139,8 +160,9 @@ def job_distribution(
 
 
 def new_job_name(run_id: str) -> str:
-    """A fresh job name for a run (job names are unique in a workspace, and a rerun is a new job)."""
-    return f"{run_id}-{uuid.uuid4().hex[:8]}"
+    """A fresh job name for a run (job names are unique in a workspace, and a rerun is a new job): ``<run id>-<8 hex>``,
+    the run id written as the service allows (:func:`nbbatch.backends.azureml.rules.job_name`)."""
+    return job_name(run_id, uuid.uuid4().hex[:8])
 
 
 def job_yaml(job: Command) -> str:

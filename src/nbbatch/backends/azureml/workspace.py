@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -41,6 +42,30 @@ def connect(
 
 
 def error_text(exc: BaseException) -> str:
-    """An Azure error's message on one line, at most 500 characters."""
-    text = getattr(exc, "message", None) or str(exc)
-    return " ".join(str(text).split())[:500]
+    """An Azure error on one line, at most 2000 characters: the service's own answer when the response carries one.
+
+    Azure ML's answers (``{"error": {"code", "message", "details", "innerError"}}``) reach the SDK's newer
+    operations as a bare "Operation returned an invalid status": their code, message, details and inner codes
+    are read from the response body instead.
+    """
+    text = _service_answer(exc) or getattr(exc, "message", None) or str(exc)
+    return " ".join(str(text).split())[:2000]
+
+
+def _service_answer(exc: BaseException) -> str | None:
+    """``(code) message`` with the details and inner error codes of the body of the response that ``exc`` carries."""
+    try:
+        error = json.loads(exc.response.text())["error"]  # type: ignore[attr-defined]
+        message = str(error["message"])
+    except (AttributeError, TypeError, KeyError, ValueError):
+        return None
+    parts = [f"({error.get('code') or 'Error'}) {message}"]
+    details = [str(d.get("message")) for d in error.get("details") or [] if isinstance(d, dict) and d.get("message")]
+    parts += [f"detail: {d}" for d in details if d != message]
+    inner, codes = error.get("innerError"), []
+    while isinstance(inner, dict) and inner.get("code"):
+        codes.append(str(inner["code"]))
+        inner = inner.get("innerError")
+    if codes:
+        parts.append(f"inner error: {'/'.join(codes)}")
+    return "; ".join(parts)

@@ -1,0 +1,186 @@
+"""The Azure ML service's rules (``rules.yaml``), checked offline before anything is created in a workspace.
+
+Each name the backend sends (experiment, job, compute, datastore, storage account, file share, input, environment),
+``shm_size``, every datastore path (parsed by the SDK's own parser) and the job's time limit are checked here, so
+``nbbatch plan``/``submit`` refuse what the service would refuse, naming the rule and what to write instead.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from azure.ai.ml._utils._storage_utils import AzureMLDatastorePathUri
+from azure.ai.ml.exceptions import ValidationException
+
+from nbbatch.backends.azureml.images import datastore_name_for
+from nbbatch.errors import ValidationError
+from nbbatch.plan.runs import Run
+from nbbatch.spec.yaml_loader import load_yaml
+from nbbatch.store.azfiles import AzureFilesLocation, parse_azfiles_url
+
+RULES_FILE = Path(__file__).with_name("rules.yaml")
+# What a job spends besides its attempts' own `timeout.run`: once, the node's setup (image pull, mounts) before the
+# runner starts; per attempt, starting the kernel and saving the notebook and record after the deadline stopped it.
+SETUP_SLACK_S = 600
+ATTEMPT_SLACK_S = 120
+
+
+@dataclass(frozen=True)
+class NameRule:
+    """One kind of name the service checks: its pattern, the rule in the service's words, and the fix."""
+
+    key: str
+    what: str
+    pattern: re.Pattern[str]
+    chars: str
+    replace: str
+    says: str
+    fix: str
+    source: str
+    lowercase: bool = False
+
+    def allows(self, value: str) -> bool:
+        """Whether the service takes ``value``."""
+        return isinstance(value, str) and self.pattern.fullmatch(value) is not None
+
+    def example(self, value: str) -> str | None:
+        """``value`` made valid (other characters replaced, ends trimmed), or None when that does not give one."""
+        text = value.lower() if self.lowercase else value
+        text = re.sub(f"[^{self.chars}]+", self.replace, text)
+        if self.replace:
+            text = re.sub(f"{re.escape(self.replace)}+", self.replace, text).strip(self.replace)
+        text = text.lstrip("0123456789") if self.key == "compute" else text
+        return text if text != value and self.allows(text) else None
+
+    def refusal(self, value: str, where: str) -> ValidationError:
+        """The error refusing ``value`` (one paragraph: what, the service's rule, what to write instead)."""
+        suggestion = self.example(value)
+        fix = self.fix.format(example=f" (e.g. `{suggestion}`)" if suggestion else "")
+        return ValidationError(
+            f"{where} `{value}` is not a valid {self.what}, which the service refuses: \"{self.says}\" ({self.source}). "
+            f"To fix it, {fix}. Nothing was created in Azure ML")
+
+
+@cache
+def _data() -> Mapping[str, object]:
+    return load_yaml(RULES_FILE.read_text()) or {}
+
+
+@cache
+def name_rules() -> dict[str, NameRule]:
+    """The name rules of ``rules.yaml`` by kind (``experiment``, ``compute``, ``datastore`` …)."""
+    rules = {}
+    for key, entry in dict(_data()["names"]).items():  # type: ignore[call-overload]
+        rules[key] = NameRule(key=key, what=entry["what"], pattern=re.compile(entry["pattern"]), chars=entry["chars"],
+                              replace=entry.get("replace", ""), says=" ".join(entry["says"].split()),
+                              fix=" ".join(entry["fix"].split()), source=entry["source"],
+                              lowercase=bool(entry.get("lowercase", False)))
+    return rules
+
+
+def check_name(kind: str, value: str, where: str) -> None:
+    """Raise :class:`ValidationError` when the service refuses ``value`` as a name of ``kind`` (said to be ``where``)."""
+    rule = name_rules()[kind]
+    if not rule.allows(value):
+        raise rule.refusal(value, where)
+
+
+def job_name(run_id: str, suffix: str) -> str:
+    """A job name for ``run_id`` the service accepts: other characters become ``-``, cut to fit with ``-<suffix>``.
+
+    Deterministic in ``run_id`` (nbbatch's own run ids, ``<label>-<10 hex>``, are kept as they are)."""
+    rule = name_rules()["job"]
+    stem = re.sub(f"[^{rule.chars}]", "-", run_id)
+    if not stem[:1].isascii() or not stem[:1].isalnum():
+        stem = "r" + stem
+    longest = 255 - len(suffix) - 1
+    return f"{stem[:longest]}-{suffix}"
+
+
+def datastore_path(datastore: str, prefix: str) -> str:
+    """A folder of a datastore as Azure ML names it (``azureml://datastores/<name>/paths/<folder>/``).
+
+    The root of the datastore is ``paths/./``: the SDK's parser refuses an empty path after ``paths/``."""
+    folder = prefix.strip("/")
+    path = f"{folder}/" if folder else str(_data()["datastore_root"])
+    return f"azureml://datastores/{datastore}/paths/{path}"
+
+
+def check_datastore_path(uri: str, where: str) -> None:
+    """Raise :class:`ValidationError` unless the SDK's own parser (``AzureMLDatastorePathUri``) reads ``uri`` back whole."""
+    try:
+        parsed = AzureMLDatastorePathUri(uri)
+    except ValidationException as exc:
+        raise ValidationError(f"{where} would be mounted from {uri}, which the Azure ML SDK refuses ({exc}); this is a "
+                              "bug in nbbatch, please report it. Nothing was created in Azure ML") from exc
+    if parsed.to_short_uri() != uri:  # its pattern stops at a line break: the job would mount another folder
+        raise ValidationError(f"{where} would be mounted from {uri!r}, which the Azure ML SDK reads as "
+                              f"{parsed.to_short_uri()!r}: a folder name holds a line break or another control "
+                              "character; rename that folder. Nothing was created in Azure ML")
+
+
+def job_timeout_s(run: Run) -> int | None:
+    """The job's time limit: every attempt the runner inside makes (``retries + 1``, each with its own ``timeout.run``
+    and no pause between them), plus the node's setup; None when the run has no time limit."""
+    if not run.timeout_s:
+        return None
+    attempts = run.retries + 1
+    return int(attempts * (float(run.timeout_s) + ATTEMPT_SLACK_S) + SETUP_SLACK_S)
+
+
+def job_lifetime_s(tier: str) -> int:
+    """The longest a job may run on a cluster of ``tier`` (``dedicated`` or ``low_priority``)."""
+    lifetimes = dict(_data()["job_lifetime_s"])  # type: ignore[call-overload]
+    return int(lifetimes.get(tier, lifetimes["dedicated"]))
+
+
+def check_job_timeout(run: Run, tier: str) -> None:
+    """Raise :class:`ValidationError` when the run's attempts cannot all fit in one job's lifetime on ``tier``."""
+    needed, lifetime = job_timeout_s(run), job_lifetime_s(tier)
+    if needed is None or needed <= lifetime:
+        return
+    attempts = run.retries + 1
+    raise ValidationError(
+        f"run {run.run_id} may run {attempts} attempt(s) of up to {run.timeout_s:g} s each (timeout.run: "
+        f"{run.timeout_s:g}, retries: {run.retries}), {needed} s with the node's setup, but an Azure ML job on a "
+        f"{tier.replace('_', '-')} cluster lives at most {lifetime} s ({lifetime // 86400} days; Microsoft Learn, "
+        "Azure Machine Learning quotas and limits, \"Job lifetime\"). Lower timeout.run or retries (checkpoint and "
+        "resume in a later submission instead). Nothing was created in Azure ML")
+
+
+def check_settings(*, datastore: str | None, shm_size: str | None) -> None:
+    """Refuse a ``datastore:`` or ``shm_size:`` setting the service would refuse (the cluster's name is checked by
+    :class:`~nbbatch.backends.azureml.cluster.ClusterSettings`)."""
+    if datastore is not None:
+        check_name("datastore", datastore, "`datastore:` under `backend:`")
+    if shm_size is not None:
+        check_name("shm_size", str(shm_size), "`shm_size:` under `backend:`")
+
+
+def check_location(location: AzureFilesLocation, datastore: str, where: str) -> None:
+    """Refuse a share (or a folder of one) whose account or share name the service refuses, or whose datastore name
+    or path would be refused; ``datastore`` is the datastore it is mounted through."""
+    check_name("storage_account", location.account, f"the storage account of {where} ({location.url})")
+    check_name("file_share", location.share, f"the file share of {where} ({location.url})")
+    check_name("datastore", datastore, f"the datastore of {where}")
+    check_datastore_path(datastore_path(datastore, location.prefix), where)
+
+
+def check_run(run: Run, environment: str, tier: str) -> None:
+    """Refuse a run whose job the service would refuse: its experiment's name, its job name, its environment's name,
+    its inputs (names, shares, datastores, paths) or a time limit longer than a job may live on ``tier``."""
+    check_name("experiment", run.experiment, f"the experiment name of run {run.run_id}")
+    check_name("job", job_name(run.run_id, "0" * 8), f"the job name of run {run.run_id}")
+    found = re.fullmatch(r"azureml:([^:@/]+)[:@].+", environment)
+    if found:
+        check_name("environment", found.group(1), f"the environment of run {run.run_id}")
+    for name, url in sorted(run.inputs.items()):
+        check_name("input", name, f"input `{name}` of run {run.run_id}")
+        if url.startswith("azfiles://"):
+            place = parse_azfiles_url(url)
+            check_location(place, datastore_name_for(place.account, place.share), f"input `{name}`")
+    check_job_timeout(run, tier)
