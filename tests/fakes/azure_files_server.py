@@ -17,6 +17,16 @@ for a lease id sent to an unleased file. Acquiring a leased file is 409 ``LeaseA
 break ends an infinite lease at once (state ``broken``), after which the file can be acquired again.
 Properties and downloads carry ``x-ms-lease-state`` / ``x-ms-lease-status`` / ``x-ms-lease-duration``.
 
+Strict where the service is (issue 28): names are case-preserving but case-insensitive (``Cifar/x`` and
+``cifar/x`` are one file), trailing dots of a name are trimmed (unless ``x-ms-allow-trailing-dot: true``),
+and ``" \\ : | < > * ?`` or control characters in a name are 400 ``InvalidResourceName``. Requests are
+signed: a ``SharedKey`` signature is checked against the account's key (:data:`FAKE_KEY` unless
+``keys`` says otherwise) with the SDK's own signing code, and OAuth (``Bearer``) is taken for files and
+folders only with ``x-ms-file-request-intent: backup``. A test can throttle (:meth:`FakeAzureFiles.throttle`:
+503 ``ServerBusy`` with ``Retry-After``) or inject any error (:meth:`FakeAzureFiles.inject`, e.g. 409
+``SharingViolation``) for N requests or a time window of :attr:`FakeAzureFiles.clock`, which also stamps
+``Date`` and last-modified times (a test may replace it with a fake clock).
+
 Start it with ``with FakeAzureFiles() as server: ...``; :attr:`FakeAzureFiles.endpoint` is the
 account URL (``http://127.0.0.1:PORT/devstoreaccount1``).
 """
@@ -26,6 +36,7 @@ from __future__ import annotations
 import email.utils
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,28 +45,70 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 from xml.sax.saxutils import escape
 
+from azure.core.pipeline import PipelineContext, PipelineRequest
+from azure.core.rest import HttpRequest
+
+# The SDK's own Shared Key signing, to check a request's signature as the service does (test code only).
+from azure.storage.fileshare._shared.authentication import SharedKeyCredentialPolicy
+
 ACCOUNT = "devstoreaccount1"
 # Not a real key: any base64 string signs requests; the fake does not check signatures.
 FAKE_KEY = "ZmFrZS1rZXktZm9yLW5iYmF0Y2gtdGVzdHMtb25seS0wMTIzNDU2Nzg5YWJjZGVm"
 
 
+# What the service answers (texts quoted from its responses in public issues): a name with a refused character,
+# e.g. kubernetes-sigs/azurefile-csi-driver#600 and MicrosoftDocs/azure-docs#53384; OAuth without the intent
+# header, Azure/azure-sdk-for-net#36365; throttling, Azure/azure-sdk-for-go#22139 and microsoft/vscode-azurestorage#502;
+# an SMB client's open handle, the File service error codes table (SharingViolation, 409).
+INVALID_NAME = (400, "InvalidResourceName", "The specifed resource name contains invalid characters.")  # sic
+SERVER_BUSY = (503, "ServerBusy", "The server is busy.")
+SHARING_VIOLATION = (409, "SharingViolation", "The specified resource is in use by an SMB client.")
+MISSING_HEADER = (400, "MissingRequiredHeader", "An HTTP header that's mandatory for this request is not specified.")
+AUTH_FAILED = (403, "AuthenticationFailed", "Server failed to authenticate the request. Make sure the value of "
+               "Authorization header is formed correctly including the signature.")
+_INVALID_CHARS = re.compile(r'["\\:|<>*?\x00-\x1f]')
+
+
 @dataclass
 class _File:
     data: bytearray
+    modified: str
+    path: str = ""  # as created (the service keeps the case a name was created with)
     etag: str = field(default_factory=lambda: f'"0x{uuid.uuid4().hex[:16].upper()}"')
-    modified: str = field(default_factory=lambda: email.utils.formatdate(usegmt=True))
     lease: str | None = None  # the active lease's id
     lease_state: str = "available"  # available | leased | broken
 
-    def touch(self) -> None:
+    def touch(self, now: float) -> None:
         self.etag = f'"0x{uuid.uuid4().hex[:16].upper()}"'
-        self.modified = email.utils.formatdate(usegmt=True)
+        self.modified = email.utils.formatdate(now, usegmt=True)
 
 
 @dataclass
 class _Share:
-    dirs: set[str] = field(default_factory=lambda: {""})
-    files: dict[str, _File] = field(default_factory=dict)
+    """Folders and files keyed by their case-folded path (the service ignores case), keeping the case they were made with."""
+
+    dirs: dict[str, str] = field(default_factory=lambda: {"": ""})  # folded path -> path as created
+    files: dict[str, _File] = field(default_factory=dict)  # folded path -> file
+
+    def shown(self, key: str) -> str:
+        """The path of folded ``key`` as created, its folders' case included."""
+        parent, _, name = key.rpartition("/")
+        item = self.files.get(key)
+        own = (item.path if item is not None else self.dirs.get(key, key)).rpartition("/")[2] or name
+        return f"{self.dirs.get(parent, parent)}/{own}" if parent else own
+
+
+@dataclass
+class _Injected:
+    """An error the test asks for: for ``left`` more requests (None: any number) until ``until`` on the fake's clock."""
+
+    status: int
+    code: str
+    message: str
+    headers: dict[str, str]
+    match: Callable[[Request], bool] | None
+    left: int | None
+    until: float | None
 
 
 @dataclass
@@ -72,12 +125,15 @@ class Request:
 class FakeAzureFiles:
     """An in-memory Azure Files account served over HTTP on 127.0.0.1 (an ephemeral port)."""
 
-    def __init__(self, account: str = ACCOUNT) -> None:
+    def __init__(self, account: str = ACCOUNT, key: str = FAKE_KEY) -> None:
         self.account = account
+        self.key = key  # the account key a SharedKey signature must be made with
         self.shares: dict[str, _Share] = {}
         self.requests: list[Request] = []
         # A test hook: return (status, error code) to fail a request the way the service would.
         self.fault: Callable[[Request], tuple[int, str] | None] | None = None
+        self.clock: Callable[[], float] = time.time  # stamps Date and last-modified; injected windows use it
+        self.injected: list[_Injected] = []
         self.lock = threading.RLock()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -121,35 +177,85 @@ class FakeAzureFiles:
         return (f"DefaultEndpointsProtocol=http;AccountName={self.account};AccountKey={key};"
                 f"FileEndpoint={self.endpoint}")
 
+    # errors on demand ---------------------------------------------------------------------
+    def inject(self, status: int, code: str, message: str = "", *, requests: int | None = None,
+               seconds: float | None = None, match: Callable[[Request], bool] | None = None,
+               headers: dict[str, str] | None = None) -> None:
+        """Answer matching requests with this error: the next ``requests`` of them, or all for ``seconds`` of the clock."""
+        until = self.clock() + seconds if seconds is not None else None
+        with self.lock:
+            self.injected.append(_Injected(status, code, message or code, dict(headers or {}), match, requests, until))
+
+    def throttle(self, *, requests: int | None = None, seconds: float | None = None, retry_after: float = 1,
+                 match: Callable[[Request], bool] | None = None) -> None:
+        """Answer 503 ServerBusy with ``Retry-After`` (seconds), as the service does over its limits."""
+        status, code, message = SERVER_BUSY
+        self.inject(status, code, message, requests=requests, seconds=seconds, match=match,
+                    headers={"Retry-After": f"{retry_after:g}"})
+
+    def sharing_violation(self, *, requests: int | None = 1, match: Callable[[Request], bool] | None = None) -> None:
+        """Answer 409 SharingViolation, as when an SMB client (a job's mount) holds the file open."""
+        status, code, message = SHARING_VIOLATION
+        self.inject(status, code, message, requests=requests, match=match)
+
+    def _injected_for(self, request: Request) -> _Injected | None:
+        now = self.clock()
+        self.injected = [i for i in self.injected if (i.left is None or i.left > 0) and (i.until is None or now < i.until)]
+        for item in self.injected:
+            if item.match is None or item.match(request):
+                if item.left is not None:
+                    item.left -= 1
+                return item
+        return None
+
+    def now_http(self) -> str:
+        return email.utils.formatdate(self.clock(), usegmt=True)
+
     # direct access for tests ------------------------------------------------------------
     def create_share(self, name: str) -> None:
         with self.lock:
             self.shares.setdefault(name, _Share())
 
     def file_names(self, share: str) -> list[str]:
+        """The share's files, as created (case kept)."""
         with self.lock:
-            return sorted(self.shares[share].files)
+            return sorted(self.shares[share].shown(k) for k in self.shares[share].files)
+
+    def dir_names(self, share: str) -> list[str]:
+        """The share's folders, as created (case kept)."""
+        with self.lock:
+            return sorted(self.shares[share].shown(k) for k in self.shares[share].dirs if k)
+
+    def _file(self, share: str, path: str) -> _File:
+        return self.shares[share].files[_key(path)]
 
     def file_bytes(self, share: str, path: str) -> bytes:
         with self.lock:
-            return bytes(self.shares[share].files[path].data)
+            return bytes(self._file(share, path).data)
 
     def lease_state(self, share: str, path: str) -> tuple[str, str | None]:
         """(lease state, active lease id) of a file."""
         with self.lock:
-            item = self.shares[share].files[path]
+            item = self._file(share, path)
             return item.lease_state, item.lease
 
     def set_modified(self, share: str, path: str, when: float) -> None:
         """Set a file's last-modified time (a POSIX timestamp), e.g. to age a lease holder."""
         with self.lock:
-            self.shares[share].files[path].modified = email.utils.formatdate(when, usegmt=True)
+            self._file(share, path).modified = email.utils.formatdate(when, usegmt=True)
+
+    def modified(self, share: str, path: str) -> float:
+        """A file's last-modified time (a POSIX timestamp)."""
+        with self.lock:
+            return email.utils.parsedate_to_datetime(self._file(share, path).modified).timestamp()
 
 
 class _Error(Exception):
-    def __init__(self, status: int, code: str, message: str = "", headers: dict[str, str] | None = None):
+    def __init__(self, status: int, code: str, message: str = "", headers: dict[str, str] | None = None, *,
+                 details: dict[str, str] | None = None):
         super().__init__(message or code)
         self.status, self.code, self.message, self.headers = status, code, message or code, headers or {}
+        self.details = details or {}
 
 
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)")
@@ -202,27 +308,35 @@ class _Handler(BaseHTTPRequestHandler):
         with fake.lock:
             fake.requests.append(request)
             try:
-                self._check_auth(request)
-                injected = fake.fault(request) if fake.fault else None
-                if injected:
-                    raise _Error(injected[0], injected[1], "injected by the test")
                 if not segments or segments[0] != fake.account:
                     raise _Error(400, "InvalidUri", f"expected /{fake.account}/... in {parts.path}")
                 if len(segments) < 2:
                     raise _Error(400, "InvalidUri", "no share in the URL")
-                share_name, path = segments[1], "/".join(segments[2:])
+                share_name = segments[1]
+                path = _trim("/".join(segments[2:]), request)
+                self._check_auth(request, bool(path) or query.get("restype") == "directory")
+                injected = fake.fault(request) if fake.fault else None
+                if injected:
+                    raise _Error(injected[0], injected[1], "injected by the test")
+                asked = fake._injected_for(request)
+                if asked is not None:
+                    raise _Error(asked.status, asked.code, asked.message, dict(asked.headers))
                 status, headers, payload = self._handle(request, share_name, path)
             except _Error as err:
                 status, headers = err.status, {"x-ms-error-code": err.code, **err.headers}
+                detail = "".join(f"<{k}>{escape(v)}</{k}>" for k, v in err.details.items())
                 payload = (f'<?xml version="1.0" encoding="utf-8"?><Error><Code>{err.code}</Code>'
-                           f"<Message>{escape(err.message)}</Message></Error>").encode()
+                           f"<Message>{escape(err.message)}</Message>{detail}</Error>").encode()
                 headers["Content-Type"] = "application/xml"
         self._reply(status, headers, payload)
 
+    def date_time_string(self, timestamp: float | None = None) -> str:
+        """The response's ``Date`` (send_response writes it): the fake's clock, as the service's clock."""
+        return self.server_state.now_http()
+
     def _reply(self, status: int, headers: dict[str, str], payload: bytes) -> None:
         self.send_response(status)
-        base = {"x-ms-request-id": str(uuid.uuid4()), "x-ms-version": self.headers.get("x-ms-version", ""),
-                "Date": email.utils.formatdate(usegmt=True)}
+        base = {"x-ms-request-id": str(uuid.uuid4()), "x-ms-version": self.headers.get("x-ms-version", "")}
         for key, value in {**base, **headers}.items():
             self.send_header(key, value)
         if "Content-Length" not in headers:
@@ -231,13 +345,28 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD" and payload:
             self.wfile.write(payload)
 
-    @staticmethod
-    def _check_auth(request: Request) -> None:
+    def _check_auth(self, request: Request, data_operation: bool) -> None:
+        """A valid Shared Key signature, or a Bearer token with the backup intent for files and folders."""
         auth = request.headers.get("authorization", "")
-        if not auth.startswith("SharedKey ") or ":" not in auth:
-            raise _Error(403, "AuthenticationFailed", "a SharedKey Authorization header is required")
         if not request.headers.get("x-ms-version"):
             raise _Error(400, "MissingRequiredHeader", "x-ms-version is required")
+        if auth.startswith("Bearer ") and auth[7:].strip():
+            if data_operation and request.headers.get("x-ms-file-request-intent", "").lower() != "backup":
+                raise _Error(*MISSING_HEADER, details={"HeaderName": "x-ms-file-request-intent"})
+            return
+        if not auth.startswith("SharedKey ") or ":" not in auth:
+            raise _Error(403, "AuthenticationFailed", "a SharedKey or Bearer Authorization header is required")
+        if auth != self._signature(request):
+            raise _Error(*AUTH_FAILED)
+
+    def _signature(self, request: Request) -> str:
+        """The Authorization header the account's key makes for this request (the SDK's own algorithm)."""
+        fake = self.server_state
+        headers = {k: v for k, v in request.headers.items() if k != "authorization"}
+        http_request = HttpRequest(request.method, f"http://127.0.0.1:{fake.port}{self.path}", headers=headers)
+        pipeline_request = PipelineRequest(http_request, PipelineContext(None))
+        SharedKeyCredentialPolicy(fake.account, fake.key).on_request(pipeline_request)
+        return str(http_request.headers["Authorization"])
 
     # operations ----------------------------------------------------------------------------
     def _handle(self, request: Request, share_name: str, path: str) -> tuple[int, dict[str, str], bytes]:
@@ -265,7 +394,7 @@ class _Handler(BaseHTTPRequestHandler):
             if method == "PUT" and not q.get("comp"):
                 return self._create_directory(share, path)
             if method in ("GET", "HEAD") and not q.get("comp"):
-                if path not in share.dirs:
+                if _key(path) not in share.dirs:
                     raise _Error(404, "ResourceNotFound", f"directory {path} does not exist")
                 return 200, _props(), b""
             if method == "DELETE":
@@ -286,10 +415,9 @@ class _Handler(BaseHTTPRequestHandler):
             if method == "GET":
                 return self._download(share, path, request)
             if method == "DELETE":
-                if path not in share.files:
-                    raise _Error(404, "ResourceNotFound", f"file {path} does not exist")
-                _check_lease(share.files[path], request)
-                del share.files[path]
+                item = self._existing(share, path)
+                _check_lease(item, request)
+                del share.files[_key(path)]
                 return 202, {}, b""
         raise _Error(400, "UnsupportedHttpVerb", f"the fake does not implement {method} {request.path} {q}")
 
@@ -300,37 +428,51 @@ class _Handler(BaseHTTPRequestHandler):
             raise _Error(404, "ShareNotFound", f"share {name} does not exist") from None
 
     @staticmethod
+    def _existing(share: _Share, path: str) -> _File:
+        item = share.files.get(_key(path))
+        if item is None:
+            raise _Error(404, "ResourceNotFound", f"file {path} does not exist")
+        return item
+
+    @staticmethod
     def _parent(path: str) -> str:
         return path.rpartition("/")[0]
 
+    def _now(self) -> float:
+        return self.server_state.clock()
+
     def _create_directory(self, share: _Share, path: str) -> tuple[int, dict[str, str], bytes]:
-        if path in share.dirs or path in share.files:
+        _check_name(path)
+        key = _key(path)
+        if key in share.dirs or key in share.files:
             raise _Error(409, "ResourceAlreadyExists", f"{path} exists")
-        if self._parent(path) not in share.dirs:
+        if _key(self._parent(path)) not in share.dirs:
             raise _Error(404, "ParentNotFound", f"the parent of {path} does not exist")
-        share.dirs.add(path)
+        share.dirs[key] = path
         return 201, _props(), b""
 
     def _delete_directory(self, share: _Share, path: str) -> tuple[int, dict[str, str], bytes]:
-        if path not in share.dirs or not path:
+        key = _key(path)
+        if key not in share.dirs or not path:
             raise _Error(404, "ResourceNotFound", f"directory {path} does not exist")
-        prefix = path + "/"
+        prefix = key + "/"
         if any(d.startswith(prefix) for d in share.dirs) or any(f.startswith(prefix) for f in share.files):
             raise _Error(409, "DirectoryNotEmpty", f"directory {path} is not empty")
-        share.dirs.discard(path)
+        del share.dirs[key]
         return 202, {}, b""
 
     def _list(self, share: _Share, share_name: str, path: str, q: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
-        if path not in share.dirs:
+        key = _key(path)
+        if key not in share.dirs:
             raise _Error(404, "ResourceNotFound", f"directory {path} does not exist")
-        prefix = path + "/" if path else ""
+        prefix = key + "/" if key else ""
         entries: list[tuple[str, str, int]] = []
-        for d in share.dirs:
+        for d, shown in share.dirs.items():
             if d and d.startswith(prefix) and "/" not in d[len(prefix):]:
-                entries.append((d[len(prefix):], "Directory", 0))
+                entries.append((shown.rpartition("/")[2], "Directory", 0))
         for f, item in share.files.items():
             if f.startswith(prefix) and "/" not in f[len(prefix):]:
-                entries.append((f[len(prefix):], "File", len(item.data)))
+                entries.append((item.path.rpartition("/")[2], "File", len(item.data)))
         entries = sorted(e for e in entries if e[0].startswith(q.get("prefix", "")))
         start = int(q.get("marker") or 0)
         limit = int(q.get("maxresults") or 5000)
@@ -347,24 +489,25 @@ class _Handler(BaseHTTPRequestHandler):
         return 200, {"Content-Type": "application/xml"}, xml.encode()
 
     def _create_file(self, share: _Share, path: str, request: Request) -> tuple[int, dict[str, str], bytes]:
-        if self._parent(path) not in share.dirs:
+        _check_name(path)
+        key = _key(path)
+        if _key(self._parent(path)) not in share.dirs:
             raise _Error(404, "ParentNotFound", f"the parent of {path} does not exist")
-        if path in share.dirs:
+        if key in share.dirs:
             raise _Error(409, "ResourceAlreadyExists", f"{path} is a directory")
         size = int(request.headers.get("x-ms-content-length", "-1"))
         if size < 0:
             raise _Error(400, "MissingRequiredHeader", "x-ms-content-length is required")
-        old = share.files.get(path)
+        old = share.files.get(key)
         _check_lease(old, request)
-        share.files[path] = _File(bytearray(size))
-        if old is not None:  # creating over a file keeps its lease
-            share.files[path].lease, share.files[path].lease_state = old.lease, old.lease_state
-        return 201, _props(share.files[path]), b""
+        new = _File(bytearray(size), email.utils.formatdate(self._now(), usegmt=True), old.path if old else path)
+        if old is not None:  # creating over a file keeps its lease (and the case it was created with)
+            new.lease, new.lease_state = old.lease, old.lease_state
+        share.files[key] = new
+        return 201, _props(new), b""
 
     def _put_range(self, share: _Share, path: str, request: Request) -> tuple[int, dict[str, str], bytes]:
-        item = share.files.get(path)
-        if item is None:
-            raise _Error(404, "ResourceNotFound", f"file {path} does not exist")
+        item = self._existing(share, path)
         match = _RANGE.fullmatch(request.headers.get("x-ms-range") or request.headers.get("range") or "")
         if not match or not match.group(2):
             raise _Error(400, "InvalidHeaderValue", "a range bytes=start-end is required")
@@ -380,7 +523,7 @@ class _Handler(BaseHTTPRequestHandler):
             if len(request.body) != end - start + 1:
                 raise _Error(400, "InvalidHeaderValue", "the body length does not match the range")
             item.data[start:end + 1] = request.body
-        item.touch()
+        item.touch(self._now())
         return 201, _props(item), b""
 
     def _rename(self, share: _Share, share_name: str, path: str, request: Request) -> tuple[int, dict[str, str], bytes]:
@@ -395,26 +538,30 @@ class _Handler(BaseHTTPRequestHandler):
             source = "/".join(source_parts[2:])
         else:
             source = "/".join(source_parts)
-        if source not in share.files:
+        source = _trim(source, request, "x-ms-source-allow-trailing-dot")
+        _check_name(path)
+        source_key, key = _key(source), _key(path)
+        if source_key not in share.files:
             raise _Error(404, "ResourceNotFound", f"rename source {source} does not exist")
-        if self._parent(path) not in share.dirs:
+        if _key(self._parent(path)) not in share.dirs:
             raise _Error(404, "ParentNotFound", f"the parent of {path} does not exist")
-        if path in share.dirs:
+        if key in share.dirs:
             raise _Error(409, "ResourceAlreadyExists", f"{path} is a directory")
         replace = request.headers.get("x-ms-file-rename-replace-if-exists", "false").lower() == "true"
-        if path in share.files and not replace:
+        if key in share.files and not replace:
             raise _Error(409, "ResourceAlreadyExists", f"{path} exists")
-        _check_lease(share.files[source], request, "x-ms-source-lease-id")
-        if path != source:
-            _check_lease(share.files.get(path), request, "x-ms-destination-lease-id")
-        share.files[path] = share.files.pop(source)
-        share.files[path].touch()
-        return 200, _props(share.files[path]), b""
+        _check_lease(share.files[source_key], request, "x-ms-source-lease-id")
+        if key != source_key:
+            _check_lease(share.files.get(key), request, "x-ms-destination-lease-id")
+        kept = share.files[key].path if key in share.files and key != source_key else path
+        item = share.files.pop(source_key)
+        item.path = kept
+        share.files[key] = item
+        item.touch(self._now())
+        return 200, _props(item), b""
 
     def _set_properties(self, share: _Share, path: str, request: Request) -> tuple[int, dict[str, str], bytes]:
-        item = share.files.get(path)
-        if item is None:
-            raise _Error(404, "ResourceNotFound", f"file {path} does not exist")
+        item = self._existing(share, path)
         _check_lease(item, request)
         if "x-ms-content-length" in request.headers:
             size = int(request.headers["x-ms-content-length"])
@@ -424,13 +571,11 @@ class _Handler(BaseHTTPRequestHandler):
                 del item.data[size:]
             else:
                 item.data.extend(bytes(size - len(item.data)))
-        item.touch()
+        item.touch(self._now())
         return 200, _props(item), b""
 
     def _lease(self, share: _Share, path: str, request: Request) -> tuple[int, dict[str, str], bytes]:
-        item = share.files.get(path)
-        if item is None:
-            raise _Error(404, "ResourceNotFound", f"file {path} does not exist")
+        item = self._existing(share, path)
         action = request.headers.get("x-ms-lease-action", "").lower()
         given = request.headers.get("x-ms-lease-id")
         proposed = request.headers.get("x-ms-proposed-lease-id")
@@ -468,9 +613,7 @@ class _Handler(BaseHTTPRequestHandler):
             _check_lease(item, request)
 
     def _file_properties(self, share: _Share, path: str, request: Request) -> tuple[int, dict[str, str], bytes]:
-        item = share.files.get(path)
-        if item is None:
-            raise _Error(404, "ResourceNotFound", f"file {path} does not exist")
+        item = self._existing(share, path)
         self._check_read_lease(item, request)
         headers = {**_props(item), **_lease_headers(item)}
         headers.update({"Content-Length": str(len(item.data)), "x-ms-type": "File",
@@ -478,9 +621,7 @@ class _Handler(BaseHTTPRequestHandler):
         return 200, headers, b""
 
     def _download(self, share: _Share, path: str, request: Request) -> tuple[int, dict[str, str], bytes]:
-        item = share.files.get(path)
-        if item is None:
-            raise _Error(404, "ResourceNotFound", f"file {path} does not exist")
+        item = self._existing(share, path)
         self._check_read_lease(item, request)
         size = len(item.data)
         headers = {**_props(item), **_lease_headers(item)}
@@ -499,6 +640,24 @@ class _Handler(BaseHTTPRequestHandler):
         end = min(end, size - 1)
         headers["Content-Range"] = f"bytes {start}-{end}/{size}"
         return 206, headers, bytes(item.data[start:end + 1])
+
+
+def _key(path: str) -> str:
+    """A path as the service compares it: names are case-insensitive."""
+    return path.casefold()
+
+
+def _trim(path: str, request: Request, header: str = "x-ms-allow-trailing-dot") -> str:
+    """The path as the service takes it: a name's trailing dots dropped unless the request asks to keep them."""
+    if request.headers.get(header, "").lower() == "true":
+        return path
+    return "/".join(part.rstrip(".") or part for part in path.split("/"))
+
+
+def _check_name(path: str) -> None:
+    """400 InvalidResourceName for a name with a character the service refuses."""
+    if _INVALID_CHARS.search(path):
+        raise _Error(*INVALID_NAME)
 
 
 def _props(item: _File | None = None) -> dict[str, str]:

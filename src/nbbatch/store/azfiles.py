@@ -6,37 +6,35 @@ Azure SDKs). The share behaves like :class:`nbbatch.store.share.FileShare`: a fi
 hidden temporary name and then renamed over its target (the File service's rename), so a reader
 sees the old file or the new one, never half of one.
 
-Credentials, in this order:
+Credentials are per storage account (:mod:`nbbatch.store.azfiles_client`): ``AZURE_STORAGE_KEY_<ACCOUNT>``,
+else ``AZURE_STORAGE_KEY`` for the account in ``AZURE_STORAGE_ACCOUNT`` (or any, when that is unset), else
+:class:`azure.identity.DefaultAzureCredential` with ``token_intent="backup"`` (the identity needs the
+*Storage File Data Privileged Contributor* role on the account). Keys are read from the environment when the
+share is opened and never written to specs, notebooks, run records or logs. Requests the service throttles
+are retried as its ``Retry-After`` asks, for at most :data:`~nbbatch.store.azfiles_client.MAX_RETRY_WAIT_S`.
 
-1. ``AZURE_STORAGE_KEY`` in the environment: the account key (shared-key signing). Use it only when
-   you must; the key is read from the environment when the share is opened and is never written
-   to specs, notebooks, run records or logs.
-2. otherwise :class:`azure.identity.DefaultAzureCredential` (``az login``, a managed identity, …),
-   with ``token_intent="backup"`` as the File service requires for OAuth. The identity needs the
-   *Storage File Data Privileged Contributor* role on the account.
+Names are checked against Azure Files' rules before they are written (:mod:`nbbatch.store.azfiles_names`):
+a refused character, a trailing dot or a device name is a :class:`ShareError` naming the file and a name
+that works, and a lease's folders must not exist under another case (Azure Files ignores case).
 
 ``NBBATCH_AZFILES_ENDPOINT`` overrides the account URL (default
-``https://<account>.file.core.windows.net``), e.g. for a local test server.
+``https://<account>.file.core.windows.net``; ``{account}`` in it is replaced), e.g. for a local test server.
 
 Beyond the :class:`~nbbatch.store.share.Share` protocol: ``write_range`` / ``read_range`` (appending
 to logs without rewriting them; not atomic), and the ``lease_*`` primitives of
-:mod:`nbbatch.store.lease`, built on the File service's infinite file leases: the holder's bytes are
-the leased file's content, and only the lease's owner can rewrite or delete it.
+:mod:`nbbatch.store.lease` (in :mod:`nbbatch.store.azfiles_lease`), built on the File service's infinite
+file leases: the holder's bytes are the leased file's content, and only the lease's owner can rewrite or delete it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import email.utils
-import os
-import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from azure.core.credentials import AzureNamedKeyCredential
 from azure.core.exceptions import (
     AzureError,
     ClientAuthenticationError,
@@ -49,11 +47,12 @@ from azure.core.exceptions import (
 from azure.storage.fileshare import ShareClient, ShareFileClient, ShareLeaseClient
 
 from nbbatch.errors import ShareError
+from nbbatch.store.azfiles_client import ENDPOINT_ENV, KEY_ENV, default_endpoint, key_hint, resolve_credential, retry_policy
+from nbbatch.store.azfiles_lease import AzureFilesLeases
+from nbbatch.store.azfiles_names import check_name, refused_names
 from nbbatch.store.share import Share, register_share
 
 SCHEME = "azfiles"
-ENDPOINT_ENV = "NBBATCH_AZFILES_ENDPOINT"
-KEY_ENV = "AZURE_STORAGE_KEY"
 _READ_ATTEMPTS = 5  # downloads restarted because a writer replaced the file mid-download
 MAX_RANGE = 4 * 1024 * 1024  # the File service's limit on one Put Range
 
@@ -98,28 +97,7 @@ def parse_azfiles_url(url: str) -> AzureFilesLocation:
     return AzureFilesLocation(parts[0], parts[1], "/".join(parts[2:]))
 
 
-def _default_endpoint(account: str) -> str:
-    return os.environ.get(ENDPOINT_ENV) or f"https://{account}.file.core.windows.net"
-
-
-def _resolve_credential(account: str, endpoint: str) -> tuple[Any, bool]:
-    """(credential, is_token_credential) per the module's order: env key, else DefaultAzureCredential."""
-    key = os.environ.get(KEY_ENV)
-    if key:
-        return AzureNamedKeyCredential(account, key), False
-    if not endpoint.lower().startswith("https://"):
-        raise ShareError(
-            f"the Azure Files endpoint {endpoint} is not HTTPS, where Azure AD tokens cannot be used; "
-            f"set {KEY_ENV} (the storage account key) in the environment"
-        )
-    try:
-        from azure.identity import DefaultAzureCredential
-    except ImportError as exc:  # pragma: no cover - azure-identity is part of the extra
-        raise ShareError(f"Azure AD sign-in needs azure-identity: pip install 'nbbatch[azure]' ({exc})") from exc
-    return DefaultAzureCredential(), True
-
-
-class AzureFileShare:
+class AzureFileShare(AzureFilesLeases):
     """An Azure File share (or a folder in one) implementing :class:`nbbatch.store.share.Share`."""
 
     def __init__(
@@ -137,17 +115,19 @@ class AzureFileShare:
         endpoint); ``credential`` overrides the credential search (anything ``ShareClient`` takes);
         ``create_share`` creates the file share on first write when it does not exist;
         ``client_options`` go to :class:`azure.storage.fileshare.ShareClient` (e.g.
-        ``max_range_size``, ``retry_total``).
+        ``max_range_size``, ``retry_total``, or another ``retry_policy`` than
+        :class:`~nbbatch.store.azfiles_client.ThrottleRetry`).
         """
         self.location = parse_azfiles_url(url)
         self.url = self.location.url
-        self.endpoint = (endpoint or _default_endpoint(self.location.account)).rstrip("/")
+        self.endpoint = (endpoint or default_endpoint(self.location.account)).rstrip("/")
         if credential is None:
-            credential, is_token = _resolve_credential(self.location.account, self.endpoint)
+            credential, is_token = resolve_credential(self.location.account, self.endpoint)
         else:
             is_token = hasattr(credential, "get_token")
         if is_token:
             client_options.setdefault("token_intent", "backup")
+        retry_policy(client_options)
         self._client = ShareClient(
             account_url=self.endpoint, share_name=self.location.share, credential=credential, **client_options
         )
@@ -188,11 +168,40 @@ class AzureFileShare:
         prefix = [p for p in self.prefix.split("/") if p]
         return "/".join([*prefix, *parts])
 
+    def _writable(self, path: str) -> str:
+        """The full path of ``path``, once Azure Files' naming rules allow it (a ShareError naming the fix otherwise)."""
+        full = self._full(path)
+        check_name(str(path).strip("/"), self.url)
+        return full
+
+    def refused_names(self, paths: Iterable[str]) -> dict[str, str]:
+        """``{path: why}`` for the paths this share would refuse, or fold into another of ``paths`` (case)."""
+        return refused_names(paths)
+
+    def _check_case(self, full: str) -> None:
+        """Refuse ``full`` when one of its folders exists under another case: Azure Files would make them one folder."""
+        parts = full.split("/")[:-1]
+        for depth, part in enumerate(parts):
+            parent = "/".join(parts[:depth])
+            try:
+                names = [item["name"] for item in self._client.get_directory_client(parent).list_directories_and_files()]
+            except ResourceNotFoundError:
+                return  # nothing there yet: the folders are created with this case
+            except AzureError as exc:
+                raise self._error("list", parent, exc) from exc
+            twin = next((n for n in names if n != part and n.casefold() == part.casefold()), None)
+            if twin is not None:
+                raise ShareError(
+                    f"the folder `{part}` would be the existing folder `{twin}` on {self.url}: Azure Files ignores "
+                    f"case in names, so both would share one folder and its files (an experiment's folder is named "
+                    f"after the experiment). Use `{twin}` exactly to continue it, or a name that differs by more than case")
+            if part not in names:
+                return
+
     # --- errors -------------------------------------------------------------------------------
     def _error(self, action: str, path: str, exc: AzureError) -> ShareError:
         if isinstance(exc, ClientAuthenticationError):
-            hint = (f"set {KEY_ENV} to the account key, or sign in (az login) with an identity that has the "
-                    "'Storage File Data Privileged Contributor' role on the storage account")
+            hint = key_hint(self.account)
             return ShareError(f"Azure Files refused to {action} `{path}` in {self.url} (authentication): {hint}")
         if isinstance(exc, ServiceRequestError):
             return ShareError(f"cannot reach Azure Files at {self.endpoint} to {action} `{path}`: {exc.message}")
@@ -247,7 +256,7 @@ class AzureFileShare:
     # --- Share protocol -----------------------------------------------------------------------
     def write_bytes(self, path: str, data: bytes) -> None:
         """Upload ``data`` under a hidden temporary name, then rename it over ``path``."""
-        full = self._full(path)
+        full = self._writable(path)
         if not path.strip("/. "):
             raise ShareError(f"cannot write the share's root folder ({self.url}) as a file")
         parent, _, name = full.rpartition("/")
@@ -401,7 +410,7 @@ class AzureFileShare:
         """
         if offset < 0:
             raise ValueError(f"offset must not be negative, not {offset}")
-        full = self._full(path)
+        full = self._writable(path)
         if not path.strip("/. "):
             raise ShareError(f"cannot write the share's root folder ({self.url}) as a file")
         if offset and not data:
@@ -424,135 +433,6 @@ class AzureFileShare:
         if offset < 0:
             raise ValueError(f"offset must not be negative, not {offset}")
         return self._download(path, offset)
-
-    # --- leases (see nbbatch.store.lease) -------------------------------------------------------
-    @staticmethod
-    def _lost_lease(exc: AzureError) -> bool:
-        """Whether an error is about someone else's lease (or ours gone): 409 Lease* on a lease call, 412 on a write."""
-        if not isinstance(exc, HttpResponseError):
-            return False
-        return exc.status_code == 412 or (exc.status_code == 409 and str(exc.error_code or "").startswith("Lease"))
-
-    def _write_holder(self, client: ShareFileClient, lease: ShareLeaseClient, holder: bytes) -> None:
-        # Resize, then overwrite: when the size is unchanged (a renewal) a reader never sees zeros.
-        client.resize_file(len(holder), lease=lease)
-        self._upload_ranges(client, holder, 0, lease=lease)
-
-    def lease_create(self, path: str, holder: bytes) -> bool:
-        """Take ``path`` for this share object when nobody holds it, writing ``holder`` into it; True when we now hold it.
-
-        An infinite lease on the file (created empty first when absent) is the hold; ``holder``
-        is written as the file's content under it.
-        """
-        full = self._full(path)
-        client = self._client.get_file_client(full)
-        try:
-            try:
-                lease = client.acquire_lease()
-            except ResourceNotFoundError:
-                self._with_parents(full.rpartition("/")[0], lambda: client.create_file(0))
-                lease = client.acquire_lease()
-        except AzureError as exc:
-            if self._lost_lease(exc):  # LeaseAlreadyPresent, or leased between our create and acquire
-                return False
-            raise self._error("lease", path, exc) from exc
-        try:
-            self._write_holder(client, lease, holder)
-        except AzureError as exc:
-            if self._lost_lease(exc):  # broken already
-                return False
-            try:
-                lease.release()  # do not keep a hold whose holder bytes were never written
-            except AzureError:
-                pass
-            raise self._error("lease", path, exc) from exc
-        self._leases[full] = lease
-        return True
-
-    def lease_read(self, path: str) -> tuple[bytes, float] | None:
-        """The holder's bytes and the seconds since it last renewed, or None when absent or not leased.
-
-        The age is the file's last-modified time against the service's clock (the response's
-        ``Date``), so clock skew between machines does not matter; this machine's clock is the
-        fallback when the response has no ``Date``.
-        """
-        full = self._full(path)
-        dates: list[str] = []
-
-        def keep_date(pipeline_response: Any) -> None:
-            date = pipeline_response.http_response.headers.get("Date")
-            if date and not dates:
-                dates.append(date)
-
-        try:
-            stream = self._client.get_file_client(full).download_file(raw_response_hook=keep_date)
-            data = stream.readall()
-        except (ResourceNotFoundError, ResourceExistsError):
-            return None
-        except AzureError as exc:
-            raise self._error("read the lease", path, exc) from exc
-        props = stream.properties
-        if props.lease.state != "leased" or props.last_modified is None:
-            return None
-        self._lease_seen[full] = (data, props.etag)
-        now = email.utils.parsedate_to_datetime(dates[0]).timestamp() if dates else time.time()
-        return data, max(0.0, now - props.last_modified.timestamp())
-
-    def lease_renew(self, path: str, holder: bytes) -> bool:
-        """Renew our hold: rewrite ``holder`` under our lease (moving last-modified); False when the lease is no longer ours."""
-        full = self._full(path)
-        lease = self._leases.get(full)
-        if lease is None:
-            return False
-        try:
-            self._write_holder(self._client.get_file_client(full), lease, holder)
-        except ResourceNotFoundError:
-            self._leases.pop(full, None)
-            return False
-        except AzureError as exc:
-            if self._lost_lease(exc):  # LeaseNotPresentWithFileOperation (broken) / LeaseIdMismatch (taken over)
-                self._leases.pop(full, None)
-                return False
-            raise self._error("renew the lease on", path, exc) from exc
-        return True
-
-    def lease_break(self, path: str, seen: bytes) -> bool:
-        """End a stale hold whose holder bytes are still ``seen``; False when they changed meanwhile.
-
-        True also when the file is gone or no longer leased: the hold has ended anyway. When this
-        object's :meth:`lease_read` saw ``seen``, a renewal since (same bytes, new ETag) also counts
-        as a change. The check and the break are two calls (the File service has no conditional
-        break), so a renewal between them is broken all the same; its holder finds out on its next
-        :meth:`lease_renew`.
-        """
-        full = self._full(path)
-        client = self._client.get_file_client(full)
-        read = self._lease_seen.pop(full, None)
-        try:
-            stream = client.download_file()
-            if stream.readall() != bytes(seen):
-                return False
-            if read is not None and read[0] == bytes(seen) and stream.properties.etag != read[1]:
-                return False  # renewed since lease_read judged it stale
-            ShareLeaseClient(client).break_lease()  # an infinite file lease breaks at once
-        except ResourceNotFoundError:  # released: free to take
-            return True
-        except AzureError as exc:
-            if self._lost_lease(exc):  # LeaseNotPresentWithLeaseOperation: the hold has ended already
-                return True
-            raise self._error("break the lease on", path, exc) from exc
-        return True
-
-    def lease_release(self, path: str, holder: bytes) -> None:
-        """Give our hold up: delete the file under our lease; errors are ignored (a lease lost is fine)."""
-        full = self._full(path)
-        lease = self._leases.pop(full, None)
-        if lease is None:
-            return
-        try:
-            self._client.get_file_client(full).delete_file(lease=lease)
-        except AzureError:
-            pass
 
     def local_path(self, path: str) -> Path | None:
         """Always ``None``: an Azure File share is not a local folder (unless mounted, then use its path)."""

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 RENEW_EVERY_S = 20.0
 STALE_AFTER_S = 120.0
+RETRY_FAILED_RENEWAL_S = 2.0  # after a renewal failed (the share throttled past its retries): try again this soon
 UNNAMED_HOLDER_STALE_S = 10.0  # a lease without a holder's name: left by a crash between its creation and its write
 
 
@@ -101,16 +102,27 @@ class ShareLease:
         return age > self.stale_after_s
 
     def _heartbeat(self) -> None:
+        wait = self.renew_every_s
+        while not self._stop.wait(wait):
+            next_wait = self.renew()
+            if next_wait is None:
+                return
+            wait = next_wait
+
+    def renew(self) -> float | None:
+        """One heartbeat: renew the hold. The seconds until the next one (sooner after a failed renewal, e.g. a
+        throttled share, so the hold is renewed as soon as the share answers again), None when the lease was lost."""
         store: Any = self.share
-        while not self._stop.wait(self.renew_every_s):
-            try:
-                if not store.lease_renew(self.path, self._holder):
-                    self.lost.set()
-                    logger.error("the lease of experiment %s was taken over by another driver: this one starts "
-                                 "no more runs", self.experiment)
-                    return
-            except (ShareError, OSError) as error:  # retried on the next beat; stale only after many misses
-                logger.warning("could not renew the lease of %s: %s", self.experiment, error)
+        try:
+            if not store.lease_renew(self.path, self._holder):
+                self.lost.set()
+                logger.error("the lease of experiment %s was taken over by another driver: this one starts "
+                             "no more runs", self.experiment)
+                return None
+        except (ShareError, OSError) as error:  # tried again soon; stale only after stale_after_s without a renewal
+            logger.warning("could not renew the lease of %s: %s", self.experiment, error)
+            return min(self.renew_every_s, RETRY_FAILED_RENEWAL_S)
+        return self.renew_every_s
 
 
 def _parse(data: bytes) -> dict[str, Any]:

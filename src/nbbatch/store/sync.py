@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from nbbatch.errors import ShareError
+from nbbatch.store.azfiles_names import suggest
 from nbbatch.store.share import FILE_MODE, Share, write_file_atomic
 
 __all__ = ["FileEntry", "SyncResult", "MANIFEST", "MANIFEST_INTERVAL", "tree_listing", "push", "pull"]
@@ -296,9 +297,10 @@ def push(source: Path, share: Share, prefix: str = "", *, delete: bool = False,
         if _bad_name(entry.name):
             raise ShareError(f"cannot push {source / entry.name}: its name holds a backslash or another character "
                              "shares take as a separator; rename it")
+    refused = _share_refuses(share, prefix, [e.name for e in listing])  # copied none of them; told at the end
     old = _read_manifest(share, prefix) or {}
     on_share = _OnShare(share, prefix)
-    todo = [e for e in listing if not (old.get(e.name) == e and e.name in on_share)]
+    todo = [e for e in listing if e.name not in refused and not (old.get(e.name) == e and e.name in on_share)]
     todo_names = {e.name for e in todo}
     names = {e.name for e in listing}
     result = SyncResult(skipped=[e.name for e in listing if e.name not in todo_names])
@@ -354,7 +356,21 @@ def push(source: Path, share: Share, prefix: str = "", *, delete: bool = False,
                 pass
         raise
     result.files = sorted(files.values(), key=lambda e: e.name)
+    if refused:
+        reasons = "; ".join(f"`{name}`: {why} (e.g. `{suggest(name)}`)" for name, why in sorted(refused.items()))
+        raise ShareError(f"{len(refused)} file(s) of {source} were not copied to {_where(share, prefix)}, which cannot "
+                         f"hold their names: {reasons}. Rename them; the other {len(listing) - len(refused)} file(s) "
+                         "were copied")
     return result
+
+
+def _share_refuses(share: Share, prefix: str, names: list[str]) -> dict[str, str]:
+    """``{name: why}`` for the names ``share`` cannot hold (Azure Files' naming rules; nothing on a folder share)."""
+    check = getattr(share, "refused_names", None)
+    if check is None:
+        return {}
+    full = {_join(prefix, name): name for name in names}
+    return {full[path]: why for path, why in check(list(full)).items()}
 
 
 # --- pull ---------------------------------------------------------------------------------------------

@@ -3,7 +3,6 @@ the results share, and a snapshot of the code (nbbatch's source, the frameworks'
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import tempfile
@@ -18,10 +17,11 @@ from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
 import nbbatch
 from nbbatch.backends.azureml.workspace import error_text
 from nbbatch.containers.images import IGNORE, image_spec, stage_context
-from nbbatch.errors import BackendError, ContainerError
+from nbbatch.errors import BackendError, ContainerError, ShareError
 from nbbatch.plan.runs import Run
 from nbbatch.spec.frameworks import list_frameworks
 from nbbatch.spec.project import Project, find_project
+from nbbatch.store.azfiles_client import account_key_env, check_account_key, storage_key
 
 KEY_ENV = "AZURE_STORAGE_KEY"
 
@@ -79,8 +79,11 @@ def datastore_name_for(account: str, share: str) -> str:
 def ensure_datastore(ml_client: MLClient, name: str, account: str, share: str) -> None:
     """Check the Azure ML datastore ``name`` points at the file share; register it when missing.
 
-    Registering needs the storage account key in ``AZURE_STORAGE_KEY`` once (Azure ML keeps it in the
-    workspace's key vault; nbbatch writes it nowhere). Without it, say how to register it by hand.
+    Registering needs that account's key once (``AZURE_STORAGE_KEY_<ACCOUNT>``, or ``AZURE_STORAGE_KEY`` for the
+    account in ``AZURE_STORAGE_ACCOUNT``: :func:`nbbatch.store.azfiles_client.storage_key`), checked against the
+    service first so a datastore is never registered with another account's key. Azure ML keeps the key in the
+    workspace's key vault, and workspace Readers can read it back through the datastore. Without a key, say how
+    to register the datastore by hand (with a key, or identity-based: no credentials).
     """
     try:
         found = ml_client.datastores.get(name)
@@ -94,14 +97,19 @@ def ensure_datastore(ml_client: MLClient, name: str, account: str, share: str) -
             raise BackendError(f"datastore `{name}` points at {found.account_name}/{found.file_share_name}, "
                                f"not the experiment's share {account}/{share}; name another with `datastore:`")
         return
-    key = os.environ.get(KEY_ENV)
+    key = storage_key(account)
     if not key:
         raise BackendError(
             f"the workspace has no datastore `{name}` for the file share {account}/{share}. Register it once "
             f"with `az ml datastore create --file <yaml>` (type: azure_file, name: {name}, account_name: {account}, "
-            f"file_share_name: {share}, credentials.account_key; see docs/azure.md), or set {KEY_ENV} for this "
-            "command and nbbatch registers it (the key goes to the workspace's key vault only)"
+            f"file_share_name: {share}, and credentials.account_key, or no credentials for identity-based access; "
+            f"see docs/azure.md), or set {account_key_env(account)} to that account's key for this command and "
+            "nbbatch registers it (Azure ML keeps the key in the workspace's key vault; workspace Readers can read it)"
         )
+    try:
+        check_account_key(account, share, key)
+    except ShareError as exc:
+        raise BackendError(f"cannot register datastore `{name}`: {exc}") from exc
     ml_client.datastores.create_or_update(
         AzureFileDatastore(
             name=name, account_name=account, file_share_name=share,
