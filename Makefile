@@ -54,7 +54,7 @@ clean:
 AZURE_VM ?= Standard_NC4as_T4_v3
 AZURE_SMOKE := .nbbatch/azure-smoke.yaml
 
-azure-smoke: setup  ## one tiny GPU run on a real Azure ML workspace (billed; see docs/azure.md)
+azure-smoke: setup  ## one tiny GPU run, then the live probes' table, on a real Azure ML workspace (billed; docs/azure.md)
 	@for v in AZURE_SUBSCRIPTION_ID AZURE_RESOURCE_GROUP AZUREML_WORKSPACE NBBATCH_AZURE_SHARE; do \
 	  if [ -z "$$(printenv $$v)" ]; then echo "azure-smoke: set $$v (see docs/azure.md)"; exit 2; fi; done
 	@mkdir -p .nbbatch
@@ -65,4 +65,6 @@ azure-smoke: setup  ## one tiny GPU run on a real Azure ML workspace (billed; se
 	$(NBBATCH) submit $(AZURE_SMOKE) --force; status=$$?; \
 	  $(NBBATCH) fetch azure-smoke results --share "$$NBBATCH_AZURE_SHARE"; \
 	  $(NBBATCH) cluster delete --experiment $(AZURE_SMOKE); \
-	  exit $$status
+	  $(BIN)/python benchmarks/azure_smoke.py --vm-size $(AZURE_VM) --folder .nbbatch/azure-smoke; probes=$$?; \
+	  for e in azure-probe azure-probe-2node; do $(NBBATCH) cluster delete --experiment .nbbatch/azure-smoke/$$e.yaml; done; \
+	  [ $$status = 0 ] && exit $$probes; exit $$status

@@ -5,8 +5,9 @@ so the executed notebook alone carries them; :func:`metrics_from_notebook` reads
 (later calls win). ``record(step=N, ...)`` is one point of the run's history: it is shown as one
 line that each later point of the same cell updates (``update_display_data``), and nbbatch's
 driver, which sees every such message, appends each point to the run's ``metrics.jsonl`` as the run
-goes. When ``MLFLOW_TRACKING_URI`` is set (Azure ML sets it in its jobs), the same values, with
-their step, and the run's parameters go to MLflow too.
+goes. When the kernel gets ``MLFLOW_TRACKING_URI`` (:func:`tracking_wanted`: the experiment's ``tracking:
+mlflow``, or the URI set in the driver's environment where ``tracking:`` is not said), the same values,
+with their step, and the run's parameters go to MLflow too.
 
 Importing this module costs nothing heavy: it runs in every framework kernel (mlflow is imported
 only when the variable is set).
@@ -19,6 +20,7 @@ import json
 import math
 import numbers
 import os
+import re
 import sys
 import uuid
 from collections.abc import Iterator, Mapping
@@ -34,6 +36,23 @@ except ImportError:  # pragma: no cover - Windows: MLflow file stores go unlocke
 METRICS_MIME = "application/vnd.nbbatch.metrics+json"
 HISTORY_MIME = "application/vnd.nbbatch.history+json"  # one point: {"step", "time", metrics...}
 POINT_KEYS = ("step", "time", "attempt")  # what nbbatch itself puts in a point of the history
+# Where and as whom a kernel would track (Azure ML sets the URI, run, experiment and run token in every job): a
+# kernel of a run without tracking gets none of them.
+_TRACKING_VARIABLE = re.compile(r"MLFLOW_(TRACKING_\w+|REGISTRY_URI|RUN_ID|EXPERIMENT_ID|EXPERIMENT_NAME)|AZUREML_RUN_TOKEN\w*")
+
+
+def tracking_wanted(tracking: str | None, environ: Mapping[str, str]) -> bool:
+    """Whether a run's kernel tracks to MLflow: the experiment's ``tracking: mlflow`` (``none``: never); where it
+    is not said, whether ``MLFLOW_TRACKING_URI`` is in ``environ`` (the driver's, set by the user). The azureml
+    backend sends its runs with ``none`` unless asked, since Azure ML sets the URI in every job."""
+    if tracking is None:
+        return bool(environ.get("MLFLOW_TRACKING_URI"))
+    return tracking == "mlflow"
+
+
+def without_tracking(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` less MLflow's URI, run, experiment and credentials and Azure ML's run token."""
+    return {name: value for name, value in environ.items() if not _TRACKING_VARIABLE.fullmatch(name)}
 
 
 def _plain(value: Any) -> Any:

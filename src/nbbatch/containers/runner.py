@@ -31,6 +31,7 @@ from typing import Any
 import nbbatch
 from nbbatch.containers.engines import Engine
 from nbbatch.execute.context import AttemptContext, UpdateCallback
+from nbbatch.metrics import tracking_wanted, without_tracking
 from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret, tracking_credentials
 from nbbatch.store.runfiles import finalize_record, read_record_or_none
@@ -54,10 +55,15 @@ _running: dict[str, Engine] = {}  # containers this process started and has not 
 _running_lock = threading.Lock()
 
 
-def passed_variables(environ: dict[str, str] | None = None) -> list[str]:
-    """The names of the driver's variables a run's container gets (secrets only where MLflow needs them)."""
+def passed_variables(environ: dict[str, str] | None = None, tracking: str | None = None) -> list[str]:
+    """The names of the driver's variables a run's container gets (secrets only where MLflow needs them).
+
+    ``tracking``: the run's ``tracking:``; without tracking, no MLflow URI, run or credentials, as a venv run's kernel.
+    """
     environ = dict(os.environ if environ is None else environ)
     names = {n for n, v in environ.items() if n.startswith(PASSED_PREFIXES) and n not in HOST_ONLY and not is_secret(n, v)}
+    if not tracking_wanted(tracking, environ):
+        return sorted(without_tracking(dict.fromkeys(names, "")))
     names |= set(tracking_credentials(environ))  # only with MLFLOW_TRACKING_URI, as a venv run's kernel gets them
     return sorted(names)
 
@@ -98,7 +104,7 @@ def container_command(engine: Engine, image: str, name: str, run: Run, share_roo
         if path != share_root and share_root not in path.parents:
             mounts += ["--volume", f"{path}:{path}:ro"]
     variables = ["--env", "HOME=/tmp", "--env", f"PYTHONPATH={HOST_NBBATCH}"]
-    variables += [arg for n in passed_variables() for arg in ("--env", n)]
+    variables += [arg for n in passed_variables(tracking=run.tracking) for arg in ("--env", n)]
     inside = ",".join(str(i) for i in range(len(gpu_ids)))  # the container sees only its GPUs, numbered from 0
     return engine.command(
         "run", "--rm", "--name", name, "--network", "host", "--pid", "host", "--ipc", "host",

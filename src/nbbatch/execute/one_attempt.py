@@ -46,7 +46,7 @@ from nbbatch.execute.live import LiveRecord, StreamedFile
 from nbbatch.execute.placement import Rank
 from nbbatch.execute.telemetry import GpuSampler
 from nbbatch.execute.watchdog import REAPER, Watchdog
-from nbbatch.metrics import metrics_from_notebook, metrics_of_point
+from nbbatch.metrics import metrics_from_notebook, metrics_of_point, tracking_wanted, without_tracking
 from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret, tracking_credentials
 from nbbatch.spec.frameworks import get_framework
@@ -119,7 +119,10 @@ def _kernel_env(run: Run, gpu_ids: list[int] | None, shared_gpu: bool,
     for name in list(env):
         if is_secret(name, env[name]):
             del env[name]
-    env.update(tracking_credentials(os.environ))  # only with MLFLOW_TRACKING_URI: nbbatch.record logs there
+    if tracking_wanted(run.tracking, os.environ):  # nbbatch.record logs there, with these credentials
+        env.update(tracking_credentials(os.environ))
+    else:  # no tracking asked for: no MLflow URI, run or credentials (Azure ML sets them in every job)
+        env = without_tracking(env)
     if shared_gpu:  # under the experiment's own `env:`, which may set them otherwise
         env.update(run.shared_gpu_env)
     env.update(run.env)

@@ -99,6 +99,7 @@ class Run:
     cwd: str | None = None  # kernel working directory (default: the notebook's folder)
     inputs: dict[str, str] = field(default_factory=dict)  # parameter -> folder or share URL (bound where it runs)
     distribution: Distribution | None = None  # what a distributed run spans (``gpus`` is then per node); None: one kernel
+    tracking: str | None = None  # the experiment's `tracking:` (mlflow | none; None: MLFLOW_TRACKING_URI decides)
 
     @property
     def world_size(self) -> int:
@@ -237,7 +238,7 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
                 max_output_mb=experiment.max_output_mb,
                 env=env, shared_gpu_env=shared_env, gpu_memory_mb=memory_mb,
                 preload=framework.preload if framework else (), recognised_as=recognised_as,
-                inputs=inputs, distribution=experiment.resources.distribution,
+                inputs=inputs, distribution=experiment.resources.distribution, tracking=experiment.tracking,
             ))
     seen: dict[str, Run] = {}
     unique: list[Run] = []

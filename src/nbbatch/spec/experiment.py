@@ -57,6 +57,7 @@ class Experiment:
     backend_settings: dict[str, Any] = field(default_factory=dict)
     share: str = "results"
     env: dict[str, str] = field(default_factory=dict)  # a number or true/false given here becomes text (_env_text)
+    tracking: str | None = None  # mlflow | none; None: MLFLOW_TRACKING_URI in the driver's environment decides
     base_dir: Path = field(default_factory=Path.cwd)
 
     def __post_init__(self) -> None:
@@ -119,6 +120,7 @@ class Experiment:
             backend_settings=settings,
             share=share if "://" in share else str((base / share).resolve()),
             env=dict(data.get("env") or {}),
+            tracking=data.get("tracking"),
             base_dir=base,
         )
 
@@ -148,7 +150,8 @@ def _file_form(experiment: Experiment) -> dict[str, Any]:
     return {"experiment": experiment.name, "frameworks": experiment.frameworks, "parameters": experiment.parameters,
             "inputs": experiment.inputs, "sweep": experiment.sweep, "env": experiment.env, "retries": experiment.retries,
             "timeout": {"run": experiment.timeout, "cell": experiment.cell_timeout},
-            "max_output_mb": experiment.max_output_mb}
+            "max_output_mb": experiment.max_output_mb,
+            **({"tracking": experiment.tracking} if experiment.tracking is not None else {})}
 
 
 def _inputs_problem(inputs: Mapping[str, str], parameters: Mapping[str, Any]) -> SpecError | None:

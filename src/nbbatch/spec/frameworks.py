@@ -27,6 +27,10 @@ _KNOWN_KEYS = {
 DEFAULT_PYTHON = "3.11"  # the Python of the environments and images, unless framework.yaml says `python:`
 _PACKAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # the distribution name a pin line starts with
 _SYSTEM_PACKAGE = re.compile(r"[a-z0-9][a-z0-9.+-]+")  # a Debian package name
+# What a distribution type needs in the framework's image: one of these `system_packages`. An mpi job's ranks are
+# started by mpirun from the image (Azure ML's MpiDistribution); without one the job fails at launch, after
+# the image build and the nodes were paid for.
+DISTRIBUTION_PACKAGES = {"mpi": ("openmpi-bin", "mpich")}
 
 
 @dataclass(frozen=True)
@@ -119,7 +123,7 @@ def _load(folder: Path, project: Project) -> Framework:
     requirements = folder / data.get("requirements", "requirements.txt")
     if not requirements.exists():
         raise ValidationError(f"{source}: its requirements file {requirements} does not exist")
-    return Framework(
+    framework = Framework(
         name=folder.name,
         folder=folder,
         title=str(data.get("title", folder.name)),
@@ -142,6 +146,20 @@ def _load(folder: Path, project: Project) -> Framework:
         imports=_modules(source, "imports", data.get("imports")),
         preload=_modules(source, "preload", data.get("preload")),
     )
+    _check_image_offers(source, framework)
+    return framework
+
+
+def _check_image_offers(source: Path, framework: Framework) -> None:
+    """Refuse a distribution type whose launcher the framework's image would not hold (:data:`DISTRIBUTION_PACKAGES`)."""
+    for kind in framework.distribution:
+        needed = DISTRIBUTION_PACKAGES.get(kind, ())
+        if needed and not set(needed) & set(framework.system_packages):
+            raise ValidationError(
+                f"{source}: `distribution` offers `{kind}`, but the framework's image would hold no {kind.upper()}: "
+                f"{kind} ranks are started by mpirun from the image, so the job would fail at launch on Azure ML. Add "
+                f"`{needed[0]}` (and `openssh-client`, mpirun's way to the other nodes) to `system_packages`, or drop "
+                f"`{kind}` from `distribution`")
 
 
 

@@ -1,0 +1,305 @@
+"""Issue 28, images and tracking: MPI in the images of frameworks that offer it, a Dockerfile that works from a
+build context without file modes (Azure ML uploads it to blob storage), Azure ML's run token kept from kernels
+unless tracking is asked for, and the live smoke driver's logic against the Azure ML fake."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import resource
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+from support.notebooks import make_notebook
+
+from nbbatch.containers.images import image_spec, image_spec_args, instructions, stage_context
+from nbbatch.errors import ValidationError
+from nbbatch.execute.attempt import execute_run
+from nbbatch.execute.context import AttemptContext
+from nbbatch.plan.runs import Run
+from nbbatch.spec.frameworks import DISTRIBUTION_PACKAGES, list_frameworks
+from nbbatch.spec.project import Project
+from nbbatch.store.share import FileShare
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKERFILES = ROOT / "dockerfiles"
+TEST_BASE = "localhost/nbbatch-test-base:bookworm"  # made by tests/test_containers_real.py (mmdebstrap), never pulled
+MPI_PACKAGES = set(DISTRIBUTION_PACKAGES["mpi"])
+
+
+@pytest.fixture(scope="module")
+def frameworks():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("NBBATCH_FRAMEWORKS_DIR", raising=False)
+        return list_frameworks(Project(ROOT))
+
+
+# --- 4: MPI in the images of the frameworks that offer it ------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(p.parent.name for p in (ROOT / "frameworks").glob("*/framework.yaml")))
+def test_a_frameworks_image_holds_mpi_iff_it_offers_mpi(frameworks, name):
+    framework = frameworks[name]
+    for gpu in (True, False):
+        packages = set(image_spec_args(framework, gpu, None)["SYSTEM_PACKAGES"].split())
+        assert bool(packages & MPI_PACKAGES) == ("mpi" in framework.distribution), (name, gpu, packages)
+    spec = image_spec(framework, DOCKERFILES)  # and the filled-in Dockerfile installs them
+    installs = " ".join(args for kw, args in instructions(spec.text) if kw == "RUN" and "apt-get install" in args)
+    assert "${SYSTEM_PACKAGES}" in installs
+    assert ("openmpi-bin" in spec.text) == ("mpi" in framework.distribution)
+
+
+def _framework(tmp_path: Path, extra: str) -> Path:
+    folder = tmp_path / "frameworks" / "toy"
+    folder.mkdir(parents=True)
+    (folder / "requirements.txt").write_text("numpy==2.4.6\n")
+    (folder / "framework.yaml").write_text(f"notebook: nb.ipynb\n{extra}")
+    return folder
+
+
+def test_a_framework_offering_mpi_without_mpi_in_its_image_is_refused(tmp_path):
+    _framework(tmp_path, "distribution: [torch, mpi]\nsystem_packages: [libgomp1]\n")
+    with pytest.raises(ValidationError) as refused:
+        list_frameworks(Project(tmp_path))
+    message = str(refused.value)
+    assert "offers `mpi`" in message and "openmpi-bin" in message and "system_packages" in message
+    assert "Traceback" not in message
+
+
+def test_a_framework_offering_mpi_with_an_mpi_package_loads(tmp_path):
+    _framework(tmp_path, "distribution: [torch, mpi]\nsystem_packages: [openmpi-bin, openssh-client]\n")
+    assert list_frameworks(Project(tmp_path))["toy"].distribution == ("torch", "mpi")
+
+
+# --- 7: a build context without file modes --------------------------------------------------------------------
+
+
+def _stand_in_uv(cache: Path) -> None:
+    """A stand-in for uv's binary in the project cache (as uv_binary leaves it: 0755): no download."""
+    uv = cache / "uv-0.13.8-x86_64" / "uv"
+    uv.parent.mkdir(parents=True)
+    uv.write_text("#!/bin/sh\necho 'uv 0.13.8 (stand-in)'\n")
+    uv.chmod(0o755)
+
+
+def _blob_round_trip(context: Path) -> None:
+    """What blob storage keeps of a folder: the bytes, no modes (every file 0644)."""
+    for path in context.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def test_the_dockerfile_makes_executable_what_it_runs_from_the_context(frameworks, tmp_path, monkeypatch):
+    monkeypatch.setenv("NBBATCH_CACHE_DIR", str(tmp_path / "cache"))
+    _stand_in_uv(tmp_path / "cache")
+    spec = image_spec(frameworks["chainer"], DOCKERFILES)
+    context = stage_context(spec, tmp_path / "ctx", Project(ROOT), arch="x86_64")
+    steps = instructions(spec.text)
+    for index, (keyword, args) in enumerate(steps):
+        if keyword != "COPY":
+            continue
+        *sources, dest = args.split()
+        staged = [context / s for s in sources if (context / s).is_file() and os.access(context / s, os.X_OK)]
+        for _ in staged:  # an executable file: blob storage drops its mode, so a later step must restore it
+            later = " ".join(a for k, a in steps[index + 1:] if k == "RUN")
+            assert re.search(rf"chmod\s+(0?755|\+x|a\+x)\s+{re.escape(dest)}", later), f"{dest} is never chmod-ed"
+
+
+def _podman_missing() -> str:
+    if os.geteuid() != 0 or not shutil.which("podman"):
+        return "needs root and podman"
+    found = subprocess.run(["podman", "image", "exists", TEST_BASE], capture_output=True, timeout=60)
+    return "" if found.returncode == 0 else f"needs the local base image {TEST_BASE} (tests/test_containers_real.py)"
+
+
+def _steps_up_to_uv(text: str) -> str:
+    """The filled-in Dockerfile's steps up to its first uv command (which is replaced by `uv --version`), without
+    the apt-get step (no package mirror needed: the test base holds what the image needs)."""
+    kept = []
+    for keyword, args in instructions(text):
+        if keyword == "RUN" and re.search(r"(^|&&|;)\s*uv\s", args):
+            break
+        if (keyword == "RUN" and "apt-get" in args) or (keyword == "COPY" and "context/uv" not in args):
+            continue
+        kept.append(f"{keyword} {args}")
+    return "\n".join([*kept, "RUN uv --version"]) + "\n"
+
+
+@pytest.mark.timeout(300)
+def test_the_image_runs_uv_from_a_context_that_lost_its_file_modes(frameworks, tmp_path, monkeypatch):
+    if why := _podman_missing():
+        pytest.skip(why)
+    monkeypatch.setenv("NBBATCH_CACHE_DIR", str(tmp_path / "cache"))
+    _stand_in_uv(tmp_path / "cache")
+    spec = image_spec(frameworks["chainer"], DOCKERFILES)
+    context = stage_context(spec, tmp_path / "ctx", Project(ROOT), arch="x86_64")
+    _blob_round_trip(context)
+    assert not os.access(context / "context" / "uv", os.X_OK)
+    (context / "Dockerfile.uv").write_text(_steps_up_to_uv(spec.text))
+    tag = f"localhost/nbbatch-test-uv-mode:{uuid.uuid4().hex[:8]}"
+    try:
+        built = subprocess.run(["podman", "build", "--pull=never", "--no-cache", "--build-arg", f"BASE_IMAGE={TEST_BASE}",
+                                "--file", str(context / "Dockerfile.uv"), "--tag", tag, str(context)],
+                               capture_output=True, text=True, timeout=240)
+        assert built.returncode == 0, (built.stdout + built.stderr)[-2000:]
+        assert "uv 0.13.8 (stand-in)" in built.stdout  # the build's own `RUN uv …` step ran it
+        nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1]  # ulimits this machine lets a container set
+        nproc = 32768 if nproc == resource.RLIM_INFINITY else min(nproc, 32768)
+        limits = ["--ulimit", "nofile={}:{}".format(*resource.getrlimit(resource.RLIMIT_NOFILE)),
+                  "--ulimit", f"nproc={nproc}:{nproc}"]
+        ran = subprocess.run(["podman", "run", "--rm", *limits, tag, "uv", "--version"], capture_output=True,
+                             text=True, timeout=120)
+        assert ran.returncode == 0 and "stand-in" in ran.stdout, ran.stderr
+    finally:
+        subprocess.run(["podman", "rmi", "--force", tag], capture_output=True, timeout=120)
+
+
+# --- 11: Azure ML's run token reaches a kernel only when tracking is asked for ---------------------------------
+
+AZUREML_JOB_ENV = {  # what Azure ML sets in every job (names from azureml-mlflow; values made up)
+    "MLFLOW_TRACKING_URI": "azureml://westeurope.api.azureml.ms/mlflow/v1.0/subscriptions/s/resourceGroups/g/"
+                           "providers/Microsoft.MachineLearningServices/workspaces/w",
+    "MLFLOW_RUN_ID": "job-1234", "MLFLOW_EXPERIMENT_ID": "exp-1",
+    "AZUREML_RUN_TOKEN": "run-token-" + uuid.uuid4().hex, "AZUREML_RUN_TOKEN_EXPIRY": "1900000000",
+    "AZUREML_RUN_ID": "job-1234",
+}
+PROBE = ("import os, nbbatch\n"
+         "nbbatch.record(run_token='AZUREML_RUN_TOKEN' in os.environ, mlflow_uri='MLFLOW_TRACKING_URI' in os.environ,\n"
+         "               token_text=any(v == os.environ.get('AZUREML_RUN_TOKEN') for v in os.environ.values()\n"
+         "                              if 'run-token-' in v))")
+
+
+def _as_azure_ml_sends_it(run: Run) -> Run:
+    """The run as the azureml backend puts it in its job's command (``run-one --spec '…'``)."""
+    pytest.importorskip("azure.ai.ml")
+    from nbbatch.backends.azureml import AzureMLBackend  # the azure extra: loaded only when installed
+
+    job = AzureMLBackend().build_job(run, "azureml:e:1", "/tmp", datastore="nbbatch_acct_results",
+                                     share_url="azfiles://acct/results/nbbatch")
+    spec = job.command.split("--spec ", 1)[1].split(" --share", 1)[0]
+    return Run.from_dict(json.loads(spec.strip("'")))
+
+
+@pytest.mark.kernel
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tracking", [None, "mlflow"])
+def test_an_azure_ml_jobs_kernel_sees_the_run_token_only_with_tracking(project, monkeypatch, tracking):
+    make_notebook(project / "nb.ipynb", [PROBE])
+    run = _as_azure_ml_sends_it(Run(run_id=f"probe-{tracking}", experiment="tokens", notebook=str(project / "nb.ipynb"),
+                                    notebook_rel="nb.ipynb", kernel="python3", tracking=tracking))
+    for name, value in AZUREML_JOB_ENV.items():
+        monkeypatch.setenv(name, value)
+    record = execute_run(run, FileShare(project / "results"), AttemptContext(backend="azureml", project_root=project))
+    assert record.status == "succeeded", record.error
+    asked = tracking == "mlflow"
+    assert record.metrics == {"run_token": asked, "mlflow_uri": asked, "token_text": asked}
+
+
+def test_tracking_none_strips_mlflow_and_the_run_token_from_a_kernel_and_a_container(project, monkeypatch):
+    from nbbatch.containers.runner import passed_variables
+    from nbbatch.execute.attempt import kernel_launch
+
+    make_notebook(project / "nb.ipynb", ["pass"])
+    for name, value in AZUREML_JOB_ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "someone")
+    run = Run(run_id="r", experiment="e", notebook=str(project / "nb.ipynb"), notebook_rel="nb.ipynb",
+              kernel="python3")
+    tracked = {"MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID", "MLFLOW_TRACKING_USERNAME",
+               "AZUREML_RUN_TOKEN", "AZUREML_RUN_TOKEN_EXPIRY"}
+    for tracking, sees in ((None, True), ("mlflow", True), ("none", False)):  # None: the URI the user set decides
+        _, env, _ = kernel_launch(dataclasses.replace(run, tracking=tracking), project_root=project)
+        assert (tracked <= set(env)) if sees else not (tracked & set(env)), tracking
+        assert "AZUREML_RUN_ID" in env  # not a credential: kept
+        assert (tracked <= set(passed_variables(tracking=tracking))) if sees else \
+            not (tracked & set(passed_variables(tracking=tracking))), tracking
+
+
+def test_the_experiment_takes_tracking_mlflow_or_none(project, write_experiment):
+    from nbbatch.errors import SpecError
+    from nbbatch.plan.runs import plan
+    from nbbatch.spec.experiment import load_experiment
+
+    make_notebook(project / "nb.ipynb", ["pass"])
+    exp = load_experiment(write_experiment("experiment: t\nnotebooks: [nb.ipynb]\ntracking: mlflow\n"))
+    assert exp.tracking == "mlflow" and {r.tracking for r in plan(exp).runs} == {"mlflow"}
+    with pytest.raises(SpecError, match="tracking"):
+        load_experiment(write_experiment("experiment: t\nnotebooks: [nb.ipynb]\ntracking: yes-please\n"))
+
+
+# --- the live smoke driver (benchmarks/azure_smoke.py), its logic offline ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smoke():
+    spec = importlib.util.spec_from_file_location("azure_smoke", ROOT / "benchmarks" / "azure_smoke.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_smoke_driver_refuses_to_start_without_the_workspace_variables(smoke, capsys):
+    assert smoke.main([], environ={"AZURE_SUBSCRIPTION_ID": "s"}) == 2
+    said = capsys.readouterr().err
+    assert "AZURE_RESOURCE_GROUP" in said and "NBBATCH_AZURE_SHARE" in said and "AZURE_SUBSCRIPTION_ID" not in said
+
+
+def test_the_smoke_experiments_are_valid_and_ask_for_tracking_on_one_node_only(smoke, project):
+    from nbbatch.spec.experiment import Experiment
+
+    make_notebook(project / "probe.ipynb", ["pass"])
+    specs = smoke.smoke_experiments("azfiles://acct/results/nbbatch", "Standard_NC4as_T4_v3", "probe.ipynb")
+    built = {name: Experiment.from_dict(spec, base_dir=project) for name, spec in specs.items()}
+    assert built[smoke.ONE_NODE].tracking == "mlflow" and built[smoke.TWO_NODES].tracking is None
+    assert built[smoke.TWO_NODES].world().nodes == 2
+    assert built[smoke.ONE_NODE].backend_settings["compute"] != built[smoke.TWO_NODES].backend_settings["compute"]
+
+
+def test_cancelling_a_finished_job_reports_the_services_answer(smoke, tmp_path):
+    pytest.importorskip("azure.ai.ml")
+    from fakes.azureml_transport import FakeAzureML
+
+    from nbbatch.backends.azureml import AzureMLBackend
+
+    aml = FakeAzureML()
+    client = aml.ml_client()
+    run = Run(run_id="probe", experiment="azure-smoke", notebook=str(tmp_path / "probe.ipynb"),
+              notebook_rel="probe.ipynb", kernel="python3")
+    job = AzureMLBackend(ml_client=client).build_job(run, "azureml:nbbatch-pytorch:1", tmp_path,
+                                                     datastore="nbbatch_acct_results",
+                                                     share_url="azfiles://acct/results/nbbatch")
+    name = client.jobs.create_or_update(job).name
+    aml.set_job_status(name, "Completed")
+    answer = smoke.cancel_finished_job(client, name)
+    assert answer.startswith("refused: HttpResponseError") and name in answer, answer
+    aml.set_job_status(name, "Running")
+    assert smoke.cancel_finished_job(client, name).startswith("accepted"), "a running job is cancelled"
+
+
+@pytest.mark.kernel
+@pytest.mark.timeout(120)
+def test_the_probe_answers_every_one_node_question_and_the_table_says_what_is_missing(smoke, project):
+    from nbbatch.api import submit
+
+    notebook = smoke.write_probe(project / "probe.ipynb")
+    outcome = submit({"experiment": smoke.ONE_NODE, "notebooks": [notebook.name], "tracking": "none",
+                      "parameters": {"MARKER_WAIT_S": 0}}, progress=False)
+    (record,) = outcome.records
+    assert record.status == "succeeded", record.error
+    rows = dict(smoke.answers({smoke.ONE_NODE: [record]}, "refused: (test)"))
+    assert rows["rename over an existing file on the rw_mount"] == "replaces an existing file"
+    assert rows["O_CREAT|O_EXCL on the rw_mount"] == "second create refused (EEXIST)"
+    assert rows["pwrite at an offset on the rw_mount"] == "in place"
+    assert rows["a driver-written marker (as `nbbatch cancel`'s) seen in the job"] == "not seen within 0 s"
+    assert rows["the run token reaches a kernel with `tracking: mlflow`"] == "no"
+    assert rows["the job's HOME"] == os.environ.get("HOME", "(unset)") and rows["`uv --version` in the built image"]
+    assert rows["a file written on node 1 seen on node 0"] == "no answer: the run never started"
+    assert rows["cancelling a finished job"] == "refused: (test)"
+    assert rows["a low-priority preemption"].startswith("not observed")
+    table = smoke.format_table(list(rows.items()))
+    assert len(table.splitlines()) == len(smoke.QUESTIONS) + 4
