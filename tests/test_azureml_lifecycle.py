@@ -142,7 +142,7 @@ def test_the_fake_refuses_a_bad_compute_name_and_nbbatch_shows_the_body_whole(am
 def test_jobs_the_service_refuses_fail_their_runs_with_its_answer(aml, share, azproject, monkeypatch, bad):
     runs = _runs(azproject, experiment="cifar.v2" if bad == "experiment" else "cifar", count=2)
     message = {"experiment": EXPERIMENT_NAME_MESSAGE, "job name": JOB_NAME_MESSAGE.format(name="bad:name"),
-               "shm_size": SHM_SIZE_MESSAGE.format(value="16 GB")}[bad]
+               "shm_size": SHM_SIZE_MESSAGE.format(value="16 gb")}[bad]
     if bad == "job name":
         monkeypatch.setattr(backend_module, "new_job_name", lambda run_id: "bad:name")
     backend = _backend(aml, shm_size="16 GB" if bad == "shm_size" else None)

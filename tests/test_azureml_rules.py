@@ -97,7 +97,7 @@ def test_compute_names_the_service_refuses(name):
 
 
 @pytest.mark.parametrize(("setting", "value", "rule"), [
-    ("shm_size", "16 GB", "`<number><unit>`"), ("shm_size", "0g", "greater than 0"), ("shm_size", "16G", "`g`"),
+    ("shm_size", "16 GB", "`<number><unit>`"), ("shm_size", "0g", "greater than 0"), ("shm_size", "16gb", "`g`"),
     ("datastore", "my-store", "lowercase letters, digits, and underscore"),
     ("datastore", "Results_DS", "lowercase letters, digits, and underscore"),
 ])
@@ -109,6 +109,15 @@ def test_settings_the_service_refuses(setting, value, rule):
         backend.check([_run()])
     assert not aml.transport.calls
     _backend(aml, shm_size="16g", datastore="my_store").check([_run()])
+
+
+def test_an_upper_case_shm_size_unit_is_sent_lower_case(tmp_path):
+    """Docker reads `16G` as `16g`; the service documents the lower-case units, so nbbatch sends those."""
+    aml = FakeAzureML()
+    backend = _backend(aml, shm_size="16G")
+    backend.check([_run()])
+    job = backend.build_job(_run(), "azureml:env:1", tmp_path, datastore="ds", share_url="azfiles://acct/results")
+    assert job.resources.shm_size == "16g"
 
 
 @pytest.mark.parametrize(("url", "what"), [

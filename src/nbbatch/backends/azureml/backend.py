@@ -49,7 +49,14 @@ from nbbatch.backends.azureml.jobs import (
     refused_job_error,
 )
 from nbbatch.backends.azureml.logstream import stream_job
-from nbbatch.backends.azureml.rules import check_location, check_run, check_settings, datastore_path, job_timeout_s
+from nbbatch.backends.azureml.rules import (
+    check_location,
+    check_run,
+    check_settings,
+    datastore_path,
+    job_timeout_s,
+    normal_shm_size,
+)
 from nbbatch.backends.azureml.workspace import connect, error_text
 from nbbatch.backends.base import Backend, Capabilities, Compute, SubmitOptions
 from nbbatch.backends.placement import azureml_placement
@@ -442,7 +449,7 @@ class AzureMLBackend(Backend):
             tags=tags,
             instance_count=instance_count,
             distribution=distribution,
-            shm_size=self.settings.shm_size,
+            shm_size=normal_shm_size(self.settings.shm_size),
             timeout=job_timeout_s(run),  # every attempt of the runner inside, not one
         )
 

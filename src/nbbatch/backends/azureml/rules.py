@@ -161,6 +161,11 @@ def check_settings(*, datastore: str | None, shm_size: str | None) -> None:
         check_name("shm_size", str(shm_size), "`shm_size:` under `backend:`")
 
 
+def normal_shm_size(value: str | None) -> str | None:
+    """``shm_size`` as the service documents it: ``16G`` is sent as ``16g`` (Docker reads both alike)."""
+    return None if value is None else str(value).lower()
+
+
 def check_location(location: AzureFilesLocation, datastore: str, where: str) -> None:
     """Refuse a share (or a folder of one) whose account or share name the service refuses, or whose datastore name
     or path would be refused; ``datastore`` is the datastore it is mounted through."""
