@@ -135,6 +135,7 @@ def test_push_copies_the_other_files_and_names_those_azure_files_cannot_hold(ser
     message = str(err.value)
     assert "`epoch-12:30.ckpt`" in message and "`epoch-12-30.ckpt`" in message
     assert "`model.pt`" in message and "only in case" in message
+    assert "e.g. `model.pt`" not in message  # no rename to suggest for a case clash
     assert "the other 2 file(s) were copied" in message
     assert share.read_bytes("exp/run-1/outputs/good.txt") == b"good.txt"
     assert share.read_bytes("exp/run-1/outputs/Model.pt") == b"Model.pt"  # not overwritten by model.pt

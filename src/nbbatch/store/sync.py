@@ -357,7 +357,8 @@ def push(source: Path, share: Share, prefix: str = "", *, delete: bool = False,
         raise
     result.files = sorted(files.values(), key=lambda e: e.name)
     if refused:
-        reasons = "; ".join(f"`{name}`: {why} (e.g. `{suggest(name)}`)" for name, why in sorted(refused.items()))
+        reasons = "; ".join(f"`{name}`: {why}" + (f" (e.g. `{suggest(name)}`)" if suggest(name) != name else "")
+                            for name, why in sorted(refused.items()))  # a case clash has no name to suggest
         raise ShareError(f"{len(refused)} file(s) of {source} were not copied to {_where(share, prefix)}, which cannot "
                          f"hold their names: {reasons}. Rename them; the other {len(listing) - len(refused)} file(s) "
                          "were copied")
