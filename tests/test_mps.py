@@ -51,6 +51,14 @@ def spawn(role, env=None):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 
 
+def comm(pid):
+    try:
+        with open(f"/proc/{{pid}}/comm") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 def alive(pid):
     try:
         with open(f"/proc/{{pid}}/stat") as f:
@@ -108,6 +116,9 @@ if sys.argv[1:2] == ["--daemon"]:
         if os.environ.get("FAKE_MPS_SERVER_ENV") == "clean":  # a server whose environment does not name the pipe
             env = {{k: v for k, v in env.items() if not k.startswith("CUDA_MPS_")}}
         server = spawn("--server", env)
+        # the real server is exec'd under its name; this one renames itself once Python has started, which a loaded
+        # machine can delay past stop()'s look at the daemon's process tree
+        wait_for(lambda: comm(server.pid).startswith("nvidia-cuda-mps"))
         with open(os.path.join(pipe, "servers"), "w") as f:
             f.write(f"{{server.pid}}\\n")
         note(f"server {{server.pid}}")
