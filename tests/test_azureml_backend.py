@@ -7,7 +7,6 @@ import argparse
 import dataclasses
 import io
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from azure.ai.ml import load_compute, load_environment, load_job  # noqa: E402
 from azure.ai.ml.entities import Command, Environment  # noqa: E402
 from fakes.azure_files_server import ACCOUNT, FAKE_KEY, FakeAzureFiles  # noqa: E402
 from fakes.azureml_transport import FakeAzureML  # noqa: E402
+from support.azure import make_toy_azure_project  # noqa: E402
 from support.notebooks import make_notebook  # noqa: E402
 
 from nbbatch.backends import SubmitOptions, get_backend  # noqa: E402
@@ -44,8 +44,6 @@ from nbbatch.store.layout import run_paths  # noqa: E402
 from nbbatch.store.runfiles import read_record, write_record  # noqa: E402
 from nbbatch.store.runjson import RunRecord  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-
 pytestmark = [pytest.mark.azure, pytest.mark.timeout(120)]
 
 SHARE_URL = f"azfiles://{ACCOUNT}/results/nbbatch"
@@ -57,15 +55,7 @@ DATASTORE = f"nbbatch_{ACCOUNT}_results"
 
 @pytest.fixture
 def azproject(project):
-    fw = project / "frameworks" / "toy"
-    fw.mkdir(parents=True)
-    (fw / "framework.yaml").write_text("title: Toy\nnotebook: notebooks/Toy.ipynb\ngpu: true\n"
-                                       "base_image: nvidia/cuda:12.8.1-base-ubuntu24.04\n")
-    (fw / "requirements.txt").write_text("numpy==2.4.6\n")
-    make_notebook(project / "notebooks" / "Toy.ipynb", ["print(EPOCHS, LR)"], parameters="EPOCHS = 1\nLR = 0.1")
-    (project / "dockerfiles").mkdir()
-    shutil.copy(ROOT / "dockerfiles" / "Dockerfile", project / "dockerfiles" / "Dockerfile")  # the real template
-    return project
+    return make_toy_azure_project(project, ["print(EPOCHS, LR)"], parameters="EPOCHS = 1\nLR = 0.1")
 
 
 def _image_version(azproject) -> str:

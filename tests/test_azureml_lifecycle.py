@@ -7,7 +7,6 @@ import argparse
 import io
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -30,7 +29,7 @@ from fakes.azureml_transport import (  # noqa: E402
     service_error,
 )
 from rich.console import Console  # noqa: E402
-from support.notebooks import make_notebook  # noqa: E402
+from support.azure import make_toy_azure_project  # noqa: E402
 
 import nbbatch.backends.azureml.backend as backend_module  # noqa: E402
 from nbbatch.backends import SubmitOptions  # noqa: E402
@@ -46,22 +45,13 @@ from nbbatch.store.runjson import RunRecord  # noqa: E402
 
 pytestmark = [pytest.mark.azure, pytest.mark.timeout(120)]
 
-ROOT = Path(__file__).resolve().parents[1]
 SHARE_URL = f"azfiles://{ACCOUNT}/results/nbbatch"
 ENVIRONMENT = {"*": "azureml:nbbatch-toy:1"}  # an existing environment: nothing is built
 
 
 @pytest.fixture
 def azproject(project):
-    fw = project / "frameworks" / "toy"
-    fw.mkdir(parents=True)
-    (fw / "framework.yaml").write_text("title: Toy\nnotebook: notebooks/Toy.ipynb\ngpu: true\n"
-                                       "base_image: nvidia/cuda:12.8.1-base-ubuntu24.04\n")
-    (fw / "requirements.txt").write_text("numpy==2.4.6\n")
-    make_notebook(project / "notebooks" / "Toy.ipynb", ["print(LR)"], parameters="LR = 0.1")
-    (project / "dockerfiles").mkdir()
-    shutil.copy(ROOT / "dockerfiles" / "Dockerfile", project / "dockerfiles" / "Dockerfile")
-    return project
+    return make_toy_azure_project(project, ["print(LR)"], parameters="LR = 0.1")
 
 
 def _runs(root: Path, experiment: str = "cifar", count: int = 3) -> list[Run]:

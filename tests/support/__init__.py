@@ -8,4 +8,5 @@ through ``pythonpath`` in pyproject.toml). tests/conftest.py holds only fixtures
 - :mod:`support.waiting`: wait on a condition instead of sleeping a fixed time.
 - :mod:`support.frameworks`: the ``framework_envs`` session fixture (framework venvs built once).
 - :mod:`support.nvml`: a stand-in for ``pynvml``.
+- :mod:`support.azure`: a toy project the azureml backend can plan for.
 """
