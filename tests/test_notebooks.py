@@ -201,10 +201,13 @@ def test_notebook_trains_data_parallel_over_two_devices(framework, framework_env
     """
     fw = framework_envs.framework(framework)
     kernel_environment(monkeypatch, tmp_path)
-    # XLA's CPU all-reduce gives up after 40 s when one device's thread lags: on 2 busy cores it can (CI did)
+    # JAX's asynchronous dispatch on the CPU can leave the two devices' all-reduces waiting on each other for good
+    # (jax-ml/jax#25861; CI hung here twice): run each step to its end before the next. If XLA's rendezvous still
+    # waits, it gives up after 300 s with its own message rather than at pytest's timeout.
+    monkeypatch.setenv("JAX_CPU_ENABLE_ASYNC_DISPATCH", "false")
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2 "
-                       "--xla_cpu_collective_call_warn_stuck_timeout_seconds=300 "
-                       "--xla_cpu_collective_call_terminate_timeout_seconds=1200")
+                       "--xla_cpu_collective_call_warn_stuck_timeout_seconds=60 "
+                       "--xla_cpu_collective_call_terminate_timeout_seconds=300")
     executed = run_notebook(fw, tmp_path, "two-devices", MAX_SAMPLES=512, EPOCHS=2, BATCHSIZE=16)
     metrics = metrics_from_notebook(executed)
     assert "data parallel over 2 devices in 1 process" in printed(executed)
