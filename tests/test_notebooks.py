@@ -202,7 +202,7 @@ def test_notebook_trains_data_parallel_over_two_devices(framework, framework_env
     fw = framework_envs.framework(framework)
     kernel_environment(monkeypatch, tmp_path)
     # JAX's asynchronous dispatch on the CPU can leave the two devices' all-reduces waiting on each other for good
-    # (jax-ml/jax#25861; CI hung here twice): run each step to its end before the next. If XLA's rendezvous still
+    # (jax-ml/jax#25861; CI hung here once): run each step to its end before the next. If XLA's rendezvous still
     # waits, it gives up after 300 s with its own message rather than at pytest's timeout.
     monkeypatch.setenv("JAX_CPU_ENABLE_ASYNC_DISPATCH", "false")
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2 "
