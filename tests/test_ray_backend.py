@@ -473,7 +473,7 @@ def test_a_gang_larger_than_the_cluster_is_refused_before_anything_runs(tmp_path
 def test_local_folder_share_refused_on_a_multi_host_cluster(probe, tmp_path, monkeypatch):
     monkeypatch.setattr(RayBackend, "_alive_nodes", lambda self: _nodes("10.0.0.4", "10.0.0.5"))
     monkeypatch.setattr(RayBackend, "_local_addresses", lambda self: {"127.0.0.1", "10.0.0.4"})
-    monkeypatch.setattr("nbbatch.backends.ray.backend.filesystem_type", lambda path: "ext4")
+    monkeypatch.setattr("nbbatch.backends.sharedfs.filesystem_type", lambda path: "ext4")
     share = tmp_path / "results"
     with pytest.raises(BackendError) as caught:
         RayBackend("10.0.0.4:6379").check_share(FileShare(share))

@@ -1,4 +1,4 @@
-"""Backends registered by name, like papermill's engines: ``local`` (default), ``azureml``, ``ray``.
+"""Backends registered by name, like papermill's engines: ``local`` (default), ``azureml``, ``ray``, ``slurm``.
 
 A backend is a :class:`~nbbatch.backends.base.Backend` subclass in one module (or small package),
 registered with :func:`register_backend` or through the ``nbbatch.backends`` entry-point group
@@ -20,6 +20,7 @@ _BUILTIN = {
     "local": "nbbatch.backends.local:LocalBackend",
     "azureml": "nbbatch.backends.azureml:AzureMLBackend",
     "ray": "nbbatch.backends.ray:RayBackend",
+    "slurm": "nbbatch.backends.slurm:SlurmBackend",
 }
 _EXTRAS = {"azureml": "azure", "ray": "ray"}
 _REGISTRY: dict[str, Any] = {}

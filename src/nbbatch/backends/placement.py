@@ -7,12 +7,15 @@ nbbatch without its extras): so the built-in backends' readers live here, import
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 
 from nbbatch.backends import backend_class
+from nbbatch.backends.slurm.gang import slurm_placement
 from nbbatch.execute.placement import DEFAULT_PORT, NodePlacement, PlacementReader
 from nbbatch.plan.runs import Run
+from nbbatch.store.share import Share
 
 
 def azureml_placement(run: Run, environ: Mapping[str, str]) -> NodePlacement | None:
@@ -40,8 +43,12 @@ def azureml_placement(run: Run, environ: Mapping[str, str]) -> NodePlacement | N
 _BUILT_IN: dict[str, PlacementReader | None] = {"local": None, "ray": None, "azureml": azureml_placement}
 
 
-def placement_reader(backend: str) -> PlacementReader | None:
-    """The placement hook of the backend called ``backend`` (None: it has none beyond nbbatch's own variables)."""
+def placement_reader(backend: str, share: Share | None = None) -> PlacementReader | None:
+    """The placement hook of the backend called ``backend`` (None: it has none beyond nbbatch's own variables).
+
+    Slurm's nodes exchange their addresses through ``share`` (see :mod:`nbbatch.backends.slurm.gang`)."""
+    if backend == "slurm":
+        return functools.partial(slurm_placement, share=share)
     if backend in _BUILT_IN:
         return _BUILT_IN[backend]
     return backend_class(backend).node_placement  # type: ignore[no-any-return]

@@ -272,6 +272,7 @@ def cmd_run_one(args: argparse.Namespace) -> int:
     project = find_project(args.project) if args.project else find_project()
     project.activate_kernels()
     placement = json.loads(Path(args.placement_file).read_text()) if args.placement_file else {}
+    share = open_share(args.share)
     gpu_share, container = placement.get("gpu_share"), placement.get("container")
     context = AttemptContext(
         backend=args.backend, project_root=project.root, shared_gpu=args.shared_gpu,
@@ -280,10 +281,10 @@ def cmd_run_one(args: argparse.Namespace) -> int:
         container=from_json_value(ContainerInfo, container, args.placement_file, "container") if container else None,
         recorded_gpu_ids=placement.get("gpu_ids"), input_paths=dict(item.partition("=")[::2] for item in args.input or []),
         # a node of a gang: where it is, by nbbatch's own variables or those its backend's cluster set
-        placement=placement_from_env(run, os.environ, placement_reader(args.backend)) if run.distribution else None)
+        placement=placement_from_env(run, os.environ, placement_reader(args.backend, share)) if run.distribution else None)
     from nbbatch.execute.attempt import execute_run  # the notebook runtime: only the commands that run one load it
 
-    record = execute_run(run, open_share(args.share), context)
+    record = execute_run(run, share, context)
     print(f"{record.run_id}: {record.status}" + (f" ({record.error.summary()})" if record.error else ""))
     return 0 if record.status == Status.SUCCEEDED else 1
 

@@ -46,10 +46,11 @@ The package, by where its code runs:
 ``import nbbatch`` never imports Ray: these modules import it only when a function needs the cluster.
 """
 
-from nbbatch.backends.ray.backend import FRESH_S, RayBackend, filesystem_type
+from nbbatch.backends.ray.backend import FRESH_S, RayBackend
 from nbbatch.backends.ray.node import NODE_ID_ENV, execute_on_node
 from nbbatch.backends.ray.supervisor import NAMESPACE, RunSupervisor, supervisor_name
 from nbbatch.backends.ray.task import RayTaskSpec, gpu_request
+from nbbatch.backends.sharedfs import filesystem_type
 
 __all__ = ["FRESH_S", "NAMESPACE", "NODE_ID_ENV", "RayBackend", "RayTaskSpec", "RunSupervisor", "execute_on_node",
            "filesystem_type", "gpu_request", "supervisor_name"]

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -17,18 +14,17 @@ from nbbatch.backends.base import Backend, Capabilities, Compute, SubmitOptions
 from nbbatch.backends.ray.supervisor import NAMESPACE, RunSupervisor, supervisor_name
 from nbbatch.backends.ray.task import RayTaskSpec, gpu_request
 from nbbatch.backends.settings import setting
+from nbbatch.backends.sharedfs import local_addresses, on_network_filesystem, record_age_s
 from nbbatch.errors import BackendError, ValidationError
 from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret
 from nbbatch.spec.project import find_project
 from nbbatch.store.runfiles import read_record, read_record_or_none
-from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status, utc_now
+from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status
 from nbbatch.store.share import Share, poll_interval
 
 FRESH_S = 60.0  # a non-final record younger than this may still be on its way to a supervisor: leave it
-NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs",
-                       "fuse.blobfuse", "fuse.blobfuse2", "fuse.gcsfuse", "fuse.s3fs", "fuse.cephfs",
-                       "fuse.glusterfs", "fuse.juicefs", "fuse.sshfs", "fuse.lustre", "azurefile")
+
 
 
 @dataclass(frozen=True)
@@ -204,8 +200,8 @@ class RayBackend(Backend):
         local = share.local_path("")
         if local is None:  # azfiles:// and other remote shares are reachable from every node
             return
-        fs_type = filesystem_type(local)
-        if fs_type and fs_type.startswith(NETWORK_FILESYSTEMS):
+        network, fs_type = on_network_filesystem(local)
+        if network:
             return
         alive = self._alive_nodes()
         addresses = sorted({str(n.get("NodeManagerAddress")) for n in alive})
@@ -219,15 +215,13 @@ class RayBackend(Backend):
             "`backend:` settings. Nothing was started.")
 
     def _local_addresses(self) -> set[str]:
-        addresses = {"127.0.0.1", "::1", "localhost"}
-        with contextlib.suppress(OSError):
-            addresses.add(socket.gethostbyname(socket.gethostname()))
+        more = []
         with contextlib.suppress(Exception):
             import ray
 
             if ray.is_initialized() and not _client_mode(ray):
-                addresses.add(ray.util.get_node_ip_address())
-        return addresses
+                more.append(ray.util.get_node_ip_address())
+        return local_addresses(more)
 
     # --- the supervisor ---------------------------------------------------------------------------
 
@@ -339,7 +333,7 @@ class RayBackend(Backend):
             if states is not None and states.get(record.run_id, {}).get("active"):
                 continue
             current = read_record_or_none(share, experiment, record.run_id)  # the sweep may have finalized it
-            if current is None or current.final or _age_s(current) < fresh_s:
+            if current is None or current.final or record_age_s(current) < fresh_s:
                 continue
             lost[record.run_id] = RunError("RayTaskLost", f"{why} (the cluster restarted, or its task was lost)",
                                            reason="its Ray task is gone; resubmit to rerun", kind=ErrorKind.INFRA)
@@ -376,27 +370,6 @@ class RayBackend(Backend):
 # --- helpers --------------------------------------------------------------------------------------
 
 
-def filesystem_type(path: str | os.PathLike[str]) -> str | None:
-    """The file system type of the mount holding ``path`` (from /proc/mounts), or None when unknown."""
-    try:
-        mounts = Path("/proc/mounts").read_text().splitlines()
-    except OSError:
-        return None
-    target = Path(path).resolve()
-    while not target.exists() and target != target.parent:
-        target = target.parent
-    best, best_type = "", None
-    for line in mounts:
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        mount_point = parts[1].replace("\\040", " ")
-        if (str(target) == mount_point or str(target).startswith(mount_point.rstrip("/") + "/")) \
-                and len(mount_point) >= len(best):
-            best, best_type = mount_point, parts[2]
-    return best_type
-
-
 def _client_mode(ray: Any) -> bool:
     with contextlib.suppress(Exception):
         return bool(ray.util.client.ray.is_connected())
@@ -407,12 +380,3 @@ def _project_root(run: Run) -> str | None:
     with contextlib.suppress(Exception):
         return str(find_project(Path(run.notebook).parent).root)
     return None
-
-
-def _age_s(record: RunRecord) -> float:
-    stamp = record.started_at or record.queued_at
-    if not stamp:
-        return float("inf")
-    with contextlib.suppress(ValueError):
-        return (datetime.fromisoformat(utc_now()) - datetime.fromisoformat(stamp)).total_seconds()
-    return float("inf")

@@ -1,0 +1,396 @@
+"""The driver side of the Slurm backend: settings, checks before queueing, submission, state, cancel."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from nbbatch.backends.base import Backend, Capabilities, Compute, SubmitOptions
+from nbbatch.backends.settings import setting
+from nbbatch.backends.sharedfs import local_addresses, on_network_filesystem, record_age_s
+from nbbatch.backends.slurm.commands import QueuedJob, Slurm, SlurmCommandError
+from nbbatch.backends.slurm.jobs import (
+    QUEUED_STATES,
+    RUNNING_STATES,
+    SlurmJob,
+    ended_job_outcome,
+    lost_error,
+    pending_note,
+)
+from nbbatch.backends.slurm.script import (
+    SUBMISSIONS,
+    JobRequest,
+    JobShape,
+    array_option,
+    batch_script,
+    group_by_shape,
+    launcher_command,
+    spec_path,
+)
+from nbbatch.errors import BackendError, ValidationError, did_you_mean
+from nbbatch.plan.runs import Run
+from nbbatch.redact import is_secret
+from nbbatch.store.layout import experiment_paths
+from nbbatch.store.runfiles import load_records, read_record_or_none, write_record
+from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status, utc_now
+from nbbatch.store.share import Share, poll_interval
+
+_MEMORY = re.compile(r"^\d+[KMGT]?$", re.IGNORECASE)
+_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
+OUTPUT_TAIL = 1500  # characters of Slurm's output file quoted in a lost or failed run's error
+NOT_SUBMITTED_S = 120.0  # a queued record this old without a job: its submission died before sbatch
+
+
+@dataclass(frozen=True)
+class SlurmSettings:
+    """The slurm backend's settings (the experiment's ``backend:`` mapping; see docs/slurm.md)."""
+
+    partition: str | None = field(default=None, metadata=setting(label="partition"))
+    account: str | None = field(default=None, metadata=setting(label="account"))
+    qos: str | None = field(default=None, metadata=setting(label="QOS"))
+    constraint: str | None = field(default=None, metadata=setting(label="constraint"))
+    time_limit: str | int | None = field(default=None, metadata=setting(label="time limit"))  # minutes or D-HH:MM:SS
+    max_parallel: int | None = field(default=None, metadata=setting(minimum=1, label="max parallel"))  # array's %K
+    cpus: int = field(default=2, metadata=setting(minimum=1, label="CPUs per run"))  # per node of a distributed run
+    memory: str = field(default="8G", metadata=setting(label="memory per run"))  # --mem, per node
+    gpu_type: str | None = field(default=None, metadata=setting(label="GPU type"))  # --gpus-per-node=TYPE:N
+    extra_sbatch: list[str] | None = None  # more sbatch options, as written on its command line
+    container: bool = False  # each run in its framework's image (podman on the node)
+    python: str | None = None  # nbbatch's Python on the nodes (default: this one, on the shared file system)
+    project: str | None = None  # the project's path on the nodes (default: its path here)
+    env: dict[str, str] | None = None  # variables for the launcher (and so the kernel) on the nodes; no secrets
+    shared_folder: bool = False  # the share is a folder every node sees at the same path (not detected here)
+    cancel_grace_s: float = field(default=15.0, metadata=setting(minimum=0))  # before a running run's job is killed
+    poll_s: float | None = field(default=None, metadata=setting(minimum=0))  # how often waiting reads the records
+
+    def __post_init__(self) -> None:
+        if not _MEMORY.match(str(self.memory)):
+            raise ValidationError(f"backend setting `memory: {self.memory}` is not a Slurm memory size: write a "
+                                  "number with K, M, G or T (e.g. 16G), the memory each run's job asks for")
+        limit = self.time_limit
+        if limit is not None and not (isinstance(limit, int) or _TIME.match(str(limit))):
+            raise ValidationError(f"backend setting `time_limit: {limit}` is not a Slurm time: write minutes (90) or "
+                                  "days-hours:minutes:seconds (1-12:00:00)")
+
+    def request(self) -> JobRequest:
+        limit = self.time_limit
+        return JobRequest(self.partition, self.account, self.qos, self.constraint,
+                          str(limit) if limit is not None else None, self.cpus, str(self.memory).upper(),
+                          self.gpu_type, tuple(str(a) for a in self.extra_sbatch or ()))
+
+
+class SlurmBackend(Backend):
+    """Execute runs as Slurm jobs: one job array per submission (a task per run), a job per distributed run."""
+
+    name: ClassVar[str] = "slurm"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        cancel=True, log_stream=False, gpus=True, multi_node=True, local_kernels=True, detached=True,
+        gpu_slots=False, managed_cluster=False, containers=True)
+    Settings: ClassVar[type] = SlurmSettings
+    settings: SlurmSettings
+
+    def __init__(self, settings: Any = None, /, **values: Any) -> None:
+        super().__init__(settings, **values)
+        self.slurm = Slurm()
+
+    @property
+    def poll_s(self) -> float | None:  # type: ignore[override]
+        return self.settings.poll_s or None
+
+    # --- the cluster ---------------------------------------------------------------------------------------
+
+    def compute(self) -> Compute:
+        """The cluster's nodes (``sinfo``), their CPUs and GPUs."""
+        out = self.slurm.run("sinfo", "-h", "-N", "-o", "%N|%T|%c|%G|%P").stdout
+        nodes: dict[str, dict[str, Any]] = {}
+        for line in out.splitlines():
+            name, state, cpus, gres, partition = (line.split("|") + [""] * 5)[:5]
+            node = nodes.setdefault(name, {"name": name, "state": state, "cpus": int(cpus or 0),
+                                           "gpus": _gpu_count(gres), "partitions": []})
+            node["partitions"].append(partition.rstrip("*"))
+        gpus = [{"index": i, "name": "GPU", "memory_mb": None, "node": n["name"]}
+                for n in nodes.values() for i in range(n["gpus"])]
+        slots = sum(n["cpus"] // max(self.settings.cpus, 1) for n in nodes.values())
+        return Compute(backend=self.name, gpus=gpus, nodes=list(nodes.values()), slots=max(slots, 1),
+                       details={"partitions": [p.name for p in self.slurm.partitions()]})
+
+    def check(self, runs: Sequence[Run], options: SubmitOptions | None = None) -> None:
+        """Before anything is queued: the tools, the partition, secrets, and Slurm's own verdict on every job
+        shape (``sbatch --test-only``: unknown account, QOS or GRES, too many nodes, a time above the limit)."""
+        super().check(runs, options)
+        missing = self.slurm.missing_tools()
+        if missing:
+            raise BackendError(f"the slurm backend needs Slurm's client tools, and this machine lacks "
+                               f"{', '.join(missing)}: submit from a login node of the cluster, or install them "
+                               "(Debian: apt-get install slurm-client). Nothing was queued.")
+        self.check_secrets(runs)
+        if options is not None and isinstance(options.runs_per_gpu, int) and options.runs_per_gpu > 1 \
+                and any(r.gpus for r in runs):
+            raise BackendError(f"resources.runs_per_gpu: {options.runs_per_gpu}: Slurm gives each run's job whole GPUs "
+                               "(GRES), so runs cannot share one there; drop runs_per_gpu, or use backend `local`")
+        partitions = {p.name: p for p in self.slurm.partitions()}
+        wanted = self.settings.partition
+        if wanted and wanted not in partitions:
+            raise BackendError(f"the Slurm partition `{wanted}` does not exist{did_you_mean(wanted, partitions)}; "
+                               f"this cluster has: {', '.join(sorted(partitions)) or 'none'}. Fix `partition:` in the "
+                               "experiment's backend settings. Nothing was queued.")
+        request = self.settings.request()
+        shapes = {JobShape.of(r): r for r in runs}
+        for shape, run in shapes.items():
+            refusal = self.slurm.test_only(request.options(shape, "nbbatch-check"))
+            if refusal is not None:
+                raise BackendError(
+                    f"Slurm would refuse the job of run {run.run_id} ({_shape_words(shape)}; options "
+                    f"{' '.join(request.options(shape, 'nbbatch-' + run.experiment))}). Slurm says: {refusal}. Fix the "
+                    "backend settings (partition, account, qos, constraint, gpu_type, memory, cpus, time_limit, "
+                    "extra_sbatch) or the experiment's resources. Nothing was queued.")
+
+    def check_secrets(self, runs: Sequence[Run] = ()) -> None:
+        """Refuse a secret in ``env``: it would be written into the batch script on the share."""
+        secret = sorted(k for k, v in (self.settings.env or {}).items() if is_secret(k, v))
+        if secret:
+            raise BackendError(f"the slurm backend setting `env` holds `{secret[0]}`, which looks like a secret; it "
+                               "would be written into the batch script on the share. Export it in the environment "
+                               "you submit from instead (sbatch passes it to the job, and nbbatch keeps "
+                               "secret-looking variables out of the notebook's kernel). Nothing was queued.")
+
+    def check_share(self, share: Share) -> None:
+        """Refuse a share the nodes cannot see: it must be a folder (jobs read their specs and write their files
+        there), on a network file system, on a cluster whose nodes are all this machine, or declared with
+        ``shared_folder: true``."""
+        root = share.local_path("")
+        if root is None:
+            raise BackendError(f"the share {share.url} is not a folder: Slurm jobs write their runs' files to a "
+                               "folder on the cluster's shared file system (NFS, Lustre, GPFS…) that every node "
+                               "mounts at the same path; set `share:` to such a folder. Nothing was queued.")
+        if self.settings.shared_folder:
+            return
+        network, fs_type = on_network_filesystem(root)
+        if network:
+            return
+        nodes = self.slurm.node_addresses()
+        elsewhere = sorted(n for n, addr in nodes.items() if addr not in local_addresses())
+        if not elsewhere:
+            return
+        raise BackendError(
+            f"the share {share.url} is a folder on this machine's own disk ({fs_type or 'local file system'}), but the "
+            f"Slurm nodes {', '.join(elsewhere[:5])}{' …' if len(elsewhere) > 5 else ''} are other machines, which "
+            "cannot see it. Use a folder on the cluster's shared file system (mounted at the same path on every "
+            "node), or, if this folder is shared in a way nbbatch cannot tell, set `shared_folder: true` in the "
+            "experiment's backend settings. Nothing was queued.")
+
+    # --- submission ----------------------------------------------------------------------------------------
+
+    def start(self, runs: Sequence[Run], share: Share, options: SubmitOptions) -> None:
+        """Queue the runs: one job array per job shape for single-node runs, one job per distributed run.
+
+        A shape whose ``sbatch`` is refused fails only its runs, with Slurm's answer; the others are queued.
+        """
+        root = share.local_path("")
+        assert root is not None  # check_share refused every other share
+        experiment = runs[0].experiment
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
+        folder_rel = f"{experiment_paths(experiment).folder}/{SUBMISSIONS}/{stamp}"
+        folder = root / folder_rel
+        (folder / "specs").mkdir(parents=True, exist_ok=True)
+        throttle = min((k for k in (self.settings.max_parallel, options.max_parallel) if k), default=None)
+        project = self.settings.project or str(runs[0].project_root())
+        python = self.settings.python or sys.executable
+        index = 0
+        jobs: list[tuple[list[Run], JobShape, int]] = []
+        for shape, group in group_by_shape(runs).items():
+            jobs.append((group, shape, index))
+            index += len(group)
+        for run in runs:
+            if run.distribution:
+                jobs.append(([run], JobShape.of(run), index))
+                index += 1
+        for group, shape, first in jobs:
+            for offset, run in enumerate(group):
+                (folder / "specs" / f"{first + offset}.json").write_text(run.to_json())
+            self._submit_group(group, shape, first, folder, folder_rel, share, project, python, throttle)
+
+    def _submit_group(self, group: Sequence[Run], shape: JobShape, first: int, folder: Path, folder_rel: str,
+                      share: Share, project: str, python: str, throttle: int | None, script_name: str = "") -> None:
+        gang = shape.nodes > 1 or bool(group[0].distribution)
+        array = not gang
+        task = f"$(( SLURM_ARRAY_TASK_ID + {first} ))" if array else str(first)
+        command = launcher_command(python, spec_path(folder, task), str(share.local_path("")), project, bool(shape.gpus))
+        script = folder / (script_name or f"batch-{first}.sh")
+        script.write_text(batch_script(group[0].experiment, command, project, self.settings.env or {}, gang))
+        output = "slurm-%A_%a.out" if array else "slurm-%j.out"
+        args = [*self.settings.request().options(shape, f"nbbatch-{group[0].experiment}"),
+                f"--output={folder / output}"]
+        if array:
+            args.append(array_option(len(group), throttle))
+        try:
+            job_id = self.slurm.submit(args, str(script))
+        except SlurmCommandError as exc:
+            for run in group:
+                self.finalize(share, run, Status.FAILED, RunError(
+                    "SlurmRefused", f"sbatch refused the job: {exc.stderr or exc}",
+                    reason="the run never started: fix what Slurm names and submit again", kind=ErrorKind.INFRA))
+            return
+        for offset, run in enumerate(group):
+            task_id = f"{job_id}_{offset}" if array else job_id
+            out = f"{folder_rel}/slurm-{job_id}_{offset}.out" if array else f"{folder_rel}/slurm-{job_id}.out"
+            SlurmJob(task_id, folder_rel, out, utc_now(), spec=f"{folder_rel}/specs/{first + offset}.json").write(
+                share, run.experiment, run.run_id)
+
+    # --- state ---------------------------------------------------------------------------------------------
+
+    def _open_jobs(self, experiment: str, share: Share,
+                   run_ids: Sequence[str] | None) -> list[tuple[RunRecord, SlurmJob | None]]:
+        if run_ids is None:
+            records, _problems = load_records(share, experiment)
+        else:
+            records = [r for i in run_ids if (r := read_record_or_none(share, experiment, i)) is not None]
+        return [(r, SlurmJob.read(share, experiment, r.run_id)) for r in records
+                if not r.final and r.backend == self.name]
+
+    def in_flight(self, share: Share, record: RunRecord) -> bool:
+        """Whether the run's job is still pending or running in Slurm."""
+        job = SlurmJob.read(share, record.experiment, record.run_id)
+        if job is None:
+            return False
+        queued = self.slurm.queue([job.job_id]).get(job.job_id)
+        return queued is not None and queued.state in (*QUEUED_STATES, *RUNNING_STATES)
+
+    def sync(self, experiment: str, share: Share, run_ids: Sequence[str] | None = None) -> None:
+        """Bring the unfinished runs' records up to date with Slurm: a pending job's reason as the run's note; a job
+        gone without the run's final record ends the run as Slurm ended the job (time limit, cancel, memory), or as
+        lost, and a lost run with retries left is submitted again."""
+        open_jobs = [(r, j) for r, j in self._open_jobs(experiment, share, run_ids) if j is not None]
+        if not open_jobs:
+            return
+        queue = self.slurm.queue(j.job_id for _r, j in open_jobs)
+        for record, job in open_jobs:
+            seen = queue.get(job.job_id)
+            if seen is not None and seen.state in QUEUED_STATES:
+                self._note_pending(share, record, seen)
+            elif seen is None or seen.state not in RUNNING_STATES:
+                self._job_ended(share, record, job, seen)
+
+    def _note_pending(self, share: Share, record: RunRecord, seen: QueuedJob) -> None:
+        note = pending_note(seen.reason)
+        if record.status == Status.QUEUED and record.note != note:
+            current = read_record_or_none(share, record.experiment, record.run_id)  # the run may have started
+            if current is not None and current.status == Status.QUEUED:
+                current.note = note
+                write_record(share, current)
+
+    def _job_ended(self, share: Share, record: RunRecord, job: SlurmJob, seen: QueuedJob | None) -> None:
+        current = read_record_or_none(share, record.experiment, record.run_id)
+        if current is None or current.final:
+            return
+        state, exit_code = seen.state if seen is not None else "", ""
+        if not state:
+            details = self.slurm.job_details(job.job_id)
+            state, exit_code = details.get("JobState", ""), details.get("ExitCode", "")
+        if not state and self.slurm.accounting():
+            state, exit_code = self.slurm.accounted_states([job.job_id]).get(job.job_id, ("", ""))
+        tail = _tail(share, job.output)
+        if state in ("", "NODE_FAIL", "BOOT_FAIL", "PREEMPTED") or (state == "COMPLETED" and not tail):
+            error = lost_error(job, f"Slurm no longer knows job {job.job_id} and the run wrote no final record"
+                                    + (f"; its output ends with: {tail}" if tail else "")
+                               if not state else f"Slurm reports {state} for job {job.job_id}")
+            if self._resubmit(share, current, job, error):
+                return
+            self.finalize(share, current, Status.FAILED, error)
+            return
+        status, error = ended_job_outcome(state, exit_code, job, tail)
+        self.finalize(share, current, status, error)
+
+    def _resubmit(self, share: Share, record: RunRecord, job: SlurmJob, error: RunError) -> bool:
+        """Submit a lost run again while its retries allow; True when it was."""
+        try:
+            run = Run.from_dict(json.loads(share.read_bytes(job.spec)))
+        except (OSError, ValueError, TypeError):
+            return False
+        if job.resubmits >= run.retries:
+            return False
+        root = share.local_path("")
+        assert root is not None
+        folder = root / job.submission
+        index = Path(job.spec).stem
+        project = self.settings.project or str(run.project_root())
+        try:
+            self._submit_group([run], JobShape.of(run), int(index), folder, job.submission, share, project,
+                               self.settings.python or sys.executable, None,
+                               script_name=f"batch-{index}-again-{job.resubmits + 1}.sh")
+        except OSError:
+            return False
+        again = SlurmJob.read(share, run.experiment, run.run_id)
+        if again is None or again.job_id == job.job_id:
+            return False
+        again.resubmits = job.resubmits + 1
+        again.write(share, run.experiment, run.run_id)
+        record.note = f"submitted again as job {again.job_id} after: {error.evalue}"
+        record.status = Status.QUEUED
+        write_record(share, record)
+        return True
+
+    def lost_runs(self, experiment: str, share: Share, records: Sequence[RunRecord]) -> dict[str, RunError]:
+        """Queued runs that never got a job: their submission stopped before ``sbatch`` (the driver was killed)."""
+        lost = {}
+        for record in records:
+            if SlurmJob.read(share, experiment, record.run_id) is None and record_age_s(record) > NOT_SUBMITTED_S:
+                lost[record.run_id] = RunError("NotSubmitted", "the run has no Slurm job: its submission stopped "
+                                               "before sbatch", reason="never queued; submit again", kind=ErrorKind.INFRA)
+        return lost
+
+    # --- cancel --------------------------------------------------------------------------------------------
+
+    def cancel(self, experiment: str, share: Share, run_ids: Sequence[str] | None = None) -> list[str]:
+        """Write the cancel markers, ``scancel`` pending jobs at once, and running ones after ``cancel_grace_s``
+        (their launcher stops the kernel and records the cancel first, keeping the partial notebook)."""
+        asked = super().cancel(experiment, share, run_ids)
+        jobs = {r.run_id: j for r, j in self._open_jobs(experiment, share, asked) if j is not None}
+        if not jobs:
+            return asked
+        queue = self.slurm.queue(j.job_id for j in jobs.values())
+        pending = [i for i, j in jobs.items() if (q := queue.get(j.job_id)) is None or q.state in QUEUED_STATES]
+        self.slurm.cancel([jobs[i].job_id for i in pending])
+        for run_id in pending:
+            current = read_record_or_none(share, experiment, run_id)
+            if current is not None and not current.final:
+                self.finalize(share, current, Status.CANCELLED, RunError(
+                    "cancelled", "", reason="cancelled before it started (scancel)", kind=ErrorKind.CANCELLED))
+        running = {i: j for i, j in jobs.items() if i not in pending}
+        deadline = time.monotonic() + self.settings.cancel_grace_s
+        while running and time.monotonic() < deadline:
+            running = {i: j for i, j in running.items()
+                       if not ((r := read_record_or_none(share, experiment, i)) is not None and r.final)}
+            if running:
+                time.sleep(poll_interval(share))
+        if running:  # still going after the grace: Slurm kills them; sync records how they ended
+            self.slurm.cancel([j.job_id for j in running.values()])
+        return asked
+
+
+def _gpu_count(gres: str) -> int:
+    total = 0
+    for item in gres.split(","):
+        parts = item.split("(")[0].split(":")
+        if parts[0] == "gpu" and parts[-1].isdigit():
+            total += int(parts[-1])
+    return total
+
+
+def _shape_words(shape: JobShape) -> str:
+    nodes = f"{shape.nodes} nodes" if shape.nodes > 1 else "1 node"
+    return f"{nodes}, {shape.gpus} GPU(s) per node"
+
+
+def _tail(share: Share, path: str) -> str:
+    with contextlib.suppress(OSError, FileNotFoundError):
+        return share.read_bytes(path).decode(errors="replace").strip()[-OUTPUT_TAIL:]
+    return ""

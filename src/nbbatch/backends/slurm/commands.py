@@ -1,0 +1,173 @@
+"""Slurm's own commands (``sbatch``, ``squeue``, ``sacct``, ``scancel``, ``sinfo``, ``scontrol``), run and read.
+
+nbbatch talks to Slurm only through its command-line tools, as a user at a login node does: no REST daemon, no
+accounting database, no Python binding is needed. A refusal is raised with Slurm's own words, whole.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from nbbatch.errors import BackendError
+
+COMMAND_TIMEOUT_S = 60.0  # slurmctld answers in well under a second; a minute means it is down or overloaded
+TOOLS = ("sbatch", "squeue", "scancel", "sinfo")  # what the backend cannot work without
+
+
+class SlurmCommandError(BackendError):
+    """A Slurm command failed; its text holds the command and what Slurm printed, whole."""
+
+    def __init__(self, message: str, stderr: str = "", returncode: int | None = None) -> None:
+        super().__init__(message)
+        self.stderr, self.returncode = stderr, returncode
+
+
+@dataclass(frozen=True)
+class QueuedJob:
+    """One line of ``squeue``: a job, or one task of a job array (``123_4``)."""
+
+    job_id: str  # as Slurm prints it: "123", "123_4" (an array task), "123_[5-9%2]" (array tasks not started yet)
+    state: str  # PENDING, RUNNING, COMPLETING, …
+    reason: str  # why it is pending (Resources, Priority, QOSMaxJobsPerUserLimit, …), "None" when it runs
+    nodes: str = ""
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One partition, as ``sinfo`` reports it."""
+
+    name: str
+    default: bool
+    available: bool
+    time_limit: str
+    nodes: int
+    gres: str
+
+
+class Slurm:
+    """The Slurm commands of this machine, run with ``env`` on top of this process's environment.
+
+    ``env`` is where a test (or a user with several clusters) names another ``SLURM_CONF``.
+    """
+
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        self.env = {**os.environ, **(env or {})}
+
+    def missing_tools(self) -> list[str]:
+        """The Slurm client tools this machine lacks."""
+        return [tool for tool in TOOLS if shutil.which(tool, path=self.env.get("PATH")) is None]
+
+    def run(self, *args: str, stdin: str | None = None, check: bool = True,
+            timeout: float = COMMAND_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+        """Run one Slurm command; a :class:`SlurmCommandError` quotes it and Slurm's answer when it fails."""
+        try:
+            done = subprocess.run(list(args), input=stdin, capture_output=True, text=True, env=self.env,
+                                  timeout=timeout, check=False)
+        except FileNotFoundError as exc:
+            raise SlurmCommandError(f"`{args[0]}` is not installed on this machine: submit from a machine with "
+                                    "Slurm's client tools (a login node), or install them (Debian: slurm-client)") from exc
+        except subprocess.TimeoutExpired as exc:
+            raise SlurmCommandError(f"`{' '.join(args[:2])}` got no answer from Slurm within {timeout:g} s: is "
+                                    "slurmctld up? (`scontrol ping`)") from exc
+        if check and done.returncode != 0:
+            said = (done.stderr.strip() or done.stdout.strip() or "(nothing printed)")
+            raise SlurmCommandError(f"`{' '.join(args[:2])}` failed (exit {done.returncode}): {said}",
+                                    stderr=said, returncode=done.returncode)
+        return done
+
+    # --- what the cluster has ------------------------------------------------------------------------------
+
+    def partitions(self) -> list[Partition]:
+        """Every partition this user may see."""
+        out = self.run("sinfo", "-h", "-o", "%P|%a|%l|%D|%G").stdout
+        found: dict[str, Partition] = {}
+        for line in out.splitlines():
+            name, available, limit, nodes, gres = (line.split("|") + [""] * 5)[:5]
+            default = name.endswith("*")
+            name = name.rstrip("*")
+            earlier = found.get(name)
+            count = int(nodes) if nodes.isdigit() else 0
+            gres_all = ",".join(g for g in ((earlier.gres if earlier else ""), gres) if g and g != "(null)")
+            found[name] = Partition(name, default or bool(earlier and earlier.default), available == "up",
+                                    limit, count + (earlier.nodes if earlier else 0), gres_all)
+        return list(found.values())
+
+    def node_addresses(self) -> dict[str, str]:
+        """Every node's name and the address slurmctld reaches it at (``NodeAddr``)."""
+        out = self.run("sinfo", "-h", "-N", "-o", "%N|%o").stdout
+        return dict(line.split("|", 1) for line in out.splitlines() if "|" in line)
+
+    def accounting(self) -> bool:
+        """Whether the cluster keeps job accounting (then ``sacct`` knows finished jobs)."""
+        done = self.run("scontrol", "show", "config", check=False)
+        for line in done.stdout.splitlines():
+            key, _, value = line.partition("=")
+            if key.strip() == "AccountingStorageType":
+                return value.strip() not in ("", "accounting_storage/none")
+        return False
+
+    # --- jobs ----------------------------------------------------------------------------------------------
+
+    def submit(self, args: Sequence[str], script: str) -> str:
+        """``sbatch --parsable ARGS SCRIPT``: the new job's id. A refusal is raised whole."""
+        out = self.run("sbatch", "--parsable", *args, script).stdout.strip()
+        return out.split(";", 1)[0]  # "id;cluster" on a federation
+
+    def test_only(self, args: Sequence[str]) -> str | None:
+        """What Slurm says of a job with ``args`` without queueing it (``sbatch --test-only``): None when it would
+        be accepted, else Slurm's refusal, whole."""
+        done = self.run("sbatch", "--test-only", *args, "--wrap", "true", check=False)
+        if done.returncode == 0:
+            return None
+        return done.stderr.strip() or done.stdout.strip() or f"exit {done.returncode}"
+
+    def queue(self, job_ids: Iterable[str]) -> dict[str, QueuedJob]:
+        """What ``squeue`` knows of these jobs (array tasks one per line), by their ids as Slurm prints them."""
+        ids = sorted({j.split("_", 1)[0] for j in job_ids})
+        if not ids:
+            return {}
+        done = self.run("squeue", "-h", "-r", "-o", "%i|%T|%r|%N", "-j", ",".join(ids), check=False)
+        if done.returncode != 0 and "Invalid job id" not in done.stderr:  # every job gone: "Invalid job id specified"
+            raise SlurmCommandError(f"`squeue` failed (exit {done.returncode}): {done.stderr.strip()}",
+                                    stderr=done.stderr.strip(), returncode=done.returncode)
+        jobs = {}
+        for line in done.stdout.splitlines():
+            job_id, state, reason, nodes = (line.split("|") + [""] * 4)[:4]
+            jobs[job_id] = QueuedJob(job_id, state, reason, nodes)
+        return jobs
+
+    def job_details(self, job_id: str) -> dict[str, str]:
+        """``scontrol show job``'s fields of one job (or array task), while slurmctld still remembers it; {} after."""
+        done = self.run("scontrol", "show", "job", "-o", job_id, check=False)
+        if done.returncode != 0:
+            return {}
+        fields: dict[str, str] = {}
+        for token in done.stdout.split():
+            key, sep, value = token.partition("=")
+            if sep and key not in fields:
+                fields[key] = value
+        return fields
+
+    def accounted_states(self, job_ids: Iterable[str]) -> dict[str, tuple[str, str]]:
+        """From ``sacct`` (clusters with accounting): each job's final state and exit code, by id."""
+        ids = sorted(set(job_ids))
+        if not ids:
+            return {}
+        done = self.run("sacct", "-n", "-P", "-X", "-o", "JobID,State,ExitCode", "-j", ",".join(ids), check=False)
+        states = {}
+        for line in done.stdout.splitlines() if done.returncode == 0 else []:
+            job_id, state, exit_code = (line.split("|") + ["", ""])[:3]
+            states[job_id] = (state.split()[0] if state else "", exit_code)  # "CANCELLED by 0" -> CANCELLED
+        return states
+
+    def cancel(self, job_ids: Sequence[str], signal: str | None = None) -> str | None:
+        """``scancel`` these jobs (or array tasks); None, or what Slurm said when it refused some."""
+        if not job_ids:
+            return None
+        args = ["scancel", *([f"--signal={signal}"] if signal else []), *job_ids]
+        done = self.run(*args, check=False)
+        return None if done.returncode == 0 else (done.stderr.strip() or f"exit {done.returncode}")

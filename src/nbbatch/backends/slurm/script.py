@@ -1,0 +1,105 @@
+"""What nbbatch hands ``sbatch``: the options of a run's job (resources, limits, the user's settings) and its script.
+
+A submission's files go to ``<experiment>/.slurm/<submission>/`` on the share: ``batch.sh`` (one per job shape),
+``specs/<index>.json`` (one per run: what ``nbbatch run-one`` executes) and Slurm's output files
+(``slurm-<job>_<task>.out``: the launcher's own output, the first place to look when a job ended without a record).
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from nbbatch.backends.slurm.jobs import slurm_time, time_limit_minutes
+from nbbatch.plan.runs import Run
+
+SUBMISSIONS = ".slurm"  # in the experiment's folder on the share
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """What a group of runs asks Slurm for: runs of one shape share a job array."""
+
+    nodes: int
+    gpus: int  # per node
+    time_minutes: int | None
+
+    @classmethod
+    def of(cls, run: Run) -> JobShape:
+        nodes = run.distribution.nodes if run.distribution else 1
+        return cls(nodes, run.gpus, time_limit_minutes(run))
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """The settings every job of a submission gets (the backend's settings, as sbatch options)."""
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    time_limit: str | None = None  # the user's own --time: replaces the one nbbatch works out
+    cpus: int = 2
+    memory: str = "8G"
+    gpu_type: str | None = None
+    extra: tuple[str, ...] = ()
+
+    def options(self, shape: JobShape, name: str) -> list[str]:
+        """``sbatch``'s options for a job of ``shape`` (without ``--array`` and ``--output``)."""
+        args = [f"--job-name={name}", f"--nodes={shape.nodes}", "--ntasks-per-node=1",
+                f"--cpus-per-task={self.cpus}", f"--mem={self.memory}"]  # --mem always: without it a job takes a node
+        if shape.gpus:
+            gpus = f"{self.gpu_type}:{shape.gpus}" if self.gpu_type else str(shape.gpus)
+            args.append(f"--gpus-per-node={gpus}")
+        if self.time_limit:
+            args.append(f"--time={self.time_limit}")
+        elif shape.time_minutes is not None:
+            args.append(f"--time={slurm_time(shape.time_minutes)}")
+        for flag, value in (("partition", self.partition), ("account", self.account), ("qos", self.qos),
+                            ("constraint", self.constraint)):
+            if value:
+                args.append(f"--{flag}={value}")
+        return [*args, *self.extra]
+
+
+def launcher_command(python: str, spec: str, share: str, project: str, gpus: bool) -> str:
+    """The node launcher of one run (``nbbatch run-one``), as a shell command: ``spec`` may name
+    ``$SLURM_ARRAY_TASK_ID``; the GPUs are those Slurm gave the job (CUDA_VISIBLE_DEVICES), none for a CPU run."""
+    gpu_arg = '"${CUDA_VISIBLE_DEVICES:-}"' if gpus else "''"
+    return (f"{shlex.quote(python)} -m nbbatch run-one --spec-file {spec} --share {shlex.quote(share)} "
+            f"--backend slurm --project {shlex.quote(project)} --gpus {gpu_arg}")
+
+
+def batch_script(experiment: str, command: str, project: str, env: Mapping[str, str], gang: bool) -> str:
+    """The batch script of a job: the run's environment, then its launcher (through ``srun`` on every node of a
+    distributed run's job; the script itself runs on the job's first node)."""
+    lines = ["#!/bin/bash", f"# nbbatch: runs of experiment {experiment} (see docs/slurm.md)", "set -u"]
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(env.items())]
+    lines.append(f"cd {shlex.quote(project)}")
+    if gang:  # one launcher per node; nbbatch's gang stops the other nodes itself when a rank fails
+        lines.append(f"exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash -c {shlex.quote('exec ' + command)}")
+    else:
+        lines.append(f"exec {command}")
+    return "\n".join(lines) + "\n"
+
+
+def spec_path(folder: Path, index: int | str) -> str:
+    """Where run ``index`` of a submission's job is described (``index`` may be ``$SLURM_ARRAY_TASK_ID``)."""
+    return f"{shlex.quote(str(folder / 'specs'))}/{index}.json"
+
+
+def array_option(count: int, max_parallel: int | None) -> str:
+    """``--array`` for ``count`` runs, at most ``max_parallel`` at once."""
+    throttle = f"%{max_parallel}" if max_parallel else ""
+    return f"--array=0-{count - 1}{throttle}"
+
+
+def group_by_shape(runs: Sequence[Run]) -> dict[JobShape, list[Run]]:
+    """Single-node runs by the shape of their job (in order); each distributed run is a job of its own."""
+    groups: dict[JobShape, list[Run]] = {}
+    for run in runs:
+        if not run.distribution:
+            groups.setdefault(JobShape.of(run), []).append(run)
+    return groups
