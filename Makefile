@@ -28,10 +28,10 @@ test: envs  ## the whole test suite (framework envs are built once above)
 	$(BIN)/python -m pytest -q
 
 test-fast: setup  ## tests that need no framework env, no browser and no cluster
-	$(BIN)/python -m pytest -q -m "not slow and not browser and not ray and not container"
+	$(BIN)/python -m pytest -q -m "not slow and not browser and not ray and not container and not slurm"
 
 test-unit: setup  ## the unit tier: test-fast without the tests that start Jupyter kernels (under a minute)
-	$(BIN)/python -m pytest -q -m "not kernel and not slow and not browser and not ray and not container"
+	$(BIN)/python -m pytest -q -m "not kernel and not slow and not browser and not ray and not container and not slurm"
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks

@@ -15,13 +15,14 @@ from jupyter_client.manager import KernelManager
 from support.frameworks import env_build_lock, framework_envs  # noqa: F401 - framework_envs: a session fixture
 from support.machine import REPO, gpu_count
 from support.processes import TEST_SESSION_VAR
+from support.slurm import SlurmCluster, slurm_available
 
 from nbbatch.execute.envs import build_env
 from nbbatch.spec.frameworks import get_framework
 from nbbatch.spec.project import Project
 
 AZURE_EXTRA_MODULES = ("azure.ai.ml", "azure.identity", "azure.storage.fileshare")
-NOT_UNIT_TIERS = ("kernel", "slow", "browser", "ray", "container")  # the markers `make test-unit` deselects
+NOT_UNIT_TIERS = ("kernel", "slow", "browser", "ray", "container", "slurm")  # the markers `make test-unit` deselects
 REFUSED_KERNELS = pytest.StashKey[list]()
 UNMARKED_KERNEL = "this test starts a Jupyter kernel: mark it `kernel` (pytest.mark.kernel) so the unit tier skips it"
 
@@ -116,6 +117,24 @@ def pytorch_env():
         status = build_env(get_framework("pytorch", project), project)
     assert status.state == "ready"
     return status
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A real two-node Slurm cluster (munged, slurmctld, slurmd node1 and node2) for the whole session; skipped where
+    not root or without Debian's slurm and munge. SLURM_CONF points at it for the rest of the session (set once
+    here, not per test), so every sbatch/squeue the code under test runs talks to this cluster."""
+    reason = slurm_available()
+    if reason:
+        pytest.skip(reason)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])
+            yield cluster
+    finally:
+        cluster.stop()
 
 
 def _installed(module: str) -> bool:

@@ -253,6 +253,7 @@ class _Attempt:
         """The record of a new attempt, written; returns the checkpoint it resumes from."""
         record, context = self.record, self.context
         record.status, record.error, record.metrics = Status.RUNNING, None, {}
+        record.note = None  # what the backend said while the run waited (a pending reason) is over
         record.attempts += 1
         record.started_at, record.ended_at, record.duration_s = utc_now(), None, None
         record.host, record.pid, record.backend = socket.gethostname(), os.getpid(), context.backend

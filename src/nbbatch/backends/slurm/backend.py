@@ -16,13 +16,15 @@ from typing import Any, ClassVar
 from nbbatch.backends.base import Backend, Capabilities, Compute, SubmitOptions
 from nbbatch.backends.settings import setting
 from nbbatch.backends.sharedfs import local_addresses, on_network_filesystem, record_age_s
-from nbbatch.backends.slurm.commands import QueuedJob, Slurm, SlurmCommandError
+from nbbatch.backends.slurm.commands import Partition, QueuedJob, Slurm, SlurmCommandError
 from nbbatch.backends.slurm.jobs import (
+    LOST_REASONS,
     QUEUED_STATES,
     RUNNING_STATES,
     SlurmJob,
     ended_job_outcome,
     lost_error,
+    minutes_of,
     pending_note,
 )
 from nbbatch.backends.slurm.script import (
@@ -72,6 +74,9 @@ class SlurmSettings:
     poll_s: float | None = field(default=None, metadata=setting(minimum=0))  # how often waiting reads the records
 
     def __post_init__(self) -> None:
+        for name in ("partition", "account", "qos", "constraint", "gpu_type", "time_limit"):  # a form's empty field
+            if getattr(self, name) == "":
+                object.__setattr__(self, name, None)
         if not _MEMORY.match(str(self.memory)):
             raise ValidationError(f"backend setting `memory: {self.memory}` is not a Slurm memory size: write a "
                                   "number with K, M, G or T (e.g. 16G), the memory each run's job asks for")
@@ -144,6 +149,8 @@ class SlurmBackend(Backend):
                                "experiment's backend settings. Nothing was queued.")
         request = self.settings.request()
         shapes = {JobShape.of(r): r for r in runs}
+        partition = partitions.get(wanted or "") or next((p for p in partitions.values() if p.default), None)
+        self._check_time_limits(shapes, partition)
         for shape, run in shapes.items():
             refusal = self.slurm.test_only(request.options(shape, "nbbatch-check"))
             if refusal is not None:
@@ -152,6 +159,24 @@ class SlurmBackend(Backend):
                     f"{' '.join(request.options(shape, 'nbbatch-' + run.experiment))}). Slurm says: {refusal}. Fix the "
                     "backend settings (partition, account, qos, constraint, gpu_type, memory, cpus, time_limit, "
                     "extra_sbatch) or the experiment's resources. Nothing was queued.")
+
+    def _check_time_limits(self, shapes: dict[JobShape, Run], partition: Partition | None) -> None:
+        """A job whose --time is above its partition's limit pends forever (Slurm accepts it unless the cluster sets
+        EnforcePartLimits): refuse it here."""
+        limit = minutes_of(partition.time_limit) if partition is not None else None
+        if limit is None:
+            return
+        given = minutes_of(str(self.settings.time_limit)) if self.settings.time_limit is not None else None
+        for shape, run in shapes.items():
+            wanted = given if given is not None else shape.time_minutes
+            if wanted is not None and wanted > limit:
+                source = ("the backend's time_limit" if given is not None else
+                          f"timeout.run × (retries + 1) with each attempt's start ({run.timeout_s:g} s × "
+                          f"{run.retries + 1} + margins)")
+                raise BackendError(
+                    f"run {run.run_id} needs a {wanted}-minute Slurm job ({source}), but partition `{partition.name}` "
+                    f"allows at most {partition.time_limit} ({limit} min): its job would pend forever. Lower "
+                    "timeout.run or retries, set time_limit, or choose another partition. Nothing was queued.")
 
     def check_secrets(self, runs: Sequence[Run] = ()) -> None:
         """Refuse a secret in ``env``: it would be written into the batch script on the share."""
@@ -281,7 +306,7 @@ class SlurmBackend(Backend):
 
     def _note_pending(self, share: Share, record: RunRecord, seen: QueuedJob) -> None:
         note = pending_note(seen.reason)
-        if record.status == Status.QUEUED and record.note != note:
+        if note is not None and record.status == Status.QUEUED and record.note != note:
             current = read_record_or_none(share, record.experiment, record.run_id)  # the run may have started
             if current is not None and current.status == Status.QUEUED:
                 current.note = note
@@ -292,19 +317,20 @@ class SlurmBackend(Backend):
         if current is None or current.final:
             return
         state, exit_code = seen.state if seen is not None else "", ""
+        if state and seen is not None and seen.reason in LOST_REASONS:
+            state = "NODE_FAIL"  # its launcher never ran, or died with its node
         if not state:
             details = self.slurm.job_details(job.job_id)
             state, exit_code = details.get("JobState", ""), details.get("ExitCode", "")
         if not state and self.slurm.accounting():
             state, exit_code = self.slurm.accounted_states([job.job_id]).get(job.job_id, ("", ""))
         tail = _tail(share, job.output)
-        if state in ("", "NODE_FAIL", "BOOT_FAIL", "PREEMPTED") or (state == "COMPLETED" and not tail):
-            error = lost_error(job, f"Slurm no longer knows job {job.job_id} and the run wrote no final record"
-                                    + (f"; its output ends with: {tail}" if tail else "")
-                               if not state else f"Slurm reports {state} for job {job.job_id}")
-            if self._resubmit(share, current, job, error):
-                return
-            self.finalize(share, current, Status.FAILED, error)
+        if state in ("", "NODE_FAIL", "BOOT_FAIL", "PREEMPTED"):
+            why = (f"Slurm reports {state} for job {job.job_id}" if state else
+                   f"Slurm no longer knows job {job.job_id}, and the run wrote no final record")
+            error = lost_error(job, why + (f"; its output ends with: {tail}" if tail else ""))
+            if not self._resubmit(share, current, job, error):
+                self.finalize(share, current, Status.FAILED, error)
             return
         status, error = ended_job_outcome(state, exit_code, job, tail)
         self.finalize(share, current, status, error)

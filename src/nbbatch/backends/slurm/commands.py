@@ -126,11 +126,13 @@ class Slurm:
         return done.stderr.strip() or done.stdout.strip() or f"exit {done.returncode}"
 
     def queue(self, job_ids: Iterable[str]) -> dict[str, QueuedJob]:
-        """What ``squeue`` knows of these jobs (array tasks one per line), by their ids as Slurm prints them."""
+        """What ``squeue`` knows of these jobs (array tasks one per line; finished ones too, for a while), by their ids as
+        Slurm prints them."""
         ids = sorted({j.split("_", 1)[0] for j in job_ids})
         if not ids:
             return {}
-        done = self.run("squeue", "-h", "-r", "-o", "%i|%T|%r|%N", "-j", ",".join(ids), check=False)
+        # -t all: finished jobs too, while slurmctld remembers them (MinJobAge, 300 s by default)
+        done = self.run("squeue", "-h", "-r", "-t", "all", "-o", "%i|%T|%r|%N", "-j", ",".join(ids), check=False)
         if done.returncode != 0 and "Invalid job id" not in done.stderr:  # every job gone: "Invalid job id specified"
             raise SlurmCommandError(f"`squeue` failed (exit {done.returncode}): {done.stderr.strip()}",
                                     stderr=done.stderr.strip(), returncode=done.returncode)

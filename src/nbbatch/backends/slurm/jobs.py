@@ -17,11 +17,12 @@ JOB_MARGIN_S = 300.0  # per job: the launcher's start on the node and its last w
 
 QUEUED_STATES = ("PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED")
 RUNNING_STATES = ("RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING")
+LOST_REASONS = ("JobLaunchFailure", "NodeDown", "NodeFail")  # a job that ended with these lost its node
 # Why a job waits, in words (squeue's %r); the others are shown as Slurm names them.
 PENDING_REASONS = {
     "Resources": "waiting for free nodes, GPUs or memory",
     "Priority": "waiting: jobs of higher priority go first",
-    "JobArrayTaskLimit": "waiting: max_parallel runs of this submission already run",
+    "JobArrayTaskLimit": "waiting: max_parallel runs are running",
     "Dependency": "waiting for another job",
     "BeginTime": "waiting for its start time",
     "ReqNodeNotAvail": "the nodes it may use are down, drained or reserved",
@@ -78,11 +79,30 @@ def slurm_time(minutes: int) -> str:
     return f"{days}-{rest // 60:02d}:{rest % 60:02d}:00"
 
 
-def pending_note(reason: str) -> str:
-    """A pending job's reason (squeue's ``%r``) in words, with Slurm's own name."""
+def minutes_of(limit: str) -> int | None:
+    """A Slurm time (``90``, ``1:30:00``, ``2-00:00:00``, ``infinite``) in minutes; None when unlimited or unreadable."""
+    text = limit.strip().lower()
+    days, _, rest = text.rpartition("-") if "-" in text else ("", "", text)
+    parts = rest.split(":")
+    if not days.isdigit() and days or not all(p.isdigit() for p in parts) or len(parts) > 3:
+        return None
+    numbers = [int(p) for p in parts]
+    if days or len(parts) == 3:  # [days-]hours:minutes:seconds (days-hours and days-hours:minutes too)
+        numbers += [0] * (3 - len(numbers))
+        hours, minutes, seconds = numbers
+    elif len(parts) == 2:  # minutes:seconds
+        hours, (minutes, seconds) = 0, numbers
+    else:  # minutes
+        hours, minutes, seconds = 0, numbers[0], 0
+    return int(days or 0) * 24 * 60 + hours * 60 + minutes + (1 if seconds else 0)
+
+
+def pending_note(reason: str) -> str | None:
+    """A pending job's reason (squeue's ``%r``) in words, with Slurm's own name; None while Slurm gives none (a job
+    that has just been queued)."""
     words = PENDING_REASONS.get(reason)
     if reason in ("None", ""):
-        return "queued in Slurm"
+        return None
     return f"{words} (Slurm: {reason})" if words else f"pending in Slurm: {reason}"
 
 

@@ -48,7 +48,8 @@ class JobRequest:
 
     def options(self, shape: JobShape, name: str) -> list[str]:
         """``sbatch``'s options for a job of ``shape`` (without ``--array`` and ``--output``)."""
-        args = [f"--job-name={name}", f"--nodes={shape.nodes}", "--ntasks-per-node=1",
+        # --no-requeue: after a node failure nbbatch submits the run again itself (a requeue waits minutes)
+        args = [f"--job-name={name}", f"--nodes={shape.nodes}", "--ntasks-per-node=1", "--no-requeue",
                 f"--cpus-per-task={self.cpus}", f"--mem={self.memory}"]  # --mem always: without it a job takes a node
         if shape.gpus:
             gpus = f"{self.gpu_type}:{shape.gpus}" if self.gpu_type else str(shape.gpus)
