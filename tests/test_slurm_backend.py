@@ -146,7 +146,7 @@ def test_bad_settings_are_refused_when_the_backend_is_made():
 def test_a_sweep_runs_as_one_job_array_at_most_max_parallel_at_once(slurm, project, tmp_path):
     """Six runs are one job array throttled to 2 (%2): all succeed, spread over the nodes, never more than 2 at once."""
     share = tmp_path / "share"
-    result = api.submit(experiment("sweep", share, seeds=6, backend={"max_parallel": 2}), progress=False)
+    result = api.submit(experiment("sweep", share, seeds=6, backend={"max_parallel": 2}), wait=True, progress=False)
     assert succeeded(result) == sorted(result.started) and len(result.started) == 6
     records, _ = load_records(FileShare(share), "sweep")
     jobs = {SlurmJob.read(FileShare(share), "sweep", r.run_id).job_id for r in records}
@@ -163,7 +163,7 @@ def test_a_sweep_runs_as_one_job_array_at_most_max_parallel_at_once(slurm, proje
 
 def test_a_distributed_run_spans_two_nodes_and_its_ranks_meet(slurm, project, tmp_path):
     share = tmp_path / "share"
-    result = api.submit(gang("gang", share), progress=False)
+    result = api.submit(gang("gang", share), wait=True, progress=False)
     assert succeeded(result) == result.started and len(result.started) == 1
     run_id = result.started[0]
     record = read_record(FileShare(share), "gang", run_id)
@@ -178,7 +178,7 @@ def test_a_distributed_run_spans_two_nodes_and_its_ranks_meet(slurm, project, tm
 
 def test_a_failing_rank_stops_the_gang(slurm, project, tmp_path):
     share = tmp_path / "share"
-    result = api.submit(gang("gangfail", share, parameters={"FAIL_RANK": 1, "SLEEP": 600.0}), progress=False)
+    result = api.submit(gang("gangfail", share, parameters={"FAIL_RANK": 1, "SLEEP": 600.0}), wait=True, progress=False)
     record = read_record(FileShare(share), "gangfail", result.started[0])
     assert record.status == "failed" and record.error.rank == 1
     assert "fails on purpose" in record.error.evalue
@@ -190,7 +190,7 @@ def test_the_driver_may_go_away_and_status_follows_the_jobs(slurm, project, tmp_
     share = tmp_path / "share"
     spec = project / "away.yaml"
     spec.write_text(yaml.safe_dump(experiment("away", share, seeds=2, parameters={"SLEEP": 3.0})))
-    driver = subprocess.Popen([sys.executable, "-m", "nbbatch", "submit", str(spec)], cwd=project,
+    driver = subprocess.Popen([sys.executable, "-m", "nbbatch", "submit", "--wait", str(spec)], cwd=project,
                               stdout=subprocess.DEVNULL, stderr=(tmp_path / "driver.txt").open("w"))
     try:
         wait_until(lambda: len(list((share / "away").glob("*/slurm.json"))) == 2 or driver.poll() is not None, timeout=120,
@@ -201,6 +201,16 @@ def test_the_driver_may_go_away_and_status_follows_the_jobs(slurm, project, tmp_
     assert len(list((share / "away").glob("*/slurm.json"))) == 2, (tmp_path / "driver.txt").read_text()
     records = final_records("away", share, 2)
     assert [r.status for r in records] == ["succeeded", "succeeded"]
+
+
+def test_submit_returns_once_the_jobs_are_queued(slurm, project, tmp_path):
+    """On Slurm, submit does not wait unless asked: the jobs outlive it."""
+    share = tmp_path / "share"
+    result = api.submit(experiment("queued", share, parameters={"SLEEP": 2.0}), progress=False)
+    assert not result.waited and len(result.started) == 1
+    assert SlurmJob.read(FileShare(share), "queued", result.started[0]) is not None
+    [record] = final_records("queued", share, 1)
+    assert record.status == "succeeded"
 
 
 def test_cancel_stops_a_pending_and_a_running_run(slurm, project, tmp_path):
@@ -217,7 +227,8 @@ def test_cancel_stops_a_pending_and_a_running_run(slurm, project, tmp_path):
     api.cancel("stop", share=str(share))
     records = final_records("stop", share, 2, timeout=60)
     assert {r.status for r in records} == {"cancelled"}
-    assert wait_until(lambda: not slurm.run("squeue", "-h").stdout.strip(), timeout=60, message="no job left")
+    assert wait_until(lambda: not slurm.run("squeue", "-h", "-n", "nbbatch-stop").stdout.strip(), timeout=60,
+                      message="no job left")
 
 
 def test_slurms_time_limit_ends_a_run_as_timed_out(slurm, project, tmp_path):
@@ -283,7 +294,7 @@ def test_slurms_own_refusal_is_shown_whole_before_queueing(slurm, project, tmp_p
     share = tmp_path / "share"
     with pytest.raises(BackendError, match="Slurm says: .*(Requested node configuration is not available)"):
         api.submit(experiment("toowide", share, resources={"gpus": 3}), progress=False)
-    assert not slurm.run("squeue", "-h").stdout.strip()
+    assert not slurm.run("squeue", "-h", "-t", "all", "-n", "nbbatch-toowide").stdout.strip()
 
 
 def test_missing_slurm_tools_are_named(project, tmp_path, monkeypatch):
@@ -328,7 +339,7 @@ def test_env_reaches_the_kernel_through_the_batch_script(slurm, project, tmp_pat
     make_notebook(project / "env.ipynb", ["import os\nprint('GREETING=' + os.environ.get('GREETING', 'none'))"],
                   parameters="SEED = 0")
     result = api.submit(experiment("env", share, "env.ipynb", backend={"env": {"GREETING": "hello-slurm"}}),
-                        progress=False)
+                        wait=True, progress=False)
     assert succeeded(result) == result.started
     assert printed(share, "env", result.started[0], "GREETING") == ["hello-slurm"]
     assert os.environ.get("GREETING") is None
@@ -342,4 +353,4 @@ def test_a_time_above_the_partitions_limit_is_refused(slurm, project, tmp_path):
         api.submit(experiment("long", share, timeout={"run": 3600}, backend={"partition": "gpu"}), progress=False)
     with pytest.raises(BackendError, match=r"the backend's time_limit.*partition `gpu`"):
         api.submit(experiment("long", share, backend={"partition": "gpu", "time_limit": "2:00:00"}), progress=False)
-    assert not slurm.run("squeue", "-h").stdout.strip()
+    assert not slurm.run("squeue", "-h", "-t", "all", "-n", "nbbatch-long").stdout.strip()

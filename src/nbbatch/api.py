@@ -45,6 +45,7 @@ class SubmitResult:
     skipped: list[str] = field(default_factory=list)
     records: list[RunRecord] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    waited: bool = True  # whether submit waited for every run to be final
 
     @property
     def ok(self) -> bool:
@@ -88,15 +89,19 @@ def prepare(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], bu
 
 
 def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, force: bool = False,
-           build_envs: bool = False, wait: bool = True, progress: bool | Callable[[RunRecord], None] = True,
+           build_envs: bool = False, wait: bool | None = None, progress: bool | Callable[[RunRecord], None] = True,
            only: list[str] | None = None) -> SubmitResult:
     """Run an experiment: plan and validate every run, skip succeeded ones (unless ``force``), run the rest.
 
     ``experiment`` is an :class:`Experiment`, a path to a YAML file, or the YAML's dict.
     ``progress`` is True for a live terminal table, False for none, or a callback receiving each
     :class:`RunRecord` as it changes (what the Jupyter widgets use). ``only`` restricts to run ids/prefixes.
+    ``wait``: return when every run is final (True) or once they are started (False); None: as the backend
+    does by default (:attr:`~nbbatch.backends.base.Backend.waits_by_default`: all but slurm wait).
     """
     the_plan, backend, share = prepare(experiment, build_envs=build_envs, progress=progress is True)
+    if wait is None:
+        wait = backend.waits_by_default
     spec = the_plan.experiment
     project = find_project(spec.base_dir)
     runs = the_plan.runs
@@ -104,7 +109,7 @@ def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, 
         runs = [r for r in runs if any(r.run_id.startswith(o) for o in only)]
         if not runs:
             raise NbbatchError(f"--only {', '.join(only)} matches none of the {len(the_plan.runs)} planned runs")
-    result = SubmitResult(spec.name, share.url, spec.backend, warnings=list(the_plan.warnings))
+    result = SubmitResult(spec.name, share.url, spec.backend, warnings=list(the_plan.warnings), waited=wait)
     remember(project, spec.name, share.url, spec.backend, backend.storable_settings(spec.backend_settings))
     with ExperimentLock(_lock_path(project, share, spec.name), spec.name) as lock, \
             ShareLease(share, spec.name, command=lock.command) as lease:

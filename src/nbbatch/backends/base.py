@@ -170,6 +170,7 @@ class Backend(ABC):
     poll_s: float | None = None  # how often :meth:`wait` reads the records (None: by the share's kind)
     _queued: QueuedRecords | None = None  # the queued records :meth:`launch` is writing
     heartbeat_s: ClassVar[float] = 10.0  # how often :meth:`wait` calls :meth:`heartbeat`
+    waits_by_default: ClassVar[bool] = True  # whether ``submit`` waits for the runs unless told (``--wait``/``--no-wait``)
 
     def __init__(self, settings: Any = None, /, **values: Any) -> None:
         """Configure from a :attr:`Settings` instance and/or settings by name (the experiment's ``backend:``

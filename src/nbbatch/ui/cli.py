@@ -26,6 +26,7 @@ from rich.text import Text
 import nbbatch.ui.skip_iri_grammar  # noqa: F401 - first of nbbatch's imports: before any of them imports jsonschema
 from nbbatch import __version__, api
 from nbbatch.backends.placement import placement_reader
+from nbbatch.containers.node import execute_on_node
 from nbbatch.errors import NbbatchError, NotebookStopped
 from nbbatch.execute.context import AttemptContext
 from nbbatch.execute.envs import build_envs, remove_env
@@ -119,7 +120,8 @@ def _warning(text: str) -> Text:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    result = api.submit(args.experiment, force=args.force, build_envs=args.build_envs, wait=not args.no_wait,
+    wait = True if args.wait else False if args.no_wait else None  # None: as the backend does (slurm: no wait)
+    result = api.submit(args.experiment, force=args.force, build_envs=args.build_envs, wait=wait,
                         progress=not args.quiet, only=args.only)
     console = _console()
     for warning in result.warnings:
@@ -132,7 +134,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     console.print(Text.assemble("experiment ", (result.experiment, "bold"), ": ",
                                 ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
                                 f" — results in {result.share}/{result.experiment}"))
-    if args.no_wait:  # the runs go on; one that already failed (its job refused) fails the command
+    if not result.waited:  # the runs go on; one that already failed (its job refused) fails the command
         return 1 if any(r.status == Status.FAILED for r in result.records) else 0
     return 0 if result.ok else 1
 
@@ -282,9 +284,13 @@ def cmd_run_one(args: argparse.Namespace) -> int:
         recorded_gpu_ids=placement.get("gpu_ids"), input_paths=dict(item.partition("=")[::2] for item in args.input or []),
         # a node of a gang: where it is, by nbbatch's own variables or those its backend's cluster set
         placement=placement_from_env(run, os.environ, placement_reader(args.backend, share)) if run.distribution else None)
-    from nbbatch.execute.attempt import execute_run  # the notebook runtime: only the commands that run one load it
+    if args.container_image:  # a cluster's node: the run in its framework's image
+        images = dict(item.partition("=")[::2] for item in args.container_image)
+        record = execute_on_node(run, share, context, args.container_engine, images)
+    else:
+        from nbbatch.execute.attempt import execute_run  # the notebook runtime: only the commands that run one load it
 
-    record = execute_run(run, share, context)
+        record = execute_run(run, share, context)
     print(f"{record.run_id}: {record.status}" + (f" ({record.error.summary()})" if record.error else ""))
     return 0 if record.status == Status.SUCCEEDED else 1
 
@@ -368,7 +374,10 @@ def _add_batch_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("experiment", help="experiment YAML file")
     p.add_argument("--force", action="store_true", help="rerun runs that already succeeded")
     p.add_argument("--build-envs", action="store_true", help="build missing or stale framework environments first")
-    p.add_argument("--no-wait", action="store_true", help="return once submitted (remote backends)")
+    waiting = p.add_mutually_exclusive_group()
+    waiting.add_argument("--wait", action="store_true", help="return when every run is final (the default, except "
+                                                              "on slurm)")
+    waiting.add_argument("--no-wait", action="store_true", help="return once submitted (remote backends)")
     p.add_argument("--only", action="append", metavar="RUN", help="only runs whose id starts with RUN")
     p.add_argument("-q", "--quiet", action="store_true", help="no live progress table")
     p.set_defaults(func=cmd_submit)
@@ -438,6 +447,9 @@ def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--placement-file", help="JSON written by the backend: gpu_share, container, gpu_ids (the host's)")
     p.add_argument("--input", action="append", metavar="NAME=PATH",
                    help="where an input of the run is on this machine (an Azure ML mount); repeatable")
+    p.add_argument("--container-image", action="append", metavar="FRAMEWORK=TAG",
+                   help="run in the image of the run's framework, started here (a Slurm node); repeatable")
+    p.add_argument("--container-engine", default="podman", help="the engine that starts it (default: podman)")
     p.set_defaults(func=cmd_run_one)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import re
 import sys
@@ -37,9 +38,12 @@ from nbbatch.backends.slurm.script import (
     launcher_command,
     spec_path,
 )
-from nbbatch.errors import BackendError, ValidationError, did_you_mean
+from nbbatch.containers.checks import build_framework_images, framework_images, refuse_runs_without_image
+from nbbatch.containers.engines import Engine, find_engine
+from nbbatch.errors import BackendError, ContainerError, ValidationError, did_you_mean
 from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret
+from nbbatch.spec.project import Project
 from nbbatch.store.layout import experiment_paths
 from nbbatch.store.runfiles import load_records, read_record_or_none, write_record
 from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status, utc_now
@@ -49,6 +53,7 @@ _MEMORY = re.compile(r"^\d+[KMGT]?$", re.IGNORECASE)
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 OUTPUT_TAIL = 1500  # characters of Slurm's output file quoted in a lost or failed run's error
 NOT_SUBMITTED_S = 120.0  # a queued record this old without a job: its submission died before sbatch
+CONTAINER_ENGINE = "podman"  # container: true starts the images on the nodes with it (no daemon, no root needed)
 
 
 @dataclass(frozen=True)
@@ -65,7 +70,9 @@ class SlurmSettings:
     memory: str = field(default="8G", metadata=setting(label="memory per run"))  # --mem, per node
     gpu_type: str | None = field(default=None, metadata=setting(label="GPU type"))  # --gpus-per-node=TYPE:N
     extra_sbatch: list[str] | None = None  # more sbatch options, as written on its command line
-    container: bool = False  # each run in its framework's image (podman on the node)
+    container: bool = False  # each run in its framework's image (podman on the node; the image on every node)
+    cpu_image: bool = False  # with container: the frameworks' CPU images (as `nbbatch images build --cpu`)
+    base_image: str | None = None  # with container: the images built on this base (as `nbbatch images build --base`)
     python: str | None = None  # nbbatch's Python on the nodes (default: this one, on the shared file system)
     project: str | None = None  # the project's path on the nodes (default: its path here)
     env: dict[str, str] | None = None  # variables for the launcher (and so the kernel) on the nodes; no secrets
@@ -101,10 +108,15 @@ class SlurmBackend(Backend):
         gpu_slots=False, managed_cluster=False, containers=True)
     Settings: ClassVar[type] = SlurmSettings
     settings: SlurmSettings
+    waits_by_default: ClassVar[bool] = False  # a batch system: submit returns once the jobs are queued (--wait waits)
 
     def __init__(self, settings: Any = None, /, **values: Any) -> None:
         super().__init__(settings, **values)
         self.slurm = Slurm()
+        if self.settings.container:  # the runs' kernels are the images', not venvs on the shared project
+            self.capabilities = dataclasses.replace(self.capabilities, local_kernels=False)
+        self._engine: Engine | None = None
+        self._images: dict[str, tuple[str, str]] = {}  # framework → (image tag, image id), as found here
 
     @property
     def poll_s(self) -> float | None:  # type: ignore[override]
@@ -137,6 +149,8 @@ class SlurmBackend(Backend):
                                f"{', '.join(missing)}: submit from a login node of the cluster, or install them "
                                "(Debian: apt-get install slurm-client). Nothing was queued.")
         self.check_secrets(runs)
+        if self.settings.container:
+            self._check_containers(runs)
         if options is not None and isinstance(options.runs_per_gpu, int) and options.runs_per_gpu > 1 \
                 and any(r.gpus for r in runs):
             raise BackendError(f"resources.runs_per_gpu: {options.runs_per_gpu}: Slurm gives each run's job whole GPUs "
@@ -177,6 +191,49 @@ class SlurmBackend(Backend):
                     f"run {run.run_id} needs a {wanted}-minute Slurm job ({source}), but partition `{partition.name}` "
                     f"allows at most {partition.time_limit} ({limit} min): its job would pend forever. Lower "
                     "timeout.run or retries, set time_limit, or choose another partition. Nothing was queued.")
+
+    # --- container: true ----------------------------------------------------------------------------------
+
+    def _check_containers(self, runs: Sequence[Run]) -> None:
+        """Runs an image can execute, single-node ones, and every framework's image built here (where the nodes' copies
+        are expected under the same tag)."""
+        refuse_runs_without_image(runs)
+        spread = next((r for r in runs if r.distribution), None)
+        if spread is not None:
+            raise BackendError(f"run {spread.run_id} is distributed, and the slurm backend does not yet run distributed "
+                               "runs in containers: submit it without `container: true` (its ranks then use the "
+                               "framework venvs of the shared project, `nbbatch envs create`). Nothing was queued.")
+        self._container_images(runs)
+
+    def _container_images(self, runs: Sequence[Run]) -> dict[str, str]:
+        """The image tag of each framework of ``runs``, found with podman here."""
+        try:
+            self._images = framework_images(self._container_engine(), runs, gpu=not self.settings.cpu_image,
+                                            base=self.settings.base_image, known=self._images)
+        except ContainerError as exc:
+            raise ContainerError(f"{exc}. With the slurm backend every node needs the image as well, under the same "
+                                 "tag (build it there too, or `podman save` it here and `podman load` it there): "
+                                 "nbbatch does not copy images to the nodes. Nothing was queued.") from exc
+        return {r.framework: self._images[r.framework][0] for r in runs if r.framework}
+
+    def _container_engine(self) -> Engine:
+        if self._engine is None:
+            try:
+                self._engine = find_engine(CONTAINER_ENGINE)
+            except ContainerError as exc:
+                raise ContainerError(f"container: true starts each run's image with {CONTAINER_ENGINE} on its node, and "
+                                     f"looks for the images with {CONTAINER_ENGINE} here first, which fails: {exc}") from exc
+        return self._engine
+
+    def prepare_environments(self, frameworks: Sequence[str], project: Project, build: bool = False,
+                             progress: bool = True) -> None:
+        """``submit --build-envs``: the venvs, or with ``container: true`` the images on this machine (the nodes need
+        their own copies)."""
+        if not self.settings.container:
+            return super().prepare_environments(frameworks, project, build, progress)
+        if build and frameworks:
+            build_framework_images(self._container_engine(), frameworks, project, gpu=not self.settings.cpu_image,
+                                   base=self.settings.base_image, progress=progress)
 
     def check_secrets(self, runs: Sequence[Run] = ()) -> None:
         """Refuse a secret in ``env``: it would be written into the batch script on the share."""
@@ -248,7 +305,9 @@ class SlurmBackend(Backend):
         gang = shape.nodes > 1 or bool(group[0].distribution)
         array = not gang
         task = f"$(( SLURM_ARRAY_TASK_ID + {first} ))" if array else str(first)
-        command = launcher_command(python, spec_path(folder, task), str(share.local_path("")), project, bool(shape.gpus))
+        images = self._container_images(group) if self.settings.container else None
+        command = launcher_command(python, spec_path(folder, task), str(share.local_path("")), project, bool(shape.gpus),
+                                   images, CONTAINER_ENGINE)
         script = folder / (script_name or f"batch-{first}.sh")
         script.write_text(batch_script(group[0].experiment, command, project, self.settings.env or {}, gang))
         output = "slurm-%A_%a.out" if array else "slurm-%j.out"
@@ -352,7 +411,7 @@ class SlurmBackend(Backend):
             self._submit_group([run], JobShape.of(run), int(index), folder, job.submission, share, project,
                                self.settings.python or sys.executable, None,
                                script_name=f"batch-{index}-again-{job.resubmits + 1}.sh")
-        except OSError:
+        except (OSError, ContainerError):  # no podman or image where status runs: the run ends as lost
             return False
         again = SlurmJob.read(share, run.experiment, run.run_id)
         if again is None or again.job_id == job.job_id:
