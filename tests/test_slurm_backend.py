@@ -354,3 +354,69 @@ def test_a_time_above_the_partitions_limit_is_refused(slurm, project, tmp_path):
     with pytest.raises(BackendError, match=r"the backend's time_limit.*partition `gpu`"):
         api.submit(experiment("long", share, backend={"partition": "gpu", "time_limit": "2:00:00"}), progress=False)
     assert not slurm.run("squeue", "-h", "-t", "all", "-n", "nbbatch-long").stdout.strip()
+
+
+@pytest.mark.slow
+def test_the_pytorch_notebook_trains_over_two_slurm_nodes_to_identical_weights(slurm_cluster, pytorch_env, tmp_path,
+                                                                               monkeypatch):
+    """A 2-node gloo DDP run of the PyTorch notebook: one launcher per Slurm node, ranks meet at node 0's address
+    (published on the share), and end with equal weights."""
+    import nbformat
+    from support.machine import REPO
+
+    from nbbatch.metrics import metrics_from_notebook
+
+    monkeypatch.setenv("NBBATCH_PROJECT", str(REPO))  # the real frameworks and their envs
+    monkeypatch.chdir(tmp_path)
+    exp = {"experiment": "slurmddp", "frameworks": ["pytorch"], "distribution": {"type": "torch"},
+           "resources": {"nodes": 2, "processes_per_node": 1, "gpus_per_node": 0},
+           "parameters": {"DATASET": "digits", "EPOCHS": 2, "MAX_SAMPLES": 400},
+           "backend": {"name": "slurm", "cpus": 1, "memory": "2G"}, "share": str(tmp_path / "share")}
+    (tmp_path / "ddp.yaml").write_text(yaml.safe_dump(exp))
+    (record,) = api.submit(tmp_path / "ddp.yaml", wait=True, progress=False).records
+    assert record.status == "succeeded", record.error
+    folder = tmp_path / "share" / "slurmddp" / record.run_id
+    zero, one = (metrics_from_notebook(nbformat.read(folder / "ranks" / str(r) / "output.ipynb", 4)) for r in (0, 1))
+    assert zero["world_size"] == one["world_size"] == 2
+    assert zero["weights_checksum"] == pytest.approx(one["weights_checksum"], rel=1e-6)
+    assert abs(zero["weights_checksum"] - zero["initial_weights_checksum"]) > 1e-3
+    assert [(r.rank, r.node) for r in record.ranks] == [(0, 0), (1, 1)]  # a rank on each node of the job
+
+
+def test_a_run_gets_the_gpus_slurm_gives_its_job(slurm, project, tmp_path):
+    """resources.gpus asks Slurm for GRES GPUs; the kernel sees those Slurm chose (CUDA_VISIBLE_DEVICES), recorded."""
+    share = tmp_path / "share"
+    make_notebook(project / "cvd.ipynb", ["import os\nprint('CVD=' + os.environ.get('CUDA_VISIBLE_DEVICES', 'unset'))"],
+                  parameters="SEED = 0")
+    result = api.submit(experiment("gres", share, "cvd.ipynb", resources={"gpus": 2}), wait=True, progress=False)
+    [record] = result.records
+    assert record.status == "succeeded", record.error
+    assert printed(share, "gres", record.run_id, "CVD") == ["0,1"] and record.gpu_ids == [0, 1]
+
+
+def test_the_runs_own_timeout_comes_before_slurms(slurm, project, tmp_path):
+    share = tmp_path / "share"
+    result = api.submit(experiment("ownlimit", share, parameters={"SLEEP": 600.0}, timeout={"run": 8}), wait=True,
+                        progress=False)
+    [record] = result.records
+    assert record.status == "timed_out" and record.error.ename != "SlurmTimeLimit", record.error
+    job = slurm.job(SlurmJob.read(FileShare(share), "ownlimit", record.run_id).job_id)
+    assert job["TimeLimit"] == "00:08:00"  # 8 s + 120 s for the attempt + 300 s for the launcher = 428 s: 8 minutes
+
+
+def test_an_unknown_gpu_type_is_refused_with_slurms_words(slurm, project, tmp_path):
+    with pytest.raises(BackendError, match=r"gpus-per-node=tpu9:1\).*Slurm says: allocation failure: Requested node "
+                                           r"configuration is not available.*GPUs there: gpu:2"):
+        api.submit(experiment("tpu", tmp_path / "share", resources={"gpus": 1}, backend={"gpu_type": "tpu9"}),
+                   progress=False)
+
+
+def test_a_job_sbatch_refuses_at_submit_fails_only_its_runs_with_slurms_answer(slurm, project, tmp_path, monkeypatch):
+    """Should sbatch refuse what --test-only accepted, the runs of that job fail with Slurm's answer, whole."""
+    monkeypatch.setattr("nbbatch.backends.slurm.commands.Slurm.test_only", lambda self, args: None)
+    share = tmp_path / "share"
+    result = api.submit(experiment("refused", share, seeds=2, backend={"extra_sbatch": ["--gres=tpu:1"]}),
+                        progress=False)
+    assert [r.status for r in result.records] == ["failed", "failed"]
+    error = result.records[0].error
+    assert error.ename == "SlurmRefused" and "Invalid generic resource (gres) specification" in error.evalue

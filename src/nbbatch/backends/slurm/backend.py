@@ -168,9 +168,11 @@ class SlurmBackend(Backend):
         for shape, run in shapes.items():
             refusal = self.slurm.test_only(request.options(shape, "nbbatch-check"))
             if refusal is not None:
+                offered = sorted({g for p in partitions.values() for g in p.gres.split(",") if g})
+                gres = f" (GPUs there: {', '.join(offered) or 'none'})" if shape.gpus else ""
                 raise BackendError(
                     f"Slurm would refuse the job of run {run.run_id} ({_shape_words(shape)}; options "
-                    f"{' '.join(request.options(shape, 'nbbatch-' + run.experiment))}). Slurm says: {refusal}. Fix the "
+                    f"{' '.join(request.options(shape, 'nbbatch-' + run.experiment))}). Slurm says: {refusal}{gres}. Fix the "
                     "backend settings (partition, account, qos, constraint, gpu_type, memory, cpus, time_limit, "
                     "extra_sbatch) or the experiment's resources. Nothing was queued.")
 
