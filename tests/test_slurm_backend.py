@@ -420,3 +420,18 @@ def test_a_job_sbatch_refuses_at_submit_fails_only_its_runs_with_slurms_answer(s
     assert [r.status for r in result.records] == ["failed", "failed"]
     error = result.records[0].error
     assert error.ename == "SlurmRefused" and "Invalid generic resource (gres) specification" in error.evalue
+
+
+def test_submitting_again_leaves_runs_in_flight_to_their_jobs(slurm, project, tmp_path):
+    share = tmp_path / "share"
+    spec = experiment("again", share, seeds=2, parameters={"SLEEP": 600.0})
+    first = api.submit(spec, progress=False)
+    fs = FileShare(share)
+    jobs = {i: SlurmJob.read(fs, "again", i).job_id for i in first.started}
+    try:
+        again = api.submit(spec, progress=False)
+        assert sorted(again.started) == sorted(first.started)
+        assert {i: SlurmJob.read(fs, "again", i).job_id for i in first.started} == jobs  # not queued twice
+    finally:
+        api.cancel("again", share=str(share))
+    assert {r.status for r in final_records("again", share, 2, timeout=60)} == {"cancelled"}

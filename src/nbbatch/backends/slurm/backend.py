@@ -52,6 +52,7 @@ from nbbatch.store.share import Share, poll_interval
 _MEMORY = re.compile(r"^\d+[KMGT]?$", re.IGNORECASE)
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 OUTPUT_TAIL = 1500  # characters of Slurm's output file quoted in a lost or failed run's error
+QUEUE_FRESH_S = 10.0  # how long in_flight trusts one squeue of an experiment's jobs
 NOT_SUBMITTED_S = 120.0  # a queued record this old without a job: its submission died before sbatch
 CONTAINER_ENGINE = "podman"  # container: true starts the images on the nodes with it (no daemon, no root needed)
 
@@ -113,6 +114,7 @@ class SlurmBackend(Backend):
     def __init__(self, settings: Any = None, /, **values: Any) -> None:
         super().__init__(settings, **values)
         self.slurm = Slurm()
+        self._active: tuple[float, str, set[str]] = (0.0, "", set())  # when, experiment, its active job ids
         if self.settings.container:  # the runs' kernels are the images', not venvs on the shared project
             self.capabilities = dataclasses.replace(self.capabilities, local_kernels=False)
         self._engine: Engine | None = None
@@ -172,7 +174,7 @@ class SlurmBackend(Backend):
                 gres = f" (GPUs there: {', '.join(offered) or 'none'})" if shape.gpus else ""
                 raise BackendError(
                     f"Slurm would refuse the job of run {run.run_id} ({_shape_words(shape)}; options "
-                    f"{' '.join(request.options(shape, 'nbbatch-' + run.experiment))}). Slurm says: {refusal}{gres}. Fix the "
+                    f"{' '.join(request.options(shape, job_name(run.experiment)))}). Slurm says: {refusal}{gres}. Fix the "
                     "backend settings (partition, account, qos, constraint, gpu_type, memory, cpus, time_limit, "
                     "extra_sbatch) or the experiment's resources. Nothing was queued.")
 
@@ -313,7 +315,7 @@ class SlurmBackend(Backend):
         script = folder / (script_name or f"batch-{first}.sh")
         script.write_text(batch_script(group[0].experiment, command, project, self.settings.env or {}, gang))
         output = "slurm-%A_%a.out" if array else "slurm-%j.out"
-        args = [*self.settings.request().options(shape, f"nbbatch-{group[0].experiment}"),
+        args = [*self.settings.request().options(shape, job_name(group[0].experiment)),
                 f"--output={folder / output}"]
         if array:
             args.append(array_option(len(group), throttle))
@@ -343,12 +345,16 @@ class SlurmBackend(Backend):
                 if not r.final and r.backend == self.name]
 
     def in_flight(self, share: Share, record: RunRecord) -> bool:
-        """Whether the run's job is still pending or running in Slurm."""
+        """Whether the run's job is still pending or running in Slurm (one ``squeue`` for all of an experiment's
+        runs, kept for :data:`QUEUE_FRESH_S`: a resubmission asks this of every unfinished run)."""
         job = SlurmJob.read(share, record.experiment, record.run_id)
         if job is None:
             return False
-        queued = self.slurm.queue([job.job_id]).get(job.job_id)
-        return queued is not None and queued.state in (*QUEUED_STATES, *RUNNING_STATES)
+        taken, experiment, active = self._active
+        if experiment != record.experiment or time.monotonic() - taken > QUEUE_FRESH_S:
+            active = set(self.slurm.named_jobs(job_name(record.experiment)))
+            self._active = (time.monotonic(), record.experiment, active)
+        return job.job_id in active
 
     def sync(self, experiment: str, share: Share, run_ids: Sequence[str] | None = None) -> None:
         """Bring the unfinished runs' records up to date with Slurm: a pending job's reason as the run's note; a job
@@ -461,6 +467,11 @@ class SlurmBackend(Backend):
         if running:  # still going after the grace: Slurm kills them; sync records how they ended
             self.slurm.cancel([j.job_id for j in running.values()])
         return asked
+
+
+def job_name(experiment: str) -> str:
+    """The name of an experiment's jobs (``squeue -n``)."""
+    return f"nbbatch-{experiment}"
 
 
 def _gpu_count(gres: str) -> int:

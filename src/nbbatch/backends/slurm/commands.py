@@ -6,6 +6,7 @@ accounting database, no Python binding is needed. A refusal is raised with Slurm
 
 from __future__ import annotations
 
+import getpass
 import os
 import shutil
 import subprocess
@@ -136,6 +137,16 @@ class Slurm:
         if done.returncode != 0 and "Invalid job id" not in done.stderr:  # every job gone: "Invalid job id specified"
             raise SlurmCommandError(f"`squeue` failed (exit {done.returncode}): {done.stderr.strip()}",
                                     stderr=done.stderr.strip(), returncode=done.returncode)
+        jobs = {}
+        for line in done.stdout.splitlines():
+            job_id, state, reason, nodes = (line.split("|") + [""] * 4)[:4]
+            jobs[job_id] = QueuedJob(job_id, state, reason, nodes)
+        return jobs
+
+    def named_jobs(self, name: str) -> dict[str, QueuedJob]:
+        """This user's pending and running jobs (array tasks one per line) called ``name``, by id: one query for
+        every run of an experiment."""
+        done = self.run("squeue", "-h", "-r", "-u", getpass.getuser(), "-n", name, "-o", "%i|%T|%r|%N")
         jobs = {}
         for line in done.stdout.splitlines():
             job_id, state, reason, nodes = (line.split("|") + [""] * 4)[:4]

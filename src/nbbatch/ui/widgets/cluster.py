@@ -101,7 +101,7 @@ class Cluster:
         lines += [f"  {key}: {value}" for key, value in self.settings.items() if _shown_setting(key, value)]
         if compute is not None:
             if compute.gpus or capabilities(compute.backend).gpu_slots:
-                gpus = ", ".join(f"{g.get('index', '?')}: {g.get('name', 'GPU')}" for g in compute.gpus) or "none"
+                gpus = ", ".join(f"{_gpu_place(g)}: {g.get('name', 'GPU')}" for g in compute.gpus) or "none"
                 lines.append(f"  GPUs: {gpus}")
             summary = compute.details.get("summary")
             if isinstance(summary, str):
@@ -125,7 +125,8 @@ class Cluster:
             capacity = len(compute.gpus) * int(per_gpu)
         else:
             capacity = max(compute.slots, 1)
-        return min(capacity, self.max_parallel) if self.max_parallel else capacity
+        limits = [k for k in (self.max_parallel, self.settings.get("max_parallel")) if isinstance(k, int) and k > 0]
+        return min([capacity, *limits])
 
 
 def _knob(key: str, value: Any) -> int | str:
@@ -136,6 +137,28 @@ def _knob(key: str, value: Any) -> int | str:
 def _shown_setting(key: str, value: Any) -> bool:
     """Settings worth showing: plain values (not clients or credentials), never secrets."""
     return not is_secret(key, value) and (value is None or isinstance(value, (str, int, float, bool)))
+
+
+def _gpu_place(gpu: dict[str, Any]) -> str:
+    """A GPU's index, with its node where the compute spans several (a Slurm or Ray cluster's ``node1/0``)."""
+    return f"{gpu['node']}/{gpu.get('index', '?')}" if gpu.get("node") else str(gpu.get("index", "?"))
+
+
+def _field_value(setting: Setting | None, value: Any) -> Any:
+    """A form field's value as the backend's settings take it: a text field left empty is an optional setting's
+    None, and digits typed into one are a number where the setting takes only numbers (``max_parallel``)."""
+    if setting is None or not isinstance(value, str) or str in setting.kinds:
+        return value
+    text = value.strip()
+    if not text and setting.default is None:
+        return None
+    for kind in (int, float):
+        if kind in setting.kinds:
+            try:
+                return kind(text)
+            except ValueError:
+                pass
+    return value
 
 
 def _blank(value: Any, default: Any = "") -> Any:
@@ -158,9 +181,18 @@ def _detail_text(value: Any) -> str:
 
 
 def _details(compute: Compute) -> list[tuple[str, str]]:
-    """The compute's details worth a line each (not its summary, lists, or a managed cluster's raw status)."""
-    return [(str(key), _detail_text(value)) for key, value in compute.details.items()
-            if key != "summary" and not isinstance(value, list) and not (isinstance(value, dict) and key == "cluster")]
+    """The compute's details worth a line each (not its summary, lists of records, or a managed cluster's raw
+    status); a list of names (a Slurm cluster's partitions) as one line."""
+    shown = []
+    for key, value in compute.details.items():
+        if key == "summary" or (isinstance(value, dict) and key == "cluster"):
+            continue
+        if isinstance(value, list):
+            if not all(isinstance(item, (str, int, float)) for item in value):
+                continue
+            value = ", ".join(str(item) for item in value) or "none"
+        shown.append((str(key), _detail_text(value)))
+    return shown
 
 
 def compute_html(compute: Compute, cluster: Cluster | None = None) -> str:
@@ -220,6 +252,8 @@ def _field(w: Any, label: str, value: Any, setting: Setting | None) -> Any:
     if setting is not None and setting.suggestions:
         return w.Combobox(value=str(value), options=[str(s) for s in setting.suggestions], description=label,
                           ensure_option=False, style=_STYLE)
+    if setting is not None and str in setting.kinds and not isinstance(value, bool):  # text takes every form
+        return w.Text(value="" if value is None else str(value), description=label, style=_STYLE)  # (Slurm's 90 or 1:30:00)
     if isinstance(value, bool):
         return w.Checkbox(value=value, description=label, style=_STYLE)
     if isinstance(value, int) and setting is not None and setting.minimum is not None:
@@ -286,7 +320,7 @@ class ClusterForm:
         if key in self.knobs:
             setattr(self.cluster, key, _knob(key, value))
         else:
-            self.cluster.settings[key] = value
+            self.cluster.settings[key] = _field_value(form_settings(self.cluster.backend).get(key), value)
         if self.compute is not None:
             self.state.value = compute_html(self.compute, self.cluster)
 
