@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from jupyter_client.manager import KernelManager
+from support.containers import build_chainer_image, podman_session
 from support.frameworks import env_build_lock, framework_envs  # noqa: F401 - framework_envs: a session fixture
 from support.machine import REPO, gpu_count
 from support.processes import TEST_SESSION_VAR
@@ -135,6 +136,19 @@ def slurm_cluster(tmp_path_factory):
             yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def podman_env(tmp_path_factory):
+    """Podman usable here: runc, ulimits this machine allows, and the Debian base image imported (support.containers);
+    skipped where not root or without podman, runc and mmdebstrap."""
+    yield from podman_session(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def chainer_image(podman_env):
+    """The Chainer image, built by the CLI as a user builds it: once per session, for every test file."""
+    return build_chainer_image()
 
 
 def _installed(module: str) -> bool:

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +22,9 @@ import time
 from pathlib import Path
 
 import pytest
+from support.containers import BASE
+from support.containers import nbbatch_cli as _nbbatch
+from support.containers import podman as _podman
 from support.processes import kernels_of
 
 from nbbatch.containers.images import image_spec
@@ -33,62 +34,6 @@ from nbbatch.spec.project import Project
 pytestmark = [pytest.mark.container, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = "localhost/nbbatch-test-base:bookworm"  # Debian 12 minbase with Python 3.11, made by mmdebstrap
-BASE_TARBALL = ROOT / ".nbbatch" / "test-cache" / "base-bookworm.tar"  # kept between test runs
-MIRROR = "http://deb.debian.org/debian"
-
-
-def _missing() -> str:
-    if os.geteuid() != 0:
-        return "needs root (rootful podman; mmdebstrap --mode=root)"
-    absent = [tool for tool in ("podman", "runc", "mmdebstrap") if not shutil.which(tool)]
-    return f"needs {', '.join(absent)} (apt-get install podman runc mmdebstrap)" if absent else ""
-
-
-def _podman(*args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["podman", *args], capture_output=True, text=True, check=check, timeout=timeout)
-
-
-def _nbbatch(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "nbbatch", *args], capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.fixture(scope="session")
-def podman_env(tmp_path_factory):
-    """Podman usable here: runc, ulimits this machine allows, and the Debian base image imported."""
-    if why := _missing():
-        pytest.skip(why)
-    nofile_soft, nofile_hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1]
-    nproc = 32768 if nproc == resource.RLIM_INFINITY else min(nproc, 32768)
-    conf = tmp_path_factory.mktemp("podman") / "containers.conf"
-    conf.write_text(f'[containers]\ndefault_ulimits = ["nofile={nofile_soft}:{nofile_hard}", "nproc={nproc}:{nproc}"]\n'
-                    '[engine]\nruntime = "runc"\nevents_logger = "file"\n')
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("CONTAINERS_CONF", str(conf))
-        patch.setenv("NBBATCH_PROJECT", str(ROOT))
-        for name in ("NBBATCH_FRAMEWORKS_DIR", "NBBATCH_ENVS_DIR", "NBBATCH_JUPYTER_DIR"):
-            patch.delenv(name, raising=False)
-        if _podman("image", "exists", BASE, check=False).returncode != 0:
-            if not BASE_TARBALL.is_file():
-                BASE_TARBALL.parent.mkdir(parents=True, exist_ok=True)
-                part = BASE_TARBALL.with_suffix(".part")
-                subprocess.run(["mmdebstrap", "--variant=minbase", "--include=python3,ca-certificates,libgomp1",
-                                "--mode=root", "--format=tar", "bookworm", str(part), MIRROR],
-                               check=True, capture_output=True, timeout=900)
-                part.rename(BASE_TARBALL)
-            _podman("import", str(BASE_TARBALL), BASE)
-        yield conf
-
-
-@pytest.fixture(scope="session")
-def chainer_image(podman_env):
-    """The Chainer image, built by the CLI as a user builds it."""
-    spec = image_spec(list_frameworks(Project(ROOT))["chainer"], ROOT / "dockerfiles", base=BASE)
-    done = _nbbatch("images", "build", "chainer", "--base", BASE, "--engine", "podman", "-q")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert f"chainer: ready ({spec.ref}" in done.stdout
-    return spec
 
 
 def _experiment(tmp_path: Path, name: str, framework: str = "chainer", extra: str = "", **parameters) -> Path:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,8 +31,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from nbbatch.backends.base import Backend, Capabilities, Compute, SubmitOptions
 from nbbatch.backends.local_scheduler import SIMULATE_NODES_ENV, nodes_here, run_batch
 from nbbatch.backends.settings import setting
+from nbbatch.containers.checks import build_framework_images, framework_images, refuse_runs_without_image
 from nbbatch.containers.engines import Engine, find_engine
-from nbbatch.containers.images import ImageSpec, build_image, image_spec, require_image
 from nbbatch.containers.runner import execute_in_container
 from nbbatch.errors import ContainerError, ValidationError
 from nbbatch.execute.attempt import execute_run
@@ -42,7 +41,6 @@ from nbbatch.execute.gpus import GpuInfo, GpuLease, detect_gpus
 from nbbatch.execute.mps import check_mps
 from nbbatch.execute.placement import local_placements
 from nbbatch.plan.runs import Run
-from nbbatch.spec.frameworks import get_framework
 from nbbatch.spec.project import Project
 from nbbatch.store.lock import pid_alive
 from nbbatch.store.runjson import ContainerInfo, ErrorKind, GpuSharing, RunError, RunRecord
@@ -124,7 +122,7 @@ class LocalBackend(Backend):
         if spread is not None and not os.environ.get(SIMULATE_NODES_ENV):
             raise ValidationError(f"run {spread.run_id} spans {spread.distribution.nodes} nodes, but the local backend "
                                   "is this one machine; set resources.nodes: 1 (processes_per_node ranks here), or use "
-                                  "a backend with nodes (ray, azureml)")
+                                  "a backend with nodes (slurm, ray, azureml)")
         if self.settings.container and any(r.distribution for r in runs):
             raise ValidationError("container: true runs one kernel per container, and a distributed run has one per "
                                   "rank; run distributed runs without containers (or on azureml, whose images they use)")
@@ -142,45 +140,25 @@ class LocalBackend(Backend):
         if not self.settings.container:
             return super().prepare_environments(frameworks, project, build, progress)
         if build and frameworks:
-            for name in frameworks:
-                spec = self._image_spec(get_framework(name, project), project)
-                if progress:
-                    print(f"image of {name}: {spec.ref} (build log: .nbbatch/images/{name}.log)", file=sys.stderr)
-                build_image(self._container_engine(), spec, project)
+            build_framework_images(self._container_engine(), frameworks, project, gpu=not self.settings.cpu_image,
+                                   base=self.settings.base_image, progress=progress)
 
     def _container_engine(self) -> Engine:
         if self._engine is None:
             self._engine = find_engine(self.settings.engine)
         return self._engine
 
-    def _image_spec(self, framework: Any, project: Project) -> ImageSpec:
-        return image_spec(framework, project.root / "dockerfiles", gpu=not self.settings.cpu_image,
-                          base=self.settings.base_image)
-
     def _check_containers(self, runs: Sequence[Run], options: SubmitOptions | None) -> None:
         """The engine runs, the GPUs can reach containers, every framework's image is ready: before any run starts."""
         if options is not None and options.mps:
             raise ValidationError("resources.mps cannot be combined with container: true (the MPS daemon's pipe is not "
                                   "shared with containers); drop one of them")
-        loose = next((r for r in runs if not r.framework), None)
-        if loose is not None:
-            raise ValidationError(f"container: true runs each notebook in its framework's image, and {loose.notebook_rel} "
-                                  f"(kernel {loose.kernel}) belongs to no framework; list it under `frameworks:`, or run "
-                                  "without containers")
-        remote = next(((r, n, u) for r in runs for n, u in r.inputs.items() if "://" in u), None)
-        if remote is not None:
-            run, name, url = remote
-            raise ValidationError(f"input `{name}` is the share folder {url}, which a container cannot pull into the "
-                                  f"(read-only) project; bring it here first (`nbbatch data pull {url} ./{name.lower()}`) "
-                                  f"and name that folder in `inputs:`, or run without containers")
+        refuse_runs_without_image(runs)
         engine = self._container_engine()
         if any(r.gpus for r in runs):
             engine.check_gpus()
-        for run in runs:
-            if run.framework and run.framework not in self._images:
-                project = Project(run.project_root())
-                status = require_image(engine, self._image_spec(get_framework(run.framework, project), project))
-                self._images[run.framework] = (status.ref, status.image_id or "")
+        self._images = framework_images(engine, runs, gpu=not self.settings.cpu_image, base=self.settings.base_image,
+                                        known=self._images)
 
     def _execute(self, run: Run, share: Share, lease: GpuLease, shared: bool, gpu_env: dict[str, str],
                  info: GpuSharing | None, cancel: threading.Event, notify: Callable[[RunRecord], None],

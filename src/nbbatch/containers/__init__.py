@@ -6,5 +6,7 @@ runs executed inside them.
 * :mod:`~nbbatch.containers.images`: the template filled from ``framework.yaml``, the build context
   (the same one Azure ML builds from), tags by fingerprint, ``ready | stale | missing``;
 * :mod:`~nbbatch.containers.runner`: ``nbbatch run-one`` of one run inside its framework's image, for
-  the local backend's ``container: true``.
+  the local backend's ``container: true``;
+* :mod:`~nbbatch.containers.checks`: what ``container: true`` refuses and the images it needs, for any backend;
+* :mod:`~nbbatch.containers.node`: the slurm backend's ``container: true`` on a node (``run-one --container-image``).
 """

@@ -1,4 +1,5 @@
-"""One run inside its framework's image: ``nbbatch run-one`` in a container, for ``backend: {name: local, container: true}``.
+"""One run inside its framework's image: ``nbbatch run-one`` in a container, for ``container: true`` of the
+local backend (and of the slurm backend, on its nodes: :mod:`nbbatch.containers.node`).
 
 The container sees the share read-write and the project, the notebook and any path a parameter names
 read-only, all at their paths on this machine, so run.json, log.txt and the executed notebook are the
@@ -94,8 +95,10 @@ def _outermost(paths: Iterable[Path]) -> list[Path]:
 
 
 def container_command(engine: Engine, image: str, name: str, run: Run, share_root: Path, project_root: Path,
-                      private: Path, gpu_ids: list[int], shared_gpu: bool, labels: dict[str, str]) -> list[str]:
-    """The ``run`` command of a run's container (``private`` holds its spec and placement files)."""
+                      private: Path, gpu_ids: list[int], shared_gpu: bool, labels: dict[str, str],
+                      backend: str = "local") -> list[str]:
+    """The ``run`` command of a run's container (``private`` holds its spec and placement files; ``backend`` is
+    run.json's)."""
     share_root = share_root.resolve()
     mounts = ["--volume", f"{share_root}:{share_root}:rw",
               "--volume", f"{private}:{private}:ro",
@@ -112,7 +115,7 @@ def container_command(engine: Engine, image: str, name: str, run: Run, share_roo
         *engine.user_args(), "--workdir", str(project_root), *mounts, *variables, *engine.gpu_args(gpu_ids),
         image, "python", "-m", "nbbatch", "run-one", "--spec-file", str(private / "spec.json"),
         "--placement-file", str(private / "placement.json"), "--share", str(share_root), "--gpus", inside,
-        "--project", str(project_root), "--backend", "local", *(["--shared-gpu"] if shared_gpu else []))
+        "--project", str(project_root), "--backend", backend, *(["--shared-gpu"] if shared_gpu else []))
 
 
 def execute_in_container(engine: Engine, run: Run, share: Share, context: AttemptContext) -> RunRecord:
@@ -139,24 +142,28 @@ def execute_in_container(engine: Engine, run: Run, share: Share, context: Attemp
                                                             "gpu_ids": context.gpu_ids}))
         cmd = container_command(engine, container.image, name, run, Path(share_root), project_root, private,
                                 context.gpu_ids, context.shared_gpu,
-                                {"nbbatch.experiment": run.experiment, "nbbatch.run": run.run_id})
+                                {"nbbatch.experiment": run.experiment, "nbbatch.run": run.run_id}, context.backend)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 text=True, errors="replace")
         with _running_lock:
             _running[name] = engine
         reader = threading.Thread(target=lambda: tail.extend(proc.stdout or ()), daemon=True)
         reader.start()
-        stopped = _watch(proc, engine, name, run, share, context.cancel_event or threading.Event(), context.notify)
+        try:
+            stopped = _watch(proc, engine, name, run, share, context.cancel_event or threading.Event(), context.notify)
+        except BaseException:  # SIGTERM of a batch scheduler (raised by run-one's handler), Ctrl-C: not left behind
+            stop_container(engine, name)
+            raise
         reader.join(timeout=5)
     finally:
         with _running_lock:
             _running.pop(name, None)
         shutil.rmtree(private, ignore_errors=True)
-    return _outcome(engine, container.image, run, share, proc.returncode, stopped, "".join(tail))
+    return _outcome(engine, container.image, run, share, proc.returncode, stopped, "".join(tail), context.backend)
 
 
 def _outcome(engine: Engine, image: str, run: Run, share: Share, returncode: int | None, stopped: str,
-             tail: str) -> RunRecord:
+             tail: str, backend: str = "local") -> RunRecord:
     """The run's record once its container is gone: run-one's own, else why the container ended before the run."""
     record = read_record_or_none(share, run.experiment, run.run_id)
     if record is not None and record.final:
@@ -165,13 +172,13 @@ def _outcome(engine: Engine, image: str, run: Run, share: Share, returncode: int
     if stopped:
         if stopped == "cancelled":
             return _ended(share, run, Status.CANCELLED, RunError("cancelled", "", reason="cancelled: its container was "
-                                                                 "stopped", kind=ErrorKind.CANCELLED))
+                                                                 "stopped", kind=ErrorKind.CANCELLED), backend)
         return _ended(share, run, Status.TIMED_OUT, RunError(
             "RunTimeout", output, reason=f"its container outlived the run's timeout ({run.timeout_s:g} s) by "
-                                         f"{TIMEOUT_GRACE_S:g} s and was stopped", kind=ErrorKind.TIMEOUT))
+                                         f"{TIMEOUT_GRACE_S:g} s and was stopped", kind=ErrorKind.TIMEOUT), backend)
     return _ended(share, run, Status.FAILED, RunError(
         "ContainerFailed", output, reason=f"its container ({engine.name}, {image}) exited with {returncode} "
-                                          f"before the run ended{_hint(output)}", kind=ErrorKind.INFRA))
+                                          f"before the run ended{_hint(output)}", kind=ErrorKind.INFRA), backend)
 
 
 def _watch(proc: subprocess.Popen[str], engine: Engine, name: str, run: Run, share: Share,
@@ -209,8 +216,8 @@ def stop_container(engine: Engine, name: str) -> None:
     engine.query("rm", "--force", name, timeout=30)
 
 
-def _ended(share: Share, run: Run, status: Status, error: RunError) -> RunRecord:
-    return finalize_record(share, run, status, error, backend="local")
+def _ended(share: Share, run: Run, status: Status, error: RunError, backend: str) -> RunRecord:
+    return finalize_record(share, run, status, error, backend=backend)
 
 
 def _hint(output: str) -> str:

@@ -65,12 +65,20 @@ class JobRequest:
         return [*args, *self.extra]
 
 
-def launcher_command(python: str, spec: str, share: str, project: str, gpus: bool) -> str:
+def launcher_command(python: str, spec: str, share: str, project: str, gpus: bool,
+                     images: Mapping[str, str] | None = None, engine: str = "podman") -> str:
     """The node launcher of one run (``nbbatch run-one``), as a shell command: ``spec`` may name
-    ``$SLURM_ARRAY_TASK_ID``; the GPUs are those Slurm gave the job (CUDA_VISIBLE_DEVICES), none for a CPU run."""
-    gpu_arg = '"${CUDA_VISIBLE_DEVICES:-}"' if gpus else "''"
+    ``$SLURM_ARRAY_TASK_ID``; the GPUs are those Slurm gave the job (CUDA_VISIBLE_DEVICES), none for a CPU run.
+
+    ``images`` (framework → image tag): ``container: true``, the run starts in its framework's image with ``engine``;
+    its GPUs are then the node's own indices (SLURM_JOB_GPUS: the container engine names GPUs by them, whereas
+    CUDA_VISIBLE_DEVICES counts from 0 where Slurm constrains the job's devices)."""
+    visible = "${SLURM_JOB_GPUS:-${CUDA_VISIBLE_DEVICES:-}}" if images else "${CUDA_VISIBLE_DEVICES:-}"
+    gpu_arg = f'"{visible}"' if gpus else "''"
+    in_image = "".join(f" --container-image {shlex.quote(f'{name}={tag}')}" for name, tag in sorted((images or {}).items()))
     return (f"{shlex.quote(python)} -m nbbatch run-one --spec-file {spec} --share {shlex.quote(share)} "
-            f"--backend slurm --project {shlex.quote(project)} --gpus {gpu_arg}")
+            f"--backend slurm --project {shlex.quote(project)} --gpus {gpu_arg}"
+            + (f"{in_image} --container-engine {shlex.quote(engine)}" if images else ""))
 
 
 def batch_script(experiment: str, command: str, project: str, env: Mapping[str, str], gang: bool) -> str:

@@ -1,0 +1,174 @@
+"""``backend: {name: slurm, container: true}``: each run in its framework's image, started with podman on its node.
+
+The real tests submit the Chainer digits notebook to the two-node Slurm cluster of tests/support/slurm.py, in the
+Chainer image built once per session (tests/support/containers.py); both nodes are this host, so the image built
+here is on every node. Skipped where not root, or without Slurm, podman, runc and mmdebstrap. The refusals are unit
+tests.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+from support.containers import BASE, containers_labelled, podman
+from support.machine import REPO
+from support.processes import kernels_of
+from support.waiting import wait_until
+
+from nbbatch import api
+from nbbatch.backends.slurm import SlurmBackend, SlurmJob
+from nbbatch.backends.slurm.script import launcher_command
+from nbbatch.containers.node import execute_on_node
+from nbbatch.errors import BackendError, ContainerError, ValidationError
+from nbbatch.execute.context import AttemptContext
+from nbbatch.plan.runs import Run
+from nbbatch.spec.resources import Distribution
+from nbbatch.store.runfiles import load_records, read_record
+from nbbatch.store.share import FileShare
+from nbbatch.ui.cli import build_parser
+
+LONG = {"EPOCHS": 500, "MAX_SAMPLES": 1000}  # runs until it is stopped
+
+
+def _run(framework: str | None = "chainer", **fields) -> Run:
+    notebook = REPO / "notebooks" / "Chainer_CIFAR.ipynb"
+    return Run("r1", "e", str(notebook), "notebooks/Chainer_CIFAR.ipynb", "nbbatch-chainer", framework=framework,
+               **fields)
+
+
+@pytest.fixture
+def no_slurm_tools_needed(monkeypatch):
+    monkeypatch.setattr("nbbatch.backends.slurm.commands.Slurm.missing_tools", lambda self: [])
+
+
+# --- before anything is queued ------------------------------------------------------------------------------
+
+
+def test_a_run_of_no_framework_is_refused(no_slurm_tools_needed):
+    with pytest.raises(ValidationError, match="belongs to no framework; list it under `frameworks:`"):
+        SlurmBackend(container=True).check([_run(framework=None)])
+
+
+def test_a_distributed_run_in_containers_is_refused_naming_the_fix(no_slurm_tools_needed):
+    run = _run(distribution=Distribution("torch", nodes=2, processes_per_node=1, gpus_per_node=0))
+    with pytest.raises(BackendError, match=r"distributed.*submit it without `container: true`"):
+        SlurmBackend(container=True).check([run])
+
+
+def test_containers_need_no_framework_venvs_here():
+    assert SlurmBackend(container=True).capabilities.local_kernels is False
+    assert SlurmBackend().capabilities.local_kernels is True
+
+
+def test_the_launcher_starts_each_framework_image():
+    """The batch script's launcher names every framework's image; run-one takes it; GPUs by the node's indices."""
+    command = launcher_command("/venv/bin/python", "/share/e/.slurm/s/specs/0.json", "/share", "/proj", True,
+                               {"chainer": "localhost/nbbatch/chainer:abc", "jax": "localhost/nbbatch/jax:def"})
+    assert "--container-image chainer=localhost/nbbatch/chainer:abc --container-image jax=localhost/nbbatch/jax:def" \
+        in command and "--container-engine podman" in command and "SLURM_JOB_GPUS" in command
+    words = shlex.split(command.replace('"${SLURM_JOB_GPUS:-${CUDA_VISIBLE_DEVICES:-}}"', "0"))
+    args = build_parser().parse_args(words[3:])
+    assert args.container_image == ["chainer=localhost/nbbatch/chainer:abc", "jax=localhost/nbbatch/jax:def"]
+    assert "--container" not in launcher_command("/venv/bin/python", "/s.json", "/share", "/proj", False)
+
+
+@pytest.mark.container
+def test_an_image_missing_on_the_node_fails_the_run_saying_so(podman_env, tmp_path):
+    share = FileShare(tmp_path / "share")
+    run = _run()
+    record = execute_on_node(run, share, AttemptContext(backend="slurm", project_root=REPO), "podman",
+                             {"chainer": "localhost/nbbatch/chainer:not-built-here"})
+    assert record.status == "failed" and record.backend == "slurm"
+    assert "is not on node" in record.error.evalue and "podman load" in record.error.evalue
+    assert read_record(share, "e", "r1").status == "failed"
+
+
+@pytest.mark.container
+def test_an_image_not_built_here_is_refused_before_queueing(podman_env, no_slurm_tools_needed):
+    """The image is looked for where `submit` runs; the error names the build and that every node needs it too."""
+    with pytest.raises(ContainerError, match=r"nbbatch images build chainer --base localhost/none:x.*every node needs"):
+        SlurmBackend(container=True, base_image="localhost/none:x").check([_run()])
+
+
+# --- on the cluster -----------------------------------------------------------------------------------------
+
+
+def real(test):
+    """A test on the Slurm cluster, in the Chainer image: marked slurm, container and kernel."""
+    for mark in (pytest.mark.slurm, pytest.mark.container, pytest.mark.kernel, pytest.mark.timeout(600)):
+        test = mark(test)
+    return test
+
+
+def _experiment(tmp_path: Path, name: str, **parameters) -> Path:
+    backend = {"name": "slurm", "container": True, "base_image": BASE, "cpus": 1, "memory": "1G",
+               "cancel_grace_s": 60}
+    spec = {"experiment": name, "frameworks": ["chainer"],
+            "parameters": {"DATASET": "digits", "EPOCHS": 1, "MAX_SAMPLES": 200, **parameters},
+            "backend": backend, "share": str(tmp_path / "share")}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _nothing_left(name: str) -> None:
+    wait_until(lambda: not containers_labelled("nbbatch.experiment", name), timeout=60,
+               message=f"the containers of {name} gone", interval=0.5)
+    assert kernels_of(name) == []
+
+
+@real
+def test_a_run_executes_in_its_image_on_a_node(slurm_cluster, chainer_image, tmp_path):
+    share = tmp_path / "share"
+    result = api.submit(str(_experiment(tmp_path, "slurm-ctr")), wait=True, progress=False)
+    [record] = result.records
+    assert record.status == "succeeded", record.error
+    assert record.backend == "slurm" and record.metrics["accuracy"] > 0
+    image_id = podman("image", "inspect", "--format", "{{.Id}}", chainer_image.ref).stdout.strip()
+    assert record.container.engine == "podman" and record.container.image == chainer_image.ref
+    assert record.container.image_id == image_id
+    job = SlurmJob.read(FileShare(share), "slurm-ctr", record.run_id)
+    assert "--container-image chainer=" + chainer_image.ref in next((share / job.submission).glob("batch-*.sh")).read_text()
+    assert "in podman image " + chainer_image.ref in (share / "slurm-ctr" / record.run_id / "log.txt").read_text()
+    _nothing_left("slurm-ctr")
+
+
+@real
+def test_cancel_scancel_and_sigterm_of_a_running_container_run_leave_no_container(slurm_cluster, chainer_image,
+                                                                                 tmp_path):
+    """``nbbatch cancel`` reaches the run inside its container through the share's cancel marker (the run ends
+    itself, well within the grace before scancel); Slurm's scancel (as its time limit) ends the job, recorded as
+    Slurm says; SIGTERM to the launcher alone (``scancel --batch``) makes it stop the container, which is no process
+    of the job (the engine's monitor runs it): without that, the container would run on after its job."""
+    share = tmp_path / "share"
+    fs = FileShare(share)
+    names = ("slurm-ctr-cancel", "slurm-ctr-scancel", "slurm-ctr-term")
+    for name in names:
+        api.submit(str(_experiment(tmp_path, name, **LONG)), wait=False, progress=False)
+    running = {name: wait_until(lambda n=name: next((r for r in load_records(fs, n)[0]
+                                                      if r.status == "running" and r.cells_done >= 2), None),
+                                timeout=300, message=f"{name} running", interval=0.5) for name in names}
+    for name in names:
+        assert len(containers_labelled("nbbatch.experiment", name)) == 1
+    jobs = {name: SlurmJob.read(fs, name, record.run_id) for name, record in running.items()}
+
+    api.cancel("slurm-ctr-cancel", share=str(share))
+    record = read_record(fs, "slurm-ctr-cancel", running["slurm-ctr-cancel"].run_id)
+    assert record.status == "cancelled" and "scancel" not in (record.error.reason or ""), record.error
+
+    slurm_cluster.run("scancel", jobs["slurm-ctr-scancel"].job_id)
+    slurm_cluster.run("scancel", "--batch", "--signal=TERM", jobs["slurm-ctr-term"].job_id)
+    scancelled, terminated = (_final(share, name) for name in ("slurm-ctr-scancel", "slurm-ctr-term"))
+    assert scancelled.status == "cancelled", scancelled.error
+    assert terminated.status == "failed" and "SIGTERM received: the container of run" in terminated.error.evalue
+    for name in names:
+        _nothing_left(name)
+
+
+def _final(share: Path, name: str):
+    [record] = wait_until(lambda: [r for r in api.status(name, share=str(share)) if r.final], timeout=120,
+                          message=f"{name} final", interval=0.5)
+    return record
