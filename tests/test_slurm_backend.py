@@ -435,3 +435,38 @@ def test_submitting_again_leaves_runs_in_flight_to_their_jobs(slurm, project, tm
     finally:
         api.cancel("again", share=str(share))
     assert {r.status for r in final_records("again", share, 2, timeout=60)} == {"cancelled"}
+
+
+def test_a_forced_submission_stops_the_runs_earlier_jobs_first(slurm, project, tmp_path):
+    """`submit --force` restarts runs in flight: their earlier jobs are cancelled before the new ones are queued, so
+    no run's files are written by two jobs; a pending array task cancelled this way is found under its array's id."""
+    share = tmp_path / "share"
+    spec = experiment("forced", share, seeds=3, parameters={"SLEEP": 600.0}, backend={"max_parallel": 1})
+    first = api.submit(spec, progress=False)
+    fs = FileShare(share)
+    old = {i: SlurmJob.read(fs, "forced", i).job_id for i in first.started}
+    wait_until(lambda: any(r.status == "running" for r in load_records(fs, "forced")[0]), timeout=120,
+               message="a run running")
+    try:
+        again = api.submit(spec, force=True, progress=False)
+        assert sorted(again.started) == sorted(old)
+        new = {i: SlurmJob.read(fs, "forced", i).job_id for i in old}
+        assert all(new[i] != old[i] for i in old) and len({j.split("_")[0] for j in new.values()}) == 1
+        ended = {j.split("_")[0] for j in old.values()}
+        states = slurm.run("squeue", "-h", "-r", "-t", "all", "-o", "%T", "-j", ",".join(ended)).stdout.split()
+        assert states and set(states) <= {"CANCELLED"}, states  # every earlier job, running or pending, ended first
+    finally:
+        api.cancel("forced", share=str(share))
+    assert {r.status for r in final_records("forced", share, 3, timeout=60)} == {"cancelled"}
+
+
+def test_array_tasks_are_found_also_where_squeue_names_them_by_the_array():
+    """squeue lists array tasks that never split off (pending, or cancelled while pending) once, under the array's
+    id (``33|33|N/A``): such a task is found there, not taken for a job Slurm forgot (a lost run)."""
+    from nbbatch.backends.slurm.commands import _queued_jobs, find_job
+
+    queue = _queued_jobs("33|33|N/A|CANCELLED|JobArrayTaskLimit|\n33_0|33|0|COMPLETED|None|node2\n"
+                         "34|34|N/A|RUNNING|None|node1\n")
+    assert find_job(queue, "33_0").state == "COMPLETED"
+    assert find_job(queue, "33_5").state == "CANCELLED"
+    assert find_job(queue, "34").state == "RUNNING" and find_job(queue, "35_1") is None

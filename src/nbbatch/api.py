@@ -7,6 +7,7 @@ the share. ``run_notebook`` runs one notebook papermill-style.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -68,9 +69,14 @@ def _lock_path(project: Project, share: Share, experiment: str) -> Path:
     return project.state_dir / "locks" / f"{experiment}.lock"
 
 
-def known_backend(name: str, project: Project) -> Backend:
-    """The backend experiment ``name`` was submitted to from this project (``local`` when unknown)."""
+def known_backend(name: str, project: Project, share: Share | None = None) -> Backend:
+    """The backend experiment ``name`` was submitted to from this project; else, as its manifest on ``share`` says
+    (a machine that only sees the share: the driver need not stay up); ``local`` when neither knows."""
     known = lookup(project, name)
+    if not known and share is not None:
+        with contextlib.suppress(OSError, ValueError, FileNotFoundError):
+            manifest = json.loads(share.read_bytes(experiment_paths(name).manifest))
+            known = {"backend": manifest.get("backend", "local"), "backend_settings": manifest.get("backend_settings") or {}}
     return get_backend(known.get("backend", "local"), **known.get("backend_settings", {}))
 
 
@@ -124,7 +130,8 @@ def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, 
         result.skipped = outcome.skipped
         result.warnings.extend(outcome.notes)
         result.started = [*outcome.started, *outcome.in_flight]
-        result.warnings.extend(_write_manifest(share, spec, the_plan, experiment))
+        result.warnings.extend(_write_manifest(share, spec, the_plan, experiment,
+                                               backend.storable_settings(spec.backend_settings)))
         options = submit_options(spec, wait=wait, force=force, on_update=progress if callable(progress) else None,
                                  halt=lease.lost)
         starting = set(outcome.started)
@@ -149,13 +156,15 @@ def submit_options(spec: Experiment, **more: Any) -> SubmitOptions:
     return SubmitOptions.of(spec.resources, **more)
 
 
-def _write_manifest(share: Share, spec: Experiment, the_plan: Plan, source: object = None) -> list[str]:
+def _write_manifest(share: Share, spec: Experiment, the_plan: Plan, source: object = None,
+                    backend_settings: dict[str, Any] | None = None) -> list[str]:
     """Write the submission's manifest, ``<experiment>/experiment.json``: its ``runs`` are the experiment's
     current plan (what ``status``, ``compare`` and ``check`` show). Return a warning when the last submission
     under this name came from another experiment file: its runs are superseded by this one's."""
     path = experiment_paths(spec.name).manifest
     manifest = {
         "experiment": spec.name, "updated": utc_now(), "backend": spec.backend,
+        "backend_settings": backend_settings or {},  # nothing secret (Backend.storable_settings)
         # the experiment file (None for one built in Python): tells a reused name from an edited file
         "source": str(Path(source).resolve()) if isinstance(source, (str, os.PathLike)) else None,
         "frameworks": spec.frameworks, "notebooks": [str(n.path.name) for n in spec.notebooks],
@@ -203,7 +212,7 @@ def status(experiment: str, share: str | Share | None = None, refresh: bool = Tr
     name, the_share = open_experiment_share(experiment, share, project)
     if refresh:
         try:
-            known_backend(name, project).refresh(name, the_share)
+            known_backend(name, project, the_share).refresh(name, the_share)
         except NbbatchError:
             pass
     records, problems, planned = load_plan_records(the_share, name, all_runs)
@@ -228,7 +237,7 @@ def logs(experiment: str, run: str, follow: bool = False, tail: int | None = Non
     project = find_project()
     name, the_share = open_experiment_share(experiment, share, project)
     run_id = resolve_run_id(the_share, name, run)
-    backend = known_backend(name, project)
+    backend = known_backend(name, project, the_share)
     if backend.capabilities.log_stream and rank is None:
         streamed = backend.stream_log(name, the_share, run_id, follow)
         if streamed is not None:
@@ -246,7 +255,7 @@ def cancel(experiment: str, runs: list[str] | None = None, share: str | Share | 
     name, the_share = open_experiment_share(experiment, share, project)
     check_experiment(the_share, name)  # a mistyped name: refused, no marker left behind
     ids = [resolve_run_id(the_share, name, r) for r in runs] if runs else None
-    return known_backend(name, project).cancel(name, the_share, ids)
+    return known_backend(name, project, the_share).cancel(name, the_share, ids)
 
 
 def run_notebook(input_path: str | os.PathLike[str], output_path: str | os.PathLike[str],

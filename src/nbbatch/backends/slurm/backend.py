@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from nbbatch.backends.base import Backend, Capabilities, Compute, SubmitOptions
 from nbbatch.backends.settings import setting
 from nbbatch.backends.sharedfs import local_addresses, on_network_filesystem, record_age_s
-from nbbatch.backends.slurm.commands import Partition, QueuedJob, Slurm, SlurmCommandError
+from nbbatch.backends.slurm.commands import Partition, QueuedJob, Slurm, SlurmCommandError, find_job
 from nbbatch.backends.slurm.jobs import (
     LOST_REASONS,
     QUEUED_STATES,
@@ -52,6 +52,7 @@ from nbbatch.store.share import Share, poll_interval
 _MEMORY = re.compile(r"^\d+[KMGT]?$", re.IGNORECASE)
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 OUTPUT_TAIL = 1500  # characters of Slurm's output file quoted in a lost or failed run's error
+EARLIER_JOBS_S = 60.0  # how long a forced submission waits for the runs' earlier jobs to end
 QUEUE_FRESH_S = 10.0  # how long in_flight trusts one squeue of an experiment's jobs
 NOT_SUBMITTED_S = 120.0  # a queued record this old without a job: its submission died before sbatch
 CONTAINER_ENGINE = "podman"  # container: true starts the images on the nodes with it (no daemon, no root needed)
@@ -275,6 +276,26 @@ class SlurmBackend(Backend):
 
     # --- submission ----------------------------------------------------------------------------------------
 
+    def launch(self, runs: Sequence[Run], share: Share, options: SubmitOptions) -> None:
+        """As every backend launches, after stopping the jobs these runs still have in Slurm (``submit --force``
+        restarts runs in flight): a run's files are never written by two jobs."""
+        self._stop_earlier_jobs(runs, share)
+        super().launch(runs, share, options)
+
+    def _stop_earlier_jobs(self, runs: Sequence[Run], share: Share) -> None:
+        if not runs:
+            return
+        name = job_name(runs[0].experiment)
+        active = self.slurm.named_jobs(name)
+        earlier = [j.job_id for r in runs if (j := SlurmJob.read(share, r.experiment, r.run_id)) is not None
+                   and find_job(active, j.job_id) is not None]
+        if not earlier:
+            return
+        self.slurm.cancel(earlier)
+        deadline = time.monotonic() + EARLIER_JOBS_S
+        while time.monotonic() < deadline and any(find_job(self.slurm.named_jobs(name), j) for j in earlier):
+            time.sleep(1.0)
+
     def start(self, runs: Sequence[Run], share: Share, options: SubmitOptions) -> None:
         """Queue the runs: one job array per job shape for single-node runs, one job per distributed run.
 
@@ -330,7 +351,8 @@ class SlurmBackend(Backend):
         for offset, run in enumerate(group):
             task_id = f"{job_id}_{offset}" if array else job_id
             out = f"{folder_rel}/slurm-{job_id}_{offset}.out" if array else f"{folder_rel}/slurm-{job_id}.out"
-            SlurmJob(task_id, folder_rel, out, utc_now(), spec=f"{folder_rel}/specs/{first + offset}.json").write(
+            SlurmJob(task_id, folder_rel, out, utc_now(), spec=f"{folder_rel}/specs/{first + offset}.json",
+                     python=python, project=project).write(
                 share, run.experiment, run.run_id)
 
     # --- state ---------------------------------------------------------------------------------------------
@@ -365,7 +387,7 @@ class SlurmBackend(Backend):
             return
         queue = self.slurm.queue(j.job_id for _r, j in open_jobs)
         for record, job in open_jobs:
-            seen = queue.get(job.job_id)
+            seen = find_job(queue, job.job_id)
             if seen is not None and seen.state in QUEUED_STATES:
                 self._note_pending(share, record, seen)
             elif seen is None or seen.state not in RUNNING_STATES:
@@ -414,10 +436,10 @@ class SlurmBackend(Backend):
         assert root is not None
         folder = root / job.submission
         index = Path(job.spec).stem
-        project = self.settings.project or str(run.project_root())
+        project = job.project or self.settings.project or str(run.project_root())  # as first submitted
         try:
             self._submit_group([run], JobShape.of(run), int(index), folder, job.submission, share, project,
-                               self.settings.python or sys.executable, None,
+                               job.python or self.settings.python or sys.executable, None,
                                script_name=f"batch-{index}-again-{job.resubmits + 1}.sh")
         except (OSError, ContainerError):  # no podman or image where status runs: the run ends as lost
             return False
@@ -450,7 +472,7 @@ class SlurmBackend(Backend):
         if not jobs:
             return asked
         queue = self.slurm.queue(j.job_id for j in jobs.values())
-        pending = [i for i, j in jobs.items() if (q := queue.get(j.job_id)) is None or q.state in QUEUED_STATES]
+        pending = [i for i, j in jobs.items() if (q := find_job(queue, j.job_id)) is None or q.state in QUEUED_STATES]
         self.slurm.cancel([jobs[i].job_id for i in pending])
         for run_id in pending:
             current = read_record_or_none(share, experiment, run_id)

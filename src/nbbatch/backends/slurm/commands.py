@@ -17,6 +17,9 @@ from nbbatch.errors import BackendError
 
 COMMAND_TIMEOUT_S = 60.0  # slurmctld answers in well under a second; a minute means it is down or overloaded
 TOOLS = ("sbatch", "squeue", "scancel", "sinfo")  # what the backend cannot work without
+# squeue's columns: job id, array job id and task id (an array task is named by them: its %i may be the array's own
+# id, as for the last task, or one cancelled while pending), state, reason, nodes
+QUEUE_FORMAT = "%i|%F|%K|%T|%r|%N"
 
 
 class SlurmCommandError(BackendError):
@@ -133,25 +136,17 @@ class Slurm:
         if not ids:
             return {}
         # -t all: finished jobs too, while slurmctld remembers them (MinJobAge, 300 s by default)
-        done = self.run("squeue", "-h", "-r", "-t", "all", "-o", "%i|%T|%r|%N", "-j", ",".join(ids), check=False)
+        done = self.run("squeue", "-h", "-r", "-t", "all", "-o", QUEUE_FORMAT, "-j", ",".join(ids), check=False)
         if done.returncode != 0 and "Invalid job id" not in done.stderr:  # every job gone: "Invalid job id specified"
             raise SlurmCommandError(f"`squeue` failed (exit {done.returncode}): {done.stderr.strip()}",
                                     stderr=done.stderr.strip(), returncode=done.returncode)
-        jobs = {}
-        for line in done.stdout.splitlines():
-            job_id, state, reason, nodes = (line.split("|") + [""] * 4)[:4]
-            jobs[job_id] = QueuedJob(job_id, state, reason, nodes)
-        return jobs
+        return _queued_jobs(done.stdout)
 
     def named_jobs(self, name: str) -> dict[str, QueuedJob]:
         """This user's pending and running jobs (array tasks one per line) called ``name``, by id: one query for
         every run of an experiment."""
-        done = self.run("squeue", "-h", "-r", "-u", getpass.getuser(), "-n", name, "-o", "%i|%T|%r|%N")
-        jobs = {}
-        for line in done.stdout.splitlines():
-            job_id, state, reason, nodes = (line.split("|") + [""] * 4)[:4]
-            jobs[job_id] = QueuedJob(job_id, state, reason, nodes)
-        return jobs
+        done = self.run("squeue", "-h", "-r", "-u", getpass.getuser(), "-n", name, "-o", QUEUE_FORMAT)
+        return _queued_jobs(done.stdout)
 
     def job_details(self, job_id: str) -> dict[str, str]:
         """``scontrol show job``'s fields of one job (or array task), while slurmctld still remembers it; {} after."""
@@ -184,3 +179,23 @@ class Slurm:
         args = ["scancel", *([f"--signal={signal}"] if signal else []), *job_ids]
         done = self.run(*args, check=False)
         return None if done.returncode == 0 else (done.stderr.strip() or f"exit {done.returncode}")
+
+
+def _queued_jobs(lines: str) -> dict[str, QueuedJob]:
+    """squeue's lines (:data:`QUEUE_FORMAT`) by job id: ``ARRAY_TASK`` for an array task, else the job's own id."""
+    jobs = {}
+    for line in lines.splitlines():
+        job_id, array_id, task_id, state, reason, nodes = (line.split("|") + [""] * 6)[:6]
+        if task_id.isdigit() and array_id.isdigit():
+            job_id = f"{array_id}_{task_id}"
+        jobs[job_id] = QueuedJob(job_id, state, reason, nodes)
+    return jobs
+
+
+def find_job(queue: dict[str, QueuedJob], job_id: str) -> QueuedJob | None:
+    """A job or array task in what :meth:`Slurm.queue` returned. Array tasks that never split off their array (those
+    still pending, or cancelled while pending) are listed once, under the array's own id."""
+    found = queue.get(job_id)
+    if found is None and "_" in job_id:
+        found = queue.get(job_id.split("_", 1)[0])
+    return found

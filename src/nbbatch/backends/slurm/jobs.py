@@ -45,6 +45,8 @@ class SlurmJob:
     output: str  # Slurm's output file of this job (the launcher's own stdout and stderr), on the share
     submitted_at: str
     spec: str = ""  # the run as submitted (what a resubmission runs again), on the share
+    python: str = ""  # nbbatch's Python and the project on the nodes: a resubmission from another machine keeps them
+    project: str = ""
     resubmits: int = 0  # times the run was submitted again after its node or job was lost
 
     @classmethod
@@ -53,7 +55,8 @@ class SlurmJob:
         path = run_paths(experiment, run_id).file(JOB_FILE)
         try:
             data = json.loads(share.read_bytes(path))
-            return cls(**{k: data[k] for k in ("job_id", "submission", "output", "submitted_at", "spec") if k in data},
+            return cls(**{k: data[k] for k in ("job_id", "submission", "output", "submitted_at", "spec", "python", "project")
+                          if k in data},
                        resubmits=int(data.get("resubmits", 0)))
         except (FileNotFoundError, OSError, ValueError, TypeError, KeyError):
             return None
