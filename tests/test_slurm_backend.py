@@ -184,7 +184,7 @@ def test_a_failing_rank_stops_the_gang(slurm, project, tmp_path):
     assert "fails on purpose" in record.error.evalue
 
 
-def test_the_driver_may_go_away_and_status_follows_the_jobs(slurm, project, tmp_path):
+def test_the_driver_may_go_away_and_status_follows_the_jobs(slurm, project, tmp_path, monkeypatch):
     """`submit` in a process that is killed once the runs are queued: the jobs go on, and `status` from another
     process (this one) reads their end from the share and Slurm."""
     share = tmp_path / "share"
@@ -199,6 +199,10 @@ def test_the_driver_may_go_away_and_status_follows_the_jobs(slurm, project, tmp_
         driver.send_signal(signal.SIGKILL)
         driver.wait()
     assert len(list((share / "away").glob("*/slurm.json"))) == 2, (tmp_path / "driver.txt").read_text()
+    elsewhere = tmp_path / "elsewhere"  # another machine: a project that never submitted `away`, the same share
+    (elsewhere / "frameworks").mkdir(parents=True)
+    (elsewhere / ".nbbatch").mkdir()
+    monkeypatch.chdir(elsewhere)
     records = final_records("away", share, 2)
     assert [r.status for r in records] == ["succeeded", "succeeded"]
 
@@ -470,3 +474,22 @@ def test_array_tasks_are_found_also_where_squeue_names_them_by_the_array():
     assert find_job(queue, "33_0").state == "COMPLETED"
     assert find_job(queue, "33_5").state == "CANCELLED"
     assert find_job(queue, "34").state == "RUNNING" and find_job(queue, "35_1") is None
+
+
+def test_another_machine_sees_how_slurm_ended_the_jobs(slurm, project, tmp_path, monkeypatch):
+    """Jobs ended by Slurm alone (an admin's scancel): from a machine that only sees the share, `status` asks Slurm
+    (the backend named in the share's manifest) and ends both runs, the running and the pending one, as cancelled."""
+    share = tmp_path / "share"
+    api.submit(experiment("admin", share, seeds=2, parameters={"SLEEP": 600.0}, backend={"max_parallel": 1}),
+               progress=False)
+    fs = FileShare(share)
+    wait_until(lambda: any(r.status == "running" for r in load_records(fs, "admin")[0]), timeout=120,
+               message="a run running")
+    slurm.run("scancel", "-n", "nbbatch-admin")
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "frameworks").mkdir(parents=True)
+    (elsewhere / ".nbbatch").mkdir()
+    monkeypatch.chdir(elsewhere)
+    records = final_records("admin", share, 2, timeout=60)
+    assert [r.status for r in records] == ["cancelled", "cancelled"], [r.error for r in records]
+    assert {r.error.reason for r in records} == {"cancelled in Slurm (scancel)"}
