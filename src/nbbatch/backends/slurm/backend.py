@@ -54,6 +54,7 @@ _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 OUTPUT_TAIL = 1500  # characters of Slurm's output file quoted in a lost or failed run's error
 EARLIER_JOBS_S = 60.0  # how long a forced submission waits for the runs' earlier jobs to end
 QUEUE_FRESH_S = 10.0  # how long in_flight trusts one squeue of an experiment's jobs
+SYNC_INTERVAL_S = 5.0  # while waiting, how often Slurm is asked how the runs' jobs are
 NOT_SUBMITTED_S = 120.0  # a queued record this old without a job: its submission died before sbatch
 CONTAINER_ENGINE = "podman"  # container: true starts the images on the nodes with it (no daemon, no root needed)
 
@@ -116,6 +117,7 @@ class SlurmBackend(Backend):
         super().__init__(settings, **values)
         self.slurm = Slurm()
         self._active: tuple[float, str, set[str]] = (0.0, "", set())  # when, experiment, its active job ids
+        self._synced_at = float("-inf")  # when sync last asked Slurm
         if self.settings.container:  # the runs' kernels are the images', not venvs on the shared project
             self.capabilities = dataclasses.replace(self.capabilities, local_kernels=False)
         self._engine: Engine | None = None
@@ -381,7 +383,14 @@ class SlurmBackend(Backend):
     def sync(self, experiment: str, share: Share, run_ids: Sequence[str] | None = None) -> None:
         """Bring the unfinished runs' records up to date with Slurm: a pending job's reason as the run's note; a job
         gone without the run's final record ends the run as Slurm ended the job (time limit, cancel, memory), or as
-        lost, and a lost run with retries left is submitted again."""
+        lost, and a lost run with retries left is submitted again.
+
+        While waiting (``run_ids`` given) Slurm is asked at most every :data:`SYNC_INTERVAL_S`: each ``squeue`` is a
+        request to slurmctld, which a busy cluster's admins count; the runs' own records are read as often as ever.
+        """
+        if run_ids is not None and time.monotonic() - self._synced_at < SYNC_INTERVAL_S:
+            return
+        self._synced_at = time.monotonic()
         open_jobs = [(r, j) for r, j in self._open_jobs(experiment, share, run_ids) if j is not None]
         if not open_jobs:
             return
