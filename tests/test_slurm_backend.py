@@ -138,6 +138,10 @@ def test_bad_settings_are_refused_when_the_backend_is_made():
         get_backend("slurm", time_limit="soon")
     with pytest.raises(BackendError, match="partiton.*did you mean `partition`"):
         get_backend("slurm", partiton="gpu")
+    with pytest.raises(NbbatchError, match="`--array=0-3`, an option nbbatch sets itself.*max_parallel"):
+        get_backend("slurm", extra_sbatch=["--exclusive", "--array=0-3"])
+    with pytest.raises(NbbatchError, match="`-J`.*finds its jobs by that name"):
+        get_backend("slurm", extra_sbatch=["-J", "mine"])
 
 
 # --- runs on the cluster ------------------------------------------------------------------------------------

@@ -56,6 +56,18 @@ EARLIER_JOBS_S = 60.0  # how long a forced submission waits for the runs' earlie
 QUEUE_FRESH_S = 10.0  # how long in_flight trusts one squeue of an experiment's jobs
 SYNC_INTERVAL_S = 5.0  # while waiting, how often Slurm is asked how the runs' jobs are
 NOT_SUBMITTED_S = 120.0  # a queued record this old without a job: its submission died before sbatch
+_JOB = "nbbatch names each job after its experiment and finds its jobs by that name"
+_SHAPE = "one task per node; the experiment's resources (nodes, gpus) and the settings cpus and memory set it"
+OWNED_OPTIONS = {  # sbatch options that extra_sbatch may not give, and why
+    "--array": "a submission's runs are one array; set max_parallel for its throttle",
+    "--output": "Slurm's output goes beside the runs' specs on the share", "-o": "Slurm's output goes beside the specs",
+    "--job-name": _JOB, "-J": _JOB, "--wrap": "nbbatch writes the batch script",
+    "--parsable": "nbbatch reads the job id itself", "--test-only": "nbbatch tests every job before queueing",
+    "--wait": "use `nbbatch submit --wait`", "-W": "use `nbbatch submit --wait`",
+    "--nodes": _SHAPE, "-N": _SHAPE, "--ntasks": _SHAPE, "-n": _SHAPE, "--ntasks-per-node": _SHAPE,
+    "--mem": "set the backend's `memory`", "--cpus-per-task": "set the backend's `cpus`", "-c": "set `cpus`",
+    "--requeue": "nbbatch submits a lost run again itself (retries)",
+}
 CONTAINER_ENGINE = "podman"  # container: true starts the images on the nodes with it (no daemon, no root needed)
 
 
@@ -90,6 +102,11 @@ class SlurmSettings:
         if not _MEMORY.match(str(self.memory)):
             raise ValidationError(f"backend setting `memory: {self.memory}` is not a Slurm memory size: write a "
                                   "number with K, M, G or T (e.g. 16G), the memory each run's job asks for")
+        for option in self.extra_sbatch or ():
+            name = str(option).split("=", 1)[0]
+            if name in OWNED_OPTIONS:
+                raise ValidationError(f"backend setting `extra_sbatch` holds `{option}`, an option nbbatch sets itself "
+                                      f"for every job: {OWNED_OPTIONS[name]}")
         limit = self.time_limit
         if limit is not None and not (isinstance(limit, int) or _TIME.match(str(limit))):
             raise ValidationError(f"backend setting `time_limit: {limit}` is not a Slurm time: write minutes (90) or "
