@@ -23,6 +23,7 @@ from support.waiting import wait_until
 from nbbatch import api
 from nbbatch.backends import get_backend
 from nbbatch.backends.slurm import SlurmBackend, SlurmJob
+from nbbatch.backends.slurm.commands import TOOLS
 from nbbatch.backends.slurm.jobs import slurm_time, time_limit_minutes
 from nbbatch.errors import BackendError, NbbatchError
 from nbbatch.store.runfiles import load_records, read_record
@@ -313,6 +314,19 @@ def test_missing_slurm_tools_are_named(project, tmp_path, monkeypatch):
     make_notebook(project / "probe.ipynb", [PROBE], parameters="SEED = 0\nSLEEP = 0.5")
     with pytest.raises(BackendError, match="lacks sbatch, squeue, scancel, sinfo.*slurm-client"):
         api.submit(experiment("notools", tmp_path / "share"), progress=False)
+
+
+def test_a_machine_that_reaches_no_slurm_is_told_what_to_set(project, tmp_path, monkeypatch):
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for tool in TOOLS:  # Slurm's own words where no slurm.conf is found (sinfo on a machine outside any cluster)
+        (tools / tool).write_text("#!/bin/sh\necho 'sinfo: fatal: Could not establish a configuration source' >&2\n"
+                                  "exit 1\n")
+        (tools / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    make_notebook(project / "probe.ipynb", [PROBE], parameters="SEED = 0\nSLEEP = 0.5")
+    with pytest.raises(BackendError, match="Could not establish a configuration source\n.*set SLURM_CONF"):
+        api.submit(experiment("noconf", tmp_path / "share"), progress=False)
 
 
 def test_a_share_only_this_machine_sees_is_refused(project, tmp_path, monkeypatch):

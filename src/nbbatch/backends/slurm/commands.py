@@ -22,6 +22,24 @@ TOOLS = ("sbatch", "squeue", "scancel", "sinfo")  # what the backend cannot work
 QUEUE_FORMAT = "%i|%F|%K|%T|%r|%N"
 
 
+# What Slurm's client tools print when this machine cannot reach a cluster at all, and what to do about it.
+_HINTS = (
+    ("Could not establish a configuration source",
+     "this machine has no Slurm configuration: set SLURM_CONF to the cluster's slurm.conf, or submit from one of its "
+     "login nodes"),
+    ("Unable to process configuration file",
+     "Slurm cannot read its configuration: check the file SLURM_CONF names (or /etc/slurm/slurm.conf)"),
+    ("Unable to contact slurm controller",
+     "slurmctld does not answer: check `scontrol ping` and the controller's address in slurm.conf (SLURM_CONF)"),
+    ("Munge encode failed",
+     "munged is not running on this machine (or its key differs from the cluster's): start munged"),
+)
+
+
+def _hint(said: str) -> str:
+    return next((f"\n(that means {what})" for sign, what in _HINTS if sign in said), "")
+
+
 class SlurmCommandError(BackendError):
     """A Slurm command failed; its text holds the command and what Slurm printed, whole."""
 
@@ -79,7 +97,7 @@ class Slurm:
                                     "slurmctld up? (`scontrol ping`)") from exc
         if check and done.returncode != 0:
             said = (done.stderr.strip() or done.stdout.strip() or "(nothing printed)")
-            raise SlurmCommandError(f"`{' '.join(args[:2])}` failed (exit {done.returncode}): {said}",
+            raise SlurmCommandError(f"`{' '.join(args[:2])}` failed (exit {done.returncode}): {said}{_hint(said)}",
                                     stderr=said, returncode=done.returncode)
         return done
 
