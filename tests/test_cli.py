@@ -9,6 +9,8 @@ import sys
 import pytest
 from support.notebooks import make_notebook
 
+from nbbatch.spec.project import find_project
+
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -144,3 +146,10 @@ def test_the_python_api_and_the_widgets_import_without_what_is_slow_to_import(mo
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_an_experiment_file_outside_any_project_belongs_to_the_working_directorys(project, tmp_path):
+    elsewhere = tmp_path / "experiments"  # no frameworks/ or .nbbatch/ on its way up
+    elsewhere.mkdir()
+    assert find_project(elsewhere).root == project
+    assert find_project(project / "sub").root == project

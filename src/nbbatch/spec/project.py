@@ -1,8 +1,8 @@
 """Where a project keeps things: framework data, environments, kernels, results.
 
-The project root is the nearest folder (from the working directory up) holding ``frameworks/``
-or ``.nbbatch/``, else ``NBBATCH_PROJECT``; everything nbbatch creates stays inside it, never in
-the user's home.
+The project root is ``NBBATCH_PROJECT`` when set, else the nearest folder holding ``frameworks/`` or
+``.nbbatch/``: from the experiment file's folder up, then from the working directory up; everything
+nbbatch creates stays inside it, never in the user's home.
 """
 
 from __future__ import annotations
@@ -57,7 +57,9 @@ def find_project(start: str | os.PathLike[str] | None = None) -> Project:
     if os.environ.get("NBBATCH_PROJECT"):
         return Project(Path(os.environ["NBBATCH_PROJECT"]).resolve())
     here = Path(start or os.getcwd()).resolve()
-    for folder in (here, *here.parents):
-        if (folder / "frameworks").is_dir() or (folder / ".nbbatch").is_dir():
-            return Project(folder)
+    # An experiment file kept outside any project belongs to the project the command runs in.
+    for origin in (here, Path.cwd().resolve()) if start else (here,):
+        for folder in (origin, *origin.parents):
+            if (folder / "frameworks").is_dir() or (folder / ".nbbatch").is_dir():
+                return Project(folder)
     return Project(here)
