@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 from jupyter_client.manager import KernelManager
-from support.containers import build_chainer_image, podman_session
+from support.containers import build_chainer_image, build_pytorch_image, podman_session
 from support.frameworks import env_build_lock, framework_envs  # noqa: F401 - framework_envs: a session fixture
 from support.machine import REPO, gpu_count
 from support.processes import TEST_SESSION_VAR
+from support.registry import registry_session
 from support.slurm import SlurmCluster, slurm_available
 
 from nbbatch.execute.envs import build_env
@@ -149,6 +150,19 @@ def podman_env(tmp_path_factory):
 def chainer_image(podman_env):
     """The Chainer image, built by the CLI as a user builds it: once per session, for every test file."""
     return build_chainer_image()
+
+
+@pytest.fixture(scope="session")
+def image_registry(tmp_path_factory):
+    """A registry on 127.0.0.1 (Debian's docker-registry), insecure for podman (support.registry); skipped where not
+    root or without docker-registry."""
+    yield from registry_session(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def pytorch_image(podman_env):
+    """PyTorch's CPU image on the test base (distributed runs in containers): once per session."""
+    return build_pytorch_image()
 
 
 def _installed(module: str) -> bool:

@@ -105,6 +105,8 @@ def env_upload(monkeypatch):
     uploads = []
 
     def fake_upload(environment, operations, sas_uri=None, show_progress=True):
+        if environment.build is None:  # an environment of a registry's image (`image:`): nothing to upload
+            return environment
         context = Path(environment.build.path)
         uploads.append(sorted(p.relative_to(context).as_posix() for p in context.rglob("*") if p.is_file()))
         environment.build.path = f"https://fakeblob.blob.core.windows.net/azureml/LocalUpload/{environment.name}/"
@@ -790,3 +792,29 @@ def test_its_placement_hook_reads_azure_mls_node_variables():
     assert AzureMLBackend.node_placement(run, environ) == NodePlacement(1, ("10.0.0.4:6105",))
     assert placement_reader("azureml")(run, environ) == AzureMLBackend.node_placement(run, environ)
     assert AzureMLBackend.node_placement(run, {}) is None
+
+
+def test_registry_images_are_used_not_built(aml, share, runs, files, env_upload, azproject):
+    """`registry:` makes each framework's environment the image pushed there (`nbbatch images push`): nothing is
+    uploaded or built by Azure ML."""
+    backend = AzureMLBackend(ml_client=aml.ml_client(), compute="gpu-a100", poll_seconds=0,
+                             registry="registry.example.com/team")
+    _queue(share, runs)
+    backend.submit(runs, share, _options())
+    version = _image_version(azproject)
+    image = f"registry.example.com/team/nbbatch-toy:{version}"
+    assert env_upload == []  # no build context went anywhere
+    [(name, registered)] = aml.environments
+    assert (name, registered) == ("nbbatch-toy", version)
+    properties = aml.environments[(name, registered)]["properties"]
+    assert properties["image"] == image and not properties.get("build")
+    env = framework_environment(get_framework("toy", Project(azproject)), azproject / "dockerfiles",
+                                registry="registry.example.com/team")
+    text = io.StringIO()
+    env.dump(text)
+    assert load_environment(source=io.StringIO(text.getvalue())).image == image
+    for job in aml.jobs.values():
+        assert job["properties"]["environmentId"].endswith(f"/environments/nbbatch-toy/versions/{version}")
+    with pytest.raises(ValidationError, match="has a scheme"):
+        AzureMLBackend(ml_client=aml.ml_client(), registry="https://registry.example.com").check(runs)
+    assert not aml.transport.unmatched

@@ -17,12 +17,13 @@ import pytest
 from support.shares import ShareDouble
 
 import nbbatch
-from nbbatch.backends import SubmitOptions
+from nbbatch.backends import SubmitOptions, get_backend
 from nbbatch.backends.local import LocalBackend
 from nbbatch.containers import engines
 from nbbatch.containers.engines import CA_MOUNT, Docker, Podman, build_ca_bundle, find_engine
 from nbbatch.containers.images import (
     UV_VERSION,
+    build_image,
     image_spec,
     image_status,
     machine_arch,
@@ -597,6 +598,68 @@ def test_images_context_needs_a_framework_and_a_folder(in_repo, capsys):
     assert "usage: nbbatch images context FRAMEWORK DIR" in capsys.readouterr().err
 
 
+def fake_uv_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stand-in for uv's binary in the cache: no download."""
+    fake_uv = tmp_path / "cache" / f"uv-{UV_VERSION}-{machine_arch()}" / "uv"
+    fake_uv.parent.mkdir(parents=True)
+    fake_uv.write_bytes(b"\x7fELF fake uv")
+    monkeypatch.setenv("NBBATCH_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def wheels_in(folder: Path, *names: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        (folder / name).write_bytes(f"wheel {name} of {folder.name}".encode())
+    return folder
+
+
+def test_images_context_stages_only_the_wheels_of_find_links(in_repo, tmp_path, monkeypatch):
+    fake_uv_cache(tmp_path, monkeypatch)
+    first = wheels_in(tmp_path / "first", "x-1.0-py3-none-any.whl", "notes.txt")
+    wheels_in(first / "sub", "inner-1.0-py3-none-any.whl")  # only the folder's own wheels, not its tree
+    second = wheels_in(tmp_path / "second", "x-1.0-py3-none-any.whl", "y-2.0-py3-none-any.whl")
+    dest = tmp_path / "ctx"
+    assert main(["images", "context", "chainer", str(dest), "--find-links", str(first), "--find-links", str(second)]) == 0
+    house = dest / "context" / "wheelhouse"
+    assert sorted(p.name for p in house.iterdir()) == ["x-1.0-py3-none-any.whl", "y-2.0-py3-none-any.whl"]
+    assert (house / "x-1.0-py3-none-any.whl").read_text() == "wheel x-1.0-py3-none-any.whl of first"  # first wins
+    assert (house / "y-2.0-py3-none-any.whl").stat().st_ino == (second / "y-2.0-py3-none-any.whl").stat().st_ino
+    assert "UV_FIND_LINKS=/run/nbbatch/wheelhouse" in (dest / "Dockerfile").read_text()
+    plain = tmp_path / "plain"
+    assert main(["images", "context", "chainer", str(plain)]) == 0
+    assert not (plain / "context" / "wheelhouse").exists()
+    assert "wheelhouse" not in (plain / "Dockerfile").read_text()
+
+
+def test_images_build_refuses_a_find_links_folder_without_wheels(in_repo, fake_bin, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["images", "build", "chainer", "--engine", "podman", "--find-links", str(empty)]) != 0
+    err = capsys.readouterr().err
+    assert f"--find-links {empty} holds no wheel file" in err and "Traceback" not in err  # before any engine is sought
+
+
+def test_a_build_with_a_wheelhouse_labels_the_image_with_its_wheels(repo_frameworks, fake_bin, tmp_path, monkeypatch):
+    fake_uv_cache(tmp_path, monkeypatch)
+    state = tmp_path / "podman-state"
+    state.mkdir()
+    podman = fake_bin("podman", f"""\
+case "$1" in
+  image) echo "Error: image not known" >&2; exit 125;;  # no image yet: build it
+  build) printf '%s\\n' "$@" > "{state}/args"; for last; do :; done
+         for wheel in "$last"/context/wheelhouse/*; do echo "${{wheel##*/}}"; done > "{state}/wheels";;
+esac
+exit 0
+""")
+    wheels = wheels_in(tmp_path / "wheels", "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl")
+    spec = image_spec(get_framework("pytorch", Project(ROOT)), ROOT / "dockerfiles", gpu=False, find_links=[wheels])
+    build_image(Podman(str(podman)), spec, Project(tmp_path / "proj"))
+    args = (state / "args").read_text().splitlines()
+    assert "nbbatch.wheelhouse=torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl" in values_of(args, "--label")
+    assert (state / "wheels").read_text().split() == ["torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"]
+    assert values_of(args, "--tag") == [image_spec(spec.framework, ROOT / "dockerfiles", gpu=False).ref]
+
+
 def test_images_list_with_an_unknown_engine_fails(in_repo, fake_bin, capsys):
     assert main(["images", "list", "--engine", "podmn"]) != 0
     assert "did you mean `podman`" in capsys.readouterr().err
@@ -611,3 +674,12 @@ def test_images_list_shows_each_frameworks_state(in_repo, fake_bin, tmp_path, ca
     assert "chainer" in capsys.readouterr().out
     with pytest.raises(SystemExit):  # argparse's own error for an unknown option
         main(["images", "list", "--engine", "podman", "--bogus"])
+
+
+@pytest.mark.parametrize("given", [{"registry": "127.0.0.1:5000"}, {"cpu_image": True},
+                                   {"base_image": "debian:12", "registry": "reg.example.com/team"}])
+@pytest.mark.parametrize("backend", ["local", "slurm", "ray"])
+def test_image_settings_without_container_are_refused_not_ignored(backend, given):
+    with pytest.raises(ValidationError, match=r"`(registry|cpu_image|base_image)`.*add `container: true`"):
+        get_backend(backend, **given)
+    get_backend(backend, container=True, **given)  # with container: true they are taken

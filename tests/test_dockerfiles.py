@@ -14,12 +14,14 @@ from pathlib import Path
 import pytest
 
 from nbbatch.containers.images import (
+    LABEL_WHEELHOUSE,
     TEMPLATE,
     copy_sources,
     image_spec,
     instructions,
     render,
     stage_context,
+    with_wheelhouse,
 )
 from nbbatch.errors import ContainerError
 from nbbatch.spec.frameworks import Framework, list_frameworks
@@ -144,3 +146,61 @@ def test_the_fingerprint_follows_pins_base_and_template(frameworks, tmp_path):
     dockerfiles.mkdir()
     (dockerfiles / TEMPLATE).write_text((DOCKERFILES / TEMPLATE).read_text() + "# changed\n")
     assert image_spec(fw, dockerfiles).fingerprint != gpu.fingerprint
+
+
+# --- a wheelhouse (--find-links) ---------------------------------------------------------------------
+
+
+def wheel_folder(folder: Path, *names: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        (folder / name).write_bytes(b"PK fake wheel " + name.encode())
+    return folder
+
+
+def test_a_wheelhouse_reaches_the_framework_step_alone_and_keeps_the_tag(frameworks, tmp_path):
+    fw = frameworks["pytorch"]
+    plain = image_spec(fw, DOCKERFILES, gpu=False)
+    wheels = wheel_folder(tmp_path / "wheels", "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl")
+    housed = image_spec(fw, DOCKERFILES, gpu=False, find_links=[wheels])
+    # Without one, the Dockerfile is the template's, byte for byte; with one, the tag is the same (same pins).
+    assert plain.text == render((DOCKERFILES / TEMPLATE).read_text(), plain.args) and plain.wheels == ()
+    assert housed.ref == plain.ref and housed.wheels == (wheels / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl",)
+    assert LABEL_WHEELHOUSE not in plain.labels
+    assert housed.labels == {**plain.labels, LABEL_WHEELHOUSE: "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"}
+    before, after = instructions(plain.text), instructions(housed.text)
+    changed = [(old, new) for old, new in zip(before, after, strict=True) if old != new]
+    assert len(changed) == 1 and "nbbatch envs create" in changed[0][0][1]
+    step, original = (" ".join(args.split()) for (_, args) in changed[0][::-1])
+    assert step.startswith("--mount=type=bind,source=context/wheelhouse,target=/run/nbbatch/wheelhouse ")
+    assert "export UV_FIND_LINKS=/run/nbbatch/wheelhouse && if [ -f /run/nbbatch/ca.crt ]" in step
+    assert step.endswith(original), "the step's own commands follow unchanged"
+    assert copy_sources(housed.text) == copy_sources(plain.text), "the wheels are mounted, never copied into a layer"
+
+
+def test_a_wheelhouse_must_be_a_folder_holding_wheels(frameworks, tmp_path):
+    fw = frameworks["chainer"]
+    with pytest.raises(ContainerError, match=r"--find-links .*nowhere: no such folder"):
+        image_spec(fw, DOCKERFILES, find_links=[tmp_path / "nowhere"])
+    notes = tmp_path / "notes"
+    (notes / "sub").mkdir(parents=True)
+    (notes / "README.txt").write_text("no wheels here")
+    (notes / "sub" / "deep-1.0-py3-none-any.whl").write_text("not looked for below the folder")
+    with pytest.raises(ContainerError, match=r"holds no wheel file \(\*\.whl\)"):
+        image_spec(fw, DOCKERFILES, find_links=[notes])
+    first = wheel_folder(tmp_path / "first", "a-1.0-py3-none-any.whl")
+    second = wheel_folder(tmp_path / "second", "a-1.0-py3-none-any.whl", "b-2.0-py3-none-any.whl")
+    spec = image_spec(fw, DOCKERFILES, find_links=[first, second])
+    assert spec.wheels == (first / "a-1.0-py3-none-any.whl", second / "b-2.0-py3-none-any.whl")
+
+
+def test_a_wheelhouse_needs_a_step_running_nbbatch_envs_create(tmp_path):
+    with pytest.raises(ContainerError, match="no RUN step running `nbbatch envs create`"):
+        with_wheelhouse("FROM x\nRUN pip install torch\n", tmp_path / "Dockerfile")
+    text = with_wheelhouse("FROM x\nRUN --network=host \\\n    python -m nbbatch envs create fw\nRUN true\n",
+                           tmp_path / "Dockerfile")
+    assert " ".join(instructions(text)[1][1].split()) == (
+        "--network=host --mount=type=bind,source=context/wheelhouse,target=/run/nbbatch/wheelhouse "
+        "export UV_FIND_LINKS=/run/nbbatch/wheelhouse && python -m nbbatch envs create fw")
+    assert instructions(text)[2] == ("RUN", "true")
+

@@ -22,7 +22,7 @@ from nbbatch import api
 from nbbatch.backends.slurm import SlurmBackend, SlurmJob
 from nbbatch.backends.slurm.script import launcher_command
 from nbbatch.containers.node import execute_on_node
-from nbbatch.errors import BackendError, ContainerError, ValidationError
+from nbbatch.errors import ContainerError, ValidationError
 from nbbatch.execute.context import AttemptContext
 from nbbatch.plan.runs import Run
 from nbbatch.spec.resources import Distribution
@@ -52,10 +52,11 @@ def test_a_run_of_no_framework_is_refused(no_slurm_tools_needed):
         SlurmBackend(container=True).check([_run(framework=None)])
 
 
-def test_a_distributed_run_in_containers_is_refused_naming_the_fix(no_slurm_tools_needed):
+def test_a_distributed_run_in_containers_is_not_refused(monkeypatch):
+    """Its job runs one container per node (tests/test_containers_distributed.py runs one on the cluster)."""
     run = _run(distribution=Distribution("torch", nodes=2, processes_per_node=1, gpus_per_node=0))
-    with pytest.raises(BackendError, match=r"distributed.*submit it without `container: true`"):
-        SlurmBackend(container=True).check([run])
+    monkeypatch.setattr(SlurmBackend, "_container_images", lambda self, runs: {"chainer": "localhost/nbbatch/chainer:x"})
+    SlurmBackend(container=True)._check_containers([run])
 
 
 def test_containers_need_no_framework_venvs_here():

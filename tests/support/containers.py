@@ -88,3 +88,18 @@ def build_chainer_image() -> ImageSpec:
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"chainer: ready ({spec.ref}" in done.stdout
     return spec
+
+
+def build_pytorch_image() -> ImageSpec:
+    """The ``pytorch_image`` fixture: PyTorch's CPU image (``--cpu``: the pins as the venv has them) on the test base,
+    with the Debian packages framework.yaml asks for (``system_packages``, installed by the build), for distributed
+    runs in containers. The folders of PIP_FIND_LINKS go in as its wheelhouse (``--find-links``): where one holds
+    torch's CPU wheel, the image takes it instead of PyPI's Linux wheel and its 4 GB of CUDA libraries."""
+    spec = image_spec(list_frameworks(Project(REPO))["pytorch"], REPO / "dockerfiles", gpu=False, base=BASE)
+    wheelhouse = [arg for folder in os.environ.get("PIP_FIND_LINKS", "").split()
+                  if Path(folder).is_dir() and any(Path(folder).glob("*.whl")) for arg in ("--find-links", folder)]
+    done = nbbatch_cli("images", "build", "pytorch", "--cpu", "--base", BASE, "--engine", "podman", "-q",
+                       *wheelhouse, timeout=1800)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"pytorch: ready ({spec.ref}" in done.stdout
+    return spec

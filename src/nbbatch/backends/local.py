@@ -14,7 +14,8 @@ With ``container: true`` each run executes ``nbbatch run-one`` inside its framew
 
 A distributed run (:mod:`nbbatch.execute.ranks`) takes its GPUs as one gang, to itself, and counts as
 its ranks against ``max_parallel``; its ranks rendezvous on free ports of 127.0.0.1. This machine is one
-node; ``NBBATCH_SIMULATE_NODES=1`` (for tests) runs every node of a run here, each a launcher of its own.
+node; ``NBBATCH_SIMULATE_NODES=1`` (for tests) runs every node of a run here, each a launcher of its own
+(with ``container: true``, each node's launcher and ranks in a container of their own).
 """
 
 from __future__ import annotations
@@ -31,7 +32,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from nbbatch.backends.base import Backend, Capabilities, Compute, SubmitOptions
 from nbbatch.backends.local_scheduler import SIMULATE_NODES_ENV, nodes_here, run_batch
 from nbbatch.backends.settings import setting
-from nbbatch.containers.checks import build_framework_images, framework_images, refuse_runs_without_image
+from nbbatch.containers.checks import (
+    build_framework_images,
+    framework_images,
+    refuse_image_settings_without_container,
+    refuse_runs_without_image,
+)
 from nbbatch.containers.engines import Engine, find_engine
 from nbbatch.containers.runner import execute_in_container
 from nbbatch.errors import ContainerError, ValidationError
@@ -60,6 +66,7 @@ class LocalSettings:
     engine: str = field(default="auto", metadata=setting(choices=("auto", "docker", "podman")))  # the container engine
     cpu_image: bool = False  # the frameworks' CPU images (the pins as the venvs have them)
     base_image: str | None = None  # build the images on this base instead of framework.yaml's
+    registry: str | None = None  # with container: pull REGISTRY/nbbatch-<fw>:<fingerprint> instead of a local build
 
 
 class LocalBackend(Backend):
@@ -74,6 +81,7 @@ class LocalBackend(Backend):
     def __init__(self, settings: LocalSettings | None = None, /, gpus: list[GpuInfo] | None = None, **values: Any):
         """``gpus`` replaces NVML's list (for tests); the rest are the experiment's ``backend:`` settings."""
         super().__init__(settings, **values)
+        refuse_image_settings_without_container(self.settings)
         self._gpus = gpus
         if self.settings.container:  # the runs' kernels are the images', not this machine's venvs
             self.capabilities = dataclasses.replace(self.capabilities, local_kernels=False, containers=True)
@@ -123,9 +131,6 @@ class LocalBackend(Backend):
             raise ValidationError(f"run {spread.run_id} spans {spread.distribution.nodes} nodes, but the local backend "
                                   "is this one machine; set resources.nodes: 1 (processes_per_node ranks here), or use "
                                   "a backend with nodes (slurm, ray, azureml)")
-        if self.settings.container and any(r.distribution for r in runs):
-            raise ValidationError("container: true runs one kernel per container, and a distributed run has one per "
-                                  "rank; run distributed runs without containers (or on azureml, whose images they use)")
 
     # --- container: true --------------------------------------------------------------------------------
 
@@ -158,7 +163,7 @@ class LocalBackend(Backend):
         if any(r.gpus for r in runs):
             engine.check_gpus()
         self._images = framework_images(engine, runs, gpu=not self.settings.cpu_image, base=self.settings.base_image,
-                                        known=self._images)
+                                        known=self._images, registry=self.settings.registry, pull_here=True)
 
     def _execute(self, run: Run, share: Share, lease: GpuLease, shared: bool, gpu_env: dict[str, str],
                  info: GpuSharing | None, cancel: threading.Event, notify: Callable[[RunRecord], None],
@@ -167,11 +172,16 @@ class LocalBackend(Backend):
         ``on_sampler`` is given the run's GPU sampler while it samples (see :class:`AttemptContext`)."""
         if run.distribution:  # a gang's GPUs are its own: no sharing, no kernel started ahead
             return _execute_distributed(run, share, AttemptContext(gpu_ids=lease.gpu_ids, cancel_event=cancel,
-                                                                   on_update=notify))
+                                                                   on_update=notify),
+                                        self._in_container if self.settings.container else execute_run)
         context = AttemptContext(gpu_ids=lease.gpu_ids, shared_gpu=shared, gpu_share=info, cancel_event=cancel,
                                  on_update=notify, on_sampler=on_sampler)
         if not self.settings.container:
             return execute_run(run, share, dataclasses.replace(context, gpu_env=gpu_env, kernels=kernels))
+        return self._in_container(run, share, context)
+
+    def _in_container(self, run: Run, share: Share, context: AttemptContext) -> RunRecord:
+        """``run`` (a gang's node: its launcher, with the node's ranks) in its framework's image."""
         if run.framework not in self._images:
             self._check_containers([run], None)
         image, image_id = self._images[run.framework or ""]
@@ -194,8 +204,10 @@ class LocalBackend(Backend):
                 for r in records if r.host == host and r.pid and not pid_alive(r.pid)}
 
 
-def _execute_distributed(run: Run, share: Share, context: AttemptContext) -> RunRecord:
-    """Every node of a distributed run this machine runs: node 0 here, simulated others in threads beside it."""
+def _execute_distributed(run: Run, share: Share, context: AttemptContext,
+                         launch: Callable[[Run, Share, AttemptContext], RunRecord] = execute_run) -> RunRecord:
+    """Every node of a distributed run this machine runs: node 0 here, simulated others in threads beside it.
+    ``launch`` runs one node's launcher (with ``container: true``, in a container of its own)."""
     placements = local_placements(run)[:nodes_here(run)]
     per_node = run.gpus
 
@@ -203,7 +215,7 @@ def _execute_distributed(run: Run, share: Share, context: AttemptContext) -> Run
         return local_placements(run)[0].endpoints
 
     def node(index: int) -> RunRecord:
-        return execute_run(run, share, dataclasses.replace(
+        return launch(run, share, dataclasses.replace(
             context, placement=placements[index], gpu_ids=context.gpu_ids[index * per_node:(index + 1) * per_node],
             on_update=context.on_update if index == 0 else None,
             new_endpoints=fresh_endpoints if len(placements) == 1 else None))

@@ -8,5 +8,6 @@ runs executed inside them.
 * :mod:`~nbbatch.containers.runner`: ``nbbatch run-one`` of one run inside its framework's image, for
   the local backend's ``container: true``;
 * :mod:`~nbbatch.containers.checks`: what ``container: true`` refuses and the images it needs, for any backend;
+* :mod:`~nbbatch.containers.registry`: images pushed to and pulled from a registry (``REGISTRY/nbbatch-<fw>:<fp>``);
 * :mod:`~nbbatch.containers.node`: the slurm backend's ``container: true`` on a node (``run-one --container-image``).
 """

@@ -2,7 +2,8 @@
 runs an image can execute, and each framework's image, built or found by its tag.
 
 The local backend looks on this machine; the slurm backend looks on the machine it submits from, and each node's
-``nbbatch run-one`` looks again there (:mod:`nbbatch.containers.node`).
+``nbbatch run-one`` looks again there (:mod:`nbbatch.containers.node`). With a ``registry:`` every backend looks in the
+registry instead (:mod:`nbbatch.containers.registry`), and the machine that runs a run pulls its image.
 """
 
 from __future__ import annotations
@@ -12,10 +13,25 @@ from collections.abc import Sequence
 
 from nbbatch.containers.engines import Engine
 from nbbatch.containers.images import ImageSpec, build_image, image_spec, require_image
+from nbbatch.containers.registry import pull_image, registry_ref, require_remote_image
 from nbbatch.errors import ValidationError
 from nbbatch.plan.runs import Run
 from nbbatch.spec.frameworks import get_framework
 from nbbatch.spec.project import Project
+
+IMAGE_SETTINGS = ("cpu_image", "base_image", "registry")  # backend settings that choose the image of container: true
+
+
+def refuse_image_settings_without_container(settings: object) -> None:
+    """Refuse ``cpu_image``, ``base_image`` or ``registry`` in backend settings without ``container: true``: each would
+    be ignored, and the runs would use the framework venvs instead of the images the user asked for."""
+    if getattr(settings, "container", False):
+        return
+    given = [name for name in IMAGE_SETTINGS if getattr(settings, name, None) not in (None, False, "")]
+    if given:
+        raise ValidationError(f"backend setting{'s' if len(given) > 1 else ''} {', '.join(f'`{n}`' for n in given)} "
+                              "choose the framework images of `container: true`, which is not set: add `container: "
+                              "true` to run in the images, or drop them to run in the framework venvs")
 
 
 def refuse_runs_without_image(runs: Sequence[Run]) -> None:
@@ -40,14 +56,32 @@ def framework_image_spec(name: str, project: Project, gpu: bool = True, base: st
 
 
 def framework_images(engine: Engine, runs: Sequence[Run], gpu: bool = True, base: str | None = None,
-                     known: dict[str, tuple[str, str]] | None = None) -> dict[str, tuple[str, str]]:
-    """Each framework's ready image, as framework → (tag, image id); :class:`ContainerError` naming the command that
-    builds one that is missing. Frameworks already in ``known`` are not looked up again."""
+                     known: dict[str, tuple[str, str]] | None = None, registry: str | None = None,
+                     pull_here: bool = False) -> dict[str, tuple[str, str]]:
+    """Each framework's image, as framework → (ref, image id here or ""). Frameworks already in ``known`` are not
+    looked up again.
+
+    Without ``registry``: the image built here, or :class:`ContainerError` naming the command that builds it. With
+    ``registry`` (``REGISTRY/nbbatch-<framework>:<fingerprint>``): checked to be in the registry, or an error naming
+    the push command or the registry's refusal. ``pull_here`` (the runs execute on this machine): an image already
+    here needs no registry, a missing one is pulled now."""
     found = dict(known or {})
     for run in runs:
-        if run.framework and run.framework not in found:
-            status = require_image(engine, framework_image_spec(run.framework, Project(run.project_root()), gpu, base))
+        if not run.framework or run.framework in found:
+            continue
+        spec = framework_image_spec(run.framework, Project(run.project_root()), gpu, base)
+        if registry is None:
+            status = require_image(engine, spec)
             found[run.framework] = (status.ref, status.image_id or "")
+            continue
+        ref = registry_ref(spec, registry)
+        image_id = engine.image_id(ref) if pull_here else None
+        if image_id is None:
+            require_remote_image(engine, spec, registry)
+            if pull_here:
+                print(f"pulling the image of {run.framework}: {ref}", file=sys.stderr)
+                image_id = pull_image(engine, ref)
+        found[run.framework] = (ref, image_id or engine.image_id(ref) or "")
     return found
 
 

@@ -23,6 +23,11 @@ from nbbatch.errors import ContainerError, did_you_mean
 CA_MOUNT = "/run/nbbatch/ca.crt"  # where a build's RUN steps find an extra CA bundle (dockerfiles/Dockerfile)
 CDI_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))  # where the NVIDIA Container Toolkit writes CDI specs
 _CA_VARIABLES = ("NBBATCH_BUILD_CA", "SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE")
+TRANSFER_TIMEOUT_S = 3600.0  # a push or pull of a GPU image (gigabytes) on a slow link
+REMOTE_TIMEOUT_S = 60.0  # asking a registry whether it holds a tag
+# Podman 4.3's `manifest inspect` reads a single image's manifest, then refuses it as no manifest list: it exists.
+_SINGLE_IMAGE = "Treating single images as manifest lists is not implemented"
+_MISSING = ("manifest unknown", "no such manifest", "name unknown")  # the registry answered: no such tag or repository
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,21 @@ class Engine:
         """The id of the local image ``ref``, or None when there is none."""
         done = self.query("image", "inspect", "--format", "{{.Id}}", ref)
         return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
+
+    def transfer(self, action: str, ref: str, timeout: float = TRANSFER_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+        """``push`` or ``pull`` image ``ref`` (the registry its name starts with, through the engine's own login)."""
+        return self.query(action, ref, timeout=timeout)
+
+    def remote_image_exists(self, ref: str) -> bool:
+        """Whether the registry ``ref`` names holds it, read without pulling it (``manifest inspect``);
+        :class:`ContainerError` with the engine's own message when the registry cannot be asked."""
+        done = self.query("manifest", "inspect", ref, timeout=REMOTE_TIMEOUT_S)
+        message = done.stderr.strip() or done.stdout.strip()
+        if done.returncode == 0 or _SINGLE_IMAGE in message:
+            return True
+        if any(missing in message.lower() for missing in _MISSING):
+            return False
+        raise ContainerError(message or f"`{self.name} manifest inspect {ref}` failed (exit {done.returncode})")
 
     def images_labelled(self, labels: dict[str, str]) -> list[tuple[str, str]]:
         """``(reference, id)`` of the local tagged images carrying all these labels.

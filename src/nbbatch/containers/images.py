@@ -7,12 +7,22 @@ requirements. Local builds (Docker, Podman) and Azure ML's image build use the s
 is tagged ``<repository>:<fingerprint>``, the fingerprint covering the pins, the filled-in Dockerfile,
 uv's version and nbbatch's requirements: ``ready`` when that tag exists, ``stale`` when only older
 builds of the framework do, else ``missing``.
+
+A wheelhouse (``nbbatch images build --find-links DIR``) stages DIR's wheel files into the context
+(``context/wheelhouse``) and gives them to the framework step, ``nbbatch envs create``, as uv's
+``--find-links`` (``UV_FIND_LINKS``) through a bind mount of that step alone, so no wheel stays in a
+layer: e.g. a local ``torch-…+cpu`` wheel, which satisfies the ``torch==…`` pin without PyPI's Linux
+wheel and its 4 GB of CUDA libraries. Without one the Dockerfile is the template's, byte for byte.
+The wheelhouse leaves the fingerprint as it is: the pins, and so the promise the tag makes, are the
+same (as they are whichever index serves them); the label ``nbbatch.wheelhouse`` names the wheels a
+build used, and ``--force`` rebuilds an image that is ready without them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import re
 import shutil
@@ -21,9 +31,10 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
+from itertools import takewhile
 from pathlib import Path
 
 import nbbatch
@@ -40,8 +51,13 @@ LABEL_FRAMEWORK = "nbbatch.framework"
 LABEL_FINGERPRINT = "nbbatch.fingerprint"
 LABEL_VARIANT = "nbbatch.variant"  # GPU builds or not, and the base: builds of one variant replace each other
 LABEL_ENV = "nbbatch.env"  # the fingerprint of the framework environment inside (its pins; GPU builds included)
+LABEL_WHEELHOUSE = "nbbatch.wheelhouse"  # the wheel files a build was given (--find-links), comma-separated
+WHEELHOUSE = "context/wheelhouse"  # where the staged wheels lie in the build context
+WHEELHOUSE_MOUNT = "/run/nbbatch/wheelhouse"  # where the framework step sees them (a bind mount, in no layer)
+ENV_STEP = "nbbatch envs create"  # the command of the framework step, the one that takes the wheelhouse
 IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.pyo", ".ipynb_checkpoints")
 _ARG = re.compile(r"^(\s*ARG\s+)([A-Za-z_][A-Za-z0-9_]*)(=.*)?$")
+_RUN = re.compile(r"^(\s*)RUN\s+(.*)$", re.IGNORECASE)
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 
 
@@ -55,6 +71,7 @@ class ImageSpec:
     gpu: bool  # with the framework's GPU builds
     fingerprint: str = ""
     text: str = field(default="", repr=False)  # the Dockerfile with the values filled in
+    wheels: tuple[Path, ...] = ()  # the wheelhouse (--find-links): staged into context/wheelhouse
 
     @property
     def repository(self) -> str:
@@ -75,8 +92,11 @@ class ImageSpec:
 
     @property
     def labels(self) -> dict[str, str]:
-        return {LABEL_FRAMEWORK: self.framework.name, LABEL_VARIANT: self.variant, LABEL_FINGERPRINT: self.fingerprint,
-                LABEL_ENV: self.framework.fingerprint(gpu=self.gpu)}
+        labels = {LABEL_FRAMEWORK: self.framework.name, LABEL_VARIANT: self.variant,
+                  LABEL_FINGERPRINT: self.fingerprint, LABEL_ENV: self.framework.fingerprint(gpu=self.gpu)}
+        if self.wheels:
+            labels[LABEL_WHEELHOUSE] = ",".join(wheel.name for wheel in self.wheels)
+        return labels
 
     @property
     def variant(self) -> str:
@@ -106,8 +126,13 @@ def dockerfile_of(framework: Framework, dockerfiles_dir: Path) -> Path:
     return template
 
 
-def image_spec(framework: Framework, dockerfiles_dir: Path, gpu: bool = True, base: str | None = None) -> ImageSpec:
-    """The image of ``framework``: with its GPU builds (``gpu``) or the pins as they are, on ``base`` or its own."""
+def image_spec(framework: Framework, dockerfiles_dir: Path, gpu: bool = True, base: str | None = None,
+               find_links: Sequence[Path] = ()) -> ImageSpec:
+    """The image of ``framework``: with its GPU builds (``gpu``) or the pins as they are, on ``base`` or its own.
+
+    ``find_links``: folders of wheel files the framework step may install from (a wheelhouse). They change
+    the Dockerfile's framework step but not the fingerprint, which covers the pins (see the module's docstring).
+    """
     gpu = gpu and framework.gpu
     dockerfile = dockerfile_of(framework, dockerfiles_dir)
     args = image_spec_args(framework, gpu, base)
@@ -119,7 +144,10 @@ def image_spec(framework: Framework, dockerfiles_dir: Path, gpu: bool = True, ba
     for part in (framework.fingerprint(gpu=gpu), text, "\n".join(nbbatch_requirements()), UV_VERSION):
         digest.update(part.encode())
         digest.update(b"\0")
-    return ImageSpec(framework, dockerfile, args, gpu, digest.hexdigest()[:16], text)
+    wheels = wheelhouse_files(find_links)
+    if wheels:
+        text = with_wheelhouse(text, dockerfile)
+    return ImageSpec(framework, dockerfile, args, gpu, digest.hexdigest()[:16], text, wheels)
 
 
 def image_spec_args(framework: Framework, gpu: bool, base: str | None) -> dict[str, str]:
@@ -127,6 +155,61 @@ def image_spec_args(framework: Framework, gpu: bool, base: str | None) -> dict[s
     base = base or (framework.base_image if gpu or not framework.gpu else CPU_BASE_IMAGE) or ""
     return {"BASE_IMAGE": base, "FRAMEWORK": framework.name, "PYTHON_VERSION": framework.python,
             "GPU": "1" if gpu else "0", "SYSTEM_PACKAGES": " ".join(framework.system_packages)}
+
+
+def wheelhouse_files(folders: Sequence[Path]) -> tuple[Path, ...]:
+    """The wheel files (``*.whl``) of ``folders``, by name; of two with one name, the earlier folder's.
+
+    Raises :class:`ContainerError` for a folder that does not exist or holds no wheel file.
+    """
+    wheels: dict[str, Path] = {}
+    for folder in map(Path, folders):
+        if not folder.is_dir():
+            raise ContainerError(f"--find-links {folder}: no such folder. Name a folder that holds wheel files "
+                                 "(*.whl) for the image's framework step, or leave the option out")
+        found = sorted(path for path in folder.glob("*.whl") if path.is_file())
+        if not found:
+            raise ContainerError(f"--find-links {folder} holds no wheel file (*.whl): only wheels are staged into "
+                                 "the build context. Put the wheels there (`pip download --only-binary=:all: "
+                                 f"--dest {folder} PACKAGE`), or leave the option out")
+        for wheel in found:
+            wheels.setdefault(wheel.name, wheel)
+    return tuple(wheels[name] for name in sorted(wheels))
+
+
+def with_wheelhouse(text: str, dockerfile: Path) -> str:
+    """``text`` with its framework step (the RUN of ``nbbatch envs create``) given the staged wheels: the
+    context's wheelhouse bind-mounted for that step alone (no wheel enters a layer; Podman, or Docker's
+    BuildKit) and uv's ``--find-links`` set to it (``UV_FIND_LINKS``)."""
+    lines = text.splitlines()
+    start = _framework_step(lines)
+    if start is None:
+        raise ContainerError(f"{dockerfile} has no RUN step running `{ENV_STEP}`, which is the step a wheelhouse "
+                             "(--find-links) is given to; build without --find-links, or install the framework "
+                             f"with `{ENV_STEP}` as the template dockerfiles/{TEMPLATE} does")
+    match = _RUN.match(lines[start])
+    assert match is not None
+    indent, words = match.group(1), match.group(2).split(" ")
+    flags = list(takewhile(lambda word: word.startswith("--"), words))  # RUN's own options stay on its line
+    mount = f"--mount=type=bind,source={WHEELHOUSE},target={WHEELHOUSE_MOUNT}"
+    lines[start:start + 1] = [f"{indent}RUN {' '.join([*flags, mount])} \\",
+                              f"{indent}    export UV_FIND_LINKS={WHEELHOUSE_MOUNT} \\",
+                              f"{indent} && {' '.join(words[len(flags):])}"]
+    return "\n".join(lines) + "\n"
+
+
+def _framework_step(lines: list[str]) -> int | None:
+    """The index of the line that starts the RUN instruction running ``nbbatch envs create``, if any."""
+    start = None
+    for number, line in enumerate(lines):
+        continued = number > 0 and lines[number - 1].rstrip().endswith("\\")
+        if not continued and _RUN.match(line):
+            start = number
+        if start is not None and not line.rstrip().endswith("\\"):
+            if ENV_STEP in " ".join(lines[start:number + 1]):
+                return start
+            start = None
+    return None
 
 
 def render(text: str, args: dict[str, str]) -> str:
@@ -192,12 +275,27 @@ def stage_context(spec: ImageSpec, dest: Path, project: Project, arch: str | Non
     (dest / "context" / "nbbatch-requirements.txt").write_text("\n".join(nbbatch_requirements()) + "\n")
     if "context/uv" in sources:
         shutil.copy2(uv_binary(project, arch), dest / "context" / "uv")
+    stage_wheels(spec.wheels, dest / WHEELHOUSE)
     missing = [src for src in sources if not (dest / src).exists()]
     if missing:
         raise ContainerError(f"{spec.dockerfile} copies {', '.join(missing)}, which the build context of "
                              f"`{spec.framework.name}` does not hold; copy only from src/, frameworks/<name>/, "
                              "context/ or files beside the framework's own Dockerfile")
     return dest
+
+
+def stage_wheels(wheels: Sequence[Path], folder: Path) -> None:
+    """Put ``wheels`` into ``folder``: hard links where the file system allows (no copy of hundreds of MB), else copies."""
+    if not wheels:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    for wheel in wheels:
+        target = folder / wheel.name
+        target.unlink(missing_ok=True)
+        try:
+            os.link(wheel, target)
+        except OSError:  # another file system, or links refused
+            shutil.copy2(wheel, target)
 
 
 def nbbatch_requirements() -> list[str]:

@@ -6,6 +6,10 @@ Inside, ``nbbatch run-one`` of the image watches the share's cancel markers and 
 venv. Slurm stops a job (``scancel``, its time limit) with SIGTERM, but the container is no process of the job
 (the engine's monitor runs it), so SIGTERM here kills the container before the launcher exits; the driver then
 records how the job ended, from Slurm.
+
+A distributed run's job starts one launcher per node (``srun``); each finds its place in the gang on the host (the
+share's address exchange, :mod:`nbbatch.backends.slurm.gang`) and runs the node's ranks in one container, told that
+place in placement.json.
 """
 
 from __future__ import annotations
@@ -20,11 +24,11 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from nbbatch.containers.engines import Engine, find_engine
-from nbbatch.containers.runner import execute_in_container
+from nbbatch.containers.registry import names_registry, pull_image
+from nbbatch.containers.runner import end_unfinished, execute_in_container
 from nbbatch.errors import ContainerError
 from nbbatch.execute.context import AttemptContext
 from nbbatch.plan.runs import Run
-from nbbatch.store.runfiles import finalize_record
 from nbbatch.store.runjson import ContainerInfo, ErrorKind, RunError, RunRecord, Status
 from nbbatch.store.share import Share
 
@@ -40,8 +44,12 @@ class LauncherStopped(BaseException):
 
 
 def node_image(engine: Engine, ref: str) -> str:
-    """The id of image ``ref`` on this node, or :class:`ContainerError` saying it is not here."""
+    """The id of image ``ref`` on this node, pulled first when it is missing and names a registry (``registry:``);
+    else :class:`ContainerError` saying it is not here, or why the pull failed."""
     image_id = engine.image_id(ref)
+    if image_id is None and names_registry(ref):
+        print(f"nbbatch run-one: pulling {ref} on node {socket.gethostname()}", file=sys.stderr)
+        return pull_image(engine, ref)
     if image_id is None:
         raise ContainerError(f"the image {ref} is not on node {socket.gethostname()} ({engine.name} has no image of "
                              "that tag): with container: true every node needs each framework's image; build it on "
@@ -65,8 +73,8 @@ def execute_on_node(run: Run, share: Share, context: AttemptContext, engine_name
         if context.gpu_ids:
             engine.check_gpus()
         info = ContainerInfo(engine=engine.name, image=image, image_id=node_image(engine, image))
-    except ContainerError as exc:
-        return finalize_record(share, run, Status.FAILED, RunError(
+    except ContainerError as exc:  # a gang's node ends its own ranks, and the other nodes stop
+        return end_unfinished(share, run, context.placement if run.distribution else None, Status.FAILED, RunError(
             "ContainerError", str(exc), reason=f"its container could not start on node {socket.gethostname()}",
             kind=ErrorKind.INFRA), backend=context.backend)
     try:

@@ -8,6 +8,12 @@ environment, not for isolation, so the run records this host and its real proces
 detection and per-process GPU memory work as for a venv), a tracking server on localhost is reachable
 and PyTorch's data loaders get the host's shared memory. Files it writes belong to the invoking user.
 Cancel, the driver's Ctrl-C and a run that outlives its timeout kill the container; ``--rm`` removes it.
+
+A distributed run has one container per node: the node's launcher (``run-one`` in the image, told its
+:class:`~nbbatch.execute.placement.NodePlacement` in placement.json) starts that node's ranks inside it, as on a
+venv (:mod:`nbbatch.execute.ranks`). Host network and IPC let the ranks of every container meet (gloo, NCCL's
+shared memory); a failed rank stops the other containers' ranks through the share's markers. A container that
+ends before its ranks did ends them with it and tells the other nodes to stop.
 """
 
 from __future__ import annotations
@@ -31,12 +37,15 @@ from typing import Any
 
 import nbbatch
 from nbbatch.containers.engines import Engine
+from nbbatch.errors import ShareError
 from nbbatch.execute.context import AttemptContext, UpdateCallback
+from nbbatch.execute.placement import NodePlacement, ranks_of
 from nbbatch.metrics import tracking_wanted, without_tracking
 from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret, tracking_credentials
-from nbbatch.store.runfiles import finalize_record, read_record_or_none
-from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status, to_json_value
+from nbbatch.store.layout import run_paths
+from nbbatch.store.runfiles import finalize_record, new_record, read_record, read_record_or_none, write_record
+from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status, to_json_value, utc_now
 from nbbatch.store.share import Share
 
 HOST_NBBATCH = "/opt/nbbatch/host"  # where the driver's own nbbatch is mounted: the run uses the same code
@@ -129,7 +138,11 @@ def execute_in_container(engine: Engine, run: Run, share: Share, context: Attemp
     if share_root is None:
         raise RuntimeError("container runs need a share that is a folder on this machine")  # Backend.check refuses it
     project_root = context.project_root or run.project_root()
-    name = f"nbbatch-{re.sub(r'[^a-zA-Z0-9_.-]', '-', run.run_id)[:60]}-{uuid.uuid4().hex[:6]}"
+    node = context.placement if run.distribution else None  # a gang's node: its launcher runs in the container
+    name = (f"nbbatch-{re.sub(r'[^a-zA-Z0-9_.-]', '-', run.run_id)[:60]}{f'-node{node.node_rank}' if node else ''}"
+            f"-{uuid.uuid4().hex[:6]}")
+    labels = {"nbbatch.experiment": run.experiment, "nbbatch.run": run.run_id,
+              **({"nbbatch.node": str(node.node_rank)} if node else {})}
     private = Path(tempfile.mkdtemp(prefix="nbbatch-container-"))  # 0700: the run's parameters are nobody else's
     tail: collections.deque[str] = collections.deque(maxlen=200)
     try:
@@ -137,12 +150,11 @@ def execute_in_container(engine: Engine, run: Run, share: Share, context: Attemp
         if context.container is None:
             raise RuntimeError("execute_in_container needs context.container: the image to run in")
         container = replace(context.container, name=name)
-        (private / "placement.json").write_text(json.dumps({"gpu_share": to_json_value(context.gpu_share) or {},
-                                                            "container": to_json_value(container),
-                                                            "gpu_ids": context.gpu_ids}))
+        (private / "placement.json").write_text(json.dumps({
+            "gpu_share": to_json_value(context.gpu_share) or {}, "container": to_json_value(container),
+            "gpu_ids": context.gpu_ids, **(node_placement_json(node, context.new_endpoints is not None) if node else {})}))
         cmd = container_command(engine, container.image, name, run, Path(share_root), project_root, private,
-                                context.gpu_ids, context.shared_gpu,
-                                {"nbbatch.experiment": run.experiment, "nbbatch.run": run.run_id}, context.backend)
+                                context.gpu_ids, context.shared_gpu, labels, context.backend)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 text=True, errors="replace")
         with _running_lock:
@@ -159,26 +171,92 @@ def execute_in_container(engine: Engine, run: Run, share: Share, context: Attemp
         with _running_lock:
             _running.pop(name, None)
         shutil.rmtree(private, ignore_errors=True)
-    return _outcome(engine, container.image, run, share, proc.returncode, stopped, "".join(tail), context.backend)
+    ended = _why_ended(engine, container.image, run, proc.returncode, stopped, "".join(tail))
+    return end_unfinished(share, run, node, *ended, backend=context.backend)
 
 
-def _outcome(engine: Engine, image: str, run: Run, share: Share, returncode: int | None, stopped: str,
-             tail: str, backend: str = "local") -> RunRecord:
-    """The run's record once its container is gone: run-one's own, else why the container ended before the run."""
-    record = read_record_or_none(share, run.experiment, run.run_id)
-    if record is not None and record.final:
-        return record
+def node_placement_json(node: NodePlacement, fresh_ports: bool) -> dict[str, Any]:
+    """What placement.json says of a gang's node (``fresh_ports``: its launcher may pick new rendezvous ports, as
+    the local backend's single node does), read back by :func:`node_placement_of`."""
+    return {"node": {"node_rank": node.node_rank, "endpoints": list(node.endpoints),
+                     "local_ranks": None if node.local_ranks is None else list(node.local_ranks)},
+            "fresh_ports": fresh_ports}
+
+
+def node_placement_of(placement: dict[str, Any]) -> NodePlacement | None:
+    """The gang's node a placement.json names (written by :func:`node_placement_json`), or None."""
+    node = placement.get("node")
+    if not node:
+        return None
+    local = node.get("local_ranks")
+    return NodePlacement(int(node["node_rank"]), tuple(node["endpoints"]), None if local is None else tuple(local))
+
+
+def _why_ended(engine: Engine, image: str, run: Run, returncode: int | None, stopped: str,
+               tail: str) -> tuple[Status, RunError]:
+    """How a container that ended before its run did ends the run: cancelled, timed out, or failed."""
     output = tail.strip()[-OUTPUT_TAIL:]
+    if stopped == "cancelled":
+        return Status.CANCELLED, RunError("cancelled", "", reason="cancelled: its container was stopped",
+                                          kind=ErrorKind.CANCELLED)
     if stopped:
-        if stopped == "cancelled":
-            return _ended(share, run, Status.CANCELLED, RunError("cancelled", "", reason="cancelled: its container was "
-                                                                 "stopped", kind=ErrorKind.CANCELLED), backend)
-        return _ended(share, run, Status.TIMED_OUT, RunError(
+        return Status.TIMED_OUT, RunError(
             "RunTimeout", output, reason=f"its container outlived the run's timeout ({run.timeout_s:g} s) by "
-                                         f"{TIMEOUT_GRACE_S:g} s and was stopped", kind=ErrorKind.TIMEOUT), backend)
-    return _ended(share, run, Status.FAILED, RunError(
+                                         f"{TIMEOUT_GRACE_S:g} s and was stopped", kind=ErrorKind.TIMEOUT)
+    return Status.FAILED, RunError(
         "ContainerFailed", output, reason=f"its container ({engine.name}, {image}) exited with {returncode} "
-                                          f"before the run ended{_hint(output)}", kind=ErrorKind.INFRA), backend)
+                                          f"before the run ended{_hint(output)}", kind=ErrorKind.INFRA)
+
+
+def end_unfinished(share: Share, run: Run, node: NodePlacement | None, status: Status, error: RunError,
+                   backend: str = "local") -> RunRecord:
+    """The record of ``run`` (of ``node``'s ranks: a gang's node) once its container is gone or never started:
+    run-one's own when final, else ended with ``status`` and ``error``.
+
+    A gang's node ends only its own ranks (node 0: the run's record) and tells the other nodes to stop, so they
+    do not wait for ranks that are gone."""
+    if node is None or _coordinator(node):
+        record = read_record_or_none(share, run.experiment, run.run_id)
+        if record is not None and record.final:
+            return record
+        if node is not None:
+            _stop_gang(share, run, max(1, record.attempts if record else 0), decide=True)
+        return finalize_record(share, run, status, error, backend=backend)
+    records, unfinished = [], 0
+    for rank in ranks_of(run, node):
+        record = _rank_record(share, run, rank.rank) or replace(new_record(run, backend), rank=rank.rank,
+                                                                world_size=run.world_size)
+        if not record.final:  # its attempt was cut off with the container: node 0 needs its end to finish the run
+            record.attempts = unfinished = max(record.attempts, 1)
+            record.status, record.error, record.ended_at = status, replace(error, rank=rank.rank), utc_now()
+            write_record(share, record)
+        records.append(record)
+    if unfinished:
+        _stop_gang(share, run, unfinished, decide=False)
+    return records[0]
+
+
+def _rank_record(share: Share, run: Run, rank: int) -> RunRecord | None:
+    try:
+        return read_record(share, run.experiment, run.run_id, rank=rank)
+    except (ShareError, OSError):
+        return None
+
+
+def _coordinator(node: NodePlacement) -> bool:
+    """Whether ``node``'s launcher holds rank 0, whose record is the run's."""
+    return node.node_rank == 0 and (node.local_ranks is None or 0 in node.local_ranks)
+
+
+def _stop_gang(share: Share, run: Run, attempts: int, decide: bool) -> None:
+    """Tell every node that gang attempts up to ``attempts`` are over (node 0, ``decide``: and not run again)."""
+    paths = run_paths(run.experiment, run.run_id)
+    for attempt in range(1, attempts + 1):
+        with contextlib.suppress(ShareError, OSError):
+            if not share.exists(paths.gang_stop(attempt)):
+                share.write_bytes(paths.gang_stop(attempt), b'{"error": "a node\'s container ended"}')
+            if decide:
+                share.write_bytes(f"{paths.ranks}/decision-{attempt}.json", b'{"retry": false}')
 
 
 def _watch(proc: subprocess.Popen[str], engine: Engine, name: str, run: Run, share: Share,
@@ -214,10 +292,6 @@ def stop_container(engine: Engine, name: str) -> None:
     """Kill a container now (its processes with it); ``--rm`` then removes it."""
     engine.query("kill", name, timeout=30)
     engine.query("rm", "--force", name, timeout=30)
-
-
-def _ended(share: Share, run: Run, status: Status, error: RunError, backend: str) -> RunRecord:
-    return finalize_record(share, run, status, error, backend=backend)
 
 
 def _hint(output: str) -> str:

@@ -81,6 +81,7 @@ class _Node:
                 record.world_size, record.ranks = self.run.world_size, []
             else:
                 record = replace(new_record(self.run, backend), rank=rank.rank, world_size=self.run.world_size)
+            record.container = self.context.container  # the node's launcher runs in this image (container: true)
             self.records[rank.rank] = record
         return self.records[rank.rank]
 

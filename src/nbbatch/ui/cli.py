@@ -27,10 +27,11 @@ import nbbatch.ui.skip_iri_grammar  # noqa: F401 - first of nbbatch's imports: b
 from nbbatch import __version__, api
 from nbbatch.backends.placement import placement_reader
 from nbbatch.containers.node import execute_on_node
+from nbbatch.containers.runner import node_placement_of
 from nbbatch.errors import NbbatchError, NotebookStopped
 from nbbatch.execute.context import AttemptContext
 from nbbatch.execute.envs import build_envs, remove_env
-from nbbatch.execute.placement import placement_from_env
+from nbbatch.execute.placement import local_placements, placement_from_env
 from nbbatch.plan.runs import Run
 from nbbatch.results.progress import abandoned_runs, table_title, watch_status
 from nbbatch.results.status import plan_table, status_rows, status_table
@@ -276,14 +277,17 @@ def cmd_run_one(args: argparse.Namespace) -> int:
     placement = json.loads(Path(args.placement_file).read_text()) if args.placement_file else {}
     share = open_share(args.share)
     gpu_share, container = placement.get("gpu_share"), placement.get("container")
+    # a node of a gang: placed by the launcher that started this container (placement.json), else where it is by
+    # nbbatch's own variables or those its backend's cluster set
+    node = node_placement_of(placement) or (placement_from_env(run, os.environ, placement_reader(args.backend, share))
+                                            if run.distribution else None)
     context = AttemptContext(
         backend=args.backend, project_root=project.root, shared_gpu=args.shared_gpu,
         gpu_ids=[int(g) for g in args.gpus.split(",") if g.strip()] if args.gpus else [],
         gpu_share=from_json_value(GpuSharing, gpu_share, args.placement_file, "gpu_share") if gpu_share else None,
         container=from_json_value(ContainerInfo, container, args.placement_file, "container") if container else None,
         recorded_gpu_ids=placement.get("gpu_ids"), input_paths=dict(item.partition("=")[::2] for item in args.input or []),
-        # a node of a gang: where it is, by nbbatch's own variables or those its backend's cluster set
-        placement=placement_from_env(run, os.environ, placement_reader(args.backend, share)) if run.distribution else None)
+        placement=node, new_endpoints=(lambda: local_placements(run)[0].endpoints) if placement.get("fresh_ports") else None)
     if args.container_image:  # a cluster's node: the run in its framework's image
         images = dict(item.partition("=")[::2] for item in args.container_image)
         record = execute_on_node(run, share, context, args.container_engine, images)

@@ -1,4 +1,4 @@
-"""``nbbatch images build | list | context``: the framework images, as ``nbbatch envs`` does the venvs."""
+"""``nbbatch images build | list | push | context``: the framework images, as ``nbbatch envs`` does the venvs."""
 
 from __future__ import annotations
 
@@ -12,21 +12,26 @@ from rich.text import Text
 
 from nbbatch.containers.engines import Engine, find_engine
 from nbbatch.containers.images import ImageSpec, build_image, image_spec, image_status, stage_context
+from nbbatch.containers.registry import check_registry, push_image
 from nbbatch.errors import NbbatchError
 from nbbatch.spec.frameworks import get_framework, list_frameworks
-from nbbatch.spec.project import find_project
+from nbbatch.spec.project import Project, find_project
 
 
 def add_images_parser(sub: Any) -> None:
-    p = sub.add_parser("images", help="framework images (Docker or Podman): build | list | context")
-    p.add_argument("action", choices=["build", "list", "context"])
-    p.add_argument("names", nargs="*", help="frameworks (default for build and list: all); context: FRAMEWORK DIR")
+    p = sub.add_parser("images", help="framework images (Docker or Podman): build | list | push | context")
+    p.add_argument("action", choices=["build", "list", "push", "context"])
+    p.add_argument("names", nargs="*", help="frameworks (default for build and list: all); context: FRAMEWORK DIR; "
+                   "push: REGISTRY [FRAMEWORK ...] (default: every image built here)")
     p.add_argument("--all", action="store_true")
     p.add_argument("--engine", default="auto", help="auto (Docker when its daemon runs, else Podman), docker or podman")
     p.add_argument("--force", action="store_true", help="rebuild even if ready")
     p.add_argument("--cpu", action="store_true",
                    help="the CPU image: the pins as the local environment has them, on a CPU base (default ubuntu:24.04)")
     p.add_argument("--base", help="build on this base image instead of framework.yaml's base_image")
+    p.add_argument("--find-links", action="append", default=[], type=Path, metavar="DIR",
+                   help="build and context: a folder of wheel files (*.whl) the framework's pins may install from "
+                   "(uv's --find-links), e.g. a local CPU torch wheel; repeatable. The image's tag stays the same")
     p.add_argument("-q", "--quiet", action="store_true", help="do not echo the engine's build output")
     p.set_defaults(func=cmd_images)
 
@@ -37,20 +42,27 @@ def cmd_images(args: argparse.Namespace) -> int:
     if args.action == "context":
         if len(args.names) != 2:
             raise NbbatchError("usage: nbbatch images context FRAMEWORK DIR (writes the build context of its image to DIR)")
-        spec = image_spec(get_framework(args.names[0], project), dockerfiles, gpu=not args.cpu, base=args.base)
+        spec = image_spec(get_framework(args.names[0], project), dockerfiles, gpu=not args.cpu, base=args.base,
+                          find_links=args.find_links)
         dest = stage_context(spec, Path(args.names[1]), project)
         print(f"wrote the build context of {spec.ref} to {dest}: "
               f"`{args.engine if args.engine != 'auto' else 'docker'} build -t {spec.ref} {dest}`")
         return 0
+    if args.action == "push":
+        return _push(args, project)
     names = list(list_frameworks(project)) if args.all or not args.names else args.names
-    specs = [image_spec(get_framework(n, project), dockerfiles, gpu=not args.cpu, base=args.base) for n in names]
+    find_links = args.find_links if args.action == "build" else []  # the tag is the same: list needs no wheels
+    specs = [image_spec(get_framework(n, project), dockerfiles, gpu=not args.cpu, base=args.base,
+                        find_links=find_links) for n in names]
     engine = find_engine(args.engine)
     if args.action == "list":
         _print_table(engine, specs)
         return 0
     failures = []
     for spec in specs:
-        print(f"{spec.framework.name}: {spec.ref} on {spec.args['BASE_IMAGE']} ({engine.name})")
+        count = len(spec.wheels)
+        wheels = f", {count} wheel{'' if count == 1 else 's'} from --find-links" if count else ""
+        print(f"{spec.framework.name}: {spec.ref} on {spec.args['BASE_IMAGE']} ({engine.name}{wheels})")
         try:
             status = build_image(engine, spec, project, force=args.force,
                                  on_line=None if args.quiet else lambda line: print(f"  {line}"))
@@ -60,6 +72,33 @@ def cmd_images(args: argparse.Namespace) -> int:
         print(f"{spec.framework.name}: {status.state} ({status.ref}, id {(status.image_id or '')[:12]})")
     if failures:
         raise NbbatchError("\n".join(failures))
+    return 0
+
+
+def _push(args: argparse.Namespace, project: Project) -> int:
+    """``images push REGISTRY [FRAMEWORK ...]``: the images built here, as REGISTRY/nbbatch-<fw>:<fingerprint>.
+    Named frameworks (or ``--all``) must be built; with none named, every framework whose image is ready goes."""
+    if not args.names:
+        raise NbbatchError("usage: nbbatch images push REGISTRY [FRAMEWORK ...] (REGISTRY as host[:port][/path]; log "
+                           "in with `podman login` / `docker login` first if it needs credentials)")
+    registry = check_registry(args.names[0])
+    named = args.names[1:] or (list(list_frameworks(project)) if args.all else [])
+    candidates = named or list(list_frameworks(project))
+    specs = [image_spec(get_framework(n, project), project.root / "dockerfiles", gpu=not args.cpu, base=args.base)
+             for n in candidates]
+    engine = find_engine(args.engine)
+    built = {spec.framework.name for spec in specs if image_status(engine, spec).state == "ready"}
+    ready = [spec for spec in specs if spec.framework.name in built]
+    unbuilt = [spec for spec in specs if spec.framework.name not in built]
+    if (named and unbuilt) or not ready:
+        which = unbuilt if named else specs
+        raise NbbatchError(f"not built here ({engine.name}): " + ", ".join(f"{s.framework.name} ({s.ref})" for s in which)
+                           + ". Build first: " + "; ".join(f"`{s.build_command}`" for s in which))
+    for spec in ready:
+        ref, seconds = push_image(engine, spec, registry)
+        print(f"{spec.framework.name}: pushed {ref} in {seconds:.1f} s")
+    if unbuilt:
+        print(f"not pushed (not built here): {', '.join(s.framework.name for s in unbuilt)}")
     return 0
 
 

@@ -87,7 +87,8 @@ class AzureMLSettings:
     ``idle_time_before_scale_down`` (seconds). ``datastore`` names the workspace datastore of
     the experiment's file share (default ``nbbatch_<account>_<share>``). ``environments`` maps a
     framework (or ``"*"``) to an existing Azure ML environment (``azureml:name:version``)
-    instead of building the framework's image from ``dockerfiles/``. ``poll_seconds`` is how often waiting
+    instead of building the framework's image from ``dockerfiles/``; ``registry`` uses the framework images pushed
+    there (``nbbatch images push REGISTRY``) instead of building them. ``poll_seconds`` is how often waiting
     reads job states. ``share_mode`` is ``mount`` (the share is the job's rw_mount output) or
     ``direct`` (the job opens ``azfiles://`` itself with the cluster's managed identity).
     ``ml_client``/``credential``/``client_kwargs`` are for Python callers and tests.
@@ -108,6 +109,7 @@ class AzureMLSettings:
     datastore: str | None = None
     environments: Mapping[str, str] | None = None
     dockerfiles: str | os.PathLike | None = None
+    registry: str | None = None  # the images pushed there (`nbbatch images push`), not built by Azure ML
     poll_seconds: float = field(default=30.0, metadata=setting(minimum=0))
     shm_size: str | None = None
     launcher: str = DEFAULT_LAUNCHER
@@ -466,10 +468,10 @@ class AzureMLBackend(Backend):
         root = project_root_of(run)
         framework = get_framework(run.framework, Project(root))
         dockerfiles = Path(self.settings.dockerfiles) if self.settings.dockerfiles else root / "dockerfiles"
-        env = framework_environment(framework, dockerfiles)
+        env = framework_environment(framework, dockerfiles, registry=self.settings.registry)
         if not register:
             return f"azureml:{env.name}:{env.version}"
-        registered = ensure_environment(self.ml_client, framework, dockerfiles)
+        registered = ensure_environment(self.ml_client, framework, dockerfiles, registry=self.settings.registry)
         ref = f"azureml:{registered.name}:{registered.version}"
         self._environment_refs[key] = ref
         return ref

@@ -17,6 +17,7 @@ from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
 import nbbatch
 from nbbatch.backends.azureml.workspace import error_text
 from nbbatch.containers.images import IGNORE, image_spec, stage_context
+from nbbatch.containers.registry import registry_ref
 from nbbatch.errors import BackendError, ContainerError, ShareError
 from nbbatch.plan.runs import Run
 from nbbatch.spec.frameworks import list_frameworks
@@ -26,44 +27,53 @@ from nbbatch.store.azfiles_client import account_key_env, check_account_key, sto
 KEY_ENV = "AZURE_STORAGE_KEY"
 
 
-def framework_environment(framework: Any, dockerfiles_dir: Path, build_dir: Path | None = None) -> Environment:
+def framework_environment(framework: Any, dockerfiles_dir: Path, build_dir: Path | None = None,
+                          registry: str | None = None) -> Environment:
     """The Azure ML environment of a framework: its GPU image (:mod:`nbbatch.containers.images`), versioned by
     the image's fingerprint (its pins, the filled-in Dockerfile, uv and nbbatch's requirements).
 
-    With ``build_dir`` the build context is staged there, the same context ``nbbatch images build`` builds
-    from (the Dockerfile with the framework's values, and everything it copies), for the linux/x86_64
-    nodes Azure ML runs.
+    With ``registry`` the environment is the image pushed there (``nbbatch images push``):
+    ``image: REGISTRY/nbbatch-<framework>:<fingerprint>``, nothing built by Azure ML. Else, with ``build_dir``, the
+    build context is staged there, the same context ``nbbatch images build`` builds from (the Dockerfile with the
+    framework's values, and everything it copies), for the linux/x86_64 nodes Azure ML runs.
     """
     try:
         spec = image_spec(framework, Path(dockerfiles_dir))
         path = Path(dockerfiles_dir)
-        if build_dir is not None:
+        if build_dir is not None and registry is None:
             path = stage_context(spec, build_dir, find_project(), arch="x86_64")
     except ContainerError as exc:
         raise BackendError(f"{exc} (the azureml backend builds each framework's image from there; or name an existing "
                            "Azure ML environment under `environments:`)") from exc
+    tags = {"nbbatch": "1", "framework": framework.name, "kernel": framework.kernel_name}
+    source: dict[str, Any] = {"build": BuildContext(path=str(path), dockerfile_path="Dockerfile")}
+    if registry is not None:
+        source = {"image": registry_ref(spec, registry)}
+        tags["image"] = source["image"]
     return Environment(
         name=f"nbbatch-{framework.name}",
         version=spec.fingerprint,
-        build=BuildContext(path=str(path), dockerfile_path="Dockerfile"),
         description=f"nbbatch {framework.title} environment (kernel {framework.kernel_name})",
-        tags={"nbbatch": "1", "framework": framework.name, "kernel": framework.kernel_name},
+        tags=tags,
+        **source,
     )
 
 
-def ensure_environment(ml_client: MLClient, framework: Any, dockerfiles_dir: Path) -> Environment:
+def ensure_environment(ml_client: MLClient, framework: Any, dockerfiles_dir: Path,
+                       registry: str | None = None) -> Environment:
     """The framework's environment: reused when its name and version (the pins) exist, else registered.
 
     Registering uploads the staged build context; Azure ML builds the image on first use (a job waits
-    in Preparing meanwhile) and keeps it in the workspace's container registry.
+    in Preparing meanwhile) and keeps it in the workspace's container registry. With ``registry`` it names the
+    image pushed there instead, which the nodes pull (nothing is uploaded or built).
     """
-    wanted = framework_environment(framework, dockerfiles_dir)
+    wanted = framework_environment(framework, dockerfiles_dir, registry=registry)
     try:
         return ml_client.environments.get(wanted.name, version=wanted.version)
     except ResourceNotFoundError:
         pass
     with tempfile.TemporaryDirectory(prefix="nbbatch-image-") as tmp:
-        staged = framework_environment(framework, dockerfiles_dir, build_dir=Path(tmp) / "context")
+        staged = framework_environment(framework, dockerfiles_dir, build_dir=Path(tmp) / "context", registry=registry)
         try:
             return ml_client.environments.create_or_update(staged)
         except HttpResponseError as exc:

@@ -34,6 +34,14 @@ Settings (the experiment's ``backend:`` mapping)::
       cancel_grace_s: 15       # how long a cancelled run may take to stop itself before its task is killed
       linger_s: 60             # how long an idle supervisor waits for more runs before it leaves
       gang_timeout_s: 300      # how long a distributed run's nodes may take to be placed together
+      container: false         # true: each run in its framework's image on its node (docs/ray.md)
+      engine: podman           # with container: the engine on the nodes (podman or docker)
+      cpu_image: false         # with container: the frameworks' CPU images (`nbbatch images build --cpu`)
+      base_image: null         # with container: the images built on this base (`nbbatch images build --base`)
+      registry: null           # with container: the nodes pull REGISTRY/nbbatch-<fw>:<fingerprint> (`images push`)
+
+With ``container: true`` the task's ``run-one`` starts the run's container on its node, as the slurm backend's does
+(:mod:`nbbatch.containers.node`); the images are looked for here before anything starts, and again on the node.
 
 The package, by where its code runs:
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -15,16 +16,22 @@ from nbbatch.backends.ray.supervisor import NAMESPACE, RunSupervisor, supervisor
 from nbbatch.backends.ray.task import RayTaskSpec, gpu_request
 from nbbatch.backends.settings import setting
 from nbbatch.backends.sharedfs import local_addresses, on_network_filesystem, record_age_s
-from nbbatch.errors import BackendError, ValidationError
+from nbbatch.containers.checks import (
+    build_framework_images,
+    framework_images,
+    refuse_image_settings_without_container,
+    refuse_runs_without_image,
+)
+from nbbatch.containers.engines import Engine, find_engine
+from nbbatch.errors import BackendError, ContainerError, ValidationError
 from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret
-from nbbatch.spec.project import find_project
+from nbbatch.spec.project import Project, find_project
 from nbbatch.store.runfiles import read_record, read_record_or_none
 from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status
 from nbbatch.store.share import Share, poll_interval
 
 FRESH_S = 60.0  # a non-final record younger than this may still be on its way to a supervisor: leave it
-
 
 
 @dataclass(frozen=True)
@@ -44,10 +51,18 @@ class RaySettings:
     linger_s: float = field(default=60.0, metadata=setting(minimum=0))  # how long an idle supervisor waits for more runs
     gang_timeout_s: float = field(default=300.0, metadata=setting(minimum=1))  # a distributed run's nodes, all at once
     poll_s: float | None = field(default=None, metadata=setting(minimum=0))  # how often waiting reads the records
+    container: bool = False  # each run in its framework's image on its node (the image on every node)
+    engine: str = field(default="podman", metadata=setting(choices=("podman", "docker")))  # with container: the nodes'
+    cpu_image: bool = False  # with container: the frameworks' CPU images (as `nbbatch images build --cpu`)
+    base_image: str | None = None  # with container: the images built on this base (as `nbbatch images build --base`)
+    registry: str | None = None  # with container: nodes pull REGISTRY/nbbatch-<fw>:<fingerprint> (`nbbatch images push`)
 
     def __post_init__(self) -> None:
         if not self.address:  # an empty address means Ray's own lookup, as `auto` does
             object.__setattr__(self, "address", "auto")
+        for name in ("base_image", "registry"):  # a form's empty field
+            if getattr(self, name) == "":
+                object.__setattr__(self, name, None)
 
     @property
     def run_env(self) -> dict[str, str]:
@@ -72,6 +87,11 @@ class RayBackend(Backend):
             values = {"address": address, **values}
             address = None
         super().__init__(address, **values)
+        refuse_image_settings_without_container(self.settings)
+        if self.settings.container:
+            self.capabilities = dataclasses.replace(self.capabilities, containers=True)
+        self._engine: Engine | None = None
+        self._images: dict[str, tuple[str, str]] = {}  # framework → (image tag, image id), as found here
 
     @property
     def poll_s(self) -> float | None:  # type: ignore[override]
@@ -137,6 +157,8 @@ class RayBackend(Backend):
         """Refuse secrets in ``env``, and runs that no node can hold (unless ``autoscaling``), before anything starts."""
         super().check(runs, options)
         self.check_secrets(runs)
+        if self.settings.container:
+            self._check_containers(runs)
         if not runs or self.settings.autoscaling:
             return
         alive = self._alive_nodes()
@@ -190,14 +212,21 @@ class RayBackend(Backend):
                     "secret-looking variables out of the notebook's kernel. Nothing was started.")
 
     def check_share(self, share: Share) -> None:
-        """Raise :class:`BackendError` when ``share`` is a folder that only this machine sees.
+        """Raise :class:`BackendError` when ``share`` is a folder that only this machine sees (with ``container:
+        true``, :class:`ContainerError` when it is no folder at all: the containers bind-mount it).
 
         A folder share is accepted when every alive node runs on this machine, when the folder is on a
         network file system (NFS, SMB/CIFS, blobfuse…), or with the setting ``shared_folder: true``.
         """
+        local = share.local_path("")
+        if self.settings.container and local is None:
+            raise ContainerError(
+                f"container: true bind-mounts the share into each run's container on its Ray node, so the share must "
+                f"be a folder, at the same path on every node; {share.url} is not a folder. Mount it on every node "
+                "(blobfuse, NFS…), name that folder as `share:` and set `shared_folder: true`, or run without "
+                "containers. Nothing was started.")
         if self.settings.shared_folder:
             return
-        local = share.local_path("")
         if local is None:  # azfiles:// and other remote shares are reachable from every node
             return
         network, fs_type = on_network_filesystem(local)
@@ -213,6 +242,50 @@ class RayBackend(Backend):
             "Use a share every node can reach: an `azfiles://ACCOUNT/SHARE` share, or a folder mounted at the same "
             "path on every node (NFS, Azure Files…) and set `shared_folder: true` in the experiment's "
             "`backend:` settings. Nothing was started.")
+
+    # --- container: true ------------------------------------------------------------------------------------
+
+    def _check_containers(self, runs: Sequence[Run]) -> None:
+        """Runs an image can execute, and every framework's image built here (where the nodes' copies are expected
+        under the same tag). A distributed run's node tasks run one container each (:mod:`nbbatch.containers.node`)."""
+        refuse_runs_without_image(runs)
+        self._container_images(runs)
+
+    def _container_images(self, runs: Sequence[Run]) -> dict[str, str]:
+        """The image tag of each framework of ``runs``, found with the engine on this machine (with ``registry``: in
+        the registry, from which the nodes pull it)."""
+        try:
+            self._images = framework_images(self._container_engine(), runs, gpu=not self.settings.cpu_image,
+                                            base=self.settings.base_image, known=self._images,
+                                            registry=self.settings.registry)
+        except ContainerError as exc:
+            if self.settings.registry:  # the nodes pull from there: the registry's own error says it all
+                raise ContainerError(f"{exc}. Nothing was started.") from exc
+            raise ContainerError(f"{exc}. With the ray backend every node needs the image as well, under the same tag "
+                                 f"(build it there too, or `{self.settings.engine} save` it here and "
+                                 f"`{self.settings.engine} load` it there): nbbatch does not copy images to the "
+                                 "nodes. Nothing was started.") from exc
+        return {r.framework: self._images[r.framework][0] for r in runs if r.framework}
+
+    def _container_engine(self) -> Engine:
+        if self._engine is None:
+            engine = self.settings.engine
+            try:
+                self._engine = find_engine(engine)
+            except ContainerError as exc:
+                raise ContainerError(f"container: true starts each run's image with {engine} on its Ray node, and "
+                                     f"looks for the images with {engine} here first, which fails: {exc}") from exc
+        return self._engine
+
+    def prepare_environments(self, frameworks: Sequence[str], project: Project, build: bool = False,
+                             progress: bool = True) -> None:
+        """``submit --build-envs``: with ``container: true`` the images on this machine (each node needs its own copy);
+        the venvs are the nodes' own."""
+        if not self.settings.container:
+            return super().prepare_environments(frameworks, project, build, progress)
+        if build and frameworks:
+            build_framework_images(self._container_engine(), frameworks, project, gpu=not self.settings.cpu_image,
+                                   base=self.settings.base_image, progress=progress)
 
     def _local_addresses(self) -> set[str]:
         more = []
@@ -258,8 +331,10 @@ class RayBackend(Backend):
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return None
 
-    def task_spec(self, run: Run, share: Share, options: SubmitOptions, project: str | None) -> RayTaskSpec:
-        """How one run asks Ray for resources and what its task executes."""
+    def task_spec(self, run: Run, share: Share, options: SubmitOptions, project: str | None,
+                  images: Mapping[str, str] | None = None) -> RayTaskSpec:
+        """How one run asks Ray for resources and what its task executes (``images``: framework → image tag, with
+        ``container: true``)."""
         num_gpus, shared = gpu_request(run.gpus, options.runs_per_gpu)
         # the experiment's `retries: 0` means no second run of the notebook, after a kernel or a worker death alike
         max_retries = self.settings.max_retries if self.settings.max_retries is not None else run.retries
@@ -269,10 +344,12 @@ class RayBackend(Backend):
         with contextlib.suppress(OSError):
             source = Path(run.notebook).read_text(encoding="utf-8")
         given = self.settings
+        in_image = {run.framework: images[run.framework]} if images and run.framework in images else {}
         return RayTaskSpec(run=run.to_dict(), share=share.url, project=project, num_gpus=num_gpus,
                            num_cpus=given.num_cpus, shared_gpu=shared, max_retries=max_retries,
                            resources=dict(given.resources or {}), env=given.run_env, runtime_env=given.runtime_env,
-                           notebook_source=source, gang_timeout_s=given.gang_timeout_s)
+                           notebook_source=source, gang_timeout_s=given.gang_timeout_s, container_images=in_image,
+                           container_engine=given.engine if in_image else None)
 
     # --- the Backend hooks --------------------------------------------------------------------------
 
@@ -282,7 +359,8 @@ class RayBackend(Backend):
         ray = self.connect()
         experiment = runs[0].experiment
         project = self.settings.project or _project_root(runs[0])
-        specs = [self.task_spec(run, share, options, project).to_dict() for run in runs]
+        images = self._container_images(runs) if self.settings.container else None
+        specs = [self.task_spec(run, share, options, project, images).to_dict() for run in runs]
         deadline = time.monotonic() + 60
         while True:  # a supervisor that is just leaving refuses: start a new one
             supervisor = self._supervisor(experiment, share, create=True)

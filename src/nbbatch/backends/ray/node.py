@@ -1,14 +1,23 @@
-"""What runs on a Ray node: the body of a run's task, which starts ``python -m nbbatch run-one`` there."""
+"""What runs on a Ray node: the body of a run's task, which starts ``python -m nbbatch run-one`` there.
+
+With ``container: true`` that ``run-one`` starts the run's container (:mod:`nbbatch.containers.node`). Ray stops a
+task by ending its worker, and kills the worker's child processes with SIGKILL on the way (``ray.cancel(force=True)``,
+``RAY_kill_child_processes_on_worker_exit``): ``run-one`` then cannot stop its container, which is no process of the
+worker (the engine's monitor runs it). So a container run's task first starts a watcher outside the worker's process
+tree (:func:`watch_worker`), which stops the run's containers when the worker ends before the task does.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -16,9 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nbbatch.containers.engines import find_engine
+from nbbatch.containers.runner import stop_container
 from nbbatch.execute.placement import free_port
 from nbbatch.plan.runs import Run
-from nbbatch.store.runfiles import cancel_requested, finalize_record
+from nbbatch.store.runfiles import cancel_requested, finalize_record, read_record_or_none
 from nbbatch.store.runjson import ErrorKind, RunError, Status
 from nbbatch.store.share import open_share
 
@@ -26,6 +37,12 @@ NODE_ID_ENV = "NBBATCH_RAY_NODE_ID"  # set for the run (and its kernel): the Ray
 OUTPUT_TAIL = 3000  # characters of run-one's output a task returns
 SPEC_FILE = "spec.json"  # the run, for run-one --spec-file, in the task's private folder
 RENDEZVOUS_POLL_S = 0.5  # how often a gang's node asks the supervisor whether every node has published
+STOP_GRACE_S = 60.0  # a task interrupted in its worker: how long run-one may take to stop (its container) after SIGTERM
+TASK_DONE = b"done"  # what a container run's task tells its watcher when it ends by itself
+# The watcher leaves the worker's process tree at once (fork; its parent exits), so Ray's SIGKILL of the worker's
+# children misses it, and imports nbbatch only then.
+_WATCHER = ("import os, sys\nif os.fork():\n    os._exit(0)\n"
+            "from nbbatch.backends.ray.node import watch_worker\nwatch_worker(*sys.argv[1:])\n")
 
 
 def execute_on_node(spec: dict[str, Any]) -> dict[str, Any]:
@@ -71,15 +88,27 @@ def execute_on_node(spec: dict[str, Any]) -> dict[str, Any]:
             return {"exit_code": 2, "output": str(exc), "node_id": node_id, "gpu_ids": gpu_ids,
                     "error": {"ename": "GangRendezvous", "reason": str(exc)}}
     folder = private_folder(run["run_id"])  # this task's own: the spec and the notebook's copy, removed after
+    in_container = bool(spec.get("container_images"))
+    watcher = start_watcher(spec, env) if in_container else None
     try:
         run = _with_notebook_here(run, spec.get("project"), spec.get("notebook_source"), folder)
         spec_file = write_private(folder / SPEC_FILE, json.dumps(run))
         cmd, cwd = run_one_command(spec, spec_file, devices)
+        # a container run's run-one stops its container on SIGTERM; a venv run's kernel dies with it
+        dying = functools.partial(_die_with_parent, signal.SIGTERM if in_container else signal.SIGKILL)
         proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL,
-                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        output, _ = proc.communicate()
+                                stdin=subprocess.DEVNULL, preexec_fn=dying if sys.platform == "linux" else None)
+        try:
+            output, _ = proc.communicate()
+        except BaseException:  # ray.cancel without force (KeyboardInterrupt here): the worker lives on, run-one not
+            _stop(proc)
+            raise
+        if watcher is not None:  # run-one has ended, and its container with it
+            with contextlib.suppress(OSError):
+                os.write(watcher, TASK_DONE)
     finally:
+        if watcher is not None:
+            os.close(watcher)
         shutil.rmtree(folder, ignore_errors=True)
     return {"exit_code": proc.returncode, "output": output.decode("utf-8", "replace")[-OUTPUT_TAIL:],
             "node_id": node_id, "gpu_ids": gpu_ids}
@@ -143,7 +172,78 @@ def run_one_command(spec: dict[str, Any], spec_file: str | os.PathLike[str],
         cwd = project if os.path.isdir(project) else None
     if spec.get("shared_gpu"):
         cmd.append("--shared-gpu")
+    images = spec.get("container_images") or {}
+    for framework, tag in sorted(images.items()):  # the run starts in its framework's image, with the node's GPUs
+        cmd += ["--container-image", f"{framework}={tag}"]
+    if images:
+        cmd += ["--container-engine", str(spec.get("container_engine") or "podman")]
     return cmd, cwd
+
+
+def start_watcher(spec: dict[str, Any], env: dict[str, str]) -> int | None:
+    """Start the watcher of a container run's task (see the module's docstring); return the pipe's end this task
+    holds, the run already written to it (the watcher acts when it closes without :data:`TASK_DONE`), or None when
+    no watcher could start."""
+    read_end, write_end = os.pipe()
+    try:
+        subprocess.run([sys.executable, "-c", _WATCHER, str(read_end), str(spec.get("container_engine") or "podman"),
+                        spec["share"]], env=env, pass_fds=(read_end,), stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, timeout=60,
+                       check=True)
+        gang = spec.get("gang")
+        told = {"run": spec["run"], "ends_record": not gang or int(gang["node_rank"]) == 0}  # a gang's: node 0's
+        os.write(write_end, json.dumps(told).encode() + b"\n")  # the watcher reads as it comes: never blocks long
+    except (OSError, subprocess.SubprocessError):
+        os.close(write_end)
+        return None
+    finally:
+        os.close(read_end)
+    return write_end
+
+
+def watch_worker(read_end: str, engine_name: str, share_url: str) -> None:
+    """The watcher: wait until the task's worker closes the pipe; unless it said the task ended by itself, stop
+    every container of the run (labels ``nbbatch.experiment``, ``nbbatch.run``) on this node, then end the run's
+    record if it is not final (the run could write it until its container was gone)."""
+    said = b""
+    with contextlib.suppress(OSError):
+        while chunk := os.read(int(read_end), 65536):  # end of file: the task ended, or its worker is gone
+            said += chunk
+    text, _, rest = said.partition(b"\n")
+    if rest == TASK_DONE or not text:
+        return
+    with contextlib.suppress(Exception):
+        told = json.loads(text)
+        run = Run.from_dict(told["run"])
+        engine = find_engine(engine_name)
+        listed = engine.query("ps", "--all", "--quiet", "--filter", f"label=nbbatch.experiment={run.experiment}",
+                              "--filter", f"label=nbbatch.run={run.run_id}")
+        for container in listed.stdout.split():
+            stop_container(engine, container)
+        if not told.get("ends_record"):
+            return
+        share = open_share(share_url)
+        record = read_record_or_none(share, run.experiment, run.run_id)
+        if record is not None and not record.final:
+            if cancel_requested(share, run.experiment, run.run_id):
+                error = RunError("cancelled", "", reason="cancelled (its Ray task was stopped, and its container)",
+                                 kind=ErrorKind.CANCELLED)
+            else:
+                error = RunError("RayWorkerEnded", f"the Ray worker of its task on node {socket.gethostname()} ended "
+                                 "before the run", reason="its Ray task was stopped (killed, or its worker died); its "
+                                 "container was stopped", kind=ErrorKind.INFRA)
+            status = Status.CANCELLED if error.kind == ErrorKind.CANCELLED else Status.FAILED
+            finalize_record(share, run, status, error, backend="ray")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop run-one as a batch scheduler does (SIGTERM: it stops its container first), then for good."""
+    with contextlib.suppress(OSError):
+        proc.terminate()
+        try:
+            proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def private_folder(run_id: str) -> Path:
@@ -169,6 +269,6 @@ def _with_notebook_here(run: dict[str, Any], project: str | None, source: str | 
     return {**run, "notebook": str(copy)}
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+def _die_with_parent(signum: int = signal.SIGKILL) -> None:  # pragma: no cover - in the child between fork and exec
     with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signum))  # PR_SET_PDEATHSIG

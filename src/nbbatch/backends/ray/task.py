@@ -35,6 +35,8 @@ class RayTaskSpec:
     runtime_env: dict[str, Any] | None = None
     notebook_source: str | None = None  # the notebook, for nodes that do not have it at its path
     gang_timeout_s: float = 300.0  # a distributed run: how long its nodes may take to be given (and to meet)
+    container_images: dict[str, str] = field(default_factory=dict)  # container: true: framework → image tag
+    container_engine: str | None = None  # container: true: the engine that starts the image on the node
 
     @property
     def run_id(self) -> str:

@@ -38,7 +38,12 @@ from nbbatch.backends.slurm.script import (
     launcher_command,
     spec_path,
 )
-from nbbatch.containers.checks import build_framework_images, framework_images, refuse_runs_without_image
+from nbbatch.containers.checks import (
+    build_framework_images,
+    framework_images,
+    refuse_image_settings_without_container,
+    refuse_runs_without_image,
+)
 from nbbatch.containers.engines import Engine, find_engine
 from nbbatch.errors import BackendError, ContainerError, ValidationError, did_you_mean
 from nbbatch.plan.runs import Run
@@ -88,6 +93,7 @@ class SlurmSettings:
     container: bool = False  # each run in its framework's image (podman on the node; the image on every node)
     cpu_image: bool = False  # with container: the frameworks' CPU images (as `nbbatch images build --cpu`)
     base_image: str | None = None  # with container: the images built on this base (as `nbbatch images build --base`)
+    registry: str | None = None  # with container: nodes pull REGISTRY/nbbatch-<fw>:<fingerprint> (`nbbatch images push`)
     python: str | None = None  # nbbatch's Python on the nodes (default: this one, on the shared file system)
     project: str | None = None  # the project's path on the nodes (default: its path here)
     env: dict[str, str] | None = None  # variables for the launcher (and so the kernel) on the nodes; no secrets
@@ -132,6 +138,7 @@ class SlurmBackend(Backend):
 
     def __init__(self, settings: Any = None, /, **values: Any) -> None:
         super().__init__(settings, **values)
+        refuse_image_settings_without_container(self.settings)
         self.slurm = Slurm()
         self._active: tuple[float, str, set[str]] = (0.0, "", set())  # when, experiment, its active job ids
         self._synced_at = float("-inf")  # when sync last asked Slurm
@@ -219,22 +226,20 @@ class SlurmBackend(Backend):
     # --- container: true ----------------------------------------------------------------------------------
 
     def _check_containers(self, runs: Sequence[Run]) -> None:
-        """Runs an image can execute, single-node ones, and every framework's image built here (where the nodes' copies
-        are expected under the same tag)."""
+        """Runs an image can execute, and every framework's image built here (where the nodes' copies are expected under
+        the same tag). A distributed run's job runs one container per node (:mod:`nbbatch.containers.node`)."""
         refuse_runs_without_image(runs)
-        spread = next((r for r in runs if r.distribution), None)
-        if spread is not None:
-            raise BackendError(f"run {spread.run_id} is distributed, and the slurm backend does not yet run distributed "
-                               "runs in containers: submit it without `container: true` (its ranks then use the "
-                               "framework venvs of the shared project, `nbbatch envs create`). Nothing was queued.")
         self._container_images(runs)
 
     def _container_images(self, runs: Sequence[Run]) -> dict[str, str]:
         """The image tag of each framework of ``runs``, found with podman here."""
         try:
             self._images = framework_images(self._container_engine(), runs, gpu=not self.settings.cpu_image,
-                                            base=self.settings.base_image, known=self._images)
+                                            base=self.settings.base_image, known=self._images,
+                                            registry=self.settings.registry)
         except ContainerError as exc:
+            if self.settings.registry:  # the nodes pull from there: the registry's own error says it all
+                raise ContainerError(f"{exc}. Nothing was queued.") from exc
             raise ContainerError(f"{exc}. With the slurm backend every node needs the image as well, under the same "
                                  "tag (build it there too, or `podman save` it here and `podman load` it there): "
                                  "nbbatch does not copy images to the nodes. Nothing was queued.") from exc

@@ -1,0 +1,298 @@
+"""``backend: {name: ray, container: true}``: each run's task starts ``nbbatch run-one`` on its Ray node, which starts
+the run in its framework's image with podman (the runner of local containers and of the slurm backend's).
+
+The real tests run the Chainer digits notebook on a two-node Ray cluster on loopback (a head and a second node started
+here, by PID stopped at the end), in the Chainer image built once per session (tests/support/containers.py), and a
+2-node gloo DDP run of the PyTorch notebook in its CPU image, one container per node; both nodes are this host, so
+the images built here are on every node. They are skipped where not root, or without podman, runc and mmdebstrap.
+The refusals before anything starts are unit tests.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before Ray is imported: Ray then binds its servers to loopback (see tests/test_ray_backend.py).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import json  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import nbformat  # noqa: E402
+import pytest  # noqa: E402
+import yaml  # noqa: E402
+from support.containers import BASE, containers_labelled, podman  # noqa: E402
+from support.machine import REPO  # noqa: E402
+from support.processes import kernels_of  # noqa: E402
+from support.shares import ShareDouble  # noqa: E402
+from support.waiting import wait_until  # noqa: E402
+
+from nbbatch import api  # noqa: E402
+from nbbatch.backends.base import SubmitOptions  # noqa: E402
+from nbbatch.backends.ray import NAMESPACE, RayBackend, supervisor_name  # noqa: E402
+from nbbatch.backends.ray.node import run_one_command  # noqa: E402
+from nbbatch.errors import ContainerError, ValidationError  # noqa: E402
+from nbbatch.metrics import metrics_from_notebook  # noqa: E402
+from nbbatch.plan.runs import Run  # noqa: E402
+from nbbatch.store.runfiles import load_records  # noqa: E402
+from nbbatch.store.share import FileShare  # noqa: E402
+from nbbatch.ui.cli import build_parser  # noqa: E402
+
+LONG = {"EPOCHS": 500, "MAX_SAMPLES": 1000}  # runs until it is stopped
+# `ray start` of a node joining a cluster refuses to run while RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (a check meant for
+# macOS/Windows): keep the variable (servers on loopback) and lift that check, in the CLI process alone.
+_RAY_CLI = """
+import sys, types
+import ray._private.ray_constants as constants
+import ray.scripts.scripts as scripts
+if sys.argv[1] == "--join":
+    del sys.argv[1]
+    patched = types.ModuleType("ray_constants")
+    patched.__dict__.update(constants.__dict__)
+    patched.ENABLE_RAY_CLUSTER = True
+    scripts.ray_constants = patched
+sys.argv[0] = "ray"
+scripts.main()
+"""
+TAG = "localhost/nbbatch/chainer:abc"
+
+
+def _run(framework: str | None = "chainer", **fields) -> Run:
+    notebook = REPO / "notebooks" / "Chainer_CIFAR.ipynb"
+    return Run("r1", "e", str(notebook), "notebooks/Chainer_CIFAR.ipynb", "nbbatch-chainer", framework=framework,
+               **fields)
+
+
+# --- before anything starts ---------------------------------------------------------------------------------
+
+
+def test_the_task_starts_run_one_in_the_runs_image(tmp_path):
+    """The task's run-one names the run's image and the engine; run-one's parser takes them; the GPUs are Ray's."""
+    backend = RayBackend(container=True, engine="podman")
+    assert backend.capabilities.containers and not RayBackend().capabilities.containers
+    spec = backend.task_spec(_run(), FileShare(tmp_path), SubmitOptions(), "/proj", {"chainer": TAG, "jax": "j:1"})
+    assert spec.container_images == {"chainer": TAG} and spec.container_engine == "podman"
+    cmd, _cwd = run_one_command(spec.to_dict(), tmp_path / "spec.json", "2,3")
+    args = build_parser().parse_args(cmd[3:])
+    assert args.container_image == [f"chainer={TAG}"] and args.container_engine == "podman" and args.gpus == "2,3"
+    plain = RayBackend().task_spec(_run(), FileShare(tmp_path), SubmitOptions(), "/proj")
+    assert "--container-image" not in run_one_command(plain.to_dict(), tmp_path / "spec.json", "")[0]
+
+
+def test_a_run_of_no_framework_is_refused():
+    with pytest.raises(ValidationError, match="belongs to no framework; list it under `frameworks:`"):
+        RayBackend(container=True).check([_run(framework=None)])
+
+
+def test_a_share_that_is_not_a_folder_is_refused(tmp_path):
+    remote = ShareDouble(tmp_path, remote=True, url="azfiles://account/results")
+    with pytest.raises(ContainerError, match=r"bind-mounts the share.*azfiles://account/results is not a folder"):
+        RayBackend(container=True).check_share(remote)
+
+
+@pytest.mark.container
+def test_an_image_not_built_here_is_refused_before_submit(podman_env):
+    """The image is looked for where `submit` runs; the error names the build and that every node needs it too."""
+    with pytest.raises(ContainerError, match=r"nbbatch images build chainer --base localhost/none:x.*every node needs"):
+        RayBackend(container=True, base_image="localhost/none:x").check([_run()])
+
+
+# --- on a Ray cluster ----------------------------------------------------------------------------------------
+
+
+def real(test):
+    """A test on the Ray cluster, in the Chainer image: marked ray, container and kernel."""
+    for mark in (pytest.mark.ray, pytest.mark.container, pytest.mark.kernel, pytest.mark.timeout(600)):
+        test = mark(test)
+    return test
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop_cluster(temp_dir: Path, address: str) -> None:
+    """Stop every process of this test's cluster (those naming its temp dir or address, and their children), by PID."""
+    import psutil
+
+    mine = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+    found: dict[int, psutil.Process] = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            tags = (str(temp_dir), f"--address={address}", f"--gcs-address={address}")
+            if proc.pid not in mine and any(tag in arg for tag in tags for arg in proc.info["cmdline"] or []):
+                found.update({p.pid: p for p in (proc, *proc.children(recursive=True)) if p.pid not in mine})
+        except psutil.Error:
+            continue
+    for proc in found.values():
+        try:
+            proc.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(list(found.values()), timeout=5)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+
+
+def _ray_cli(args: list[str], env: dict[str, str], join: bool = False) -> None:
+    cmd = [sys.executable, "-c", _RAY_CLI, *(["--join"] if join else []), *args]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, f"`ray {' '.join(args)}` failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def ray_head(podman_env):
+    """A Ray head and a second node on 127.0.0.1 with 2 CPUs each, started with podman's settings in their
+    environment (as a node's); the head's address."""
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("psutil")
+    temp_dir = Path(tempfile.mkdtemp(prefix="nbray-ctr-", dir="/tmp" if os.path.isdir("/tmp") else None))
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    common = ["--node-ip-address=127.0.0.1", "--num-cpus=2", "--num-gpus=0", "--disable-usage-stats",
+              f"--object-store-memory={100 * 2**20}"]
+    try:
+        _ray_cli(["start", "--head", f"--port={port}", f"--temp-dir={temp_dir}", "--include-dashboard=false",
+                  f"--ray-client-server-port={_free_port()}", f"--dashboard-port={_free_port()}",
+                  f"--dashboard-agent-listen-port={_free_port()}", *common], env)
+        _ray_cli(["start", f"--address={address}", f"--dashboard-agent-listen-port={_free_port()}", *common], env,
+                 join=True)
+        ray.init(address=address, log_to_driver=False)
+        wait_until(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 2, timeout=60, message="both Ray nodes",
+                   interval=0.5)
+        yield address
+    finally:
+        ray.shutdown()
+        _stop_cluster(temp_dir, address)
+        import shutil
+
+        if not os.environ.get("KEEP_RAY_TMP"):  # its logs, to look at a failure
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _experiment(tmp_path: Path, address: str, name: str, **parameters) -> Path:
+    backend = {"name": "ray", "address": address, "container": True, "base_image": BASE, "linger_s": 5,
+               "cancel_grace_s": 60}
+    spec = {"experiment": name, "frameworks": ["chainer"],
+            "parameters": {"DATASET": "digits", "EPOCHS": 1, "MAX_SAMPLES": 200, **parameters},
+            "backend": backend, "share": str(tmp_path / "share")}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _nothing_left(name: str) -> None:
+    wait_until(lambda: not containers_labelled("nbbatch.experiment", name), timeout=60,
+               message=f"the containers of {name} gone", interval=0.5)
+    assert kernels_of(name) == []
+
+
+def _final(share: Path, name: str):
+    [record] = wait_until(lambda: [r for r in api.status(name, share=str(share)) if r.final], timeout=120,
+                          message=f"{name} final", interval=0.5)
+    return record
+
+
+@real
+def test_a_run_executes_in_its_image_on_a_ray_node(ray_head, chainer_image, tmp_path):
+    share = tmp_path / "share"
+    result = api.submit(str(_experiment(tmp_path, ray_head, "ray-ctr")), wait=True, progress=False)
+    [record] = result.records
+    assert record.status == "succeeded", record.error
+    assert record.backend == "ray" and record.metrics["accuracy"] > 0
+    image_id = podman("image", "inspect", "--format", "{{.Id}}", chainer_image.ref).stdout.strip()
+    assert record.container.engine == "podman" and record.container.image == chainer_image.ref
+    assert record.container.image_id == image_id and record.container.name.startswith("nbbatch-")
+    assert "in podman image " + chainer_image.ref in (share / "ray-ctr" / record.run_id / "log.txt").read_text()
+    _nothing_left("ray-ctr")
+
+
+@real
+def test_cancel_and_a_killed_task_leave_no_container(ray_head, chainer_image, tmp_path):
+    """``nbbatch cancel`` reaches the run inside its container through the share's cancel marker (it ends itself,
+    well within the grace before its task is killed). A task Ray kills (``ray.cancel(force=True)``, as the supervisor
+    does past the grace) takes run-one with it by SIGKILL, before it can stop its container: the task's watcher,
+    outside the worker, stops it."""
+    share = tmp_path / "share"
+    fs = FileShare(share)
+    names = ("ray-ctr-cancel", "ray-ctr-kill")
+    for name in names:
+        api.submit(str(_experiment(tmp_path, ray_head, name, **LONG)), wait=False, progress=False)
+    running = {name: wait_until(lambda n=name: next((r for r in load_records(fs, n)[0]
+                                                      if r.status == "running" and r.cells_done >= 2), None),
+                                timeout=300, message=f"{name} running", interval=0.5) for name in names}
+    for name in names:
+        assert len(containers_labelled("nbbatch.experiment", name)) == 1
+
+    api.cancel("ray-ctr-cancel", share=str(share))
+    cancelled = _final(share, "ray-ctr-cancel")
+    assert cancelled.status == "cancelled", cancelled.error
+
+    import ray
+
+    supervisor = ray.get_actor(supervisor_name("ray-ctr-kill", FileShare(share)), namespace=NAMESPACE)
+    ray.get(supervisor.cancel.remote([running["ray-ctr-kill"].run_id], 0), timeout=60)  # no marker: Ray kills it
+    killed = _final(share, "ray-ctr-kill")
+    # the supervisor records the cancelled task; where the run wrote its record again before its container was
+    # stopped, the watcher ends it (no cancel marker here: failed, saying the task's worker ended)
+    assert (killed.status, killed.error.ename) in {("cancelled", "cancelled"), ("failed", "RayWorkerEnded")}, \
+        killed.error
+    assert "Ray task was stopped" in killed.error.reason, killed.error
+    for name in names:
+        _nothing_left(name)
+        assert podman("ps", "--all", "--quiet", "--filter", f"label=nbbatch.experiment={name}",
+                      "--filter", f"label=nbbatch.run={running[name].run_id}").stdout == ""
+
+
+@real
+def test_an_image_missing_on_the_node_fails_the_run_naming_the_node(ray_head, chainer_image, tmp_path, monkeypatch):
+    """Where the image is here but not on the node (faked: the submit-side lookup answers a tag nobody built), the
+    node's run-one fails the run at once, naming the node; run.json and `nbbatch status` say so."""
+    missing = "localhost/nbbatch/chainer:on-no-node"
+    monkeypatch.setattr("nbbatch.backends.ray.backend.framework_images",
+                        lambda engine, runs, **_: {"chainer": (missing, "")})
+    share = tmp_path / "share"
+    [record] = api.submit(str(_experiment(tmp_path, ray_head, "ray-ctr-missing")), wait=True, progress=False).records
+    assert record.status == "failed" and record.backend == "ray"
+    assert f"the image {missing} is not on node {socket.gethostname()}" in record.error.evalue
+    assert "its container could not start on node" in record.error.reason
+    shown = subprocess.run([sys.executable, "-m", "nbbatch", "status", "ray-ctr-missing", "--share", str(share)],
+                           capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "400"})
+    said = " ".join(shown.stdout.split())
+    assert "failed" in said and f"is not on node {socket.gethostname()}" in said, shown.stdout + shown.stderr
+    _nothing_left("ray-ctr-missing")
+
+
+@real
+def test_a_two_node_gang_runs_one_container_per_node_with_equal_weights(ray_head, pytorch_image, tmp_path):
+    """The PyTorch notebook, 2 ranks over gloo, one per Ray node (a STRICT_SPREAD gang): each node's task starts its
+    node's container; DDP keeps the replicas equal across them; no container is left."""
+    backend = {"name": "ray", "address": ray_head, "container": True, "cpu_image": True, "base_image": BASE,
+               "linger_s": 5}
+    spec = {"experiment": "ray-ctr-ddp", "frameworks": ["pytorch"],
+            "parameters": {"DATASET": "digits", "EPOCHS": 2, "MAX_SAMPLES": 400},
+            "resources": {"nodes": 2, "processes_per_node": 1, "gpus_per_node": 0}, "distribution": {"type": "torch"},
+            "backend": backend, "share": str(tmp_path / "share")}
+    path = tmp_path / "ddp.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    [record] = api.submit(str(path), wait=True, progress=False).records
+    assert record.status == "succeeded", record.error
+    assert record.world_size == 2 and [(r.node, r.status) for r in record.ranks] == [(0, "succeeded"), (1, "succeeded")]
+    assert record.container.image == pytorch_image.ref and "-node0-" in record.container.name
+    folder = tmp_path / "share" / "ray-ctr-ddp" / record.run_id
+    assert json.loads((folder / "ranks" / "1" / "run.json").read_text())["container"]["image"] == pytorch_image.ref
+    zero, one = (metrics_from_notebook(nbformat.read(folder / "ranks" / str(r) / "output.ipynb", 4)) for r in (0, 1))
+    assert zero["world_size"] == one["world_size"] == 2
+    assert zero["weights_checksum"] == pytest.approx(one["weights_checksum"], rel=1e-6)
+    _nothing_left("ray-ctr-ddp")
