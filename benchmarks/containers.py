@@ -46,9 +46,10 @@ def submit(path: Path, name: str, share: Path) -> tuple[float, list[float]]:
     done = subprocess.run([sys.executable, "-m", "nbbatch", "submit", str(path), "-q", "--force"],
                           capture_output=True, text=True, env={**os.environ, "NBBATCH_PROJECT": str(ROOT)})
     wall = time.perf_counter() - started
-    if done.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{done.stdout}{done.stderr}")
     records = [json.loads(p.read_text()) for p in (share / name).glob("*/run.json")]
+    if done.returncode != 0:
+        errors = "\n".join(f"{r['run_id']}: {r.get('error')}" for r in records if r.get("error"))
+        raise SystemExit(f"{name} failed:\n{done.stdout}{done.stderr}\n{errors}")
     return wall, [r["duration_s"] for r in records]
 
 
