@@ -40,16 +40,17 @@ from nbbatch.containers.engines import Engine
 from nbbatch.errors import ShareError
 from nbbatch.execute.context import AttemptContext, UpdateCallback
 from nbbatch.execute.placement import NodePlacement, ranks_of
+from nbbatch.execute.ranks import stop_gang
 from nbbatch.metrics import tracking_wanted, without_tracking
 from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret, tracking_credentials
-from nbbatch.store.layout import run_paths
 from nbbatch.store.runfiles import finalize_record, new_record, read_record, read_record_or_none, write_record
 from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status, to_json_value, utc_now
 from nbbatch.store.share import Share
 
 HOST_NBBATCH = "/opt/nbbatch/host"  # where the driver's own nbbatch is mounted: the run uses the same code
 OUTPUT_TAIL = 3000  # characters of the container's output kept for an error
+_CONTAINER_ENDED = {"error": "a node's container ended"}  # the gang's stop marker when a container ends early
 TIMEOUT_GRACE_S = 60.0  # past the run's own timeout (which run-one enforces) the container is killed
 # Variables passed from the driver (by name: values never appear on a command line): what tunes the
 # frameworks, tracks runs, or configures nbbatch. Paths of this machine's Python and Jupyter are not passed.
@@ -220,7 +221,7 @@ def end_unfinished(share: Share, run: Run, node: NodePlacement | None, status: S
         if record is not None and record.final:
             return record
         if node is not None:
-            _stop_gang(share, run, max(1, record.attempts if record else 0), decide=True)
+            stop_gang(share, run, max(1, record.attempts if record else 0), _CONTAINER_ENDED, decide=True)
         return finalize_record(share, run, status, error, backend=backend)
     records, unfinished = [], 0
     for rank in ranks_of(run, node):
@@ -232,7 +233,7 @@ def end_unfinished(share: Share, run: Run, node: NodePlacement | None, status: S
             write_record(share, record)
         records.append(record)
     if unfinished:
-        _stop_gang(share, run, unfinished, decide=False)
+        stop_gang(share, run, unfinished, _CONTAINER_ENDED, decide=False)
     return records[0]
 
 
@@ -246,17 +247,6 @@ def _rank_record(share: Share, run: Run, rank: int) -> RunRecord | None:
 def _coordinator(node: NodePlacement) -> bool:
     """Whether ``node``'s launcher holds rank 0, whose record is the run's."""
     return node.node_rank == 0 and (node.local_ranks is None or 0 in node.local_ranks)
-
-
-def _stop_gang(share: Share, run: Run, attempts: int, decide: bool) -> None:
-    """Tell every node that gang attempts up to ``attempts`` are over (node 0, ``decide``: and not run again)."""
-    paths = run_paths(run.experiment, run.run_id)
-    for attempt in range(1, attempts + 1):
-        with contextlib.suppress(ShareError, OSError):
-            if not share.exists(paths.gang_stop(attempt)):
-                share.write_bytes(paths.gang_stop(attempt), b'{"error": "a node\'s container ended"}')
-            if decide:
-                share.write_bytes(f"{paths.ranks}/decision-{attempt}.json", b'{"retry": false}')
 
 
 def _watch(proc: subprocess.Popen[str], engine: Engine, name: str, run: Run, share: Share,

@@ -48,6 +48,18 @@ class _Ended:
     at: float
 
 
+def stop_gang(share: Share, run: Run, attempts: int, why: dict[str, object], decide: bool) -> None:
+    """Tell every node of ``run`` that its gang's attempts up to ``attempts`` are over (``why``: the stop marker's
+    content, unless one is there already); ``decide``: node 0's word too, that the gang does not run again."""
+    paths = run_paths(run.experiment, run.run_id)
+    for attempt in range(1, attempts + 1):
+        with contextlib.suppress(ShareError, OSError):
+            if not share.exists(paths.gang_stop(attempt)):
+                share.write_bytes(paths.gang_stop(attempt), json.dumps(why).encode())
+            if decide:
+                share.write_bytes(paths.gang_decision(attempt), b'{"retry": false}')
+
+
 def execute_gang(run: Run, share: Share, placement: NodePlacement, context: AttemptContext) -> RunRecord:
     """Run the ranks of the distributed ``run`` that the launcher at ``placement`` starts, until the gang ends;
     run the gang again after a kernel death (as a single run's attempt).
@@ -105,11 +117,8 @@ class _Node:
         own = self.record_of(ranks[0])
         if own.rank is not None:  # the run's own record (rank 0's) counts the run's attempts as ever
             own.attempts += 1
-        with contextlib.suppress(ShareError, OSError):
-            self.share.write_bytes(self.paths.gang_stop(1), json.dumps(
-                {"rank": ranks[0].rank, "error": f"{exc} (node {self.placement.node_rank})"}).encode())
-            if self.coordinator:
-                self.share.write_bytes(f"{self.paths.ranks}/decision-1.json", b'{"retry": false}')
+        stop_gang(self.share, self.run, 1, {"rank": ranks[0].rank, "error": f"{exc} (node {self.placement.node_rank})"},
+                  decide=self.coordinator)
         return failed_before_start(self.share, own, exc, self.notify if self.coordinator else None)
 
     def _gangs(self, ranks: list[Rank], folders: RunFolders) -> RunRecord:
@@ -230,7 +239,7 @@ class _Node:
         assert self.run.distribution is not None
         if self.run.distribution.nodes == 1 and self.placement.local_ranks is None:
             return retry
-        path = f"{self.paths.ranks}/decision-{gang}.json"
+        path = self.paths.gang_decision(gang)
         if self.coordinator:
             with contextlib.suppress(ShareError, OSError):
                 self.share.write_bytes(path, json.dumps({"retry": retry}).encode())

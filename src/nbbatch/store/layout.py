@@ -110,6 +110,10 @@ class RunPaths:
         """The marker naming the first rank that failed in attempt ``attempt`` of the gang: every node stops its ranks."""
         return f"{self.ranks}/stop-{attempt}.json"
 
+    def gang_decision(self, attempt: int) -> str:
+        """Node 0's word on whether the gang runs again after attempt ``attempt``; the other nodes wait for it."""
+        return f"{self.ranks}/decision-{attempt}.json"
+
     def file(self, name: str) -> str:
         """A file in the run's folder (a backend's own file, or one of the names below)."""
         return f"{self.folder}/{name}"
