@@ -260,8 +260,7 @@ def test_an_image_missing_on_the_node_fails_the_run_naming_the_node(ray_head, ch
     """Where the image is here but not on the node (faked: the submit-side lookup answers a tag nobody built), the
     node's run-one fails the run at once, naming the node; run.json and `nbbatch status` say so."""
     missing = "localhost/nbbatch/chainer:on-no-node"
-    monkeypatch.setattr("nbbatch.backends.ray.backend.framework_images",
-                        lambda engine, runs, **_: {"chainer": (missing, "")})
+    monkeypatch.setattr("nbbatch.containers.checks.framework_images", lambda engine, runs, **_: {"chainer": (missing, "")})
     share = tmp_path / "share"
     [record] = api.submit(str(_experiment(tmp_path, ray_head, "ray-ctr-missing")), wait=True, progress=False).records
     assert record.status == "failed" and record.backend == "ray"

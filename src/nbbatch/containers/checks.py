@@ -11,10 +11,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from nbbatch.containers.engines import Engine
+from nbbatch.containers.engines import Engine, find_engine
 from nbbatch.containers.images import ImageSpec, build_image, image_spec, require_image
 from nbbatch.containers.registry import pull_image, registry_ref, require_remote_image
-from nbbatch.errors import ValidationError
+from nbbatch.errors import ContainerError, ValidationError
 from nbbatch.plan.runs import Run
 from nbbatch.spec.frameworks import get_framework
 from nbbatch.spec.project import Project
@@ -94,3 +94,46 @@ def build_framework_images(engine: Engine, frameworks: Sequence[str], project: P
             print(f"image of {name}: {spec.ref} (build log: .nbbatch/images/{name}.log)", file=sys.stderr)
         build_image(engine, spec, project)
 
+
+
+class NodeImages:
+    """``container: true`` of a backend whose nodes start the images (slurm, ray): each framework's image tag found
+    here (or, with ``registry``, in the registry the nodes pull from), and built here on request. A node that lacks
+    its image says so when its run starts (:mod:`nbbatch.containers.node`)."""
+
+    def __init__(self, backend: str, engine: str, cpu_image: bool = False, base_image: str | None = None,
+                 registry: str | None = None, nothing_started: str = "Nothing was queued.") -> None:
+        self.backend, self.engine_name, self.registry = backend, engine, registry
+        self.gpu, self.base = not cpu_image, base_image
+        self.nothing_started = nothing_started
+        self._engine: Engine | None = None
+        self.found: dict[str, tuple[str, str]] = {}  # framework → (image tag, image id here or "")
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            try:
+                self._engine = find_engine(self.engine_name)
+            except ContainerError as exc:
+                raise ContainerError(f"container: true starts each run's image with {self.engine_name} on its node, and "
+                                     f"looks for the images with {self.engine_name} here first, which fails: {exc}") from exc
+        return self._engine
+
+    def refs(self, runs: Sequence[Run]) -> dict[str, str]:
+        """The image tag of each framework of ``runs``, or :class:`ContainerError` saying why one is not there."""
+        try:
+            self.found = framework_images(self.engine, runs, gpu=self.gpu, base=self.base, known=self.found,
+                                          registry=self.registry)
+        except ContainerError as exc:
+            if self.registry:  # the nodes pull from there: the registry's own error says it all
+                raise ContainerError(f"{exc}. {self.nothing_started}") from exc
+            raise ContainerError(f"{exc}. With the {self.backend} backend every node needs the image as well, under the "
+                                 f"same tag (build it there too, push it to a registry and set `registry:`, or "
+                                 f"`{self.engine_name} save` it here and `{self.engine_name} load` it there). "
+                                 f"{self.nothing_started}") from exc
+        return {r.framework: self.found[r.framework][0] for r in runs if r.framework}
+
+    def build(self, frameworks: Sequence[str], project: Project, progress: bool = True) -> None:
+        """``submit --build-envs``: the images of ``frameworks`` built here (the nodes need their own copies)."""
+        if frameworks:
+            build_framework_images(self.engine, frameworks, project, gpu=self.gpu, base=self.base, progress=progress)

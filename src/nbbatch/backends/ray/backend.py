@@ -17,12 +17,10 @@ from nbbatch.backends.ray.task import RayTaskSpec, gpu_request
 from nbbatch.backends.settings import setting
 from nbbatch.backends.sharedfs import local_addresses, on_network_filesystem, record_age_s
 from nbbatch.containers.checks import (
-    build_framework_images,
-    framework_images,
+    NodeImages,
     refuse_image_settings_without_container,
     refuse_runs_without_image,
 )
-from nbbatch.containers.engines import Engine, find_engine
 from nbbatch.errors import BackendError, ContainerError, ValidationError
 from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret
@@ -90,8 +88,8 @@ class RayBackend(Backend):
         refuse_image_settings_without_container(self.settings)
         if self.settings.container:
             self.capabilities = dataclasses.replace(self.capabilities, containers=True)
-        self._engine: Engine | None = None
-        self._images: dict[str, tuple[str, str]] = {}  # framework → (image tag, image id), as found here
+        self._node_images = NodeImages(self.name, self.settings.engine, self.settings.cpu_image,
+                                       self.settings.base_image, self.settings.registry, "Nothing was started.")
 
     @property
     def poll_s(self) -> float | None:  # type: ignore[override]
@@ -252,30 +250,7 @@ class RayBackend(Backend):
         self._container_images(runs)
 
     def _container_images(self, runs: Sequence[Run]) -> dict[str, str]:
-        """The image tag of each framework of ``runs``, found with the engine on this machine (with ``registry``: in
-        the registry, from which the nodes pull it)."""
-        try:
-            self._images = framework_images(self._container_engine(), runs, gpu=not self.settings.cpu_image,
-                                            base=self.settings.base_image, known=self._images,
-                                            registry=self.settings.registry)
-        except ContainerError as exc:
-            if self.settings.registry:  # the nodes pull from there: the registry's own error says it all
-                raise ContainerError(f"{exc}. Nothing was started.") from exc
-            raise ContainerError(f"{exc}. With the ray backend every node needs the image as well, under the same tag "
-                                 f"(build it there too, or `{self.settings.engine} save` it here and "
-                                 f"`{self.settings.engine} load` it there): nbbatch does not copy images to the "
-                                 "nodes. Nothing was started.") from exc
-        return {r.framework: self._images[r.framework][0] for r in runs if r.framework}
-
-    def _container_engine(self) -> Engine:
-        if self._engine is None:
-            engine = self.settings.engine
-            try:
-                self._engine = find_engine(engine)
-            except ContainerError as exc:
-                raise ContainerError(f"container: true starts each run's image with {engine} on its Ray node, and "
-                                     f"looks for the images with {engine} here first, which fails: {exc}") from exc
-        return self._engine
+        return self._node_images.refs(runs)
 
     def prepare_environments(self, frameworks: Sequence[str], project: Project, build: bool = False,
                              progress: bool = True) -> None:
@@ -283,9 +258,8 @@ class RayBackend(Backend):
         the venvs are the nodes' own."""
         if not self.settings.container:
             return super().prepare_environments(frameworks, project, build, progress)
-        if build and frameworks:
-            build_framework_images(self._container_engine(), frameworks, project, gpu=not self.settings.cpu_image,
-                                   base=self.settings.base_image, progress=progress)
+        if build:
+            self._node_images.build(frameworks, project, progress)
 
     def _local_addresses(self) -> set[str]:
         more = []

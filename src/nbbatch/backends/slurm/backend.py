@@ -39,12 +39,10 @@ from nbbatch.backends.slurm.script import (
     spec_path,
 )
 from nbbatch.containers.checks import (
-    build_framework_images,
-    framework_images,
+    NodeImages,
     refuse_image_settings_without_container,
     refuse_runs_without_image,
 )
-from nbbatch.containers.engines import Engine, find_engine
 from nbbatch.errors import BackendError, ContainerError, ValidationError, did_you_mean
 from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret
@@ -144,8 +142,8 @@ class SlurmBackend(Backend):
         self._synced_at = float("-inf")  # when sync last asked Slurm
         if self.settings.container:  # the runs' kernels are the images', not venvs on the shared project
             self.capabilities = dataclasses.replace(self.capabilities, local_kernels=False)
-        self._engine: Engine | None = None
-        self._images: dict[str, tuple[str, str]] = {}  # framework → (image tag, image id), as found here
+        self._node_images = NodeImages(self.name, CONTAINER_ENGINE, self.settings.cpu_image, self.settings.base_image,
+                                       self.settings.registry)
 
     @property
     def poll_s(self) -> float | None:  # type: ignore[override]
@@ -232,27 +230,7 @@ class SlurmBackend(Backend):
         self._container_images(runs)
 
     def _container_images(self, runs: Sequence[Run]) -> dict[str, str]:
-        """The image tag of each framework of ``runs``, found with podman here."""
-        try:
-            self._images = framework_images(self._container_engine(), runs, gpu=not self.settings.cpu_image,
-                                            base=self.settings.base_image, known=self._images,
-                                            registry=self.settings.registry)
-        except ContainerError as exc:
-            if self.settings.registry:  # the nodes pull from there: the registry's own error says it all
-                raise ContainerError(f"{exc}. Nothing was queued.") from exc
-            raise ContainerError(f"{exc}. With the slurm backend every node needs the image as well, under the same "
-                                 "tag (build it there too, or `podman save` it here and `podman load` it there): "
-                                 "nbbatch does not copy images to the nodes. Nothing was queued.") from exc
-        return {r.framework: self._images[r.framework][0] for r in runs if r.framework}
-
-    def _container_engine(self) -> Engine:
-        if self._engine is None:
-            try:
-                self._engine = find_engine(CONTAINER_ENGINE)
-            except ContainerError as exc:
-                raise ContainerError(f"container: true starts each run's image with {CONTAINER_ENGINE} on its node, and "
-                                     f"looks for the images with {CONTAINER_ENGINE} here first, which fails: {exc}") from exc
-        return self._engine
+        return self._node_images.refs(runs)
 
     def prepare_environments(self, frameworks: Sequence[str], project: Project, build: bool = False,
                              progress: bool = True) -> None:
@@ -260,9 +238,8 @@ class SlurmBackend(Backend):
         their own copies)."""
         if not self.settings.container:
             return super().prepare_environments(frameworks, project, build, progress)
-        if build and frameworks:
-            build_framework_images(self._container_engine(), frameworks, project, gpu=not self.settings.cpu_image,
-                                   base=self.settings.base_image, progress=progress)
+        if build:
+            self._node_images.build(frameworks, project, progress)
 
     def check_secrets(self, runs: Sequence[Run] = ()) -> None:
         """Refuse a secret in ``env``: it would be written into the batch script on the share."""
