@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support.containers import BASE, containers_labelled, podman
+from support.containers import BASE, containers_labelled, nbbatch_cli, podman
 from support.machine import REPO
 from support.processes import kernels_of
 from support.waiting import wait_until
@@ -22,6 +22,7 @@ from nbbatch import api
 from nbbatch.backends.slurm import SlurmBackend, SlurmJob
 from nbbatch.backends.slurm.script import launcher_command
 from nbbatch.containers.node import execute_on_node
+from nbbatch.containers.registry import registry_ref
 from nbbatch.errors import ContainerError, ValidationError
 from nbbatch.execute.context import AttemptContext
 from nbbatch.plan.runs import Run
@@ -104,9 +105,9 @@ def real(test):
     return test
 
 
-def _experiment(tmp_path: Path, name: str, **parameters) -> Path:
+def _experiment(tmp_path: Path, name: str, registry: str | None = None, **parameters) -> Path:
     backend = {"name": "slurm", "container": True, "base_image": BASE, "cpus": 1, "memory": "1G",
-               "cancel_grace_s": 60}
+               "cancel_grace_s": 60, **({"registry": registry} if registry else {})}
     spec = {"experiment": name, "frameworks": ["chainer"],
             "parameters": {"DATASET": "digits", "EPOCHS": 1, "MAX_SAMPLES": 200, **parameters},
             "backend": backend, "share": str(tmp_path / "share")}
@@ -135,6 +136,28 @@ def test_a_run_executes_in_its_image_on_a_node(slurm_cluster, chainer_image, tmp
     assert "--container-image chainer=" + chainer_image.ref in next((share / job.submission).glob("batch-*.sh")).read_text()
     assert "in podman image " + chainer_image.ref in (share / "slurm-ctr" / record.run_id / "log.txt").read_text()
     _nothing_left("slurm-ctr")
+
+
+@real
+def test_a_node_pulls_the_image_from_the_registry_and_runs_in_it(slurm_cluster, chainer_image, image_registry,
+                                                                  tmp_path):
+    """With `registry:` the job names the registry's tag, which the node lacks: its run-one pulls it, then runs."""
+    registry = f"{image_registry.address}/slurm"
+    remote = registry_ref(chainer_image, registry)
+    pushed = nbbatch_cli("images", "push", registry, "chainer", "--base", BASE, "--engine", "podman")
+    assert pushed.returncode == 0, pushed.stdout + pushed.stderr
+    podman("rmi", remote)  # only the registry's tag: the image keeps its local one (other tests use it)
+    try:
+        result = api.submit(str(_experiment(tmp_path, "slurm-reg", registry=registry)), wait=True, progress=False)
+        [record] = result.records
+        assert record.status == "succeeded", record.error
+        assert record.container.image == remote
+        assert record.container.image_id == podman("image", "inspect", "--format", "{{.Id}}", remote).stdout.strip()
+        job = SlurmJob.read(FileShare(tmp_path / "share"), "slurm-reg", record.run_id)
+        assert f"pulling {remote} on node" in (tmp_path / "share" / job.output).read_text()
+    finally:
+        podman("rmi", remote, check=False)
+    _nothing_left("slurm-reg")
 
 
 @real
