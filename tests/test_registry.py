@@ -202,3 +202,14 @@ def test_registry_mistakes_are_refused_before_any_run(podman_env, image_registry
         assert says in done.stderr and "Traceback" not in done.stderr, done.stderr
         assert not list((tmp_path / "share").glob(f"{name}/*/run.json")), "a run started"
     assert not _exists(registry_ref(spec, f"{image_registry.address}/never-pushed"))
+
+
+@pytest.mark.container
+@pytest.mark.timeout(300)
+def test_a_push_of_a_variant_not_built_names_the_options_the_image_was_built_with(chainer_image):
+    """Chainer is built on the test base (`--base`); a push without it finds no image of the default variant, and
+    says which options the image here was built with. Nothing is pushed (the registry is never reached)."""
+    done = _nbbatch("images", "push", f"127.0.0.1:{free_port()}", "chainer", "--engine", "podman")
+    assert done.returncode != 0
+    assert "not built here (podman): chainer" in done.stderr
+    assert f"chainer is built here with other options (`--base {BASE}`)" in done.stderr, done.stderr

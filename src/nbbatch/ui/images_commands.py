@@ -11,7 +11,16 @@ from rich.table import Table
 from rich.text import Text
 
 from nbbatch.containers.engines import Engine, find_engine
-from nbbatch.containers.images import ImageSpec, build_image, image_spec, image_status, stage_context
+from nbbatch.containers.images import (
+    LABEL_FRAMEWORK,
+    LABEL_VARIANT,
+    ImageSpec,
+    build_image,
+    image_spec,
+    image_spec_args,
+    image_status,
+    stage_context,
+)
 from nbbatch.containers.registry import check_registry, push_image
 from nbbatch.errors import NbbatchError
 from nbbatch.spec.frameworks import get_framework, list_frameworks
@@ -93,7 +102,8 @@ def _push(args: argparse.Namespace, project: Project) -> int:
     if (named and unbuilt) or not ready:
         which = unbuilt if named else specs
         raise NbbatchError(f"not built here ({engine.name}): " + ", ".join(f"{s.framework.name} ({s.ref})" for s in which)
-                           + ". Build first: " + "; ".join(f"`{s.build_command}`" for s in which))
+                           + ". Build first: " + "; ".join(f"`{s.build_command}`" for s in which)
+                           + "".join(_other_builds(engine, s) for s in which))
     for spec in ready:
         ref, seconds = push_image(engine, spec, registry)
         print(f"{spec.framework.name}: pushed {ref} in {seconds:.1f} s")
@@ -114,3 +124,21 @@ def _print_table(engine: Engine, specs: list[ImageSpec]) -> None:
         cells[1].stylize(style[status.state])
         table.add_row(*cells)
     Console(width=200).print(table)
+
+
+def _other_builds(engine: Engine, spec: ImageSpec) -> str:
+    """A sentence naming the build options of the framework's images of other variants here (other ``--cpu`` /
+    ``--base``), which a push of ``spec``'s variant does not take; empty when there are none."""
+    options = set()
+    for ref, _ in engine.images_labelled({LABEL_FRAMEWORK: spec.framework.name}):
+        variant = engine.query("image", "inspect", "--format", f'{{{{index .Labels "{LABEL_VARIANT}"}}}}', ref).stdout.strip()
+        if variant and variant != spec.variant:
+            kind, _, base = variant.partition(":")
+            gpu = kind == "gpu"
+            default = image_spec_args(spec.framework, gpu, None)["BASE_IMAGE"]
+            options.add(("--cpu " if spec.framework.gpu and not gpu else "") + (f"--base {base}" if base != default else ""))
+    if not options:
+        return ""
+    said = " or ".join(f"`{o.strip()}`" if o.strip() else "no options" for o in sorted(options))
+    return (f". {spec.framework.name} is built here with other options ({said}): push with the options it was "
+            "built with")
