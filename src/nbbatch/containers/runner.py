@@ -40,11 +40,17 @@ from nbbatch.containers.engines import Engine
 from nbbatch.errors import ShareError
 from nbbatch.execute.context import AttemptContext, UpdateCallback
 from nbbatch.execute.placement import NodePlacement, ranks_of
-from nbbatch.execute.ranks import stop_gang
 from nbbatch.metrics import tracking_wanted, without_tracking
 from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret, tracking_credentials
-from nbbatch.store.runfiles import finalize_record, new_record, read_record, read_record_or_none, write_record
+from nbbatch.store.runfiles import (
+    finalize_record,
+    new_record,
+    read_record,
+    read_record_or_none,
+    stop_gang,
+    write_record,
+)
 from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status, to_json_value, utc_now
 from nbbatch.store.share import Share
 

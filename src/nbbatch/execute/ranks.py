@@ -28,7 +28,7 @@ from nbbatch.execute.one_attempt import cancel_came, failed_before_start, note_l
 from nbbatch.execute.placement import NodePlacement, Rank, ranks_of
 from nbbatch.plan.runs import Run
 from nbbatch.store.layout import LOG_FILE, OUTPUT_NOTEBOOK, run_paths
-from nbbatch.store.runfiles import new_record, read_record, write_record
+from nbbatch.store.runfiles import new_record, read_record, stop_gang, write_record
 from nbbatch.store.runjson import ErrorKind, RankOutcome, RunError, RunRecord, Status, utc_now
 from nbbatch.store.share import Share, poll_interval
 
@@ -46,18 +46,6 @@ class _Ended:
     rank: int
     record: RunRecord
     at: float
-
-
-def stop_gang(share: Share, run: Run, attempts: int, why: dict[str, object], decide: bool) -> None:
-    """Tell every node of ``run`` that its gang's attempts up to ``attempts`` are over (``why``: the stop marker's
-    content, unless one is there already); ``decide``: node 0's word too, that the gang does not run again."""
-    paths = run_paths(run.experiment, run.run_id)
-    for attempt in range(1, attempts + 1):
-        with contextlib.suppress(ShareError, OSError):
-            if not share.exists(paths.gang_stop(attempt)):
-                share.write_bytes(paths.gang_stop(attempt), json.dumps(why).encode())
-            if decide:
-                share.write_bytes(paths.gang_decision(attempt), b'{"retry": false}')
 
 
 def execute_gang(run: Run, share: Share, placement: NodePlacement, context: AttemptContext) -> RunRecord:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
@@ -116,6 +117,18 @@ def cancel_requested(share: Share, experiment: str, run_id: str | None = None) -
     if run_id is None:
         return share.exists(experiment_paths(experiment).cancel)
     return any(share.exists(marker) for marker in run_paths(experiment, run_id).cancel_markers)
+
+
+def stop_gang(share: Share, run: PlannedRun, attempts: int, why: dict[str, object], decide: bool) -> None:
+    """Tell every node of ``run`` that its gang's attempts up to ``attempts`` are over (``why``: the stop marker's
+    content, unless one is there already); ``decide``: node 0's word too, that the gang does not run again."""
+    paths = run_paths(run.experiment, run.run_id)
+    for attempt in range(1, attempts + 1):
+        with contextlib.suppress(ShareError, OSError):
+            if not share.exists(paths.gang_stop(attempt)):
+                share.write_bytes(paths.gang_stop(attempt), json.dumps(why).encode())
+            if decide:
+                share.write_bytes(paths.gang_decision(attempt), b'{"retry": false}')
 
 
 @dataclass(frozen=True)
