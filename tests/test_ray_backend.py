@@ -16,8 +16,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import json  # noqa: E402
 import re  # noqa: E402
-import signal  # noqa: E402
-import socket  # noqa: E402
+import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -33,6 +32,7 @@ ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
 from support.notebooks import make_notebook  # noqa: E402
+from support.raycluster import cluster_processes, cmdline, ray_cluster  # noqa: E402
 from support.shares import ShareDouble  # noqa: E402
 
 from nbbatch import api  # noqa: E402
@@ -49,23 +49,6 @@ from nbbatch.store.runjson import RunRecord  # noqa: E402
 from nbbatch.store.share import FileShare  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
-
-# `ray start` for a node that joins a cluster refuses to run while RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
-# (a check meant for macOS/Windows). Keep the variable (so its servers bind loopback) and lift only
-# that check, in the CLI process alone.
-_RAY_CLI = """
-import sys, types
-import ray._private.ray_constants as constants
-import ray.scripts.scripts as scripts
-if sys.argv[1] == "--join":
-    del sys.argv[1]
-    patched = types.ModuleType("ray_constants")
-    patched.__dict__.update(constants.__dict__)
-    patched.ENABLE_RAY_CLUSTER = True
-    scripts.ray_constants = patched
-sys.argv[0] = "ray"
-scripts.main()
-"""
 
 NOTEBOOK_BODY = """\
 import os, time
@@ -129,95 +112,23 @@ class Cluster:
     tags: tuple[str, ...]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ray_cli(args: list[str], env: dict[str, str], join: bool = False) -> None:
-    cmd = [sys.executable, "-c", _RAY_CLI, *(["--join"] if join else []), *args]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    if done.returncode:
-        raise RuntimeError(f"`ray {' '.join(args)}` failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-
-
-def _cmdline(proc: psutil.Process) -> list[str]:
-    """A process's command line, or nothing when it has just exited."""
-    try:
-        return proc.cmdline()
-    except psutil.Error:
-        return []
-
-
-def _cluster_processes(tags: tuple[str, ...]) -> list[psutil.Process]:
-    """Every process of the test's cluster: those naming its temp dir or port, and all their descendants."""
-    mine = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
-    found: dict[int, psutil.Process] = {}
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            cmdline = proc.info["cmdline"] or []
-            if proc.pid not in mine and any(tag in arg for tag in tags for arg in cmdline):
-                for p in (proc, *proc.children(recursive=True)):
-                    found[p.pid] = p
-        except psutil.Error:
-            continue
-    return [p for pid, p in found.items() if pid not in mine]
-
-
-def _stop(tags: tuple[str, ...]) -> None:
-    procs = _cluster_processes(tags)
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGTERM)
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=5)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=5)
-
-
 @pytest.fixture(scope="module")
 def cluster():
     """A Ray head and a second node on 127.0.0.1, each with 2 CPUs and 2 fake GPUs."""
-    temp_dir = Path(tempfile.mkdtemp(prefix="nbray-", dir="/tmp" if os.path.isdir("/tmp") else None))
-    port = _free_port()
-    address = f"127.0.0.1:{port}"
-    tags = (str(temp_dir), f"--address={address}", f"--gcs-address={address}")
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    home = Path(tempfile.mkdtemp(prefix="nbray-home-"))
+    env = {}
     for var in ("IPYTHONDIR", "MPLCONFIGDIR", "XDG_CACHE_HOME", "JUPYTER_RUNTIME_DIR"):  # kernels write here
-        (temp_dir / "home" / var).mkdir(parents=True)
-        env[var] = str(temp_dir / "home" / var)
-    common = ["--node-ip-address=127.0.0.1", "--num-cpus=2", "--num-gpus=2", "--disable-usage-stats",
-              f"--object-store-memory={100 * 2**20}"]
-    started = time.monotonic()
+        (home / var).mkdir(parents=True)
+        env[var] = str(home / var)
     try:
-        _ray_cli(["start", "--head", f"--port={port}", f"--temp-dir={temp_dir}", "--include-dashboard=false",
-                  f"--ray-client-server-port={_free_port()}", f"--dashboard-port={_free_port()}",
-                  f"--dashboard-agent-listen-port={_free_port()}", *common], env)
-        _ray_cli(["start", f"--address={address}", f"--dashboard-agent-listen-port={_free_port()}", *common], env,
-                 join=True)
-        ray.init(address=address, log_to_driver=False)
-        deadline = time.monotonic() + 60
-        while len([n for n in ray.nodes() if n["Alive"]]) < 2 and time.monotonic() < deadline:
-            time.sleep(0.5)
-        nodes = [n for n in ray.nodes() if n["Alive"]]
-        assert len(nodes) == 2, nodes
-        head = next(n for n in nodes if "node:__internal_head__" in n["Resources"])
-        worker = next(n for n in nodes if n is not head)
-        print(f"ray cluster up in {time.monotonic() - started:.1f} s")
-        yield Cluster(address, temp_dir, head["NodeID"], worker["NodeID"], worker["RayletSocketName"], tags)
+        for started in ray_cluster("nbray-", num_gpus=2, env=env):
+            nodes = [n for n in ray.nodes() if n["Alive"]]
+            head = next(n for n in nodes if "node:__internal_head__" in n["Resources"])
+            worker = next(n for n in nodes if n is not head)
+            yield Cluster(started.address, started.temp_dir, head["NodeID"], worker["NodeID"],
+                          worker["RayletSocketName"], started.tags)
     finally:
-        ray.shutdown()
-        _stop(tags)
-        import shutil
-
-        if not os.environ.get("KEEP_RAY_TMP"):
-            shutil.rmtree(temp_dir, ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def _experiment(name: str, share: Path, address: str, gpus: int = 0, seeds: int = 1, **extra) -> dict:
@@ -349,8 +260,6 @@ def test_a_node_without_the_notebook_runs_the_submitters_copy(tmp_path):
         assert another != folder
         another.rmdir()
     finally:
-        import shutil
-
         shutil.rmtree(folder)
     (tmp_path / "proj" / "notebooks").mkdir(parents=True)
     (tmp_path / "proj" / "notebooks" / "nb.ipynb").write_text("{}")
@@ -587,9 +496,9 @@ def test_cancel_stops_running_and_queued_runs(cluster, probe, tmp_path):
                 running = run_dir.parent.name
         time.sleep(0.3)
     for proc in _run_one_processes(running):  # what `ps` shows every user of the node
-        cmdline = " ".join(_cmdline(proc))
-        assert "run-marker" not in cmdline and "node-marker" not in cmdline and "--spec-file" in cmdline
-        spec_file = Path(cmdline.split("--spec-file ", 1)[1].split(" ", 1)[0])
+        line = " ".join(cmdline(proc))
+        assert "run-marker" not in line and "node-marker" not in line and "--spec-file" in line
+        spec_file = Path(line.split("--spec-file ", 1)[1].split(" ", 1)[0])
         assert spec_file.stat().st_mode & 0o777 == 0o600 and spec_file.parent.stat().st_mode & 0o777 == 0o700
     followed: list[str] = []
     follower = threading.Thread(target=lambda: followed.extend(api.logs("cancel", running, follow=True)), daemon=True)
@@ -758,8 +667,8 @@ def test_node_death_mid_run_retries_on_the_head(cluster, probe, tmp_path):
         time.sleep(0.3)
     supervisor = ray.get_actor(supervisor_name("victim", FileShare(share)), namespace=NAMESPACE)
     assert ray.get(supervisor.node_id.remote()) == cluster.head_id  # it must outlive worker nodes
-    raylet = next(p for p in _cluster_processes(cluster.tags)
-                  if f"--raylet_socket_name={cluster.worker_raylet_socket}" in " ".join(_cmdline(p)))
+    raylet = next(p for p in cluster_processes(cluster.tags)
+                  if f"--raylet_socket_name={cluster.worker_raylet_socket}" in " ".join(cmdline(p)))
     started = time.monotonic()
     raylet.kill()
     records = _wait_final(share, "victim", timeout=120)

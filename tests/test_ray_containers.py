@@ -16,19 +16,18 @@ import os
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import json  # noqa: E402
-import signal  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import nbformat  # noqa: E402
 import pytest  # noqa: E402
 import yaml  # noqa: E402
-from support.containers import BASE, containers_labelled, podman  # noqa: E402
+from support.containers import BASE, containers_labelled, nbbatch_cli, on_cluster, podman  # noqa: E402
 from support.machine import REPO  # noqa: E402
 from support.processes import kernels_of  # noqa: E402
+from support.raycluster import ray_cluster  # noqa: E402
 from support.shares import ShareDouble  # noqa: E402
 from support.waiting import wait_until  # noqa: E402
 
@@ -36,6 +35,7 @@ from nbbatch import api  # noqa: E402
 from nbbatch.backends.base import SubmitOptions  # noqa: E402
 from nbbatch.backends.ray import NAMESPACE, RayBackend, supervisor_name  # noqa: E402
 from nbbatch.backends.ray.node import run_one_command  # noqa: E402
+from nbbatch.containers.registry import registry_ref  # noqa: E402
 from nbbatch.errors import ContainerError, ValidationError  # noqa: E402
 from nbbatch.metrics import metrics_from_notebook  # noqa: E402
 from nbbatch.plan.runs import Run  # noqa: E402
@@ -44,21 +44,6 @@ from nbbatch.store.share import FileShare  # noqa: E402
 from nbbatch.ui.cli import build_parser  # noqa: E402
 
 LONG = {"EPOCHS": 500, "MAX_SAMPLES": 1000}  # runs until it is stopped
-# `ray start` of a node joining a cluster refuses to run while RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (a check meant for
-# macOS/Windows): keep the variable (servers on loopback) and lift that check, in the CLI process alone.
-_RAY_CLI = """
-import sys, types
-import ray._private.ray_constants as constants
-import ray.scripts.scripts as scripts
-if sys.argv[1] == "--join":
-    del sys.argv[1]
-    patched = types.ModuleType("ray_constants")
-    patched.__dict__.update(constants.__dict__)
-    patched.ENABLE_RAY_CLUSTER = True
-    scripts.ray_constants = patched
-sys.argv[0] = "ray"
-scripts.main()
-"""
 TAG = "localhost/nbbatch/chainer:abc"
 
 
@@ -105,80 +90,17 @@ def test_an_image_not_built_here_is_refused_before_submit(podman_env):
 # --- on a Ray cluster ----------------------------------------------------------------------------------------
 
 
-def real(test):
-    """A test on the Ray cluster, in the Chainer image: marked ray, container and kernel."""
-    for mark in (pytest.mark.ray, pytest.mark.container, pytest.mark.kernel, pytest.mark.timeout(600)):
-        test = mark(test)
-    return test
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop_cluster(temp_dir: Path, address: str) -> None:
-    """Stop every process of this test's cluster (those naming its temp dir or address, and their children), by PID."""
-    import psutil
-
-    mine = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
-    found: dict[int, psutil.Process] = {}
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            tags = (str(temp_dir), f"--address={address}", f"--gcs-address={address}")
-            if proc.pid not in mine and any(tag in arg for tag in tags for arg in proc.info["cmdline"] or []):
-                found.update({p.pid: p for p in (proc, *proc.children(recursive=True)) if p.pid not in mine})
-        except psutil.Error:
-            continue
-    for proc in found.values():
-        try:
-            proc.send_signal(signal.SIGTERM)
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(list(found.values()), timeout=5)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-
-
-def _ray_cli(args: list[str], env: dict[str, str], join: bool = False) -> None:
-    cmd = [sys.executable, "-c", _RAY_CLI, *(["--join"] if join else []), *args]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, f"`ray {' '.join(args)}` failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+real = on_cluster(pytest.mark.ray)  # a test on the Ray cluster, in the Chainer image
 
 
 @pytest.fixture(scope="module")
-def ray_head(podman_env):
+def ray_head(podman_env, image_registry):
     """A Ray head and a second node on 127.0.0.1 with 2 CPUs each, started with podman's settings in their
-    environment (as a node's); the head's address."""
-    ray = pytest.importorskip("ray")
-    pytest.importorskip("psutil")
-    temp_dir = Path(tempfile.mkdtemp(prefix="nbray-ctr-", dir="/tmp" if os.path.isdir("/tmp") else None))
-    port = _free_port()
-    address = f"127.0.0.1:{port}"
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
-    common = ["--node-ip-address=127.0.0.1", "--num-cpus=2", "--num-gpus=0", "--disable-usage-stats",
-              f"--object-store-memory={100 * 2**20}"]
-    try:
-        _ray_cli(["start", "--head", f"--port={port}", f"--temp-dir={temp_dir}", "--include-dashboard=false",
-                  f"--ray-client-server-port={_free_port()}", f"--dashboard-port={_free_port()}",
-                  f"--dashboard-agent-listen-port={_free_port()}", *common], env)
-        _ray_cli(["start", f"--address={address}", f"--dashboard-agent-listen-port={_free_port()}", *common], env,
-                 join=True)
-        ray.init(address=address, log_to_driver=False)
-        wait_until(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 2, timeout=60, message="both Ray nodes",
-                   interval=0.5)
-        yield address
-    finally:
-        ray.shutdown()
-        _stop_cluster(temp_dir, address)
-        import shutil
-
-        if not os.environ.get("KEEP_RAY_TMP"):  # its logs, to look at a failure
-            shutil.rmtree(temp_dir, ignore_errors=True)
+    environment (as a node's: containers.conf, and registries.conf marking the test registry insecure); the head's
+    address."""
+    pytest.importorskip("ray")
+    for cluster in ray_cluster("nbray-ctr-"):
+        yield cluster.address
 
 
 def _experiment(tmp_path: Path, address: str, name: str, **parameters) -> Path:
@@ -216,6 +138,28 @@ def test_a_run_executes_in_its_image_on_a_ray_node(ray_head, chainer_image, tmp_
     assert record.container.image_id == image_id and record.container.name.startswith("nbbatch-")
     assert "in podman image " + chainer_image.ref in (share / "ray-ctr" / record.run_id / "log.txt").read_text()
     _nothing_left("ray-ctr")
+
+
+@real
+def test_a_node_pulls_the_image_from_the_registry_and_runs_in_it(ray_head, chainer_image, image_registry, tmp_path):
+    """With `registry:` the task names the registry's tag, which the node lacks: its run-one pulls it, then runs."""
+    registry = f"{image_registry.address}/ray"
+    remote = registry_ref(chainer_image, registry)
+    pushed = nbbatch_cli("images", "push", registry, "chainer", "--base", BASE, "--engine", "podman")
+    assert pushed.returncode == 0, pushed.stdout + pushed.stderr
+    podman("rmi", remote)  # only the registry's tag: the image keeps its local one (other tests use it)
+    try:
+        path = _experiment(tmp_path, ray_head, "ray-reg")
+        spec = yaml.safe_load(path.read_text())
+        spec["backend"]["registry"] = registry
+        path.write_text(yaml.safe_dump(spec))
+        [record] = api.submit(str(path), wait=True, progress=False).records
+        assert record.status == "succeeded", record.error and record.error.evalue
+        assert record.container.image == remote
+        assert record.container.image_id == podman("image", "inspect", "--format", "{{.Id}}", remote).stdout.strip()
+    finally:
+        podman("rmi", remote, check=False)
+    _nothing_left("ray-reg")
 
 
 @real

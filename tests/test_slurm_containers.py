@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support.containers import BASE, containers_labelled, nbbatch_cli, podman
+from support.containers import BASE, containers_labelled, nbbatch_cli, on_cluster, podman
 from support.machine import REPO
 from support.processes import kernels_of
 from support.waiting import wait_until
@@ -21,6 +21,7 @@ from support.waiting import wait_until
 from nbbatch import api
 from nbbatch.backends.slurm import SlurmBackend, SlurmJob
 from nbbatch.backends.slurm.script import launcher_command
+from nbbatch.containers.checks import NodeImages
 from nbbatch.containers.node import execute_on_node
 from nbbatch.containers.registry import registry_ref
 from nbbatch.errors import ContainerError, ValidationError
@@ -56,8 +57,8 @@ def test_a_run_of_no_framework_is_refused(no_slurm_tools_needed):
 def test_a_distributed_run_in_containers_is_not_refused(monkeypatch):
     """Its job runs one container per node (tests/test_containers_distributed.py runs one on the cluster)."""
     run = _run(distribution=Distribution("torch", nodes=2, processes_per_node=1, gpus_per_node=0))
-    monkeypatch.setattr(SlurmBackend, "_container_images", lambda self, runs: {"chainer": "localhost/nbbatch/chainer:x"})
-    SlurmBackend(container=True)._check_containers([run])
+    monkeypatch.setattr(NodeImages, "refs", lambda self, runs: {"chainer": "localhost/nbbatch/chainer:x"})
+    SlurmBackend(container=True)._node_images.check([run])
 
 
 def test_containers_need_no_framework_venvs_here():
@@ -98,11 +99,7 @@ def test_an_image_not_built_here_is_refused_before_queueing(podman_env, no_slurm
 # --- on the cluster -----------------------------------------------------------------------------------------
 
 
-def real(test):
-    """A test on the Slurm cluster, in the Chainer image: marked slurm, container and kernel."""
-    for mark in (pytest.mark.slurm, pytest.mark.container, pytest.mark.kernel, pytest.mark.timeout(600)):
-        test = mark(test)
-    return test
+real = on_cluster(pytest.mark.slurm)  # a test on the Slurm cluster, in the Chainer image
 
 
 def _experiment(tmp_path: Path, name: str, registry: str | None = None, **parameters) -> Path:

@@ -14,7 +14,7 @@ import resource
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -27,6 +27,15 @@ from support.machine import REPO
 BASE = "localhost/nbbatch-test-base:bookworm"  # Debian 12 minbase with Python 3.11, made by mmdebstrap
 BASE_TARBALL = REPO / ".nbbatch" / "test-cache" / "base-bookworm.tar"  # kept between test runs
 MIRROR = "http://deb.debian.org/debian"
+
+
+def on_cluster(cluster: pytest.MarkDecorator) -> Callable[[Callable], Callable]:
+    """The marks of a test that runs containers on a cluster (``cluster``: pytest.mark.ray or .slurm)."""
+    def marked(test: Callable) -> Callable:
+        for mark in (cluster, pytest.mark.container, pytest.mark.kernel, pytest.mark.timeout(600)):
+            test = mark(test)
+        return test
+    return marked
 
 
 def podman_missing() -> str:

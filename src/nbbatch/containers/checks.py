@@ -119,6 +119,11 @@ class NodeImages:
                                      f"looks for the images with {self.engine_name} here first, which fails: {exc}") from exc
         return self._engine
 
+    def check(self, runs: Sequence[Run]) -> None:
+        """Before queueing: every run has a framework, and each framework's image is here (or in the registry)."""
+        refuse_runs_without_image(runs)
+        self.refs(runs)
+
     def refs(self, runs: Sequence[Run]) -> dict[str, str]:
         """The image tag of each framework of ``runs``, or :class:`ContainerError` saying why one is not there."""
         try:

@@ -19,7 +19,6 @@ from nbbatch.backends.sharedfs import local_addresses, on_network_filesystem, re
 from nbbatch.containers.checks import (
     NodeImages,
     refuse_image_settings_without_container,
-    refuse_runs_without_image,
 )
 from nbbatch.errors import BackendError, ContainerError, ValidationError
 from nbbatch.plan.runs import Run
@@ -156,7 +155,7 @@ class RayBackend(Backend):
         super().check(runs, options)
         self.check_secrets(runs)
         if self.settings.container:
-            self._check_containers(runs)
+            self._node_images.check(runs)
         if not runs or self.settings.autoscaling:
             return
         alive = self._alive_nodes()
@@ -243,15 +242,6 @@ class RayBackend(Backend):
 
     # --- container: true ------------------------------------------------------------------------------------
 
-    def _check_containers(self, runs: Sequence[Run]) -> None:
-        """Runs an image can execute, and every framework's image built here (where the nodes' copies are expected
-        under the same tag). A distributed run's node tasks run one container each (:mod:`nbbatch.containers.node`)."""
-        refuse_runs_without_image(runs)
-        self._container_images(runs)
-
-    def _container_images(self, runs: Sequence[Run]) -> dict[str, str]:
-        return self._node_images.refs(runs)
-
     def prepare_environments(self, frameworks: Sequence[str], project: Project, build: bool = False,
                              progress: bool = True) -> None:
         """``submit --build-envs``: with ``container: true`` the images on this machine (each node needs its own copy);
@@ -333,7 +323,7 @@ class RayBackend(Backend):
         ray = self.connect()
         experiment = runs[0].experiment
         project = self.settings.project or _project_root(runs[0])
-        images = self._container_images(runs) if self.settings.container else None
+        images = self._node_images.refs(runs) if self.settings.container else None
         specs = [self.task_spec(run, share, options, project, images).to_dict() for run in runs]
         deadline = time.monotonic() + 60
         while True:  # a supervisor that is just leaving refuses: start a new one

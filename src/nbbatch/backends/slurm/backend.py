@@ -41,7 +41,6 @@ from nbbatch.backends.slurm.script import (
 from nbbatch.containers.checks import (
     NodeImages,
     refuse_image_settings_without_container,
-    refuse_runs_without_image,
 )
 from nbbatch.errors import BackendError, ContainerError, ValidationError, did_you_mean
 from nbbatch.plan.runs import Run
@@ -177,7 +176,7 @@ class SlurmBackend(Backend):
                                "(Debian: apt-get install slurm-client). Nothing was queued.")
         self.check_secrets(runs)
         if self.settings.container:
-            self._check_containers(runs)
+            self._node_images.check(runs)
         if options is not None and isinstance(options.runs_per_gpu, int) and options.runs_per_gpu > 1 \
                 and any(r.gpus for r in runs):
             raise BackendError(f"resources.runs_per_gpu: {options.runs_per_gpu}: Slurm gives each run's job whole GPUs "
@@ -222,15 +221,6 @@ class SlurmBackend(Backend):
                     "timeout.run or retries, set time_limit, or choose another partition. Nothing was queued.")
 
     # --- container: true ----------------------------------------------------------------------------------
-
-    def _check_containers(self, runs: Sequence[Run]) -> None:
-        """Runs an image can execute, and every framework's image built here (where the nodes' copies are expected under
-        the same tag). A distributed run's job runs one container per node (:mod:`nbbatch.containers.node`)."""
-        refuse_runs_without_image(runs)
-        self._container_images(runs)
-
-    def _container_images(self, runs: Sequence[Run]) -> dict[str, str]:
-        return self._node_images.refs(runs)
 
     def prepare_environments(self, frameworks: Sequence[str], project: Project, build: bool = False,
                              progress: bool = True) -> None:
@@ -331,7 +321,7 @@ class SlurmBackend(Backend):
         gang = shape.nodes > 1 or bool(group[0].distribution)
         array = not gang
         task = f"$(( SLURM_ARRAY_TASK_ID + {first} ))" if array else str(first)
-        images = self._container_images(group) if self.settings.container else None
+        images = self._node_images.refs(group) if self.settings.container else None
         command = launcher_command(python, spec_path(folder, task), str(share.local_path("")), project, bool(shape.gpus),
                                    images, CONTAINER_ENGINE)
         script = folder / (script_name or f"batch-{first}.sh")
