@@ -19,6 +19,7 @@ from azure.ai.ml.entities import Command, Environment  # noqa: E402
 from fakes.azure_files_server import ACCOUNT, FAKE_KEY, FakeAzureFiles  # noqa: E402
 from fakes.azureml_transport import FakeAzureML  # noqa: E402
 from support.azure import make_toy_azure_project  # noqa: E402
+from support.containers import BASE, podman  # noqa: E402
 from support.notebooks import make_notebook  # noqa: E402
 
 from nbbatch.backends import SubmitOptions, get_backend  # noqa: E402
@@ -794,9 +795,29 @@ def test_its_placement_hook_reads_azure_mls_node_variables():
     assert AzureMLBackend.node_placement(run, {}) is None
 
 
-def test_registry_images_are_used_not_built(aml, share, runs, files, env_upload, azproject):
+@pytest.mark.container
+def test_an_image_missing_from_the_registry_is_refused_before_submitting(aml, runs, azproject, image_registry,
+                                                                        podman_env):
+    """With `registry:` the check asks the registry (with the engine here) for each framework's tag: missing, refused
+    naming the push; there, accepted; a registry this machine cannot reach, a warning (the workspace may reach it)."""
+    registry = f"{image_registry.address}/aml"
+    with pytest.raises(BackendError, match=r"not in registry .*nbbatch images push .*nothing was submitted"):
+        AzureMLBackend(ml_client=aml.ml_client(), compute="gpu-a100", registry=registry).check(runs)
+    ref = f"{registry}/nbbatch-toy:{_image_version(azproject)}"
+    podman("tag", BASE, ref)  # any image under the tag: the check reads the tag only
+    try:
+        podman("push", ref)
+        AzureMLBackend(ml_client=aml.ml_client(), compute="gpu-a100", registry=registry).check(runs)
+    finally:
+        podman("rmi", ref, check=False)
+    with pytest.warns(UserWarning, match=r"could not check that 127.0.0.1:9/aml/nbbatch-toy:.*not reachable"):
+        AzureMLBackend(ml_client=aml.ml_client(), compute="gpu-a100", registry="127.0.0.1:9/aml").check(runs)
+
+
+def test_registry_images_are_used_not_built(aml, share, runs, files, env_upload, azproject, monkeypatch):
     """`registry:` makes each framework's environment the image pushed there (`nbbatch images push`): nothing is
     uploaded or built by Azure ML."""
+    monkeypatch.setattr("nbbatch.backends.azureml.backend.check_pushed", lambda *args: None)  # asks no registry
     backend = AzureMLBackend(ml_client=aml.ml_client(), compute="gpu-a100", poll_seconds=0,
                              registry="registry.example.com/team")
     _queue(share, runs)

@@ -21,6 +21,10 @@ _HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?(:[0-9]{1,5})?$")
 _PATH_PART = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*$")  # the distribution spec's path component
 
 
+class ImageNotInRegistry(ContainerError):
+    """The registry answered, and has no image of that tag."""
+
+
 def check_registry(registry: str) -> str:
     """``registry`` as ``host[:port][/path]`` (a trailing ``/`` dropped), or :class:`ValidationError` naming the
     mistake: a scheme, a tag or digest, a host the engines would read as a Docker Hub namespace."""
@@ -131,6 +135,6 @@ def require_remote_image(engine: Engine, spec: ImageSpec, registry: str) -> str:
     except ContainerError as exc:
         raise _refused("look up", ref, engine, str(exc)) from None
     if not present:
-        raise ContainerError(f"the image of framework `{spec.framework.name}` is not in registry {registry} (no tag "
+        raise ImageNotInRegistry(f"the image of framework `{spec.framework.name}` is not in registry {registry} (no tag "
                              f"{ref}): push it with `{push_command(spec, registry)}` (after building it here)")
     return ref

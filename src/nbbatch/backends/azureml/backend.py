@@ -29,6 +29,7 @@ from nbbatch.backends.azureml.cluster import (
 )
 from nbbatch.backends.azureml.images import (
     build_code_snapshot,
+    check_pushed,
     datastore_name_for,
     ensure_datastore,
     ensure_environment,
@@ -138,6 +139,7 @@ class AzureMLBackend(Backend):
                                                 given.tier, given.idle_time_before_scale_down)
         self._ml_client = given.ml_client
         self._environment_refs: dict[str, str] = {}
+        self._registry_checked: set[str] = set()  # frameworks whose image was found in `registry:`
 
     @property
     def poll_s(self) -> float:  # type: ignore[override]
@@ -470,6 +472,9 @@ class AzureMLBackend(Backend):
         dockerfiles = Path(self.settings.dockerfiles) if self.settings.dockerfiles else root / "dockerfiles"
         env = framework_environment(framework, dockerfiles, registry=self.settings.registry)
         if not register:
+            if self.settings.registry and key not in self._registry_checked:
+                check_pushed(framework, dockerfiles, self.settings.registry)
+                self._registry_checked.add(key)
             return f"azureml:{env.name}:{env.version}"
         registered = ensure_environment(self.ml_client, framework, dockerfiles, registry=self.settings.registry)
         ref = f"azureml:{registered.name}:{registered.version}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,9 @@ from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
 
 import nbbatch
 from nbbatch.backends.azureml.workspace import error_text
+from nbbatch.containers.engines import find_engine
 from nbbatch.containers.images import IGNORE, image_spec, stage_context
-from nbbatch.containers.registry import registry_ref
+from nbbatch.containers.registry import ImageNotInRegistry, registry_ref, require_remote_image
 from nbbatch.errors import BackendError, ContainerError, ShareError
 from nbbatch.plan.runs import Run
 from nbbatch.spec.frameworks import list_frameworks
@@ -57,6 +59,25 @@ def framework_environment(framework: Any, dockerfiles_dir: Path, build_dir: Path
         tags=tags,
         **source,
     )
+
+
+def check_pushed(framework: Any, dockerfiles_dir: Path, registry: str) -> None:
+    """Before submitting with ``registry:``: the framework's GPU image is in the registry (Azure ML would fail the job
+    only when its node pulls). Refused when the registry says it has no such tag; where this machine cannot ask it
+    (no container engine, no login, not reachable from here, where the workspace may still reach it), a warning."""
+    try:
+        spec = image_spec(framework, Path(dockerfiles_dir))
+    except ContainerError as exc:
+        raise BackendError(str(exc)) from exc
+    ref = registry_ref(spec, registry)
+    try:
+        require_remote_image(find_engine(), spec, registry)
+    except ImageNotInRegistry as exc:
+        raise BackendError(f"{exc}. Azure ML would fail the job when its node pulls the image; nothing was "
+                           "submitted.") from exc
+    except ContainerError as exc:
+        warnings.warn(f"could not check that {ref} is in the registry ({exc}); Azure ML fails the job at its start "
+                      "if its node cannot pull it", stacklevel=2)
 
 
 def ensure_environment(ml_client: MLClient, framework: Any, dockerfiles_dir: Path,
