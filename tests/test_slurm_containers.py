@@ -9,6 +9,7 @@ tests.
 from __future__ import annotations
 
 import shlex
+import socket
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,17 @@ def test_an_image_missing_on_the_node_fails_the_run_saying_so(podman_env, tmp_pa
     assert record.status == "failed" and record.backend == "slurm"
     assert "is not on node" in record.error.evalue and "podman load" in record.error.evalue
     assert read_record(share, "e", "r1").status == "failed"
+
+
+def test_a_node_without_the_engine_fails_the_run_naming_the_node(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no podman on this node
+    share = FileShare(tmp_path / "share")
+    record = execute_on_node(_run(), share, AttemptContext(backend="slurm", project_root=REPO), "podman",
+                             {"chainer": "localhost/nbbatch/chainer:x"})
+    assert record.status == "failed" and record.error.ename == "ContainerError"
+    assert f"node {socket.gethostname()} has no podman (not on PATH)" in record.error.evalue
+    assert "install podman on every node, or submit without container: true" in record.error.evalue
+    assert read_record(share, "e", "r1").error.reason == f"its container could not start on node {socket.gethostname()}"
 
 
 @pytest.mark.container

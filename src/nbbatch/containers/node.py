@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shutil
 import signal
 import socket
 import sys
@@ -69,6 +70,10 @@ def execute_on_node(run: Run, share: Share, context: AttemptContext, engine_name
         if image is None:
             raise ContainerError(f"run {run.run_id} (framework {run.framework or 'none'}) has no image among those "
                                  f"its launcher was given ({', '.join(sorted(images)) or 'none'}); submit it again")
+        if engine_name != "auto" and not shutil.which(engine_name):
+            raise ContainerError(f"node {socket.gethostname()} has no {engine_name} (not on PATH): container: true "
+                                 f"starts each run's image with {engine_name} on its node; install {engine_name} on "
+                                 "every node, or submit without container: true")
         engine = find_engine(engine_name)
         if context.gpu_ids:
             engine.check_gpus()
