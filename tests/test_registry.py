@@ -97,6 +97,35 @@ def test_a_registry_lookup_reads_the_engines_answer():
         engine.remote_image_exists(ref)
 
 
+class _DockerDaemon(Docker):
+    """Docker whose daemon has these registry settings (``docker info``'s RegistryConfig); the commands it ran."""
+
+    def configured(self, config: dict) -> _DockerDaemon:
+        object.__setattr__(self, "config", config)
+        object.__setattr__(self, "ran", [])
+        return self
+
+    def query(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        self.ran.append(args)  # type: ignore[attr-defined]
+        out = json.dumps(self.config) if args[0] == "info" else "{}"  # type: ignore[attr-defined]
+        return subprocess.CompletedProcess(["docker", *args], 0, out, "")
+
+
+def test_docker_asks_a_registry_its_daemon_treats_as_insecure_with_insecure():
+    """Docker's `manifest inspect` (the CLI, not the daemon) needs --insecure for a plain-HTTP registry, which the
+    daemon knows from insecure-registries or its insecure address ranges (127.0.0.0/8 by default)."""
+    config = {"InsecureRegistryCIDRs": ["127.0.0.0/8", "::1/128"],
+              "IndexConfigs": {"docker.io": {"Name": "docker.io", "Secure": True},
+                               "10.0.0.5:5000": {"Name": "10.0.0.5:5000", "Secure": False}}}
+    for ref, insecure in [("10.0.0.5:5000/team/nbbatch-chainer:abc", True), ("127.0.0.1:5000/nbbatch-chainer:abc", True),
+                          ("[::1]:5000/nbbatch-chainer:abc", True), ("10.0.0.6:5000/nbbatch-chainer:abc", False),
+                          ("registry.example.com/nbbatch-chainer:abc", False)]:
+        docker = _DockerDaemon("docker").configured(config)
+        assert docker.remote_image_exists(ref)
+        assert docker.ran[-1] == ("manifest", "inspect", *(["--insecure"] if insecure else []), ref), ref
+    assert _Answering("podman").manifest_options("127.0.0.1:5000/x:y") == []  # registries.conf says it to podman
+
+
 def test_refusals_come_with_their_fix():
     ref = "reg.example.com:5000/nbbatch-chainer:abc"
     podman, docker = Podman("podman"), Docker("docker")

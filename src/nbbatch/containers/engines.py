@@ -9,6 +9,7 @@ when its daemon answers, else Podman, else says what to install.
 from __future__ import annotations
 
 import functools
+import ipaddress
 import json
 import os
 import shutil
@@ -79,13 +80,17 @@ class Engine:
     def remote_image_exists(self, ref: str) -> bool:
         """Whether the registry ``ref`` names holds it, read without pulling it (``manifest inspect``);
         :class:`ContainerError` with the engine's own message when the registry cannot be asked."""
-        done = self.query("manifest", "inspect", ref, timeout=REMOTE_TIMEOUT_S)
+        done = self.query("manifest", "inspect", *self.manifest_options(ref), ref, timeout=REMOTE_TIMEOUT_S)
         message = done.stderr.strip() or done.stdout.strip()
         if done.returncode == 0 or _SINGLE_IMAGE in message:
             return True
         if any(missing in message.lower() for missing in _MISSING):
             return False
         raise ContainerError(message or f"`{self.name} manifest inspect {ref}` failed (exit {done.returncode})")
+
+    def manifest_options(self, ref: str) -> list[str]:
+        """Options of ``manifest inspect`` for the registry ``ref`` names (Podman reads registries.conf itself)."""
+        return []
 
     def images_labelled(self, labels: dict[str, str]) -> list[tuple[str, str]]:
         """``(reference, id)`` of the local tagged images carrying all these labels.
@@ -123,6 +128,24 @@ class Docker(Engine):
             raise ContainerError(
                 f"Docker is installed ({self.binary}) but its daemon is not reachable ({why}). Start it "
                 "(`sudo systemctl start docker`), or use Podman, which needs no daemon: engine: podman")
+
+    def manifest_options(self, ref: str) -> list[str]:
+        """``--insecure`` where the daemon treats the registry as insecure (``insecure-registries`` in daemon.json, or
+        an address in its insecure ranges, 127.0.0.0/8 by default): the CLI's ``manifest`` command, unlike pulls
+        through the daemon, does not read those settings and would ask over HTTPS only."""
+        done = self.query("info", "--format", "{{json .RegistryConfig}}", timeout=30)
+        try:
+            config = json.loads(done.stdout) if done.returncode == 0 else {}
+        except ValueError:
+            config = {}
+        host = ref.split("/", 1)[0]
+        insecure = {name for name, index in (config.get("IndexConfigs") or {}).items() if not index.get("Secure", True)}
+        try:
+            address = ipaddress.ip_address(host.rsplit(":", 1)[0].strip("[]"))
+            in_ranges = any(address in ipaddress.ip_network(cidr) for cidr in config.get("InsecureRegistryCIDRs") or [])
+        except ValueError:  # a host name
+            in_ranges = False
+        return ["--insecure"] if host in insecure or in_ranges else []
 
     def gpu_args(self, gpu_ids: Sequence[int]) -> list[str]:
         # The quotes keep Docker's CSV parser from splitting "device=0,1" at the comma.
