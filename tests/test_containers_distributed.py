@@ -26,7 +26,7 @@ import pytest
 import yaml
 from support.containers import BASE, containers_labelled, podman
 from support.machine import REPO
-from support.notebooks import make_notebook
+from support.notebooks import RANK_HELLOS, make_notebook
 from support.processes import kernels_of
 from support.waiting import wait_until
 
@@ -42,38 +42,21 @@ from nbbatch.store.share import FileShare
 
 pytestmark = pytest.mark.timeout(900)
 
-# Rank 0 listens on MASTER_ADDR:MASTER_PORT and every other rank says hello to it: the ranks of different
-# containers meet over the host's network. FAIL_RANK fails before that; SLEEP keeps the gang running.
+# The ranks meet at the master's port (RANK_HELLOS), the ranks of different containers over the host's network.
+# FAIL_RANK fails before that; SLEEP keeps the gang running.
 RANKS = """\
 import os, socket, time
 from nbbatch import record
 rank, world = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
 if rank == FAIL_RANK:
     raise RuntimeError(f'rank {rank} fails on purpose')
-host, port = os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT'])
-hellos = []
-if rank == 0:
-    with socket.create_server((host, port)) as server:
-        server.settimeout(120)
-        for _ in range(world - 1):
-            conn, _ = server.accept()
-            hellos.append(int(conn.recv(16)))
-            conn.close()
-else:
-    for _ in range(600):
-        try:
-            conn = socket.create_connection((host, port), timeout=5)
-            break
-        except OSError:
-            time.sleep(0.1)
-    conn.sendall(str(rank).encode())
-    conn.close()
+""" + RANK_HELLOS + """\
 print('met', flush=True)
 for _ in range(int(SLEEP * 10)):
     time.sleep(0.1)
 record(rank=rank, hellos=sorted(hellos))
 """
-PARAMETERS = "FAIL_RANK = -1\nSLEEP = 0"
+PARAMETERS = "FAIL_RANK = -1\nSLEEP = 0\nHOLD = 0"
 
 
 def real(test):

@@ -14,7 +14,7 @@ import time
 
 import nbformat
 import pytest
-from support.notebooks import make_notebook
+from support.notebooks import RANK_HELLOS, make_notebook
 from support.processes import kernels_of
 
 from nbbatch.api import logs, submit
@@ -32,8 +32,7 @@ from nbbatch.ui.cli import main
 
 pytestmark = pytest.mark.timeout(240)
 
-# Every rank writes what it sees; rank 0 listens on the master's port and every other rank says hello to it,
-# so the ranks of one run must agree on MASTER_ADDR:MASTER_PORT, as init_process_group(init_method="env://") does.
+# Every rank writes what it sees, then the ranks meet at the master's port (RANK_HELLOS).
 RANK = """\
 import json, os, socket, time
 from pathlib import Path
@@ -45,25 +44,7 @@ retrying = KILL_RANK >= 0 and os.path.exists('killed-once')  # before the rendez
 (Path(os.environ['NBBATCH_OUTPUT_DIR']) / f'env-{rank}.json').write_text(json.dumps(env))
 if rank == FAIL_RANK:
     raise RuntimeError(f'rank {rank} fails on purpose')
-host, port = os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT'])
-hellos = []
-if rank == 0:
-    with socket.create_server((host, port)) as server:
-        server.settimeout(120)
-        for _ in range(world - 1):
-            conn, _ = server.accept()
-            hellos.append(int(conn.recv(16)))
-            conn.close()
-        time.sleep(HOLD)  # keeps the port while other runs rendezvous
-else:
-    for _ in range(600):
-        try:
-            conn = socket.create_connection((host, port), timeout=5)
-            break
-        except OSError:
-            time.sleep(0.1)
-    conn.sendall(str(rank).encode())
-    conn.close()
+""" + RANK_HELLOS + """\
 if rank == KILL_RANK and not os.path.exists('killed-once'):  # as an OOM kill would, once
     open('killed-once', 'w').close()
     os.kill(os.getpid(), 9)

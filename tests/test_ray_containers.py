@@ -24,10 +24,17 @@ from pathlib import Path  # noqa: E402
 import nbformat  # noqa: E402
 import pytest  # noqa: E402
 import yaml  # noqa: E402
-from support.containers import BASE, containers_labelled, nbbatch_cli, on_cluster, podman  # noqa: E402
+from support.containers import (  # noqa: E402
+    BASE,
+    chainer_experiment,
+    containers_labelled,
+    nothing_left,
+    on_cluster,
+    podman,
+)
 from support.machine import REPO  # noqa: E402
-from support.processes import kernels_of  # noqa: E402
 from support.raycluster import ray_cluster  # noqa: E402
+from support.registry import pushed_elsewhere  # noqa: E402
 from support.shares import ShareDouble  # noqa: E402
 from support.waiting import wait_until  # noqa: E402
 
@@ -35,7 +42,6 @@ from nbbatch import api  # noqa: E402
 from nbbatch.backends.base import SubmitOptions  # noqa: E402
 from nbbatch.backends.ray import NAMESPACE, RayBackend, supervisor_name  # noqa: E402
 from nbbatch.backends.ray.node import run_one_command  # noqa: E402
-from nbbatch.containers.registry import registry_ref  # noqa: E402
 from nbbatch.errors import ContainerError, ValidationError  # noqa: E402
 from nbbatch.metrics import metrics_from_notebook  # noqa: E402
 from nbbatch.plan.runs import Run  # noqa: E402
@@ -103,21 +109,10 @@ def ray_head(podman_env, image_registry):
         yield cluster.address
 
 
-def _experiment(tmp_path: Path, address: str, name: str, **parameters) -> Path:
+def _experiment(tmp_path: Path, address: str, name: str, registry: str | None = None, **parameters) -> Path:
     backend = {"name": "ray", "address": address, "container": True, "base_image": BASE, "linger_s": 5,
-               "cancel_grace_s": 60}
-    spec = {"experiment": name, "frameworks": ["chainer"],
-            "parameters": {"DATASET": "digits", "EPOCHS": 1, "MAX_SAMPLES": 200, **parameters},
-            "backend": backend, "share": str(tmp_path / "share")}
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
-
-
-def _nothing_left(name: str) -> None:
-    wait_until(lambda: not containers_labelled("nbbatch.experiment", name), timeout=60,
-               message=f"the containers of {name} gone", interval=0.5)
-    assert kernels_of(name) == []
+               "cancel_grace_s": 60, **({"registry": registry} if registry else {})}
+    return chainer_experiment(tmp_path, name, backend, **parameters)
 
 
 def _final(share: Path, name: str):
@@ -137,29 +132,19 @@ def test_a_run_executes_in_its_image_on_a_ray_node(ray_head, chainer_image, tmp_
     assert record.container.engine == "podman" and record.container.image == chainer_image.ref
     assert record.container.image_id == image_id and record.container.name.startswith("nbbatch-")
     assert "in podman image " + chainer_image.ref in (share / "ray-ctr" / record.run_id / "log.txt").read_text()
-    _nothing_left("ray-ctr")
+    nothing_left("ray-ctr")
 
 
 @real
 def test_a_node_pulls_the_image_from_the_registry_and_runs_in_it(ray_head, chainer_image, image_registry, tmp_path):
     """With `registry:` the task names the registry's tag, which the node lacks: its run-one pulls it, then runs."""
-    registry = f"{image_registry.address}/ray"
-    remote = registry_ref(chainer_image, registry)
-    pushed = nbbatch_cli("images", "push", registry, "chainer", "--base", BASE, "--engine", "podman")
-    assert pushed.returncode == 0, pushed.stdout + pushed.stderr
-    podman("rmi", remote)  # only the registry's tag: the image keeps its local one (other tests use it)
-    try:
-        path = _experiment(tmp_path, ray_head, "ray-reg")
-        spec = yaml.safe_load(path.read_text())
-        spec["backend"]["registry"] = registry
-        path.write_text(yaml.safe_dump(spec))
+    with pushed_elsewhere(chainer_image, f"{image_registry.address}/ray") as remote:
+        path = _experiment(tmp_path, ray_head, "ray-reg", registry=f"{image_registry.address}/ray")
         [record] = api.submit(str(path), wait=True, progress=False).records
         assert record.status == "succeeded", record.error and record.error.evalue
         assert record.container.image == remote
         assert record.container.image_id == podman("image", "inspect", "--format", "{{.Id}}", remote).stdout.strip()
-    finally:
-        podman("rmi", remote, check=False)
-    _nothing_left("ray-reg")
+    nothing_left("ray-reg")
 
 
 @real
@@ -194,7 +179,7 @@ def test_cancel_and_a_killed_task_leave_no_container(ray_head, chainer_image, tm
         killed.error
     assert "Ray task was stopped" in killed.error.reason, killed.error
     for name in names:
-        _nothing_left(name)
+        nothing_left(name)
         assert podman("ps", "--all", "--quiet", "--filter", f"label=nbbatch.experiment={name}",
                       "--filter", f"label=nbbatch.run={running[name].run_id}").stdout == ""
 
@@ -214,7 +199,7 @@ def test_an_image_missing_on_the_node_fails_the_run_naming_the_node(ray_head, ch
                            capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "400"})
     said = " ".join(shown.stdout.split())
     assert "failed" in said and f"is not on node {socket.gethostname()}" in said, shown.stdout + shown.stderr
-    _nothing_left("ray-ctr-missing")
+    nothing_left("ray-ctr-missing")
 
 
 @real
@@ -238,4 +223,4 @@ def test_a_two_node_gang_runs_one_container_per_node_with_equal_weights(ray_head
     zero, one = (metrics_from_notebook(nbformat.read(folder / "ranks" / str(r) / "output.ipynb", 4)) for r in (0, 1))
     assert zero["world_size"] == one["world_size"] == 2
     assert zero["weights_checksum"] == pytest.approx(one["weights_checksum"], rel=1e-6)
-    _nothing_left("ray-ctr-ddp")
+    nothing_left("ray-ctr-ddp")

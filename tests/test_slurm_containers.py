@@ -13,10 +13,9 @@ import socket
 from pathlib import Path
 
 import pytest
-import yaml
-from support.containers import BASE, containers_labelled, nbbatch_cli, on_cluster, podman
+from support.containers import BASE, chainer_experiment, containers_labelled, nothing_left, on_cluster, podman
 from support.machine import REPO
-from support.processes import kernels_of
+from support.registry import pushed_elsewhere
 from support.waiting import wait_until
 
 from nbbatch import api
@@ -24,7 +23,6 @@ from nbbatch.backends.slurm import SlurmBackend, SlurmJob
 from nbbatch.backends.slurm.script import launcher_command
 from nbbatch.containers.checks import NodeImages
 from nbbatch.containers.node import execute_on_node
-from nbbatch.containers.registry import registry_ref
 from nbbatch.errors import ContainerError, ValidationError
 from nbbatch.execute.context import AttemptContext
 from nbbatch.plan.runs import Run
@@ -117,18 +115,7 @@ real = on_cluster(pytest.mark.slurm)  # a test on the Slurm cluster, in the Chai
 def _experiment(tmp_path: Path, name: str, registry: str | None = None, **parameters) -> Path:
     backend = {"name": "slurm", "container": True, "base_image": BASE, "cpus": 1, "memory": "1G",
                "cancel_grace_s": 60, **({"registry": registry} if registry else {})}
-    spec = {"experiment": name, "frameworks": ["chainer"],
-            "parameters": {"DATASET": "digits", "EPOCHS": 1, "MAX_SAMPLES": 200, **parameters},
-            "backend": backend, "share": str(tmp_path / "share")}
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
-
-
-def _nothing_left(name: str) -> None:
-    wait_until(lambda: not containers_labelled("nbbatch.experiment", name), timeout=60,
-               message=f"the containers of {name} gone", interval=0.5)
-    assert kernels_of(name) == []
+    return chainer_experiment(tmp_path, name, backend, **parameters)
 
 
 @real
@@ -144,7 +131,7 @@ def test_a_run_executes_in_its_image_on_a_node(slurm_cluster, chainer_image, tmp
     job = SlurmJob.read(FileShare(share), "slurm-ctr", record.run_id)
     assert "--container-image chainer=" + chainer_image.ref in next((share / job.submission).glob("batch-*.sh")).read_text()
     assert "in podman image " + chainer_image.ref in (share / "slurm-ctr" / record.run_id / "log.txt").read_text()
-    _nothing_left("slurm-ctr")
+    nothing_left("slurm-ctr")
 
 
 @real
@@ -152,11 +139,7 @@ def test_a_node_pulls_the_image_from_the_registry_and_runs_in_it(slurm_cluster, 
                                                                   tmp_path):
     """With `registry:` the job names the registry's tag, which the node lacks: its run-one pulls it, then runs."""
     registry = f"{image_registry.address}/slurm"
-    remote = registry_ref(chainer_image, registry)
-    pushed = nbbatch_cli("images", "push", registry, "chainer", "--base", BASE, "--engine", "podman")
-    assert pushed.returncode == 0, pushed.stdout + pushed.stderr
-    podman("rmi", remote)  # only the registry's tag: the image keeps its local one (other tests use it)
-    try:
+    with pushed_elsewhere(chainer_image, registry) as remote:
         result = api.submit(str(_experiment(tmp_path, "slurm-reg", registry=registry)), wait=True, progress=False)
         [record] = result.records
         assert record.status == "succeeded", record.error
@@ -164,9 +147,7 @@ def test_a_node_pulls_the_image_from_the_registry_and_runs_in_it(slurm_cluster, 
         assert record.container.image_id == podman("image", "inspect", "--format", "{{.Id}}", remote).stdout.strip()
         job = SlurmJob.read(FileShare(tmp_path / "share"), "slurm-reg", record.run_id)
         assert f"pulling {remote} on node" in (tmp_path / "share" / job.output).read_text()
-    finally:
-        podman("rmi", remote, check=False)
-    _nothing_left("slurm-reg")
+    nothing_left("slurm-reg")
 
 
 @real
@@ -198,7 +179,7 @@ def test_cancel_scancel_and_sigterm_of_a_running_container_run_leave_no_containe
     assert scancelled.status == "cancelled", scancelled.error
     assert terminated.status == "failed" and "SIGTERM received: the container of run" in terminated.error.evalue
     for name in names:
-        _nothing_left(name)
+        nothing_left(name)
 
 
 def _final(share: Path, name: str):

@@ -18,11 +18,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from nbbatch.containers.images import ImageSpec, image_spec
 from nbbatch.spec.frameworks import list_frameworks
 from nbbatch.spec.project import Project
 from support.machine import REPO
+from support.processes import kernels_of
+from support.waiting import wait_until
 
 BASE = "localhost/nbbatch-test-base:bookworm"  # Debian 12 minbase with Python 3.11, made by mmdebstrap
 BASE_TARBALL = REPO / ".nbbatch" / "test-cache" / "base-bookworm.tar"  # kept between test runs
@@ -36,6 +39,23 @@ def on_cluster(cluster: pytest.MarkDecorator) -> Callable[[Callable], Callable]:
             test = mark(test)
         return test
     return marked
+
+
+def chainer_experiment(tmp_path: Path, name: str, backend: dict, **parameters) -> Path:
+    """An experiment file of the Chainer digits notebook (one short run) on ``backend``, its share in ``tmp_path``."""
+    spec = {"experiment": name, "frameworks": ["chainer"],
+            "parameters": {"DATASET": "digits", "EPOCHS": 1, "MAX_SAMPLES": 200, **parameters},
+            "backend": backend, "share": str(tmp_path / "share")}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def nothing_left(experiment: str) -> None:
+    """No container and no kernel of ``experiment`` is left (containers are removed within a minute)."""
+    wait_until(lambda: not containers_labelled("nbbatch.experiment", experiment), timeout=60,
+               message=f"the containers of {experiment} gone", interval=0.5)
+    assert kernels_of(experiment) == []
 
 
 def podman_missing() -> str:

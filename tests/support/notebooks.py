@@ -40,6 +40,32 @@ def make_notebook(path: Path, cells: list[str], parameters: str | None = "A = 1\
     nbformat.write(nb, path)
     return path
 
+# A notebook fragment: rank 0 listens on MASTER_ADDR:MASTER_PORT (holding the port HOLD seconds after) and every
+# other rank says hello to it, so the ranks of one run must agree on the master's address, as
+# init_process_group(init_method="env://") does; `hellos` is the ranks rank 0 heard.
+RANK_HELLOS = """\
+host, port = os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT'])
+hellos = []
+if rank == 0:
+    with socket.create_server((host, port)) as server:
+        server.settimeout(120)
+        for _ in range(world - 1):
+            conn, _ = server.accept()
+            hellos.append(int(conn.recv(16)))
+            conn.close()
+        time.sleep(HOLD)
+else:
+    for _ in range(600):
+        try:
+            conn = socket.create_connection((host, port), timeout=5)
+            break
+        except OSError:
+            time.sleep(0.1)
+    conn.sendall(str(rank).encode())
+    conn.close()
+"""
+
+
 PARAMETERS = """\
 EPOCHS = 2
 LR = 0.1

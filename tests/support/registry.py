@@ -8,6 +8,7 @@ the system's own settings (short-name search) and adds the one entry.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -20,7 +21,10 @@ from pathlib import Path
 
 import pytest
 
+from nbbatch.containers.images import ImageSpec
+from nbbatch.containers.registry import registry_ref
 from nbbatch.execute.placement import free_port
+from support.containers import BASE, nbbatch_cli, podman
 from support.waiting import wait_until
 
 SYSTEM_REGISTRIES_CONF = Path("/etc/containers/registries.conf")
@@ -33,6 +37,21 @@ class Registry:
     address: str  # 127.0.0.1:PORT, as nbbatch's `registry:` names it
     registries_conf: Path
     log: Path
+
+
+@contextlib.contextmanager
+def pushed_elsewhere(image: ImageSpec, registry: str) -> Iterator[str]:
+    """``image`` pushed to ``registry`` with the CLI, and its registry tag removed here (the image keeps its local tag,
+    which other tests use), so a run with ``registry:`` must pull it; its registry ref. The tag goes again after."""
+    remote = registry_ref(image, registry)
+    pushed = nbbatch_cli("images", "push", registry, image.framework.name, "--base", BASE, "--engine", "podman",
+                         *(["--cpu"] if image.framework.gpu and not image.gpu else []))
+    assert pushed.returncode == 0, pushed.stdout + pushed.stderr
+    podman("rmi", remote)
+    try:
+        yield remote
+    finally:
+        podman("rmi", remote, check=False)
 
 
 def registry_missing() -> str:
