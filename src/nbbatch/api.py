@@ -31,7 +31,7 @@ from nbbatch.store.lease import ShareLease
 from nbbatch.store.lock import ExperimentLock
 from nbbatch.store.notebook_io import check_notebook_target
 from nbbatch.store.runfiles import clear_cancel, load_records
-from nbbatch.store.runjson import RunRecord, Status, utc_now
+from nbbatch.store.runjson import DONE_STATUSES, RunRecord, utc_now
 from nbbatch.store.share import Share, open_share
 
 
@@ -50,8 +50,8 @@ class SubmitResult:
 
     @property
     def ok(self) -> bool:
-        """Whether every run of the experiment has succeeded."""
-        return bool(self.records) and all(r.status == Status.SUCCEEDED for r in self.records)
+        """Whether every run of the experiment has succeeded (or, in a search, was pruned)."""
+        return bool(self.records) and all(r.status in DONE_STATUSES for r in self.records)
 
 
 def _as_experiment(experiment: Experiment | str | os.PathLike[str] | dict[str, Any]) -> Experiment:

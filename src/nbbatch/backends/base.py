@@ -39,6 +39,8 @@ from nbbatch.redact import is_secret, without_secrets
 from nbbatch.spec.resources import Resources
 from nbbatch.store.layout import OUTPUT_NOTEBOOK, run_paths
 from nbbatch.store.runfiles import (
+    CANCEL_REQUEST,
+    StopRequest,
     clear_run_cancels,
     finalize_record,
     load_records,
@@ -49,7 +51,7 @@ from nbbatch.store.runfiles import (
     write_cancel_markers,
     write_record,
 )
-from nbbatch.store.runjson import RunError, RunRecord, Status
+from nbbatch.store.runjson import DONE_STATUSES, RunError, RunRecord, Status
 from nbbatch.store.share import Share, poll_interval
 
 if TYPE_CHECKING:
@@ -279,9 +281,11 @@ class Backend(ABC):
         """Ctrl-C while :meth:`wait` waits: by default the runs go on in the backend (only the waiting stops)."""
         return None
 
-    def cancel(self, experiment: str, share: Share, run_ids: Sequence[str] | None = None) -> list[str]:
-        """Cancel runs (all unfinished ones when ``run_ids`` is None); return the ids asked to stop."""
-        return write_cancel_markers(share, experiment, list(run_ids) if run_ids else None)
+    def cancel(self, experiment: str, share: Share, run_ids: Sequence[str] | None = None,
+               request: StopRequest = CANCEL_REQUEST) -> list[str]:
+        """Cancel runs (all unfinished ones when ``run_ids`` is None); return the ids asked to stop. ``request``
+        says why (a search's pruner: the runs end ``pruned``)."""
+        return write_cancel_markers(share, experiment, list(run_ids) if run_ids else None, request)
 
     def stream_log(self, experiment: str, share: Share, run_id: str, follow: bool = False) -> Iterator[str] | None:
         """Stream a run's log from the backend; ``None`` means: read ``log.txt`` from the share."""
@@ -297,14 +301,15 @@ class Backend(ABC):
         return outcome
 
     def triage(self, runs: Sequence[Run], share: Share, force: bool = False) -> SubmitOutcome:
-        """Which runs to start: not those that already succeeded (unless ``force``), nor those still in flight."""
+        """Which runs to start: not those that already succeeded or were pruned (unless ``force``), nor those still in
+        flight."""
         outcome = SubmitOutcome()
         folders = set(run_ids(share, runs[0].experiment)) if runs else set()  # one listing, not a read per run
         for run in runs:
             # a corrupt record stops here, naming its path
             record = read_record(share, run.experiment, run.run_id) if run.run_id in folders else None
-            done = record is not None and record.status == Status.SUCCEEDED and not force
-            if done and not share.exists(run_paths(run.experiment, run.run_id).notebook):
+            done = record is not None and record.status in DONE_STATUSES and not force
+            if done and record.status == Status.SUCCEEDED and not share.exists(run_paths(run.experiment, run.run_id).notebook):
                 outcome.notes.append(f"run {run.run_id} succeeded before but its {OUTPUT_NOTEBOOK} is gone from "
                                      f"{share.url}: running it again")
                 done = False
@@ -326,7 +331,7 @@ class Backend(ABC):
         todo = order_longest_first(runs, options.earlier)
         clear_run_cancels(share, todo[0].experiment, [r.run_id for r in todo])  # before the queued records
         notify = options.guarded_update
-        fresh = {r.run_id: options.force or r.status == Status.SUCCEEDED for r in options.earlier}
+        fresh = {r.run_id: options.force or r.status in DONE_STATUSES for r in options.earlier}
         self._queued = queued = QueuedRecords(share, self.name, todo, fresh, notify)
         try:
             queued.write(todo[:QUEUED_FIRST])

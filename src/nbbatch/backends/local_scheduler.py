@@ -24,7 +24,7 @@ from nbbatch.execute.gpus import GpuLease, MemoryNeeds, SlotPool, is_gpu_oom
 from nbbatch.execute.mps import MpsDaemon
 from nbbatch.execute.prestart import KernelPool
 from nbbatch.plan.runs import Run
-from nbbatch.store.runfiles import CancelRequests, cancel_requests, write_record
+from nbbatch.store.runfiles import CancelRequests, cancel_requests, requested_outcome, write_record
 from nbbatch.store.runjson import ErrorKind, GpuSharing, RunError, RunRecord, Status
 from nbbatch.store.share import Share, poll_interval
 
@@ -189,8 +189,8 @@ class LocalScheduler:
         self.pending.remove(run)
         self.kernels.discard(run.run_id)
         try:
-            self.backend.finalize(self.share, run, Status.CANCELLED, RunError(
-                "cancelled", "", reason="cancelled before it started", kind=ErrorKind.CANCELLED), self.notify)
+            self.backend.finalize(self.share, run, *requested_outcome(
+                self.share, run.experiment, run.run_id, "cancelled before it started"), self.notify)
         except ShareError as exc:
             self.share_failures.append(exc)
 

@@ -53,7 +53,7 @@ from nbbatch.spec.frameworks import get_framework
 from nbbatch.store.jsonl import jsonl_line
 from nbbatch.store.layout import LOG_FILE, METRICS_FILE, OUTPUT_NOTEBOOK, TELEMETRY_FILE, RunPaths, run_paths
 from nbbatch.store.notebook_io import notebook_bytes
-from nbbatch.store.runfiles import cancel_requested, write_record
+from nbbatch.store.runfiles import CANCEL_REQUEST, cancel_requested, write_record
 from nbbatch.store.runjson import (
     AttemptEntry,
     CheckpointSummary,
@@ -398,15 +398,17 @@ class _Attempt:
                     context.on_sampler(None)
 
     def _stopped(self, status: Status, error: RunError | None) -> tuple[Status, RunError | None]:
-        """A run stopped by its timeout or a cancel ends as such, whatever the kernel said last."""
+        """A run stopped by its timeout, a cancel or its search's pruner ends as such, whatever the kernel said last."""
         reason = self.watchdog.reason
         if not reason or status == Status.SUCCEEDED:
             return status, error
-        timed_out = reason == Status.TIMED_OUT
         error = error or RunError(ename=reason.value, evalue="")
-        error.kind = ErrorKind.TIMEOUT if timed_out else ErrorKind.CANCELLED
-        error.reason = ("stopped by the run timeout" + f" ({self.run.timeout_s:g} s)") if timed_out else \
-            "stopped by a cancel request"
+        if reason == Status.TIMED_OUT:
+            error.kind, error.reason = ErrorKind.TIMEOUT, f"stopped by the run timeout ({self.run.timeout_s:g} s)"
+        else:
+            request = self.watchdog.request if self.watchdog.request is not None else CANCEL_REQUEST
+            error.kind = ErrorKind.PRUNED if reason == Status.PRUNED else ErrorKind.CANCELLED
+            error.reason = request.reason if reason == request.status else CANCEL_REQUEST.reason
         if self.nb is not None:
             _add_stop_marker(self.nb, error.reason)
         return reason, error

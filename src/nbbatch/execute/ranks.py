@@ -187,7 +187,8 @@ class _Node:
         failed = sorted((e for e in ended.values() if e.record.status in (Status.FAILED, Status.TIMED_OUT)),
                         key=lambda e: e.at)
         cause = [e for e in failed if not _PEER_LOST.search(e.record.error.summary() if e.record.error else "")]
-        chosen = (cause or failed or [None])[0]
+        asked = any(e.record.status in (Status.CANCELLED, Status.PRUNED) for e in ended.values())
+        chosen = (cause or ([] if asked else failed) or [None])[0]  # stopped on request: lost peers are no cause
         if chosen is None:
             return None
         error = replace(chosen.record.error or RunError(str(chosen.record.status), ""), rank=chosen.rank)
@@ -254,8 +255,11 @@ class _Node:
                         for e in sorted(ended.values(), key=lambda e: e.rank)]
         if first is not None:
             record.status, record.error = first.status, first.error
-        elif any(e.record.status == Status.CANCELLED for e in ended.values()):
-            record.status = Status.CANCELLED
+        else:  # a rank stopped on request: the run ends as asked (pruned before cancelled), with that rank's error
+            stopped = [e.record for e in ended.values() if e.record.status in (Status.PRUNED, Status.CANCELLED)]
+            stopped.sort(key=lambda r: r.status != Status.PRUNED)
+            if stopped:
+                record.status, record.error = stopped[0].status, record.error or stopped[0].error
         self._copy_rank_zero()
         write_record(self.share, record)
         self.notify(record)

@@ -19,6 +19,7 @@ from typing import Any
 from nbbatch.execute.kernels import kill_kernel_group
 from nbbatch.plan.runs import Run
 from nbbatch.store.layout import run_paths
+from nbbatch.store.runfiles import CANCEL_REQUEST, StopRequest, stop_request
 from nbbatch.store.runjson import Status
 from nbbatch.store.share import Share, poll_interval
 
@@ -124,7 +125,8 @@ class Watchdog:
 
     def __init__(self, run: Run, share: Share, deadline: float | None, cancel_event: threading.Event | None):
         self.run, self.share, self.deadline, self.cancel_event = run, share, deadline, cancel_event
-        self.reason: Status | None = None  # TIMED_OUT or CANCELLED once it has stopped the kernel
+        self.reason: Status | None = None  # TIMED_OUT, CANCELLED or PRUNED once it has stopped the kernel
+        self.request: StopRequest | None = None  # what the run's marker asked, once seen
         self.km: Any = None
         self.share_errors = 0  # failed marker checks so far (they are retried)
         self._stop = threading.Event()
@@ -147,7 +149,9 @@ class Watchdog:
             if self.reason is None:
                 if self.deadline is not None and time.monotonic() > self.deadline:
                     self.reason = Status.TIMED_OUT
-                elif self._marker_seen.is_set() or (self.cancel_event is not None and self.cancel_event.is_set()):
+                elif self._marker_seen.is_set():
+                    self.reason = (self.request or CANCEL_REQUEST).status
+                elif self.cancel_event is not None and self.cancel_event.is_set():
                     self.reason = Status.CANCELLED
             if self.reason and self.km is not None:
                 try:
@@ -160,6 +164,7 @@ class Watchdog:
         while not self._stop.wait(wait):
             try:
                 if any(self.share.exists(m) for m in self._markers):
+                    self.request = stop_request(self.share, self.run.experiment, self.run.run_id) or CANCEL_REQUEST
                     self._marker_seen.set()
                     return
                 wait = self._poll

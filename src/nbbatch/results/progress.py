@@ -92,7 +92,8 @@ def _drawn(live: Live) -> Iterator[Live]:
 
 
 # the runs a live table shows first when they do not all fit the terminal: those moving, then those that went wrong
-_SHOWN_FIRST = (Status.RUNNING, Status.FAILED, Status.TIMED_OUT, Status.CANCELLED, Status.QUEUED, Status.SUCCEEDED)
+_SHOWN_FIRST = (Status.RUNNING, Status.FAILED, Status.TIMED_OUT, Status.CANCELLED, Status.QUEUED, Status.SUCCEEDED,
+                Status.PRUNED)
 
 
 def _screenful(records: list[RunRecord], experiment: str, console: Console) -> list[object]:

@@ -25,7 +25,7 @@ from nbbatch.store.share import RangeStore, Share, poll_interval
 
 # One colour per status, for every view (terminal tables, widgets, the HTML report).
 STATUS_STYLE = {Status.QUEUED: "dim", Status.RUNNING: "bold blue", Status.SUCCEEDED: "green", Status.FAILED: "bold red",
-                Status.CANCELLED: "yellow", Status.TIMED_OUT: "magenta",
+                Status.CANCELLED: "yellow", Status.TIMED_OUT: "magenta", Status.PRUNED: "cyan",
                 # what `compare` says of an executed notebook found without a run record
                 "incomplete": "yellow", "unreadable": "magenta"}
 KEY_METRICS = ("accuracy", "train_seconds", "images_per_second")

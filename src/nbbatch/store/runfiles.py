@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from nbbatch.errors import ShareError
 from nbbatch.store.layout import experiment_paths, run_paths
-from nbbatch.store.runjson import RunError, RunRecord, Status, utc_now
+from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status, utc_now
 from nbbatch.store.share import Share
 
 
@@ -95,17 +95,39 @@ def load_records(share: Share, experiment: str, strict: bool = False) -> tuple[l
     return records, problems
 
 
-def write_cancel_markers(share: Share, experiment: str, ids: list[str] | None = None) -> list[str]:
+@dataclass(frozen=True)
+class StopRequest:
+    """Why a run was asked to stop, as its per-run marker says: a cancel, or its search's pruner (``status``
+    PRUNED), with the reason its record keeps."""
+
+    status: Status = Status.CANCELLED
+    reason: str = "stopped by a cancel request"
+
+    def outcome(self, evalue: str = "", reason: str | None = None) -> tuple[Status, RunError]:
+        """The status and error of a run ended by this request (``reason``: a cancel's own words, where the
+        backend knows more, e.g. "cancelled before it started")."""
+        if self.status == Status.PRUNED:
+            return Status.PRUNED, RunError("pruned", evalue, reason=self.reason, kind=ErrorKind.PRUNED)
+        return Status.CANCELLED, RunError("cancelled", evalue, reason=reason or self.reason, kind=ErrorKind.CANCELLED)
+
+
+CANCEL_REQUEST = StopRequest()
+
+
+def write_cancel_markers(share: Share, experiment: str, ids: list[str] | None = None,
+                         request: StopRequest = CANCEL_REQUEST) -> list[str]:
     """Ask unfinished runs to stop (all of the experiment's when ``ids`` is None); return the ids asked.
 
-    Whoever executes a run (any backend) watches these markers and kills its kernel.
+    Whoever executes a run (any backend) watches these markers and kills its kernel. A per-run marker holds the
+    request (:func:`stop_request` reads it; earlier versions wrote a bare time, which reads as a cancel).
     """
     asked = []
+    content = json.dumps({"at": utc_now(), "status": request.status.value, "reason": request.reason}).encode()
     for run_id in list(ids) if ids else run_ids(share, experiment):
         record = read_record(share, experiment, run_id)
         if record is None or record.final:
             continue
-        share.write_bytes(run_paths(experiment, run_id).cancel, utc_now().encode())
+        share.write_bytes(run_paths(experiment, run_id).cancel, content)
         asked.append(run_id)
     if not ids:
         share.write_bytes(experiment_paths(experiment).cancel, utc_now().encode())
@@ -117,6 +139,27 @@ def cancel_requested(share: Share, experiment: str, run_id: str | None = None) -
     if run_id is None:
         return share.exists(experiment_paths(experiment).cancel)
     return any(share.exists(marker) for marker in run_paths(experiment, run_id).cancel_markers)
+
+
+def stop_request(share: Share, experiment: str, run_id: str) -> StopRequest | None:
+    """What the run's markers ask (None: nothing). The experiment's marker, or one that cannot be read, is a cancel."""
+    paths = run_paths(experiment, run_id)
+    try:
+        said = json.loads(share.read_bytes(paths.cancel))
+        return StopRequest(Status(said["status"]), str(said["reason"]))
+    except (ShareError, OSError, ValueError, KeyError, TypeError):
+        pass
+    return CANCEL_REQUEST if any(share.exists(marker) for marker in paths.cancel_markers) else None
+
+
+def requested_outcome(share: Share, experiment: str, run_id: str, reason: str, evalue: str = "") -> tuple[Status, RunError]:
+    """How a run stopped from outside ends (its task or job killed after a stop request): as its marker asked
+    (pruned), else cancelled for ``reason``."""
+    try:
+        request = stop_request(share, experiment, run_id) or CANCEL_REQUEST
+    except (ShareError, OSError):
+        request = CANCEL_REQUEST
+    return request.outcome(evalue, reason)
 
 
 def stop_gang(share: Share, run: PlannedRun, attempts: int, why: dict[str, object], decide: bool) -> None:

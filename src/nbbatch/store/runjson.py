@@ -35,6 +35,7 @@ class Status(str, Enum):
     FAILED = "failed"
     CANCELLED = "cancelled"
     TIMED_OUT = "timed_out"
+    PRUNED = "pruned"  # stopped by its search's pruner: final, kept at its last step, never run again
 
     def __str__(self) -> str:
         return self.value
@@ -46,7 +47,8 @@ class Status(str, Enum):
 
 
 STATUSES = tuple(s.value for s in Status)
-FINAL_STATUSES = frozenset({Status.SUCCEEDED, Status.FAILED, Status.CANCELLED, Status.TIMED_OUT})
+FINAL_STATUSES = frozenset({Status.SUCCEEDED, Status.FAILED, Status.CANCELLED, Status.TIMED_OUT, Status.PRUNED})
+DONE_STATUSES = frozenset({Status.SUCCEEDED, Status.PRUNED})  # ended as meant: a resubmit leaves them alone
 
 
 class ErrorKind(str, Enum):
@@ -56,6 +58,7 @@ class ErrorKind(str, Enum):
     KERNEL_DIED = "kernel_died"  # the kernel process died (OOM kill, segfault): retried
     TIMEOUT = "timeout"  # the run or a cell ran past its timeout
     CANCELLED = "cancelled"  # a cancel request, Ctrl-C, or cancelled in the backend
+    PRUNED = "pruned"  # its search's pruner stopped it
     NO_KERNEL = "no_kernel"  # the run's kernel is not installed where it executed
     SHARE = "share"  # the share could not be written
     INFRA = "infra"  # outside the notebook: a lost node, task or job, a dead driver

@@ -42,7 +42,7 @@ from nbbatch.spec.schema import experiment_schema, parameter_name_problem
 from nbbatch.spec.yaml_loader import load_yaml
 from nbbatch.store.fetch import FetchWarning, fetch
 from nbbatch.store.known import open_experiment_share
-from nbbatch.store.runjson import ContainerInfo, GpuSharing, RunRecord, Status, from_json_value
+from nbbatch.store.runjson import DONE_STATUSES, ContainerInfo, GpuSharing, RunRecord, Status, from_json_value
 from nbbatch.store.share import open_share
 from nbbatch.ui.data_commands import add_data_parser
 from nbbatch.ui.images_commands import add_images_parser
@@ -217,7 +217,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(status_rows(records), indent=2, default=str))
     elif not args.watch:
         _console().print(status_table(records, title=table_title(name, records)))
-    return 0 if all(r.status == Status.SUCCEEDED for r in records) and not problems or not args.check else 1
+    return 0 if all(r.status in DONE_STATUSES for r in records) and not problems or not args.check else 1
 
 
 def cmd_status_interruptible(args: argparse.Namespace) -> int:
@@ -296,7 +296,7 @@ def cmd_run_one(args: argparse.Namespace) -> int:
 
         record = execute_run(run, share, context)
     print(f"{record.run_id}: {record.status}" + (f" ({record.error.summary()})" if record.error else ""))
-    return 0 if record.status == Status.SUCCEEDED else 1
+    return 0 if record.status in DONE_STATUSES else 1
 
 
 def cmd_envs(args: argparse.Namespace) -> int:

@@ -70,7 +70,14 @@ from nbbatch.spec.frameworks import get_framework
 from nbbatch.spec.project import Project
 from nbbatch.store.azfiles import AzureFileShare, AzureFilesLocation, parse_azfiles_url
 from nbbatch.store.layout import run_paths
-from nbbatch.store.runfiles import read_record, write_record
+from nbbatch.store.runfiles import (
+    CANCEL_REQUEST,
+    StopRequest,
+    read_record,
+    requested_outcome,
+    write_cancel_markers,
+    write_record,
+)
 from nbbatch.store.runfiles import run_ids as list_run_ids
 from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status, utc_now
 from nbbatch.store.share import Share
@@ -323,6 +330,8 @@ class AzureMLBackend(Backend):
             if record is None or record.final:
                 continue
             change = reconcile(record, state)
+            if change is not None and change[0] == Status.CANCELLED and change[1] is not None:
+                change = requested_outcome(share, experiment, record.run_id, change[1].reason or "", change[1].evalue)
             if change is not None and change[0].final:
                 self.finalize(share, record, *change)
                 continue
@@ -334,7 +343,8 @@ class AzureMLBackend(Backend):
             record.note = note
             write_record(share, record)
 
-    def cancel(self, experiment: str, share: Share, run_ids: Sequence[str] | None = None) -> list[str]:
+    def cancel(self, experiment: str, share: Share, run_ids: Sequence[str] | None = None,
+               request: StopRequest = CANCEL_REQUEST) -> list[str]:
         """Cancel the jobs of unfinished runs (all when ``run_ids`` is None); return the run ids asked to stop.
 
         Each run's cancel marker is written first (its executor stops at the next cell, whatever Azure ML answers),
@@ -351,7 +361,7 @@ class AzureMLBackend(Backend):
             record = read_record(share, experiment, run_id)
             if state is None or record is None or record.final:
                 continue
-            share.write_bytes(run_paths(experiment, run_id).cancel, utc_now().encode())  # the executor stops too
+            write_cancel_markers(share, experiment, [run_id], request)  # the executor stops too
             try:
                 self.ml_client.jobs.begin_cancel(state.job_name)
             except ResourceNotFoundError:
@@ -376,8 +386,7 @@ class AzureMLBackend(Backend):
             state.status, state.note = map_job_status(state.job_status)
             state.updated_at = utc_now()
             self._write_state(share, state)
-            self.finalize(share, record, Status.CANCELLED, RunError(
-                "Cancelled", f"Azure ML job {state.job_name}", reason="cancelled by the user", kind=ErrorKind.CANCELLED))
+            self.finalize(share, record, *request.outcome(f"Azure ML job {state.job_name}", "cancelled by the user"))
             asked.append(run_id)
         return asked
 

@@ -24,7 +24,7 @@ from nbbatch.errors import BackendError, ContainerError, ValidationError
 from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret
 from nbbatch.spec.project import Project, find_project
-from nbbatch.store.runfiles import read_record, read_record_or_none
+from nbbatch.store.runfiles import CANCEL_REQUEST, StopRequest, read_record, read_record_or_none
 from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status
 from nbbatch.store.share import Share, poll_interval
 
@@ -391,13 +391,14 @@ class RayBackend(Backend):
             left = {i for i in left if not ((r := read_record(share, experiment, i)) and r.final)}
             time.sleep(poll)
 
-    def cancel(self, experiment: str, share: Share, run_ids: Sequence[str] | None = None) -> list[str]:
+    def cancel(self, experiment: str, share: Share, run_ids: Sequence[str] | None = None,
+               request: StopRequest = CANCEL_REQUEST) -> list[str]:
         """Write the cancel markers (the run's kernel is stopped, its partial output kept), then cancel Ray tasks.
 
         Queued runs' tasks are cancelled at once; a running run gets ``cancel_grace_s`` seconds to stop
         itself before its task is killed (``ray.cancel(force=True)``).
         """
-        asked = super().cancel(experiment, share, run_ids)
+        asked = super().cancel(experiment, share, run_ids, request)
         if asked:
             try:
                 supervisor = self._supervisor(experiment, share)

@@ -29,7 +29,7 @@ from nbbatch.containers.engines import find_engine
 from nbbatch.containers.runner import stop_container
 from nbbatch.execute.placement import free_port
 from nbbatch.plan.runs import Run
-from nbbatch.store.runfiles import cancel_requested, finalize_record, read_record_or_none
+from nbbatch.store.runfiles import cancel_requested, finalize_record, read_record_or_none, requested_outcome
 from nbbatch.store.runjson import ErrorKind, RunError, Status
 from nbbatch.store.share import open_share
 
@@ -64,9 +64,8 @@ def execute_on_node(spec: dict[str, Any]) -> dict[str, Any]:
     share = open_share(spec["share"])
     if cancel_requested(share, run["experiment"], run["run_id"]):
         if not gang or gang["node_rank"] == 0:  # the run's record is node 0's to write
-            finalize_record(share, Run.from_dict(run), Status.CANCELLED,
-                            RunError("cancelled", "", reason="cancelled before it started", kind=ErrorKind.CANCELLED),
-                            backend="ray")
+            finalize_record(share, Run.from_dict(run), *requested_outcome(
+                share, run["experiment"], run["run_id"], "cancelled before it started"), backend="ray")
         return {"exit_code": 0, "output": "cancelled before it started", "node_id": node_id, "gpu_ids": []}
     gpu_ids: list[int] = []
     if spec["num_gpus"]:
@@ -226,13 +225,13 @@ def watch_worker(read_end: str, engine_name: str, share_url: str) -> None:
         record = read_record_or_none(share, run.experiment, run.run_id)
         if record is not None and not record.final:
             if cancel_requested(share, run.experiment, run.run_id):
-                error = RunError("cancelled", "", reason="cancelled (its Ray task was stopped, and its container)",
-                                 kind=ErrorKind.CANCELLED)
+                status, error = requested_outcome(share, run.experiment, run.run_id,
+                                                  "cancelled (its Ray task was stopped, and its container)")
             else:
-                error = RunError("RayWorkerEnded", f"the Ray worker of its task on node {socket.gethostname()} ended "
-                                 "before the run", reason="its Ray task was stopped (killed, or its worker died); its "
-                                 "container was stopped", kind=ErrorKind.INFRA)
-            status = Status.CANCELLED if error.kind == ErrorKind.CANCELLED else Status.FAILED
+                status, error = Status.FAILED, RunError(
+                    "RayWorkerEnded", f"the Ray worker of its task on node {socket.gethostname()} ended before the run",
+                    reason="its Ray task was stopped (killed, or its worker died); its container was stopped",
+                    kind=ErrorKind.INFRA)
             finalize_record(share, run, status, error, backend="ray")
 
 

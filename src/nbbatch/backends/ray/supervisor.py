@@ -15,7 +15,7 @@ from typing import Any
 from nbbatch.backends.ray.node import OUTPUT_TAIL, execute_on_node
 from nbbatch.backends.ray.task import gang_bundles, gang_size
 from nbbatch.plan.runs import Run
-from nbbatch.store.runfiles import finalize_record, read_record_or_none
+from nbbatch.store.runfiles import finalize_record, read_record_or_none, requested_outcome
 from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status
 from nbbatch.store.share import Share, open_share
 
@@ -162,9 +162,8 @@ class RunSupervisor:
                 if task.ref is None:  # still in the backlog: never reaches Ray
                     self._backlog.remove(task)
                     task.done = True
-                    finalize_record(self.share, Run.from_dict(task.spec["run"]), Status.CANCELLED,
-                                    RunError("cancelled", "", reason="cancelled before it started",
-                                             kind=ErrorKind.CANCELLED), backend="ray")
+                    finalize_record(self.share, Run.from_dict(task.spec["run"]), *requested_outcome(
+                        self.share, self.experiment, run_id, "cancelled before it started"), backend="ray")
                     continue
                 record = read_record_or_none(self.share, self.experiment, run_id)
                 if record is None or record.status == Status.QUEUED:
@@ -440,7 +439,9 @@ class RunSupervisor:
             if task.error is not None and (error is not None or record is None or not record.final):
                 error = task.error  # the supervisor stopped the run's gang, and this is why
             if error is not None and (record is None or not record.final):
-                status = Status.CANCELLED if error.kind == ErrorKind.CANCELLED else Status.FAILED
+                status = Status.FAILED
+                if error.kind == ErrorKind.CANCELLED:  # stopped on request: as the marker asked (pruned, cancelled)
+                    status, error = requested_outcome(self.share, run.experiment, run.run_id, error.reason or "")
                 finalize_record(self.share, run, status, error, backend="ray")
         finally:
             with self._lock:

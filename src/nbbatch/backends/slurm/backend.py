@@ -47,7 +47,14 @@ from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret
 from nbbatch.spec.project import Project
 from nbbatch.store.layout import experiment_paths
-from nbbatch.store.runfiles import load_records, read_record_or_none, write_record
+from nbbatch.store.runfiles import (
+    CANCEL_REQUEST,
+    StopRequest,
+    load_records,
+    read_record_or_none,
+    requested_outcome,
+    write_record,
+)
 from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status, utc_now
 from nbbatch.store.share import Share, poll_interval
 
@@ -420,6 +427,9 @@ class SlurmBackend(Backend):
                 self.finalize(share, current, Status.FAILED, error)
             return
         status, error = ended_job_outcome(state, exit_code, job, tail)
+        if status == Status.CANCELLED:  # scancel after a stop request: as the request asked (a search prunes)
+            status, error = requested_outcome(share, current.experiment, current.run_id, error.reason or "",
+                                              error.evalue)
         self.finalize(share, current, status, error)
 
     def _resubmit(self, share: Share, record: RunRecord, job: SlurmJob, error: RunError) -> bool:
@@ -462,10 +472,11 @@ class SlurmBackend(Backend):
 
     # --- cancel --------------------------------------------------------------------------------------------
 
-    def cancel(self, experiment: str, share: Share, run_ids: Sequence[str] | None = None) -> list[str]:
+    def cancel(self, experiment: str, share: Share, run_ids: Sequence[str] | None = None,
+               request: StopRequest = CANCEL_REQUEST) -> list[str]:
         """Write the cancel markers, ``scancel`` pending jobs at once, and running ones after ``cancel_grace_s``
         (their launcher stops the kernel and records the cancel first, keeping the partial notebook)."""
-        asked = super().cancel(experiment, share, run_ids)
+        asked = super().cancel(experiment, share, run_ids, request)
         jobs = {r.run_id: j for r, j in self._open_jobs(experiment, share, asked) if j is not None}
         if not jobs:
             return asked
@@ -475,8 +486,7 @@ class SlurmBackend(Backend):
         for run_id in pending:
             current = read_record_or_none(share, experiment, run_id)
             if current is not None and not current.final:
-                self.finalize(share, current, Status.CANCELLED, RunError(
-                    "cancelled", "", reason="cancelled before it started (scancel)", kind=ErrorKind.CANCELLED))
+                self.finalize(share, current, *request.outcome(reason="cancelled before it started (scancel)"))
         running = {i: j for i, j in jobs.items() if i not in pending}
         deadline = time.monotonic() + self.settings.cancel_grace_s
         while running and time.monotonic() < deadline:

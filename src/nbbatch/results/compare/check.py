@@ -118,6 +118,8 @@ def check(current: pd.DataFrame, baseline: pd.DataFrame, metrics: str | Sequence
         if "status" in base:  # a baseline run that did not succeed is no reference
             base = base[base["status"].isna() | (base["status"] == "succeeded")]
         cur = current.assign(_k=keyed(current), _v=_numeric(current, cur_col))
+        if "status" in cur:  # a search's pruned runs stopped as meant, at a partial value: no measurement
+            cur = cur[cur["status"].astype(str) != "pruned"]
         base_values = base.dropna(subset=["_v"]).groupby("_k")["_v"].mean().to_dict()
         base_display = {k: g.iloc[0] for k, g in base.groupby("_k")[keys]}
         seen = set()

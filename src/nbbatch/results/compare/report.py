@@ -95,7 +95,7 @@ def render_report(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, m
     failures = [
         {"run": f"{row['experiment']}/{row['run_id']}", "error": _cell_text(row.get("error")),
          "href": _href(row.get("output"), report_dir), "status": _cell_text(row.get("status"))}
-        for _, row in frame.iterrows() if row.get("status") not in ("succeeded",) and _cell_text(row.get("error"))
+        for _, row in frame.iterrows() if row.get("status") not in ("succeeded", "pruned") and _cell_text(row.get("error"))
     ]
     counts = frame["status"].value_counts(dropna=False) if len(frame) else {}
     experiments = sorted({str(e) for e in frame.get("experiment", [])})
