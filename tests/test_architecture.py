@@ -25,6 +25,7 @@ LAYERS = (
     ("nbbatch.containers",),
     ("nbbatch.backends",),
     ("nbbatch.results",),
+    ("nbbatch.search",),
     ("nbbatch.api",),
     ("nbbatch.ui", "nbbatch.widgets", "nbbatch.__main__"),
 )

@@ -23,6 +23,7 @@ from nbbatch.plan.notebook import inspect_notebook, validate_parameters
 from nbbatch.plan.runs import Plan, plan
 from nbbatch.results.progress import live_progress
 from nbbatch.results.status import follow_log, load_plan_records, read_log, resolve_run_id
+from nbbatch.search.driver import run_search
 from nbbatch.spec.experiment import Experiment, load_experiment
 from nbbatch.spec.project import Project, find_project
 from nbbatch.store.known import check_experiment, lookup, open_experiment_share, remember
@@ -126,11 +127,17 @@ def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, 
                 break
         clear_cancel(share, spec.name)
         backend.refresh(spec.name, share)
+        if spec.search is not None:
+            result.started = _search(the_plan, backend, share, experiment, result, force, progress, lease.lost)
+            records, problems = load_records(share, spec.name)
+            result.records = [r for r in records if r.run_id in set(result.started)]
+            result.warnings.extend(problems)
+            return result
         outcome = backend.triage(runs, share, force=force)
         result.skipped = outcome.skipped
         result.warnings.extend(outcome.notes)
         result.started = [*outcome.started, *outcome.in_flight]
-        result.warnings.extend(_write_manifest(share, spec, the_plan, experiment,
+        result.warnings.extend(_write_manifest(share, spec, [r.run_id for r in the_plan.runs], experiment,
                                                backend.storable_settings(spec.backend_settings)))
         options = submit_options(spec, wait=wait, force=force, on_update=progress if callable(progress) else None,
                                  halt=lease.lost)
@@ -151,12 +158,35 @@ def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, 
     return result
 
 
+def _search(the_plan: Plan, backend: Backend, share: Share, source: object, result: SubmitResult, force: bool,
+            progress: bool | Callable[[RunRecord], None], halt: Any) -> list[str]:
+    """Run the experiment's search (:mod:`nbbatch.search`); the trials' runs. The manifest lists them as they start,
+    so ``status`` and ``compare`` show them; ``force`` starts the search afresh."""
+    spec = the_plan.experiment
+    settings = backend.storable_settings(spec.backend_settings)
+    options = submit_options(spec, wait=True, on_update=progress if callable(progress) else None, halt=halt)
+    noted: list[str] = []
+
+    def on_runs(run_ids: list[str]) -> None:
+        if not noted:  # the first time: the warning of a name reused by another experiment file
+            result.warnings.extend(_write_manifest(share, spec, run_ids, source, settings))
+            noted.append("written")
+        else:
+            _write_manifest(share, spec, run_ids, source, settings)
+
+    def say(line: str) -> None:
+        if progress is True:
+            print(f"nbbatch search: {line}", file=sys.stderr, flush=True)
+
+    return list(run_search(the_plan, backend, share, options, say, on_runs, fresh=force))
+
+
 def submit_options(spec: Experiment, **more: Any) -> SubmitOptions:
     """The experiment's resources as a backend takes them."""
     return SubmitOptions.of(spec.resources, **more)
 
 
-def _write_manifest(share: Share, spec: Experiment, the_plan: Plan, source: object = None,
+def _write_manifest(share: Share, spec: Experiment, run_ids: list[str], source: object = None,
                     backend_settings: dict[str, Any] | None = None) -> list[str]:
     """Write the submission's manifest, ``<experiment>/experiment.json``: its ``runs`` are the experiment's
     current plan (what ``status``, ``compare`` and ``check`` show). Return a warning when the last submission
@@ -169,7 +199,8 @@ def _write_manifest(share: Share, spec: Experiment, the_plan: Plan, source: obje
         "source": str(Path(source).resolve()) if isinstance(source, (str, os.PathLike)) else None,
         "frameworks": spec.frameworks, "notebooks": [str(n.path.name) for n in spec.notebooks],
         "parameters": spec.parameters, "sweep": spec.sweep,
-        "runs": [r.run_id for r in the_plan.runs],
+        **({"search": spec.search.to_dict()} if spec.search else {}),
+        "runs": list(run_ids),
     }
     try:
         previous = json.loads(share.read_bytes(path))

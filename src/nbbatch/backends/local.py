@@ -43,7 +43,7 @@ from nbbatch.containers.runner import execute_in_container
 from nbbatch.errors import ContainerError, ValidationError
 from nbbatch.execute.attempt import execute_run
 from nbbatch.execute.context import AttemptContext, SamplerCallback
-from nbbatch.execute.gpus import GpuInfo, GpuLease, detect_gpus
+from nbbatch.execute.gpus import GpuInfo, GpuLease, SlotPool, detect_gpus
 from nbbatch.execute.mps import check_mps
 from nbbatch.execute.placement import local_placements
 from nbbatch.plan.runs import Run
@@ -87,6 +87,17 @@ class LocalBackend(Backend):
             self.capabilities = dataclasses.replace(self.capabilities, local_kernels=False, containers=True)
         self._engine: Engine | None = None
         self._images: dict[str, tuple[str, str]] = {}  # framework → (image, image id)
+        self._pools: dict[tuple[object, bool], SlotPool] = {}
+        self._pools_lock = threading.Lock()
+
+    def slot_pool(self, runs_per_gpu: int | str, mps: bool) -> SlotPool:
+        """This machine's GPU slots, one pool for all the batches this backend runs at once (a search launches each
+        trial as a batch of its own, while others run): no GPU is booked twice."""
+        with self._pools_lock:
+            key = (runs_per_gpu, mps)
+            if key not in self._pools:
+                self._pools[key] = SlotPool(self.gpus, runs_per_gpu, mps=mps)
+            return self._pools[key]
 
     @property
     def gpus(self) -> list[GpuInfo]:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from nbbatch.backends.base import SubmitOptions
 from nbbatch.errors import ShareError
 from nbbatch.execute.attempt import SHARE_FAILED, kernel_launch
-from nbbatch.execute.gpus import GpuLease, MemoryNeeds, SlotPool, is_gpu_oom
+from nbbatch.execute.gpus import GpuLease, MemoryNeeds, is_gpu_oom
 from nbbatch.execute.mps import MpsDaemon
 from nbbatch.execute.prestart import KernelPool
 from nbbatch.plan.runs import Run
@@ -65,7 +65,7 @@ class LocalScheduler:
                  daemon: MpsDaemon | None = None):
         max_parallel, prestart, container = _settings(backend)
         self.backend, self.share, self.options, self.daemon = backend, share, options, daemon
-        self.pool = SlotPool(backend.gpus, options.runs_per_gpu, mps=daemon is not None)
+        self.pool = backend.slot_pool(options.runs_per_gpu, mps=daemon is not None)
         self.needs = MemoryNeeds(options.earlier if self.pool.auto else ())
         self.cpu_parallel = options.max_parallel or max_parallel or (os.cpu_count() or 1)
         self.gpu_parallel = options.max_parallel or max_parallel or max(self.pool.capacity, 1)

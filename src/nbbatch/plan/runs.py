@@ -10,8 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -151,6 +151,13 @@ class Plan:
     experiment: Experiment
     runs: list[Run]
     warnings: list[str] = field(default_factory=list)
+    run_ids: dict[str, Callable[[dict[str, Any]], str]] = field(default_factory=dict, repr=False)  # run id → its maker
+
+    def trial(self, template: Run, searched: Mapping[str, Any]) -> Run:
+        """A search's trial: ``template`` (one of :attr:`runs`, with the fixed parameters) with the parameters the
+        trial drew, under its own run id. Their names and types were checked against the notebook when planning."""
+        parameters = {**template.parameters, **searched}
+        return replace(template, parameters=parameters, run_id=self.run_ids[template.run_id](parameters))
 
 
 def _known_kernels() -> dict[str, str]:
@@ -172,6 +179,7 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
     combos = experiment.combinations()
     kernels = _known_kernels() if check_kernels else {}
     runs: list[Run] = []
+    makers: dict[str, Callable[[dict[str, Any]], str]] = {}
     warnings: list[str] = []
 
     def notebook_rel(path: Path) -> str:
@@ -223,6 +231,10 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
                                   "List them with `jupyter kernelspec list`.")
         run_id = run_id_maker(label, info.content, target.env_lock, experiment.env, experiment.resources.gpus, identities,
                               experiment.resources.distribution)
+        if experiment.search:  # every value a trial can draw has the type of one of these
+            for param in experiment.search.params:
+                for value in param.examples():
+                    warnings.extend(w for w in validate_parameters(info, {param.name: value}) if w not in warnings)
         checked: set[tuple[str, int]] = set()  # (name, id(value)): a grid's values recur in many runs, checked once
         notebook_path, rel = str(notebook), notebook_rel(notebook)
         for params in combos:
@@ -240,6 +252,7 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
                 preload=framework.preload if framework else (), recognised_as=recognised_as,
                 inputs=inputs, distribution=experiment.resources.distribution, tracking=experiment.tracking,
             ))
+            makers[runs[-1].run_id] = run_id
     seen: dict[str, Run] = {}
     unique: list[Run] = []
     for run in runs:
@@ -248,4 +261,4 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
             unique.append(run)
         else:
             warnings.append(f"run {run.run_id} appears twice in the sweep; it runs once")
-    return Plan(experiment, unique, warnings)
+    return Plan(experiment, unique, warnings, makers)

@@ -22,6 +22,7 @@ from nbbatch.errors import SpecError
 from nbbatch.spec.frameworks import list_frameworks
 from nbbatch.spec.resources import AUTO, DISTRIBUTIONS, Distribution, Resources, resources_problem
 from nbbatch.spec.schema import shape_error
+from nbbatch.spec.search import Search, parse_search
 from nbbatch.spec.sweep import expand_sweep
 from nbbatch.spec.yaml_loader import load_yaml
 
@@ -48,6 +49,7 @@ class Experiment:
     parameters: dict[str, Any] = field(default_factory=dict)
     inputs: dict[str, str] = field(default_factory=dict)  # parameter -> folder (absolute path) or share URL
     sweep: dict[str, Any] = field(default_factory=dict)
+    search: Search | None = None  # an adaptive search (`search:`): its trials are proposed as the runs end
     resources: Resources = field(default_factory=Resources)  # GPUs, their sharing, what a distributed run spans
     timeout: float | None = None
     cell_timeout: float | None = None
@@ -65,6 +67,8 @@ class Experiment:
             self.inputs = _inputs(self.inputs, Path(self.base_dir))
         if isinstance(self.env, Mapping):
             self.env = {name: _env_text(value) for name, value in self.env.items()}
+        if self.search is not None and not isinstance(self.search, Search):  # the file's block, or a dict in Python
+            self.search = parse_search(self.search, self.parameters, self.sweep)
         self.validate()
 
     def validate(self) -> None:
@@ -110,6 +114,7 @@ class Experiment:
             parameters=dict(data.get("parameters") or {}),
             inputs=data.get("inputs") or {},
             sweep=dict(data.get("sweep") or {}),
+            search=data.get("search"),
             resources=Resources.of(distribution["type"] if isinstance(distribution, Mapping) else distribution,
                                    **(data.get("resources") or {})),
             timeout=timeout,
@@ -142,7 +147,8 @@ def experiment_problem(experiment: Experiment) -> SpecError | None:
         combos = experiment.combinations()
     except SpecError as exc:
         return exc
-    return _inputs_problem(experiment.inputs, combos[0])
+    searched = {p.name: None for p in experiment.search.params} if experiment.search else {}
+    return _inputs_problem(experiment.inputs, {**combos[0], **searched})
 
 
 def _file_form(experiment: Experiment) -> dict[str, Any]:
@@ -151,6 +157,7 @@ def _file_form(experiment: Experiment) -> dict[str, Any]:
             "inputs": experiment.inputs, "sweep": experiment.sweep, "env": experiment.env, "retries": experiment.retries,
             "timeout": {"run": experiment.timeout, "cell": experiment.cell_timeout},
             "max_output_mb": experiment.max_output_mb,
+            **({"search": experiment.search.to_dict()} if experiment.search else {}),
             **({"tracking": experiment.tracking} if experiment.tracking is not None else {})}
 
 

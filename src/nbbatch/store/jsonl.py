@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from nbbatch.errors import ShareError
+from nbbatch.store.share import RangeStore, Share
+
 
 def jsonl_line(obj: dict[str, Any]) -> bytes:
     """One line of JSON Lines: compact JSON (non-finite numbers as strings) and a newline."""
@@ -32,3 +35,30 @@ def parse_jsonl(data: bytes | str) -> list[dict[str, Any]]:
         if isinstance(obj, dict):
             objects.append(obj)
     return objects
+
+
+class JsonlTail:
+    """The complete objects a JSON Lines file on a share gains between reads (``metrics.jsonl`` while its run goes).
+
+    Only the new bytes are read where the share can (:class:`~nbbatch.store.share.RangeStore`); a line the writer is
+    still writing is read next time. A file that shrank (its run submitted again) is read again from its start.
+    """
+
+    def __init__(self, share: Share, path: str) -> None:
+        self.share, self.path, self.offset = share, path, 0
+
+    def read(self) -> list[dict[str, Any]]:
+        """The objects of the lines completed since the last read (none while the file is not there)."""
+        try:
+            if isinstance(self.share, RangeStore):
+                chunk = self.share.read_range(self.path, self.offset)
+            else:
+                whole = self.share.read_bytes(self.path)
+                if len(whole) < self.offset:
+                    self.offset = 0
+                chunk = whole[self.offset:]
+        except (ShareError, OSError):  # not there yet, or the share failed: read again next time
+            return []
+        complete = chunk[:chunk.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        return parse_jsonl(complete)

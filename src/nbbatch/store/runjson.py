@@ -214,6 +214,8 @@ class RunRecord:
     rank: int | None = None  # set in ranks/<rank>/run.json: the record of that rank alone
     # what the backend says of a run not final yet (waiting for nodes: quota; cancel requested); shown while not final
     note: str | None = _written_when_set()
+    # a search's trial: its study, number and the study's decision (complete with its value, pruned at a step, failed)
+    trial: dict[str, Any] | None = _written_when_set()
     schema_version: int = SCHEMA_VERSION
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -1,0 +1,295 @@
+"""The search's driver: asks Optuna for trials, runs each as an ordinary run, and stops those its pruner rejects.
+
+One study per notebook of the experiment (each framework's, each notebook's), each with the search's budget of
+trials. A trial is a run of the notebook with the trial's parameters (its own run id, record and folder), launched
+through the experiment's backend like any other. While it runs, the driver reads its ``metrics.jsonl`` from the share
+as it grows and reports every new point of the search's metric to the study; when the pruner says so, it asks the
+run to stop through its marker (:class:`~nbbatch.store.runfiles.StopRequest`: the run ends ``pruned``). A run's end
+is told to the study: its final metric, pruned, or failed. The decision is kept in the run's record too
+(``trial``).
+
+The study's journal (:mod:`nbbatch.search.study`) outlives the driver: started again, the driver finds the trials it
+had asked for. A trial whose run is still going (on a cluster) is adopted; one whose run ended meanwhile is told;
+one whose run was stopped with its driver (local runs, Ctrl-C) runs again under the same run id, from its
+checkpoints. The budget stays the one given: no trial is asked for twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbbatch.backends.base import Backend, SubmitOptions
+from nbbatch.plan.runs import Plan, Run
+from nbbatch.search.study import (
+    RUN_ID,
+    SearchError,
+    journal_path,
+    open_study,
+    optuna_module,
+    search_fingerprint,
+    suggest,
+    trial_of,
+)
+from nbbatch.spec.search import Search
+from nbbatch.store.jsonl import JsonlTail
+from nbbatch.store.layout import run_paths
+from nbbatch.store.runfiles import StopRequest, clear_run_cancels, read_record_or_none, write_record
+from nbbatch.store.runjson import ErrorKind, RunRecord, Status
+from nbbatch.store.share import Share, poll_interval
+
+Say = Callable[[str], None]
+
+
+@dataclass
+class _Trial:
+    """A trial whose run the driver watches."""
+
+    number: int
+    run: Run
+    trial: Any  # optuna.trial.Trial
+    tail: JsonlTail
+    reported: int = -1  # the last step reported to the study
+    last_value: float | None = None
+    stop_asked: bool = False
+    thread: threading.Thread | None = None  # the launch (local runs: the whole run)
+    launch_error: str | None = None
+
+
+@dataclass
+class _Study:
+    """One notebook's study: its template run (fixed parameters) and the trials in flight."""
+
+    label: str
+    template: Run
+    study: Any  # optuna.Study
+    running: dict[int, _Trial] = field(default_factory=dict)
+    metric_seen: bool = False  # a run of this study recorded the metric
+    ended: int = 0  # trials whose run ended (or failed to start) in this driver
+
+
+class SearchDriver:
+    """Runs the search of ``plan`` (an experiment with ``search:``) on ``backend``; see the module's docstring."""
+
+    def __init__(self, plan: Plan, backend: Backend, share: Share, options: SubmitOptions, say: Say,
+                 on_runs: Callable[[list[str]], None], fresh: bool = False) -> None:
+        assert plan.experiment.search is not None
+        self.plan, self.backend, self.share, self.options = plan, backend, share, options
+        self.search: Search = plan.experiment.search
+        self.experiment = plan.experiment.name
+        self.say, self.on_runs, self.fresh = say, on_runs, fresh
+        self.run_ids: list[str] = []  # every trial's run, in the order asked
+        self.poll = poll_interval(share, local=0.5, remote=2.0)
+        self.parallel = max(1, options.max_parallel or getattr(getattr(backend, "settings", None), "max_parallel", None)
+                            or backend.compute().slots or 1)
+        self.studies: list[_Study] = []
+
+    # --- the loop ---------------------------------------------------------------------------------------
+
+    def run(self) -> list[str]:
+        """The whole search, until every study spent its budget and every run ended; the trials' run ids."""
+        optuna_module()
+        for template in self.plan.runs:
+            self.studies.append(self._open(template))
+        try:
+            for study in self.studies:
+                self._resume(study)
+            while self._busy():
+                self._launch_more()
+                for study in self.studies:
+                    for trial in list(study.running.values()):
+                        self._watch(study, trial)
+                if self.backend.capabilities.detached:
+                    self.backend.sync(self.experiment, self.share, [t.run.run_id for t in self._in_flight()])
+                time.sleep(self.poll)
+        except BaseException:
+            self._stop_all()
+            raise
+        return self.run_ids
+
+    def _busy(self) -> bool:
+        return any(s.running or self._left(s) > 0 for s in self.studies)
+
+    def _in_flight(self) -> list[_Trial]:
+        return [t for s in self.studies for t in s.running.values()]
+
+    def _left(self, study: _Study) -> int:
+        """How many trials the study may still ask for."""
+        return self.search.trials - len(study.study.trials)
+
+    def _launch_more(self) -> None:
+        if self.options.halt is not None and self.options.halt.is_set():
+            return
+        for study in self.studies:
+            while self._left(study) > 0 and len(self._in_flight()) < self.parallel:
+                self._ask(study)
+
+    # --- a study and its trials --------------------------------------------------------------------------
+
+    def _open(self, template: Run) -> _Study:
+        label = template.run_id.rsplit("-", 1)[0]
+        base = self.plan.experiment.base_dir
+        study = open_study(self.search, journal_path(base, self.experiment, label), f"{self.experiment}/{label}",
+                           search_fingerprint(self.search, template.run_id), fresh=self.fresh)
+        return _Study(label, template, study)
+
+    def _resume(self, study: _Study) -> None:
+        """The trials a previous driver asked for and never told: adopted, told, or run again."""
+        state = optuna_module().trial.TrialState
+        for frozen in study.study.trials:
+            if frozen.state == state.COMPLETE and frozen.value is not None:
+                study.metric_seen = True
+            if frozen.state != state.RUNNING:
+                self._note_run(frozen.user_attrs.get(RUN_ID))
+                continue
+            run = self.plan.trial(study.template, frozen.params)
+            trial = _Trial(frozen.number, run, trial_of(study.study, frozen.number),
+                           JsonlTail(self.share, run_paths(self.experiment, run.run_id).metrics))
+            self._note_run(run.run_id)
+            study.running[trial.number] = trial
+            record = read_record_or_none(self.share, self.experiment, run.run_id)
+            stopped_with_driver = record is not None and (  # Ctrl-C, or lost with its driver or node: not its fault
+                record.status == Status.CANCELLED or record.status == Status.FAILED and record.error is not None
+                and record.error.kind == ErrorKind.INFRA or not record.final and not self.backend.in_flight(self.share,
+                                                                                                           record))
+            if record is None or stopped_with_driver:
+                self.say(f"trial {trial.number} of {study.label}: run {run.run_id} starts again (its driver stopped)")
+                self._launch(trial)
+            else:
+                self.say(f"trial {trial.number} of {study.label}: adopted run {run.run_id} ({record.status})")
+
+    def _ask(self, study: _Study) -> None:
+        trial = study.study.ask()
+        params = suggest(trial, self.search)
+        run = self.plan.trial(study.template, params)
+        trial.set_user_attr(RUN_ID, run.run_id)
+        watched = _Trial(trial.number, run, trial, JsonlTail(self.share, run_paths(self.experiment, run.run_id).metrics))
+        study.running[watched.number] = watched
+        self._note_run(run.run_id)
+        shown = ", ".join(f"{k}={_short(v)}" for k, v in params.items())
+        record = read_record_or_none(self.share, self.experiment, run.run_id)
+        if record is not None and record.final and record.status != Status.CANCELLED:
+            self.say(f"trial {trial.number} of {study.label}: {shown} ran before as {run.run_id} ({record.status})")
+            return  # its history and end are told as they are (_watch)
+        if any(t.run.run_id == run.run_id for t in self._in_flight() if t is not watched):
+            self.say(f"trial {trial.number} of {study.label}: {shown} is running already as {run.run_id}")
+            return
+        self.say(f"trial {trial.number} of {study.label}: {shown} → run {run.run_id}")
+        self._launch(watched)
+
+    def _note_run(self, run_id: str | None) -> None:
+        if run_id and run_id not in self.run_ids:
+            self.run_ids.append(run_id)
+            self.on_runs(list(self.run_ids))
+
+    def _launch(self, trial: _Trial) -> None:
+        """Start the trial's run through the backend (in a thread: the local backend returns when the run ends)."""
+        clear_run_cancels(self.share, self.experiment, [trial.run.run_id])
+        options = dataclasses.replace(self.options, wait=False, force=False, earlier=[])
+        trial.tail.offset = 0
+
+        def launch() -> None:
+            try:
+                self.backend.launch([trial.run], self.share, options)
+            except Exception as exc:  # noqa: BLE001 - the trial fails, saying why; the search goes on
+                trial.launch_error = f"{type(exc).__name__}: {exc}"
+
+        trial.thread = threading.Thread(target=launch, name=f"trial-{trial.run.run_id}", daemon=True)
+        trial.thread.start()
+
+    # --- watching a run ----------------------------------------------------------------------------------
+
+    def _watch(self, study: _Study, trial: _Trial) -> None:
+        self._report(study, trial)
+        record = read_record_or_none(self.share, self.experiment, trial.run.run_id)
+        launch_done = trial.thread is None or not trial.thread.is_alive()
+        if record is not None and record.final and launch_done:
+            self._report(study, trial)  # the last points were written before the record
+            self._end(study, trial, record)
+        elif trial.launch_error is not None and launch_done:
+            self._end(study, trial, None)
+
+    def _report(self, study: _Study, trial: _Trial) -> None:
+        metric = self.search.metric
+        fresh = False
+        for point in trial.tail.read():
+            step, value = point.get("step"), point.get(metric)
+            if not isinstance(step, int) or isinstance(step, bool) or step <= trial.reported:
+                continue
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                continue
+            trial.trial.report(float(value), step)
+            trial.reported, trial.last_value, fresh = step, float(value), True
+            study.metric_seen = True
+        if fresh and not trial.stop_asked and trial.trial.should_prune():
+            trial.stop_asked = True
+            reason = (f"pruned by the search at step {trial.reported}: {metric} {trial.last_value:.6g} is not among "
+                      f"the {'lowest' if self.search.mode == 'min' else 'highest'} the {self.search.pruner} pruner "
+                      "keeps at this step")
+            self.say(f"trial {trial.number} of {study.label}: {reason}")
+            request = StopRequest(Status.PRUNED, reason)
+            threading.Thread(target=self.backend.cancel, args=(self.experiment, self.share, [trial.run.run_id]),
+                             kwargs={"request": request}, daemon=True).start()
+
+    def _end(self, study: _Study, trial: _Trial, record: RunRecord | None) -> None:
+        state = optuna_module().trial.TrialState
+        del study.running[trial.number]
+        study.ended += 1
+        metric = self.search.metric
+        if record is None:  # the backend refused to start it
+            study.study.tell(trial.trial, state=state.FAIL)
+            self.say(f"trial {trial.number} of {study.label}: its run could not start: {trial.launch_error}")
+            decision: dict[str, Any] = {"state": "failed", "reason": trial.launch_error}
+        elif record.status == Status.PRUNED:
+            study.study.tell(trial.trial, state=state.PRUNED)
+            decision = {"state": "pruned", "step": trial.reported, "value": trial.last_value}
+        elif record.status == Status.SUCCEEDED:
+            value = record.metrics.get(metric, trial.last_value)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                study.study.tell(trial.trial, state=state.FAIL)
+                if not study.metric_seen:
+                    self._unknown_metric(study, record)
+                decision = {"state": "failed", "reason": f"no value of {metric}"}
+            else:
+                study.study.tell(trial.trial, float(value))
+                decision = {"state": "complete", "value": float(value)}
+                self.say(f"trial {trial.number} of {study.label}: {metric} {float(value):.6g} ({record.run_id})")
+        else:
+            study.study.tell(trial.trial, state=state.FAIL)
+            decision = {"state": "failed", "reason": f"its run {record.status}"}
+            self.say(f"trial {trial.number} of {study.label}: run {record.run_id} {record.status}"
+                     + (f": {record.error.summary()}" if record.error else ""))
+        if record is not None:
+            record.trial = {"study": study.study.study_name, "number": trial.number, **decision}
+            write_record(self.share, record)
+
+    def _unknown_metric(self, study: _Study, record: RunRecord) -> None:
+        recorded = sorted(k for k, v in record.metrics.items() if isinstance(v, (int, float)))
+        raise SearchError(f"search.metric `{self.search.metric}` was never recorded: run {record.run_id} of "
+                          f"{study.label} succeeded without it (it recorded {', '.join(recorded) or 'no metrics'}). "
+                          f"The notebook must call nbbatch.record(step=..., {self.search.metric}=...); or name one of "
+                          "those in search.metric. The search was stopped")
+
+    def _stop_all(self) -> None:
+        """Ctrl-C, an error, a lost lease: stop the runs in flight (their trials run again when the search resumes)."""
+        trials = self._in_flight()
+        if trials:
+            self.backend.cancel(self.experiment, self.share, [t.run.run_id for t in trials])
+        for trial in trials:
+            if trial.thread is not None:
+                trial.thread.join(timeout=120)
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def run_search(plan: Plan, backend: Backend, share: Share, options: SubmitOptions, say: Say,
+               on_runs: Callable[[list[str]], None], fresh: bool = False) -> Sequence[str]:
+    """Run the search of ``plan`` to its end (see :class:`SearchDriver`); the run ids of its trials."""
+    return SearchDriver(plan, backend, share, options, say, on_runs, fresh).run()

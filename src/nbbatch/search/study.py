@@ -1,0 +1,128 @@
+"""Optuna behind an experiment's ``search:``: the study of one notebook, its journal, its sampler and pruner.
+
+Optuna is imported in these functions only (``pip install nbbatch[search]``): nothing else of nbbatch needs it. The
+study lives in a journal file on the driver's disk (:class:`optuna.storages.JournalStorage`), beside the experiment
+file, so a driver started again finds every trial it asked for and told, and goes on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+from nbbatch.errors import NbbatchError
+from nbbatch.spec.search import Search
+
+JOURNAL_FOLDER = ".nbbatch-search"  # beside the experiment file: <folder>/<experiment>/<notebook label>.journal
+RUN_ID = "run_id"  # the trial's user attribute naming its run
+
+
+class SearchError(NbbatchError):
+    """The search cannot go on (a metric never recorded, a journal of another search)."""
+
+
+def optuna_module() -> Any:
+    """Optuna, or an error saying how to install it."""
+    try:
+        import optuna
+    except ImportError as exc:
+        raise SearchError("`search:` runs on Optuna, which is not installed here: pip install 'nbbatch[search]' "
+                          "(or pip install optuna)") from exc
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # nbbatch says what happens, once
+    return optuna
+
+
+def journal_path(base_dir: Path, experiment: str, label: str) -> Path:
+    """Where the study of ``label`` (a framework or notebook) of ``experiment`` keeps its journal."""
+    return Path(base_dir) / JOURNAL_FOLDER / experiment / f"{label}.journal"
+
+
+def search_fingerprint(search: Search, template_run_id: str) -> str:
+    """What a study was started for: the search block and the notebook with its fixed parameters (the template
+    run's id). A journal written for another fingerprint is not resumed."""
+    block = json.dumps(search.to_dict(), sort_keys=True, default=str)
+    return hashlib.sha256(f"{block}\0{template_run_id}".encode()).hexdigest()[:16]
+
+
+def sampler_of(search: Search) -> Any:
+    optuna = optuna_module()
+    samplers = optuna.samplers
+    seed = search.seed
+    if search.sampler == "grid":
+        return samplers.GridSampler({p.name: list(p.args) for p in search.params}, seed=seed)
+    if search.sampler == "random":
+        return samplers.RandomSampler(seed=seed)
+    if search.sampler == "cmaes":
+        if importlib.util.find_spec("cmaes") is None:  # Optuna's CMA-ES sampler needs it
+            raise SearchError("sampler cmaes needs the `cmaes` package: pip install cmaes")
+        return samplers.CmaEsSampler(seed=seed)
+    if search.sampler == "qmc":
+        return samplers.QMCSampler(seed=seed)
+    return samplers.TPESampler(seed=seed)
+
+
+def pruner_of(search: Search) -> Any:
+    pruners = optuna_module().pruners
+    s = search.pruner_settings
+    if search.pruner == "median":
+        return pruners.MedianPruner(n_startup_trials=int(s["startup_trials"]), n_warmup_steps=int(s["warmup_steps"]),
+                                    interval_steps=int(s["interval_steps"]))
+    if search.pruner == "percentile":
+        return pruners.PercentilePruner(float(s["percentile"]), n_startup_trials=int(s["startup_trials"]),
+                                        n_warmup_steps=int(s["warmup_steps"]), interval_steps=int(s["interval_steps"]))
+    if search.pruner == "asha":
+        return pruners.SuccessiveHalvingPruner(min_resource=s["min_resource"],
+                                               reduction_factor=int(s["reduction_factor"]),
+                                               min_early_stopping_rate=int(s["min_early_stopping_rate"]))
+    if search.pruner == "hyperband":
+        return pruners.HyperbandPruner(min_resource=int(s["min_resource"]), max_resource=int(s["max_resource"]),
+                                       reduction_factor=int(s["reduction_factor"]))
+    return pruners.NopPruner()
+
+
+def open_study(search: Search, path: Path, name: str, fingerprint: str, fresh: bool = False) -> Any:
+    """The study ``name`` in the journal at ``path`` (created, or resumed when it was started for the same search);
+    ``fresh``: an earlier journal is set aside first (``submit --force``)."""
+    optuna = optuna_module()
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fresh and path.exists():
+        path.replace(path.with_suffix(".journal.old"))
+    storage = JournalStorage(JournalFileBackend(str(path)))
+    study = optuna.create_study(study_name=name, storage=storage, sampler=sampler_of(search), pruner=pruner_of(search),
+                                direction="minimize" if search.mode == "min" else "maximize", load_if_exists=True)
+    started_for = study.user_attrs.get("fingerprint")
+    if started_for is None:
+        study.set_user_attr("fingerprint", fingerprint)
+    elif started_for != fingerprint:
+        raise SearchError(f"the journal {path} holds study `{name}` of another search (its search block, notebook or "
+                          "fixed parameters changed since): submit with --force to start this one afresh (the old "
+                          "journal is kept as .journal.old), or give the experiment another name")
+    return study
+
+
+def suggest(trial: Any, search: Search) -> dict[str, Any]:
+    """The parameters ``trial`` draws from the search's space."""
+    drawn: dict[str, Any] = {}
+    for p in search.params:
+        if p.kind == "choice":
+            drawn[p.name] = trial.suggest_categorical(p.name, list(p.args))
+        elif p.kind == "randint":
+            drawn[p.name] = trial.suggest_int(p.name, p.args[0], p.args[1])
+        else:
+            drawn[p.name] = trial.suggest_float(p.name, p.args[0], p.args[1], log=p.kind == "loguniform")
+    return drawn
+
+
+def trial_of(study: Any, number: int) -> Any:
+    """The live trial ``number`` of ``study`` (to report to and ask whether to prune), also one a previous driver
+    asked for."""
+    from optuna.trial import Trial
+
+    frozen = study.trials[number]
+    return Trial(study, frozen._trial_id)

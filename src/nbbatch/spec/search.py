@@ -1,0 +1,246 @@
+"""Searches (``search:``): an adaptive sweep whose trials an Optuna sampler proposes and a pruner stops early.
+
+This module reads and checks the experiment's ``search:`` block before anything runs; it imports no Optuna (the driver,
+:mod:`nbbatch.search`, does). Every mistake the block can hold is refused here, naming the key and the fix: an unknown
+sampler or pruner, a distribution its sampler cannot draw (CMA-ES and QMC draw numbers only), a grid that is no list
+of choices, a budget too small for the pruner to ever stop a run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbbatch.errors import SpecError, did_you_mean
+
+SAMPLERS = ("tpe", "random", "grid", "cmaes", "qmc")
+PRUNERS = ("none", "median", "percentile", "asha", "hyperband")
+DISTRIBUTIONS = ("uniform", "loguniform", "randint", "choice")
+MODES = ("min", "max")
+_NUMERIC_ONLY = ("cmaes", "qmc")  # samplers that draw numbers only
+# Each pruner's settings and their defaults (Optuna's own defaults, under nbbatch's names).
+PRUNER_SETTINGS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "median": {"startup_trials": 5, "warmup_steps": 0, "interval_steps": 1},
+    "percentile": {"percentile": 25.0, "startup_trials": 5, "warmup_steps": 0, "interval_steps": 1},
+    "asha": {"min_resource": 1, "reduction_factor": 3, "min_early_stopping_rate": 0},
+    "hyperband": {"min_resource": 1, "max_resource": None, "reduction_factor": 3},
+}
+
+
+@dataclass(frozen=True)
+class SearchParam:
+    """One searched parameter: ``kind`` (uniform, loguniform, randint, choice) and its arguments."""
+
+    name: str
+    kind: str
+    args: tuple[Any, ...]
+
+    @property
+    def numeric(self) -> bool:
+        return self.kind != "choice"
+
+    def examples(self) -> tuple[Any, ...]:
+        """A value of each type this parameter can take (every choice; a range's low end)."""
+        return self.args if self.kind == "choice" else (self.args[0],)
+
+
+@dataclass(frozen=True)
+class Search:
+    """An experiment's ``search:``: which metric to optimise, how many trials, the sampler, the pruner, the space."""
+
+    metric: str
+    mode: str
+    trials: int
+    params: tuple[SearchParam, ...]
+    sampler: str = "tpe"
+    seed: int | None = None
+    pruner: str = "none"
+    pruner_settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def grid_size(self) -> int:
+        """How many points the grid sampler has (every choice crossed)."""
+        return math.prod(len(p.args) for p in self.params)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The block as an experiment file writes it (stored in the share's manifest)."""
+        return {"metric": self.metric, "mode": self.mode, "trials": self.trials, "sampler": self.sampler,
+                "seed": self.seed, "pruner": {self.pruner: dict(self.pruner_settings)} if self.pruner_settings
+                else self.pruner, "params": {p.name: {p.kind: list(p.args)} for p in self.params}}
+
+
+def parse_search(data: Any, fixed: Mapping[str, Any] | None = None, sweep: Mapping[str, Any] | None = None) -> Search:
+    """The ``search:`` block checked whole (``fixed``: the experiment's ``parameters:``; ``sweep``: its ``sweep:``),
+    or :class:`SpecError` naming the first mistake and its fix."""
+    if not isinstance(data, Mapping):
+        raise SpecError("`search` must be a mapping: {metric: NAME, mode: min|max, trials: N, params: {...}}")
+    known = ("metric", "mode", "trials", "sampler", "seed", "pruner", "params")
+    for key in data:
+        if key not in known:
+            raise SpecError(f"search: unknown key `{key}`{did_you_mean(str(key), known)}; use {', '.join(known)}")
+    if sweep:
+        raise SpecError("an experiment has `search:` or `sweep:`, not both: a search proposes its own parameters. "
+                        "Move fixed values to `parameters:` and searched ones to search.params")
+    metric = data.get("metric")
+    if not isinstance(metric, str) or not metric.isidentifier():
+        raise SpecError("search.metric must name a metric the notebook records with nbbatch.record(step=..., "
+                        f"NAME=...) (got {metric!r})")
+    mode = data.get("mode")
+    if mode not in MODES:
+        raise SpecError(f"search.mode must be min or max: whether a lower or a higher {metric} is better "
+                        f"(got {mode!r})")
+    trials = data.get("trials")
+    if not isinstance(trials, int) or isinstance(trials, bool) or trials < 1:
+        raise SpecError(f"search.trials must be a positive integer: the budget of runs (got {trials!r})")
+    params = _params(data.get("params"), fixed or {})
+    sampler, seed = _sampler(data.get("sampler", "tpe"), data.get("seed"))
+    pruner, settings = _pruner(data.get("pruner", "none"))
+    search = Search(metric, mode, trials, params, sampler, seed, pruner, settings)
+    _check_fit(search)
+    return search
+
+
+def _params(data: Any, fixed: Mapping[str, Any]) -> tuple[SearchParam, ...]:
+    if not isinstance(data, Mapping) or not data:
+        raise SpecError("search.params must map parameter names to distributions, e.g. "
+                        "{LR: {loguniform: [1.0e-4, 1.0e-1]}, BATCHSIZE: {choice: [32, 64]}}")
+    params = []
+    for name, spec in data.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise SpecError(f"search.params: `{name}` is not a parameter name")
+        if name in fixed:
+            raise SpecError(f"parameter `{name}` is both in `parameters:` and searched in search.params: keep it in "
+                            "one of them")
+        params.append(_param(name, spec))
+    return tuple(params)
+
+
+def _param(name: str, spec: Any) -> SearchParam:
+    where = f"search.params.{name}"
+    if isinstance(spec, list):
+        spec = {"choice": spec}
+    if not isinstance(spec, Mapping) or len(spec) != 1:
+        raise SpecError(f"{where} must be one distribution, e.g. {{loguniform: [1.0e-4, 1.0e-1]}}; known: "
+                        f"{', '.join(DISTRIBUTIONS)}")
+    (kind, args), = spec.items()
+    if kind not in DISTRIBUTIONS:
+        hint = " (a search samples bounded ranges: use uniform)" if kind == "normal" else ""
+        raise SpecError(f"{where}: unknown distribution `{kind}`{did_you_mean(str(kind), DISTRIBUTIONS)}{hint}; "
+                        f"known: {', '.join(DISTRIBUTIONS)}")
+    if kind == "choice":
+        if not isinstance(args, list) or not args:
+            raise SpecError(f"{where}: choice takes a non-empty list of values")
+        if any(not isinstance(v, (str, int, float, bool)) and v is not None for v in args):
+            raise SpecError(f"{where}: choice values must be numbers, strings, booleans or null (got {args!r})")
+        return SearchParam(name, kind, tuple(args))
+    if (not isinstance(args, list) or len(args) != 2
+            or not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args)):
+        raise SpecError(f"{where}: `{kind}` takes two numbers [low, high] (got {args!r})")
+    low, high = args
+    if kind == "randint":
+        if low != int(low) or high != int(high) or high <= low:
+            raise SpecError(f"{where}: randint takes two integers low < high, both included (got {args})")
+        return SearchParam(name, kind, (int(low), int(high)))
+    if high <= low or (kind == "loguniform" and low <= 0):
+        need = "0 < low < high" if kind == "loguniform" else "low < high"
+        raise SpecError(f"{where}: {kind} needs {need} (got {args})")
+    return SearchParam(name, kind, (float(low), float(high)))
+
+
+def _sampler(data: Any, seed: Any) -> tuple[str, int | None]:
+    if not isinstance(data, str) or data not in SAMPLERS:
+        raise SpecError(f"search.sampler: unknown sampler `{data}`{did_you_mean(str(data), SAMPLERS)}; use one of "
+                        f"{', '.join(SAMPLERS)}")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise SpecError(f"search.seed must be an integer (got {seed!r})")
+    return data, seed
+
+
+def _pruner(data: Any) -> tuple[str, dict[str, Any]]:
+    if isinstance(data, str):
+        name, given = data, {}
+    elif isinstance(data, Mapping) and len(data) == 1:
+        (name, given), = data.items()
+        given = {} if given is None else given
+    else:
+        raise SpecError("search.pruner is a name (none, median, percentile, asha, hyperband) or one name with its "
+                        "settings, e.g. {hyperband: {min_resource: 1, max_resource: 27, reduction_factor: 3}}")
+    if name not in PRUNERS:
+        raise SpecError(f"search.pruner: unknown pruner `{name}`{did_you_mean(str(name), PRUNERS)}; use one of "
+                        f"{', '.join(PRUNERS)}")
+    if not isinstance(given, Mapping):
+        raise SpecError(f"search.pruner.{name} takes a mapping of settings (got {given!r})")
+    defaults = PRUNER_SETTINGS[name]
+    for key, value in given.items():
+        if key not in defaults:
+            raise SpecError(f"search.pruner.{name}: unknown setting `{key}`{did_you_mean(str(key), list(defaults))}; "
+                            f"{name} takes {', '.join(defaults) or 'no settings'}")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise SpecError(f"search.pruner.{name}.{key} must be a number ≥ 0 (got {value!r})")
+    settings = {**defaults, **given}
+    if name == "hyperband" and settings["max_resource"] is None:
+        raise SpecError("search.pruner.hyperband needs max_resource: the last step a run reaches (e.g. its EPOCHS), "
+                        "so the brackets can be laid out before any run")
+    for key in ("reduction_factor",):
+        if key in settings and settings[key] < 2:
+            raise SpecError(f"search.pruner.{name}.reduction_factor must be at least 2 (got {settings[key]})")
+    if name == "percentile" and not 0 < settings["percentile"] < 100:
+        raise SpecError(f"search.pruner.percentile.percentile must be between 0 and 100 (got {settings['percentile']})")
+    return name, settings
+
+
+def brackets(search: Search) -> int:
+    """How many Hyperband brackets the pruner's settings make (1 for the other pruners)."""
+    if search.pruner != "hyperband":
+        return 1
+    s = search.pruner_settings
+    return math.floor(math.log(s["max_resource"] / s["min_resource"], s["reduction_factor"])) + 1
+
+
+def smallest_budget(search: Search) -> int:
+    """The fewest trials with which the pruner can stop any run: below that, every run goes to its end."""
+    s = search.pruner_settings
+    if search.pruner in ("median", "percentile"):
+        return int(s["startup_trials"]) + 1
+    if search.pruner == "asha":
+        return int(s["reduction_factor"])
+    if search.pruner == "hyperband":
+        return brackets(search) * int(s["reduction_factor"])
+    return 1
+
+
+def _check_fit(search: Search) -> None:
+    if search.sampler in _NUMERIC_ONLY:
+        words = [p.name for p in search.params if not p.numeric]
+        if words:
+            label = {"cmaes": "CMA-ES", "qmc": "QMC"}[search.sampler]
+            raise SpecError(f"search.sampler {search.sampler}: {label} draws numbers only, and "
+                            f"{', '.join(f'`{w}`' for w in words)} {'is a choice' if len(words) == 1 else 'are choices'}"
+                            ": use sampler tpe or random, or a numeric range (uniform, loguniform, randint)")
+    if search.sampler == "grid":
+        ranges = [p.name for p in search.params if p.kind != "choice"]
+        if ranges:
+            raise SpecError(f"search.sampler grid walks lists of values, and {', '.join(f'`{r}`' for r in ranges)} "
+                            "is a range: give it as {choice: [...]}, or use sampler tpe or random")
+        if search.trials > search.grid_size:
+            raise SpecError(f"search.trials is {search.trials}, but the grid has {search.grid_size} points: set "
+                            f"trials: {search.grid_size} (a grid runs each point once)")
+    if search.pruner == "hyperband" and search.pruner_settings["max_resource"] <= search.pruner_settings["min_resource"]:
+        raise SpecError("search.pruner.hyperband: max_resource must be above min_resource")
+    least = smallest_budget(search)
+    if search.trials < least:
+        raise SpecError(f"search.trials is {search.trials}, below what pruner {search.pruner} needs to ever stop a run "
+                        f"({least}: {_why_budget(search)}): raise trials to {least} or more, or use pruner: none")
+
+
+def _why_budget(search: Search) -> str:
+    s = search.pruner_settings
+    if search.pruner in ("median", "percentile"):
+        return f"it compares with the {s['startup_trials']} trials it lets finish first (startup_trials)"
+    if search.pruner == "asha":
+        return f"a rung keeps 1 in {s['reduction_factor']} runs (reduction_factor)"
+    return (f"{brackets(search)} brackets (log base {s['reduction_factor']} of max_resource/min_resource, plus one), "
+            f"each keeping 1 in {s['reduction_factor']} runs")

@@ -1,0 +1,75 @@
+"""Searches (``search:``): the block's checks, and real searches of a tiny notebook through the local backend."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from support.notebooks import make_notebook
+
+from nbbatch.api import submit
+from nbbatch.errors import SpecError
+from nbbatch.spec.experiment import Experiment
+
+pytest.importorskip("optuna")
+pytestmark = pytest.mark.timeout(300)
+
+# The loss falls with the step, and is the higher the further LR is from 0.01: a bad LR is clearly worse at every step.
+CURVE = """\
+import math, time, nbbatch
+for step in range(1, EPOCHS + 1):
+    nbbatch.record(step=step, loss=abs(math.log10(LR) + 2) + 1.0 / step)
+    time.sleep(PAUSE)
+"""
+
+
+def _search(**block) -> dict:
+    return {"metric": "loss", "mode": "min", "trials": 6, "params": {"LR": {"loguniform": [1.0e-4, 1.0]}}, **block}
+
+
+@pytest.mark.parametrize("block, says", [
+    ({"mode": "lowest"}, "search.mode must be min or max"),
+    ({"trials": 0}, "search.trials must be a positive integer"),
+    ({"sampler": "tpes"}, r"unknown sampler `tpes` \(did you mean `tpe`\?\)"),
+    ({"pruner": "medain"}, r"unknown pruner `medain` \(did you mean `median`\?\)"),
+    ({"pruner": {"hyperband": {"min_resource": 1}}}, "hyperband needs max_resource"),
+    ({"pruner": {"median": {"warmup": 2}}}, "unknown setting `warmup`"),
+    ({"params": {"LR": {"normal": [0, 1]}}}, "unknown distribution `normal`.*use uniform"),
+    ({"params": {"LR": {"loguniform": [0, 1]}}}, "loguniform needs 0 < low < high"),
+    ({"sampler": "cmaes", "params": {"LR": {"uniform": [0, 1]}, "OPT": {"choice": ["sgd", "adam"]}}},
+     "CMA-ES draws numbers only, and `OPT` is a choice"),
+    ({"sampler": "grid"}, "grid walks lists of values, and `LR` is a range"),
+    ({"sampler": "grid", "params": {"LR": [0.1, 0.01]}}, "the grid has 2 points: set trials: 2"),
+    ({"trials": 8, "pruner": {"hyperband": {"min_resource": 1, "max_resource": 27}}},
+     r"below what pruner hyperband needs to ever stop a run \(12: 4 brackets"),
+    ({"trials": 3, "pruner": "median"}, r"below what pruner median needs .*\(6: it compares with the 5 trials"),
+])
+def test_mistakes_in_the_search_block_are_refused_before_anything_runs(block, says):
+    with pytest.raises(SpecError, match=says):
+        Experiment.from_dict({"experiment": "s", "frameworks": ["pytorch"], "search": _search(**block)})
+
+
+def test_a_search_with_a_sweep_or_a_fixed_searched_parameter_is_refused():
+    with pytest.raises(SpecError, match="`search:` or `sweep:`, not both"):
+        Experiment.from_dict({"experiment": "s", "frameworks": ["pytorch"], "search": _search(),
+                              "sweep": {"grid": {"EPOCHS": [1, 2]}}})
+    with pytest.raises(SpecError, match="`LR` is both in `parameters:` and searched"):
+        Experiment.from_dict({"experiment": "s", "frameworks": ["pytorch"], "search": _search(),
+                              "parameters": {"LR": 0.1}})
+
+
+@pytest.mark.kernel
+def test_a_median_pruned_search_stops_bad_runs_and_keeps_good_ones(project, write_experiment):
+    make_notebook(project / "nb.ipynb", [CURVE], parameters="LR = 0.1\nEPOCHS = 12\nPAUSE = 0.3")
+    block = {"metric": "loss", "mode": "min", "trials": 6, "sampler": "random", "seed": 3,
+             "pruner": {"median": {"startup_trials": 2, "warmup_steps": 2}},
+             "params": {"LR": {"loguniform": [1.0e-4, 1.0]}}}
+    exp = write_experiment(json.dumps({"experiment": "lr", "notebooks": ["nb.ipynb"], "search": block,
+                                       "resources": {"max_parallel": 2}}))
+    result = submit(exp, progress=False)
+    assert len(result.records) == 6 and result.ok, [(r.run_id, r.status, r.error) for r in result.records]
+    by_status = {}
+    for record in result.records:
+        by_status.setdefault(str(record.status), []).append(record)
+        assert record.trial["study"] == "lr/nb" and record.trial["state"] in ("complete", "pruned")
+    assert set(by_status) <= {"succeeded", "pruned"} and by_status.get("pruned"), by_status
