@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from support.notebooks import make_notebook
+from support.waiting import wait_until
 
 from nbbatch.api import submit
 from nbbatch.errors import SpecError
 from nbbatch.spec.experiment import Experiment
+from nbbatch.store.runfiles import load_records
+from nbbatch.store.share import FileShare
 
 pytest.importorskip("optuna")
 pytestmark = pytest.mark.timeout(300)
@@ -73,3 +78,47 @@ def test_a_median_pruned_search_stops_bad_runs_and_keeps_good_ones(project, writ
         by_status.setdefault(str(record.status), []).append(record)
         assert record.trial["study"] == "lr/nb" and record.trial["state"] in ("complete", "pruned")
     assert set(by_status) <= {"succeeded", "pruned"} and by_status.get("pruned"), by_status
+
+
+def _study(project, experiment: str, label: str):
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    path = project / ".nbbatch-search" / experiment / f"{label}.journal"
+    return optuna.load_study(study_name=f"{experiment}/{label}", storage=JournalStorage(JournalFileBackend(str(path))))
+
+
+@pytest.mark.kernel
+def test_a_search_whose_driver_was_killed_resumes_the_same_study(project, write_experiment):
+    """The driver is killed (SIGKILL) with trials told and runs in flight; `submit` again goes on with the same
+    study: the runs the dead driver left are run again under their trials, no trial is lost or asked twice, and the
+    budget is the one given."""
+    make_notebook(project / "nb.ipynb", [CURVE], parameters="LR = 0.1\nEPOCHS = 8\nPAUSE = 0.4")
+    block = {"metric": "loss", "mode": "min", "trials": 5, "sampler": "random", "seed": 7,
+             "params": {"LR": {"loguniform": [1.0e-4, 1.0]}}}
+    exp = write_experiment(json.dumps({"experiment": "again", "notebooks": ["nb.ipynb"], "search": block,
+                                       "resources": {"max_parallel": 2}}))
+    share = FileShare(project / "results")
+    driver = subprocess.Popen([sys.executable, "-m", "nbbatch", "submit", str(exp)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: sum(r.status == "succeeded" for r in load_records(share, "again")[0]) >= 2
+                   and any(r.status == "running" for r in load_records(share, "again")[0]),
+                   timeout=180, message="two trials told and one running", interval=0.2)
+    finally:
+        driver.kill()
+        driver.wait(30)
+    before = _study(project, "again", "nb")
+    told = [t.number for t in before.trials if t.state.is_finished()]
+    in_flight = [t.number for t in before.trials if t.state.name == "RUNNING"]
+    assert len(told) >= 2 and in_flight and len(before.trials) <= 5
+    result = submit(exp, progress=False)
+    assert result.ok and len(result.records) == 5, [(r.run_id, r.status, r.error) for r in result.records]
+    after = _study(project, "again", "nb")
+    assert [t.number for t in after.trials] == [0, 1, 2, 3, 4]
+    assert all(t.state.name == "COMPLETE" for t in after.trials)
+    assert len({t.user_attrs["run_id"] for t in after.trials}) == 5
+    for trial in before.trials:  # each trial kept the parameters it had drawn
+        assert after.trials[trial.number].params == trial.params
+    assert sorted(r.trial["number"] for r in result.records) == [0, 1, 2, 3, 4]

@@ -47,10 +47,12 @@ def search_fingerprint(search: Search, template_run_id: str) -> str:
     return hashlib.sha256(f"{block}\0{template_run_id}".encode()).hexdigest()[:16]
 
 
-def sampler_of(search: Search) -> Any:
+def sampler_of(search: Search, asked: int = 0) -> Any:
+    """The search's sampler. Its seed moves on by the trials ``asked`` before (a study resumed by a new driver): the
+    same seed again would draw the first trials' parameters again."""
     optuna = optuna_module()
     samplers = optuna.samplers
-    seed = search.seed
+    seed = None if search.seed is None else search.seed + asked
     if search.sampler == "grid":
         return samplers.GridSampler({p.name: list(p.args) for p in search.params}, seed=seed)
     if search.sampler == "random":
@@ -96,6 +98,8 @@ def open_study(search: Search, path: Path, name: str, fingerprint: str, fresh: b
     storage = JournalStorage(JournalFileBackend(str(path)))
     study = optuna.create_study(study_name=name, storage=storage, sampler=sampler_of(search), pruner=pruner_of(search),
                                 direction="minimize" if search.mode == "min" else "maximize", load_if_exists=True)
+    if study.trials:
+        study.sampler = sampler_of(search, asked=len(study.trials))
     started_for = study.user_attrs.get("fingerprint")
     if started_for is None:
         study.set_user_attr("fingerprint", fingerprint)
