@@ -122,3 +122,28 @@ def test_a_search_whose_driver_was_killed_resumes_the_same_study(project, write_
     for trial in before.trials:  # each trial kept the parameters it had drawn
         assert after.trials[trial.number].params == trial.params
     assert sorted(r.trial["number"] for r in result.records) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_a_hyperband_search_of_the_pytorch_notebook_on_digits(pytorch_env, tmp_path, monkeypatch):
+    """The real PyTorch notebook, 6 trials of LR under Hyperband (3 brackets), on digits: every trial's run ends
+    succeeded or pruned, the study has every trial told, and the best trial is a run that succeeded."""
+    from support.machine import REPO
+
+    monkeypatch.setenv("NBBATCH_PROJECT", str(REPO))  # the real frameworks and their envs
+    block = {"metric": "loss", "mode": "min", "trials": 6, "sampler": "tpe", "seed": 0,
+             "pruner": {"hyperband": {"min_resource": 1, "max_resource": 4, "reduction_factor": 2}},
+             "params": {"LR": {"loguniform": [1.0e-4, 1.0]}}}
+    exp = tmp_path / "hb.yaml"
+    exp.write_text(json.dumps({"experiment": "hb", "frameworks": ["pytorch"], "search": block,
+                               "parameters": {"DATASET": "digits", "EPOCHS": 4, "MAX_SAMPLES": 300},
+                               "resources": {"max_parallel": 2}, "share": "results"}))
+    result = submit(exp, progress=False)
+    assert result.ok and len(result.records) == 6, [(r.run_id, r.status, r.error) for r in result.records]
+    study = _study(tmp_path, "hb", "pytorch")
+    assert len(study.trials) == 6 and all(t.state.is_finished() for t in study.trials)
+    best = next(r for r in result.records if r.run_id == study.best_trial.user_attrs["run_id"])
+    assert best.status == "succeeded" and best.metrics["loss"] == pytest.approx(study.best_value)
+    for record in result.records:
+        assert record.trial["state"] == {"succeeded": "complete", "pruned": "pruned"}[record.status]
+        assert record.parameters["EPOCHS"] == 4 and 1.0e-4 <= record.parameters["LR"] <= 1.0
