@@ -64,6 +64,15 @@ def planned_run_ids(share: Share, folder: str) -> list[str] | None:
     return runs
 
 
+def search_of(share: Share, experiment: str) -> dict[str, Any] | None:
+    """The ``search:`` block the experiment's last submission ran (its manifest's), or None for a batch."""
+    try:
+        search = json.loads(share.read_bytes(experiment_paths(experiment).manifest)).get("search")
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError, NbbatchError):
+        return None
+    return search if isinstance(search, dict) and isinstance(search.get("metric"), str) else None
+
+
 def load_plan_records(share: Share, experiment: str, all_runs: bool = False
                       ) -> tuple[list[RunRecord], list[str], list[str] | None]:
     """The records of the experiment's current plan (with ``all_runs``: of every run in its folder), the

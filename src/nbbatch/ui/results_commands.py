@@ -107,8 +107,11 @@ def cli_compare(args: argparse.Namespace) -> int:
         frame = filter_runs(frame, args.where)
         if not len(frame):
             console.print(f"none of the {total} runs matches {' and '.join(args.where)}", style="yellow", **_PLAIN)
+    search = frame.attrs.get("search")
     if args.sort:
         frame = sort_runs(frame, args.sort)
+    elif search and f"metric.{search['metric']}" in frame:  # a search's runs: best first, by what it optimised
+        frame = sort_runs(frame, ("-" if search["mode"] == "max" else "") + f"metric.{search['metric']}")
     shown = group_runs(frame, args.group_by, args.agg) if args.group_by else frame
     if args.csv:
         console.print(f"wrote {write_table(shown, args.csv)}", **_PLAIN)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from nbbatch.errors import NbbatchError, did_you_mean
 from nbbatch.metrics import metrics_from_notebook
-from nbbatch.results.status import planned_run_ids
+from nbbatch.results.status import planned_run_ids, search_of
 from nbbatch.spec.project import find_project
 from nbbatch.store.known import open_experiment_share
 from nbbatch.store.layout import LOG_FILE, METRICS_FILE, OLD_TELEMETRY_FILE, OUTPUT_NOTEBOOK, RUN_RECORD, TELEMETRY_FILE
@@ -234,6 +234,7 @@ def _row_from_record(record: RunRecord) -> dict[str, Any]:
         "attempts": record.attempts,
         "error": record.error.summary() if record.error else None,
         "source": RUN_RECORD,
+        **({"trial": record.trial.get("number")} if record.trial else {}),  # a search's trial number
     }
     _flatten(PARAM, record.parameters or {}, row)
     _flatten(METRIC, record.metrics or {}, row)
@@ -335,6 +336,9 @@ def collect(share_or_path: str | os.PathLike[str] | Share,
         found, superseded = _current_plan(share, found)
     frame = _frame(pd, [_read_run(share, f) for f in found], share)
     frame.attrs["superseded"] = superseded
+    searches = [s for s in (search_of(share, e.strip("/")) for e in experiments or []) if s]
+    if searches:  # what a search optimised: `compare` sorts its runs by it, best first
+        frame.attrs["search"] = {"metric": searches[0]["metric"], "mode": searches[0].get("mode", "min")}
     return frame
 
 
