@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from nbbatch.errors import SpecError
 from nbbatch.spec.experiment import Experiment
 from nbbatch.store.runfiles import load_records
 from nbbatch.store.share import FileShare
+from nbbatch.ui.cli import main
 
 pytest.importorskip("optuna")
 pytestmark = pytest.mark.timeout(300)
@@ -78,6 +80,20 @@ def test_a_median_pruned_search_stops_bad_runs_and_keeps_good_ones(project, writ
         by_status.setdefault(str(record.status), []).append(record)
         assert record.trial["study"] == "lr/nb" and record.trial["state"] in ("complete", "pruned")
     assert set(by_status) <= {"succeeded", "pruned"} and by_status.get("pruned"), by_status
+    for record in by_status["pruned"]:  # stopped where the pruner said, its notebook kept
+        assert record.error.kind == "pruned" and f"at step {record.trial['step']}" in record.error.reason
+        assert (project / "results" / "lr" / record.run_id / "output.ipynb").exists()
+    # compare: best first, by the search's metric; the report's search section names the best trial
+    assert main(["compare", "lr", "--csv", str(project / "lr.csv"), "--report", str(project / "lr.html")]) == 0
+    table = list(csv.DictReader((project / "lr.csv").open()))
+    finished = [float(r["metric.loss"]) for r in table if r["status"] == "succeeded"]
+    assert [r["status"] for r in table][:len(finished)] == ["succeeded"] * len(finished) or finished == sorted(finished)
+    losses = [float(r["metric.loss"]) for r in table]
+    assert losses == sorted(losses)
+    best = min((r for r in by_status["succeeded"]), key=lambda r: r.metrics["loss"])
+    html = (project / "lr.html").read_text()
+    assert "<h2>Search</h2>" in html and f"trial {best.trial['number']} (run {best.run_id})" in html
+    assert html.count("<img") >= 3 and "search: best loss by trial" in html
 
 
 def _study(project, experiment: str, label: str):

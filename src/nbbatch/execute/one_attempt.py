@@ -407,6 +407,8 @@ class _Attempt:
             error.kind, error.reason = ErrorKind.TIMEOUT, f"stopped by the run timeout ({self.run.timeout_s:g} s)"
         else:
             request = self.watchdog.request if self.watchdog.request is not None else CANCEL_REQUEST
+            if reason == Status.PRUNED:  # the kernel was killed on purpose: no error of its own to show
+                error = RunError("pruned", "", reason=request.reason)
             error.kind = ErrorKind.PRUNED if reason == Status.PRUNED else ErrorKind.CANCELLED
             error.reason = request.reason if reason == request.status else CANCEL_REQUEST.reason
         if self.nb is not None:

@@ -218,6 +218,8 @@ class SearchDriver:
         metric = self.search.metric
         fresh = False
         for point in trial.tail.read():
+            if trial.stop_asked:  # the trial is decided: what the run records while it stops is not the study's
+                break
             step, value = point.get("step"), point.get(metric)
             if not isinstance(step, int) or isinstance(step, bool) or step <= trial.reported:
                 continue

@@ -235,6 +235,7 @@ def _row_from_record(record: RunRecord) -> dict[str, Any]:
         "error": record.error.summary() if record.error else None,
         "source": RUN_RECORD,
         **({"trial": record.trial.get("number")} if record.trial else {}),  # a search's trial number
+        **({"pruned_at": record.trial.get("step")} if record.trial and record.trial.get("state") == "pruned" else {}),
     }
     _flatten(PARAM, record.parameters or {}, row)
     _flatten(METRIC, record.metrics or {}, row)

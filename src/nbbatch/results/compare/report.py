@@ -20,6 +20,12 @@ from nbbatch.results.compare.plots import (
     plot_metric_vs_param,
     plot_metric_vs_time,
 )
+from nbbatch.results.compare.search_plots import (
+    best_trial,
+    plot_best_by_trial,
+    plot_parallel_coordinates,
+    plot_trial_curves,
+)
 from nbbatch.results.compare.steps import with_step_columns
 from nbbatch.results.compare.table import _cell_text, column_header, display_columns
 from nbbatch.results.history import history_metrics
@@ -70,7 +76,13 @@ def render_report(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, m
     report_dir = Path(report_path).resolve().parent
     figures = []
     history_builds, not_plotted = _history_builds(frame, share)
+    search = frame.attrs.get("search")
+    search_builds = [("best by trial", lambda: plot_best_by_trial(frame, search)),
+                     ("parameters", lambda: plot_parallel_coordinates(frame, search)),
+                     ("curves", lambda: plot_trial_curves(frame, load_histories(frame, share), search))
+                     ] if search else []
     for caption, build in (
+        *search_builds,
         ("Accuracy vs. training time", lambda: plot_metric_vs_time(frame, metric, time)),
         ("Metric vs. swept parameter", lambda: plot_metric_vs_param(frame, metric, param)),
         *history_builds,
@@ -109,6 +121,8 @@ def render_report(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, m
         counts=[(str(k), int(v)) for k, v in dict(counts).items()],
         figures=figures,
         not_plotted=not_plotted,
+        search=search,
+        best=best_trial(frame, search) if search else None,
         selection=frame.attrs.get("history"),
         headers=[column_header(c, frame.columns) for c in columns],
         rows=rows,

@@ -1,0 +1,154 @@
+"""A search's part of the report: its best trial, the best value by trial, the parameters against the metric
+(parallel coordinates), and every trial's curve with the pruned runs marked where they stopped."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from nbbatch.results.compare.collect import METRIC, PARAM
+from nbbatch.results.compare.plots import _figure, _numeric, _run_label
+from nbbatch.results.history import metric_series
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+    from matplotlib.figure import Figure
+
+PRUNED, FINISHED = "tab:red", "tab:blue"
+
+
+def _trials(frame: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """The search's trials (runs with a trial number), by trial number, with their metric value as ``value``."""
+    if "trial" not in frame or f"{METRIC}{metric}" not in frame:
+        return frame.iloc[0:0]
+    trials = frame[frame["trial"].notna()].assign(value=_numeric(frame, f"{METRIC}{metric}"))
+    return trials.sort_values("trial", kind="stable")
+
+
+def best_trial(frame: pd.DataFrame, search: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The trial whose run succeeded with the best value of the search's metric: run id, trial, value, parameters."""
+    trials = _trials(frame, search["metric"])
+    done = trials[(trials["status"].astype(str) == "succeeded") & trials["value"].notna()]
+    if done.empty:
+        return None
+    row = done.loc[done["value"].idxmin() if search.get("mode", "min") == "min" else done["value"].idxmax()]
+    params = {str(c).removeprefix(PARAM): row[c] for c in frame.columns if str(c).startswith(PARAM)}
+    return {"run_id": row["run_id"], "trial": int(row["trial"]), "value": float(row["value"]), "parameters": params}
+
+
+def plot_best_by_trial(frame: pd.DataFrame, search: Mapping[str, Any]) -> Figure | None:
+    """Each finished trial's value, pruned ones at their last value (×), and the best so far as a step line."""
+    metric, minimise = search["metric"], search.get("mode", "min") == "min"
+    trials = _trials(frame, metric)
+    if trials["value"].notna().sum() < 2:
+        return None
+    fig = _figure()
+    ax = fig.add_subplot()
+    pruned = trials["status"].astype(str) == "pruned"
+    finished = trials[~pruned & (trials["status"].astype(str) == "succeeded")]
+    ax.scatter(finished["trial"], finished["value"], color=FINISHED, s=18, label="finished")
+    ax.scatter(trials[pruned]["trial"], trials[pruned]["value"], color=PRUNED, marker="x", s=22,
+               label="pruned (last value)")
+    best, xs, ys = math.inf if minimise else -math.inf, [], []
+    for number, value in zip(finished["trial"], finished["value"], strict=True):
+        if not math.isnan(value) and (value < best if minimise else value > best):
+            best = value
+        if not math.isinf(best):
+            xs.append(number)
+            ys.append(best)
+    if xs:  # on to the last trial
+        last = float(trials["trial"].max())
+        ax.step([*xs, last], [*ys, ys[-1]], where="post", color="black", linewidth=1.2, label="best so far")
+    ax.set_xlabel("trial")
+    ax.set_ylabel(metric)
+    ax.set_title(f"search: best {metric} by trial")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="x-small")
+    return fig
+
+
+def plot_parallel_coordinates(frame: pd.DataFrame, search: Mapping[str, Any]) -> Figure | None:
+    """One line per trial across the searched parameters and the metric (each axis scaled to its range; a
+    parameter drawn on a log scale where its values span more than two decades), coloured by the metric."""
+    metric = search["metric"]
+    trials = _trials(frame, metric)
+    trials = trials[trials["value"].notna()]
+    columns = [c for c in trials.columns if str(c).startswith(PARAM) and trials[c].astype(str).nunique() > 1]
+    if len(trials) < 2 or not columns:
+        return None
+    axes = [_scaled(trials[c]) for c in columns] + [_scaled(trials["value"])]
+    names = [str(c).removeprefix(PARAM) for c in columns] + [metric]
+    ends = [_ends(trials[c]) for c in columns] + [_ends(trials["value"])]
+    from matplotlib import colormaps
+
+    fig = _figure(width=max(6.4, 1.6 * len(names)))
+    ax = fig.add_subplot()
+    values = trials["value"].to_numpy(dtype=float)
+    low, high = values.min(), values.max()
+    cmap = colormaps["viridis_r" if search.get("mode", "min") == "min" else "viridis"]
+    for i, (_, row) in enumerate(trials.iterrows()):
+        shade = 0.5 if high == low else (values[i] - low) / (high - low)
+        pruned = str(row["status"]) == "pruned"
+        ax.plot(range(len(names)), [a[i] for a in axes], color=cmap(shade), alpha=0.5 if pruned else 0.9,
+                linestyle="--" if pruned else "-", linewidth=1.0)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_yticks([])
+    for x, (low_text, high_text) in enumerate(ends):  # each axis's range, at its ends
+        ax.annotate(high_text, (x, 1.0), textcoords="offset points", xytext=(0, 4), ha="center", fontsize="x-small")
+        ax.annotate(low_text, (x, 0.0), textcoords="offset points", xytext=(0, -10), ha="center", fontsize="x-small")
+    ax.set_ylim(-0.08, 1.08)
+    ax.set_title(f"search: parameters and {metric} (dashed: pruned)")
+    return fig
+
+
+def _ends(series: pd.Series) -> tuple[str, str]:
+    """What an axis of :func:`_scaled` shows at its bottom and top."""
+    numbers = _numeric(series.to_frame("v"), "v")
+    if numbers.notna().all():
+        return f"{numbers.min():.3g}", f"{numbers.max():.3g}"
+    names = sorted({str(v) for v in series})
+    return names[0], names[-1]
+
+
+def _scaled(series: pd.Series) -> list[float]:
+    """A column's values on 0..1 (numbers by their range, on a log scale when positive and wide; others by rank)."""
+    numbers = _numeric(series.to_frame("v"), "v")
+    if numbers.notna().all():
+        values = [float(v) for v in numbers]
+        if min(values) > 0 and max(values) / min(values) > 100:
+            values = [math.log10(v) for v in values]
+        low, high = min(values), max(values)
+        return [0.5 if high == low else (v - low) / (high - low) for v in values]
+    order = {v: i for i, v in enumerate(sorted({str(v) for v in series}))}
+    top = max(len(order) - 1, 1)
+    return [order[str(v)] / top for v in series]
+
+
+def plot_trial_curves(frame: pd.DataFrame, histories: Mapping[str, Sequence[Mapping[str, Any]]],
+                      search: Mapping[str, Any]) -> Figure | None:
+    """The search's metric by step for every trial; a pruned trial's curve ends in a × where it was stopped."""
+    metric = search["metric"]
+    trials = _trials(frame, metric)
+    curves = []
+    for _, row in trials.iterrows():
+        steps, values = metric_series(list(histories.get(_run_label(frame, row), [])), metric)
+        at = row.get("pruned_at")
+        if steps and at is not None and not math.isnan(at) and int(at) in steps:  # what it ran after the decision
+            cut = steps.index(int(at)) + 1
+            steps, values = steps[:cut], values[:cut]
+        if steps:
+            curves.append((str(row["status"]) == "pruned", steps, values))
+    if not any(len(steps) >= 2 for _, steps, _ in curves):
+        return None
+    fig = _figure()
+    ax = fig.add_subplot()
+    for pruned, steps, values in curves:
+        ax.plot(steps, values, color=PRUNED if pruned else FINISHED, alpha=0.6, linewidth=1.0)
+        if pruned:
+            ax.scatter([steps[-1]], [values[-1]], color=PRUNED, marker="x", s=24)
+    ax.set_xlabel(f"step ({len(curves)} trials; red: pruned)")
+    ax.set_ylabel(metric)
+    ax.set_title(f"search: every trial's {metric}")
+    ax.grid(True, alpha=0.3)
+    return fig
