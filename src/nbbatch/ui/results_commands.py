@@ -21,6 +21,7 @@ from nbbatch.results.compare import (
     runs_table,
     select_history,
     sort_runs,
+    sort_search,
     terminal,
     with_step_columns,
     write_report,
@@ -110,8 +111,8 @@ def cli_compare(args: argparse.Namespace) -> int:
     search = frame.attrs.get("search")
     if args.sort:
         frame = sort_runs(frame, args.sort)
-    elif search and f"metric.{search['metric']}" in frame:  # a search's runs: best first, by what it optimised
-        frame = sort_runs(frame, ("-" if search["mode"] == "max" else "") + f"metric.{search['metric']}")
+    elif search:  # a search's runs: the finished ones best first by what it optimised, then the pruned ones
+        frame = sort_search(frame, search)
     shown = group_runs(frame, args.group_by, args.agg) if args.group_by else frame
     if args.csv:
         console.print(f"wrote {write_table(shown, args.csv)}", **_PLAIN)

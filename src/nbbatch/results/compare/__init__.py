@@ -57,7 +57,15 @@ from nbbatch.results.compare.plots import (
     plot_metric_vs_time,
     swept_parameters,
 )
-from nbbatch.results.compare.query import filter_runs, group_runs, read_table, resolve_column, sort_runs, write_table
+from nbbatch.results.compare.query import (
+    filter_runs,
+    group_runs,
+    read_table,
+    resolve_column,
+    sort_runs,
+    sort_search,
+    write_table,
+)
 from nbbatch.results.compare.report import render_report, write_report
 from nbbatch.results.compare.steps import (
     HISTORY_MODES,
@@ -78,6 +86,7 @@ __all__ = [
     "default_time", "display_columns", "figure_png", "filter_runs", "group_runs", "load_baseline", "load_histories",
     "load_telemetry", "parse_best_modes", "parse_tolerance", "plot_gpu_telemetry", "plot_metric_by_step",
     "plot_metric_vs_param", "plot_metric_vs_time", "read_histories", "read_table", "render_report", "resolve_column",
-    "runs_table", "select_history", "sort_runs", "swept_parameters", "terminal", "with_step_columns", "write_report",
+    "runs_table", "select_history", "sort_runs", "sort_search", "swept_parameters", "terminal", "with_step_columns",
+    "write_report",
     "write_table",
 ]

@@ -6,7 +6,7 @@ import json
 import math
 import numbers
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -104,6 +104,19 @@ def filter_runs(frame: pd.DataFrame, where: str | Iterable[str]) -> pd.DataFrame
                             "<": text < str(value), "<=": text <= str(value)}[op]
             mask &= compared.fillna(False).astype(bool)
     return frame[mask].reset_index(drop=True)
+
+
+def sort_search(frame: pd.DataFrame, search: Mapping[str, Any]) -> pd.DataFrame:
+    """A search's runs: those that succeeded first, best first by the search's metric (its ``mode``), then the others
+    (pruned ones at the value they were stopped at) the same way."""
+    column = f"{METRIC}{search['metric']}"
+    if column not in frame or "status" not in frame:
+        return frame
+    ranked = frame.assign(_unfinished=frame["status"].astype(str) != "succeeded",
+                          _value=_pandas().to_numeric(frame[column], errors="coerce"))
+    ranked = ranked.sort_values(["_unfinished", "_value"], ascending=[True, search.get("mode", "min") == "min"],
+                                na_position="last", kind="stable")
+    return ranked.drop(columns=["_unfinished", "_value"]).reset_index(drop=True)
 
 
 def sort_runs(frame: pd.DataFrame, keys: str | Sequence[str]) -> pd.DataFrame:
