@@ -31,7 +31,7 @@ import yaml  # noqa: E402
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
-from support.notebooks import make_notebook  # noqa: E402
+from support.notebooks import LOSS_CURVE, SEARCH, make_notebook  # noqa: E402
 from support.raycluster import cluster_processes, cmdline, ray_cluster  # noqa: E402
 from support.shares import ShareDouble  # noqa: E402
 
@@ -689,3 +689,17 @@ def test_node_death_mid_run_retries_on_the_head(cluster, probe, tmp_path):
     json.dumps(RayBackend(cluster.address).compute().nodes)  # what the setup_cluster widget shows, a node down
 
 
+
+
+def test_a_search_prunes_runs_on_the_ray_cluster(cluster, project, tmp_path):
+    """The search's driver launches each trial as a Ray run and stops the hopeless ones through their markers."""
+    make_notebook(project / "curve.ipynb", [LOSS_CURVE], parameters="LR = 0.1\nEPOCHS = 10\nPAUSE = 0.3")
+    share = tmp_path / "share"
+    spec = {"experiment": "ray-search", "notebooks": [{"path": "curve.ipynb", "kernel": "python3"}], "search": SEARCH,
+            "resources": {"max_parallel": 2}, "share": str(share),
+            "backend": {"name": "ray", "address": cluster.address, "linger_s": 5, "cancel_grace_s": 15}}
+    result = api.submit(spec, wait=True, progress=False)
+    assert result.ok and len(result.records) == 6, [(r.run_id, r.status, r.error) for r in result.records]
+    pruned = [r for r in result.records if r.status == "pruned"]
+    assert pruned and all(r.backend == "ray" and r.trial["state"] == "pruned" for r in pruned)
+    assert all("stopped at step" in r.error.reason for r in pruned)

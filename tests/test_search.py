@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from support.notebooks import make_notebook
+from support.notebooks import LOSS_CURVE, SEARCH, make_notebook
 from support.waiting import wait_until
 
 from nbbatch.api import submit
@@ -21,13 +21,6 @@ from nbbatch.ui.cli import main
 pytest.importorskip("optuna")
 pytestmark = pytest.mark.timeout(300)
 
-# The loss falls with the step, and is the higher the further LR is from 0.01: a bad LR is clearly worse at every step.
-CURVE = """\
-import math, time, nbbatch
-for step in range(1, EPOCHS + 1):
-    nbbatch.record(step=step, loss=abs(math.log10(LR) + 2) + 1.0 / step)
-    time.sleep(PAUSE)
-"""
 
 
 def _search(**block) -> dict:
@@ -67,11 +60,8 @@ def test_a_search_with_a_sweep_or_a_fixed_searched_parameter_is_refused():
 
 @pytest.mark.kernel
 def test_a_median_pruned_search_stops_bad_runs_and_keeps_good_ones(project, write_experiment):
-    make_notebook(project / "nb.ipynb", [CURVE], parameters="LR = 0.1\nEPOCHS = 12\nPAUSE = 0.3")
-    block = {"metric": "loss", "mode": "min", "trials": 6, "sampler": "random", "seed": 3,
-             "pruner": {"median": {"startup_trials": 2, "warmup_steps": 2}},
-             "params": {"LR": {"loguniform": [1.0e-4, 1.0]}}}
-    exp = write_experiment(json.dumps({"experiment": "lr", "notebooks": ["nb.ipynb"], "search": block,
+    make_notebook(project / "nb.ipynb", [LOSS_CURVE], parameters="LR = 0.1\nEPOCHS = 12\nPAUSE = 0.3")
+    exp = write_experiment(json.dumps({"experiment": "lr", "notebooks": ["nb.ipynb"], "search": SEARCH,
                                        "resources": {"max_parallel": 2}}))
     result = submit(exp, progress=False)
     assert len(result.records) == 6 and result.ok, [(r.run_id, r.status, r.error) for r in result.records]
@@ -110,7 +100,7 @@ def test_a_search_whose_driver_was_killed_resumes_the_same_study(project, write_
     """The driver is killed (SIGKILL) with trials told and runs in flight; `submit` again goes on with the same
     study: the runs the dead driver left are run again under their trials, no trial is lost or asked twice, and the
     budget is the one given."""
-    make_notebook(project / "nb.ipynb", [CURVE], parameters="LR = 0.1\nEPOCHS = 8\nPAUSE = 0.4")
+    make_notebook(project / "nb.ipynb", [LOSS_CURVE], parameters="LR = 0.1\nEPOCHS = 8\nPAUSE = 0.4")
     block = {"metric": "loss", "mode": "min", "trials": 5, "sampler": "random", "seed": 7,
              "params": {"LR": {"loguniform": [1.0e-4, 1.0]}}}
     exp = write_experiment(json.dumps({"experiment": "again", "notebooks": ["nb.ipynb"], "search": block,

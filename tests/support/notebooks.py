@@ -66,6 +66,18 @@ else:
 """
 
 
+# A notebook cell for searches: the loss falls with the step and is the higher the further LR is from 0.01, so a bad
+# LR is clearly worse at every step (parameters LR, EPOCHS, PAUSE).
+LOSS_CURVE = """\
+import math, time, nbbatch
+for step in range(1, EPOCHS + 1):
+    nbbatch.record(step=step, loss=abs(math.log10(LR) + 2) + 1.0 / step)
+    time.sleep(PAUSE)
+"""
+SEARCH = {"metric": "loss", "mode": "min", "trials": 6, "sampler": "random", "seed": 3,
+          "pruner": {"median": {"startup_trials": 2, "warmup_steps": 2}}, "params": {"LR": {"loguniform": [1.0e-4, 1.0]}}}
+
+
 PARAMETERS = """\
 EPOCHS = 2
 LR = 0.1

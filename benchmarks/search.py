@@ -1,0 +1,101 @@
+"""What pruning saves: the same LR search of the PyTorch notebook on digits with and without a pruner.
+
+    python benchmarks/search.py [--trials 24] [--epochs 9] [--pruner hyperband] [--rounds 2] [--parallel 2]
+                                [--gpus 0] [--max-samples 1797]
+
+Needs the pytorch framework venv (``nbbatch envs create pytorch``) and Optuna (``nbbatch[search]``). Each round runs
+two searches of ``--trials`` trials over LR (loguniform 1e-4..1, TPE with the round's seed; metric: the training
+loss each epoch records), one with ``pruner: none`` and one with the pruner, in alternating order, each a ``nbbatch
+submit`` in a new process. Printed as a markdown table per round and the medians:
+- epochs run: the steps the runs' metric histories reached, summed over the trials;
+- wall time of the search;
+- the best test accuracy of a trial that ran to its end;
+- how many trials were pruned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from machine import describe, median
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def experiment(folder: Path, name: str, args: argparse.Namespace, pruner: str, seed: int) -> Path:
+    settings = {"hyperband": {"hyperband": {"min_resource": 1, "max_resource": args.epochs, "reduction_factor": 3}},
+                "asha": {"asha": {"min_resource": 1, "reduction_factor": 3}},
+                "median": {"median": {"startup_trials": 5, "warmup_steps": 1}}, "none": "none"}[pruner]
+    spec = {"experiment": name, "frameworks": ["pytorch"],
+            "parameters": {"DATASET": "digits", "EPOCHS": args.epochs, "MAX_SAMPLES": args.max_samples},
+            "search": {"metric": "loss", "mode": "min", "trials": args.trials, "sampler": "tpe", "seed": seed,
+                       "pruner": settings, "params": {"LR": {"loguniform": [1.0e-4, 1.0]}}},
+            "resources": {"max_parallel": args.parallel, "gpus": args.gpus}, "share": str(folder / "share")}
+    path = folder / f"{name}.yaml"
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def search(path: Path, name: str, share: Path) -> dict[str, float]:
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "nbbatch", "submit", str(path), "--force"], capture_output=True,
+                          text=True, env={**os.environ, "NBBATCH_PROJECT": str(ROOT)})
+    wall = time.perf_counter() - started
+    records = [json.loads(p.read_text()) for p in (share / name).glob("*/run.json")]
+    if done.returncode != 0:
+        errors = "\n".join(f"{r['run_id']}: {r.get('error')}" for r in records if r.get("error"))
+        raise SystemExit(f"{name} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}\n{errors}")
+    epochs = 0
+    for record in records:
+        history = share / name / record["run_id"] / "metrics.jsonl"
+        steps = [json.loads(line)["step"] for line in history.read_text().splitlines() if line.strip()]
+        epochs += max(steps, default=0)
+    finished = [r["metrics"].get("accuracy") for r in records if r["status"] == "succeeded"]
+    return {"wall_s": wall, "epochs": epochs, "best_accuracy": max(a for a in finished if a is not None),
+            "pruned": sum(r["status"] == "pruned" for r in records), "trials": len(records)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trials", type=int, default=24)
+    parser.add_argument("--epochs", type=int, default=9)
+    parser.add_argument("--pruner", default="hyperband", choices=("hyperband", "asha", "median"))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--parallel", type=int, default=2)
+    parser.add_argument("--gpus", type=int, default=0)
+    parser.add_argument("--max-samples", type=int, default=1797, help="digits has 1797 images")
+    args = parser.parse_args()
+    print(describe("Search with and without pruning (benchmarks/search.py)"))
+    results: dict[str, list[dict[str, float]]] = {"none": [], args.pruner: []}
+    with tempfile.TemporaryDirectory(prefix="nbbatch-search-bench-") as tmp:
+        folder = Path(tmp)
+        for round_ in range(args.rounds):
+            order = ["none", args.pruner] if round_ % 2 == 0 else [args.pruner, "none"]
+            for pruner in order:
+                name = f"search-{pruner}-{round_}"
+                result = search(experiment(folder, name, args, pruner, seed=round_), name, folder / "share")
+                results[pruner].append(result)
+                print(f"round {round_} {pruner}: {json.dumps({k: round(v, 4) for k, v in result.items()})}",
+                      flush=True)
+    print(f"\n{args.trials} trials of LR, {args.epochs} epochs each at most, {args.parallel} at once, "
+          f"MAX_SAMPLES {args.max_samples}, gpus {args.gpus}; medians of {args.rounds} rounds\n")
+    print("| pruner | epochs run | wall time | best accuracy (finished trials) | pruned |")
+    print("|---|---|---|---|---|")
+    for pruner, rows in results.items():
+        print(f"| {pruner} | {median([r['epochs'] for r in rows]):.0f} | {median([r['wall_s'] for r in rows]):.1f} s | "
+              f"{median([r['best_accuracy'] for r in rows]):.4f} | {median([r['pruned'] for r in rows]):.0f} |")
+    base, pruned = results["none"], results[args.pruner]
+    saved = 1 - median([r["epochs"] for r in pruned]) / median([r["epochs"] for r in base])
+    print(f"\nepochs saved by {args.pruner}: {saved:.0%}; best accuracy {args.pruner} − none: "
+          f"{median([r['best_accuracy'] for r in pruned]) - median([r['best_accuracy'] for r in base]):+.4f}")
+
+
+if __name__ == "__main__":
+    main()
