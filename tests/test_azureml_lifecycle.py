@@ -40,8 +40,8 @@ from nbbatch.plan.runs import Run  # noqa: E402
 from nbbatch.results.status import status_rows, status_table  # noqa: E402
 from nbbatch.store.azfiles import AzureFileShare  # noqa: E402
 from nbbatch.store.layout import run_paths  # noqa: E402
-from nbbatch.store.runfiles import read_record, write_record  # noqa: E402
-from nbbatch.store.runjson import RunRecord  # noqa: E402
+from nbbatch.store.runfiles import StopRequest, read_record, stop_request, write_record  # noqa: E402
+from nbbatch.store.runjson import RunRecord, Status  # noqa: E402
 
 pytestmark = [pytest.mark.azure, pytest.mark.timeout(120)]
 
@@ -291,3 +291,26 @@ def test_a_job_stuck_on_quota_says_so_in_status(aml, share, azproject):
     record = read_record(share, "cifar", runs[0].run_id)
     assert record.status == "running" and record.note is None
 
+
+
+# --- a search's pruner stops a run on Azure ML -----------------------------------------------------------------------
+
+
+def test_a_pruned_runs_job_is_cancelled_and_the_run_ends_pruned(aml, share, azproject):
+    """The search's driver stops a run with a pruned request: its marker says so (the executor in the job stops the
+    kernel and ends pruned), its job is cancelled, and the record ends pruned, also once the service says Canceled."""
+    run = _runs(azproject, count=1)[0]
+    backend = _backend(aml)
+    _queue(share, [run])
+    backend.start([run], share, SubmitOptions())
+    name = _job_name(share, run)
+    aml.set_job_status(name, "Running")
+    backend.refresh("cifar", share)
+    request = StopRequest(Status.PRUNED, "stopped at step 3 by the search's median pruner")
+    assert backend.cancel("cifar", share, [run.run_id], request=request) == [run.run_id]
+    assert stop_request(share, "cifar", run.run_id) == request
+    record = read_record(share, "cifar", run.run_id)
+    assert record.status == "pruned" and record.error.kind == "pruned" and record.error.reason == request.reason
+    aml.set_job_status(name, "Canceled")
+    backend.refresh("cifar", share)
+    assert read_record(share, "cifar", run.run_id).status == "pruned"
