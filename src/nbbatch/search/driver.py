@@ -107,6 +107,13 @@ class SearchDriver:
                 if self.backend.capabilities.detached:
                     self.backend.sync(self.experiment, self.share, [t.run.run_id for t in self._in_flight()])
                 time.sleep(self.poll)
+        except KeyboardInterrupt:
+            if self.backend.capabilities.detached and self._in_flight():  # they go on; a new driver adopts them
+                self.say(f"interrupted: {len(self._in_flight())} trial run(s) go on in {self.backend.name}; submit "
+                         "again to resume the search (it adopts them), or `nbbatch cancel` to stop them")
+            else:
+                self._stop_all()
+            raise
         except BaseException:
             self._stop_all()
             raise
@@ -278,7 +285,8 @@ class SearchDriver:
                           "those in search.metric. The search was stopped")
 
     def _stop_all(self) -> None:
-        """Ctrl-C, an error, a lost lease: stop the runs in flight (their trials run again when the search resumes)."""
+        """An error, or Ctrl-C of local runs: stop the runs in flight (their trials run again when the search
+        resumes)."""
         trials = self._in_flight()
         if trials:
             self.backend.cancel(self.experiment, self.share, [t.run.run_id for t in trials])
