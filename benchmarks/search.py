@@ -3,7 +3,9 @@
     python benchmarks/search.py [--trials 24] [--epochs 9] [--pruner hyperband] [--rounds 2] [--parallel 2]
                                 [--gpus 0] [--max-samples 1797]
 
-Needs the pytorch framework venv (``nbbatch envs create pytorch``) and Optuna (``nbbatch[search]``). Each round runs
+Needs the pytorch framework venv (``nbbatch envs create pytorch``) and Optuna (``nbbatch[search]``); with
+``--kernel-here`` (a GPU machine without nbbatch's venvs) the notebook runs in a kernel of this Python instead, which
+then needs torch and ipykernel. Each round runs
 two searches of ``--trials`` trials over LR (loguniform 1e-4..1, TPE with the round's seed; metric: the training
 loss each epoch records), one with ``pruner: none`` and one with the pruner, in alternating order, each a ``nbbatch
 submit`` in a new process. Printed as a markdown table per round and the medians:
@@ -24,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import describe, median
+from machine import bench_kernel, describe, median
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,8 +35,11 @@ def experiment(folder: Path, name: str, args: argparse.Namespace, pruner: str, s
     settings = {"hyperband": {"hyperband": {"min_resource": 1, "max_resource": args.epochs, "reduction_factor": 3}},
                 "asha": {"asha": {"min_resource": 1, "reduction_factor": 3}},
                 "median": {"median": {"startup_trials": 5, "warmup_steps": 1}}, "none": "none"}[pruner]
-    spec = {"experiment": name, "frameworks": ["pytorch"],
-            "parameters": {"DATASET": "digits", "EPOCHS": args.epochs, "MAX_SAMPLES": args.max_samples},
+    target = ({"notebooks": [{"path": str(ROOT / "notebooks" / "PyTorch_CIFAR.ipynb"), "kernel": args.kernel,
+                              "label": "pytorch"}]} if args.kernel else {"frameworks": ["pytorch"]})
+    spec = {"experiment": name, **target,
+            "parameters": {"DATASET": "digits", "EPOCHS": args.epochs, "MAX_SAMPLES": args.max_samples,
+                           **({"GPU": True} if args.gpus else {})},
             "search": {"metric": "loss", "mode": "min", "trials": args.trials, "sampler": "tpe", "seed": seed,
                        "pruner": settings, "params": {"LR": {"loguniform": [1.0e-4, 1.0]}}},
             "resources": {"max_parallel": args.parallel, "gpus": args.gpus}, "share": str(folder / "share")}
@@ -71,7 +76,9 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--gpus", type=int, default=0)
     parser.add_argument("--max-samples", type=int, default=1797, help="digits has 1797 images")
+    parser.add_argument("--kernel-here", action="store_true", help="run the notebook in a kernel of this Python")
     args = parser.parse_args()
+    args.kernel = bench_kernel()[0] if args.kernel_here else None
     print(describe("Search with and without pruning (benchmarks/search.py)"))
     results: dict[str, list[dict[str, float]]] = {"none": [], args.pruner: []}
     with tempfile.TemporaryDirectory(prefix="nbbatch-search-bench-") as tmp:
