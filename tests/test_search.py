@@ -153,3 +153,20 @@ def test_a_hyperband_search_of_the_pytorch_notebook_on_digits(pytorch_env, tmp_p
     for record in result.records:
         assert record.trial["state"] == {"succeeded": "complete", "pruned": "pruned"}[record.status]
         assert record.parameters["EPOCHS"] == 4 and 1.0e-4 <= record.parameters["LR"] <= 1.0
+
+
+def test_a_metric_history_is_read_as_it_grows_line_by_line(tmp_path):
+    """The driver's tail of metrics.jsonl: only complete lines, each once, whatever the writer is mid-way through."""
+    from nbbatch.store.jsonl import JsonlTail
+
+    share = FileShare(tmp_path)
+    tail = JsonlTail(share, "e/r/metrics.jsonl")
+    assert tail.read() == []  # not there yet
+    path = tmp_path / "e" / "r" / "metrics.jsonl"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b'{"step":1,"loss":2.0}\n{"step":2,"lo')
+    assert tail.read() == [{"step": 1, "loss": 2.0}]
+    with path.open("ab") as out:
+        out.write(b'ss":1.5}\n\x00\x00\n{"step":3,"loss":1.2}\n')
+    assert tail.read() == [{"step": 2, "loss": 1.5}, {"step": 3, "loss": 1.2}]  # a zero-filled line is skipped
+    assert tail.read() == []

@@ -85,6 +85,8 @@ class SearchDriver:
         self.say, self.on_runs, self.fresh = say, on_runs, fresh
         self.run_ids: list[str] = []  # every trial's run, in the order asked
         self.poll = poll_interval(share, local=0.5, remote=2.0)
+        # how often the backend's own view is asked for (job states: a request per run on Azure ML)
+        self.sync_s = backend.poll_s if backend.poll_s is not None else poll_interval(share, local=2.0, remote=10.0)
         self.parallel = max(1, options.max_parallel or getattr(getattr(backend, "settings", None), "max_parallel", None)
                             or backend.compute().slots or 1)
         self.studies: list[_Study] = []
@@ -99,13 +101,15 @@ class SearchDriver:
         try:
             for study in self.studies:
                 self._resume(study)
+            synced = 0.0
             while self._busy():
                 self._launch_more()
                 for study in self.studies:
                     for trial in list(study.running.values()):
                         self._watch(study, trial)
-                if self.backend.capabilities.detached:
+                if self.backend.capabilities.detached and time.monotonic() >= synced + self.sync_s:
                     self.backend.sync(self.experiment, self.share, [t.run.run_id for t in self._in_flight()])
+                    synced = time.monotonic()
                 time.sleep(self.poll)
         except KeyboardInterrupt:
             if self.backend.capabilities.detached and self._in_flight():  # they go on; a new driver adopts them
@@ -120,7 +124,11 @@ class SearchDriver:
         return self.run_ids
 
     def _busy(self) -> bool:
-        return any(s.running or self._left(s) > 0 for s in self.studies)
+        return any(s.running or self._left(s) > 0 and not self._halted() for s in self.studies)
+
+    def _halted(self) -> bool:
+        """Whether this driver must start no more runs (another driver took the experiment's lease over)."""
+        return self.options.halt is not None and self.options.halt.is_set()
 
     def _in_flight(self) -> list[_Trial]:
         return [t for s in self.studies for t in s.running.values()]
@@ -130,7 +138,7 @@ class SearchDriver:
         return self.search.trials - len(study.study.trials)
 
     def _launch_more(self) -> None:
-        if self.options.halt is not None and self.options.halt.is_set():
+        if self._halted():
             return
         for study in self.studies:
             while self._left(study) > 0 and len(self._in_flight()) < self.parallel:
