@@ -70,7 +70,6 @@ class _Study:
     study: Any  # optuna.Study
     running: dict[int, _Trial] = field(default_factory=dict)
     metric_seen: bool = False  # a run of this study recorded the metric
-    ended: int = 0  # trials whose run ended (or failed to start) in this driver
 
 
 class SearchDriver:
@@ -256,7 +255,6 @@ class SearchDriver:
     def _end(self, study: _Study, trial: _Trial, record: RunRecord | None) -> None:
         state = optuna_module().trial.TrialState
         del study.running[trial.number]
-        study.ended += 1
         metric = self.search.metric
         if record is None:  # the backend refused to start it
             study.study.tell(trial.trial, state=state.FAIL)
