@@ -705,4 +705,4 @@ def test_a_search_prunes_runs_on_the_ray_cluster(cluster, project, tmp_path):
     assert result.ok and len(result.records) == 6, [(r.run_id, r.status, r.error) for r in result.records]
     pruned = [r for r in result.records if r.status == "pruned"]
     assert pruned and all(r.backend == "ray" and r.trial["state"] == "pruned" for r in pruned)
-    assert all("stopped at step" in r.error.reason for r in pruned)
+    assert all("stopped at step" in r.error.reason for r in pruned), [r.error for r in pruned]

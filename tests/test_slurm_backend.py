@@ -526,4 +526,5 @@ def test_a_search_prunes_runs_on_slurm(slurm, project, tmp_path):
     result = api.submit(spec, wait=True, progress=False)
     assert result.ok and len(result.records) == 6, [(r.run_id, r.status, r.error) for r in result.records]
     pruned = [r for r in result.records if r.status == "pruned"]
-    assert pruned and all(r.backend == "slurm" and "stopped at step" in r.error.reason for r in pruned)
+    assert pruned and all(r.backend == "slurm" and "stopped at step" in r.error.reason for r in pruned), \
+        [(r.backend, r.error) for r in pruned]

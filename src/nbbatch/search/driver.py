@@ -244,9 +244,9 @@ class SearchDriver:
             study.metric_seen = True
         if fresh and not trial.stop_asked and trial.trial.should_prune():
             trial.stop_asked = True
-            reason = (f"pruned by the search at step {trial.reported}: {metric} {trial.last_value:.6g} is not among "
-                      f"the {'lowest' if self.search.mode == 'min' else 'highest'} the {self.search.pruner} pruner "
-                      "keeps at this step")
+            reason = (f"stopped at step {trial.reported} by the search's {self.search.pruner} pruner: {metric} "
+                      f"{trial.last_value:.6g} is not among the {'lowest' if self.search.mode == 'min' else 'highest'} "
+                      "it keeps at this step")
             self.say(f"trial {trial.number} of {study.label}: {reason}")
             request = StopRequest(Status.PRUNED, reason)
             threading.Thread(target=self.backend.cancel, args=(self.experiment, self.share, [trial.run.run_id]),
