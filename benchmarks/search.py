@@ -12,7 +12,7 @@ submit`` in a new process. Printed as a markdown table per round and the medians
 - epochs run: the steps the runs' metric histories reached, summed over the trials;
 - wall time of the search;
 - the best test accuracy of a trial that ran to its end;
-- how many trials were pruned.
+- how many trials were pruned, and the epochs they ran after the pruner's decision (while their stop took effect).
 """
 
 from __future__ import annotations
@@ -38,11 +38,14 @@ def experiment(folder: Path, name: str, args: argparse.Namespace, pruner: str, s
     target = ({"notebooks": [{"path": str(ROOT / "notebooks" / "PyTorch_CIFAR.ipynb"), "kernel": args.kernel,
                               "label": "pytorch"}]} if args.kernel else {"frameworks": ["pytorch"]})
     spec = {"experiment": name, **target,
-            "parameters": {"DATASET": "digits", "EPOCHS": args.epochs, "MAX_SAMPLES": args.max_samples,
+            "parameters": {"EPOCHS": args.epochs, "MAX_SAMPLES": args.max_samples,
+                           **({"DATASET": "cifar10", "DATA_DIR": args.data_dir} if args.data_dir else {"DATASET": "digits"}),
                            **({"GPU": True} if args.gpus else {})},
             "search": {"metric": "loss", "mode": "min", "trials": args.trials, "sampler": "tpe", "seed": seed,
                        "pruner": settings, "params": {"LR": {"loguniform": [1.0e-4, 1.0]}}},
-            "resources": {"max_parallel": args.parallel, "gpus": args.gpus}, "share": str(folder / "share")}
+            "resources": {"max_parallel": args.parallel, "gpus": args.gpus,
+                          **({"runs_per_gpu": args.parallel} if args.gpus else {})},
+            "share": str(folder / "share")}
     path = folder / f"{name}.yaml"
     path.write_text(json.dumps(spec))
     return path
@@ -57,14 +60,16 @@ def search(path: Path, name: str, share: Path) -> dict[str, float]:
     if done.returncode != 0:
         errors = "\n".join(f"{r['run_id']}: {r.get('error')}" for r in records if r.get("error"))
         raise SystemExit(f"{name} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}\n{errors}")
-    epochs = 0
+    epochs = overrun = 0
     for record in records:
         history = share / name / record["run_id"] / "metrics.jsonl"
         steps = [json.loads(line)["step"] for line in history.read_text().splitlines() if line.strip()]
         epochs += max(steps, default=0)
+        if record["status"] == "pruned":  # the epochs a run went on for while its stop took effect
+            overrun += max(steps, default=0) - record["trial"]["step"]
     finished = [r["metrics"].get("accuracy") for r in records if r["status"] == "succeeded"]
     return {"wall_s": wall, "epochs": epochs, "best_accuracy": max(a for a in finished if a is not None),
-            "pruned": sum(r["status"] == "pruned" for r in records), "trials": len(records)}
+            "pruned": sum(r["status"] == "pruned" for r in records), "overrun": overrun, "trials": len(records)}
 
 
 def main() -> None:
@@ -76,6 +81,7 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--gpus", type=int, default=0)
     parser.add_argument("--max-samples", type=int, default=1797, help="digits has 1797 images")
+    parser.add_argument("--data-dir", help="digits written as CIFAR-10 batches here (a machine without scikit-learn)")
     parser.add_argument("--kernel-here", action="store_true", help="run the notebook in a kernel of this Python")
     args = parser.parse_args()
     args.kernel = bench_kernel()[0] if args.kernel_here else None
@@ -92,12 +98,14 @@ def main() -> None:
                 print(f"round {round_} {pruner}: {json.dumps({k: round(v, 4) for k, v in result.items()})}",
                       flush=True)
     print(f"\n{args.trials} trials of LR, {args.epochs} epochs each at most, {args.parallel} at once, "
-          f"MAX_SAMPLES {args.max_samples}, gpus {args.gpus}; medians of {args.rounds} rounds\n")
-    print("| pruner | epochs run | wall time | best accuracy (finished trials) | pruned |")
-    print("|---|---|---|---|---|")
+          f"MAX_SAMPLES {args.max_samples}, gpus {args.gpus} (runs_per_gpu {args.parallel if args.gpus else '-'}); "
+          f"medians of {args.rounds} rounds\n")
+    print("| pruner | epochs run | wall time | best accuracy (finished trials) | pruned | epochs after the decision |")
+    print("|---|---|---|---|---|---|")
     for pruner, rows in results.items():
         print(f"| {pruner} | {median([r['epochs'] for r in rows]):.0f} | {median([r['wall_s'] for r in rows]):.1f} s | "
-              f"{median([r['best_accuracy'] for r in rows]):.4f} | {median([r['pruned'] for r in rows]):.0f} |")
+              f"{median([r['best_accuracy'] for r in rows]):.4f} | {median([r['pruned'] for r in rows]):.0f} | "
+              f"{median([r['overrun'] for r in rows]):.0f} |")
     base, pruned = results["none"], results[args.pruner]
     saved = 1 - median([r["epochs"] for r in pruned]) / median([r["epochs"] for r in base])
     print(f"\nepochs saved by {args.pruner}: {saved:.0%}; best accuracy {args.pruner} − none: "
