@@ -86,6 +86,69 @@ def test_a_median_pruned_search_stops_bad_runs_and_keeps_good_ones(project, writ
     assert html.count("<img") >= 3 and "search: best loss by trial" in html
 
 
+PRUNERS = {"median": {"median": {"startup_trials": 2, "warmup_steps": 1}},
+           "percentile": {"percentile": {"percentile": 40, "startup_trials": 2, "warmup_steps": 1}},
+           "asha": {"asha": {"min_resource": 1, "reduction_factor": 3}},
+           "hyperband": {"hyperband": {"min_resource": 1, "max_resource": 3, "reduction_factor": 3}}}
+
+
+@pytest.mark.kernel
+def test_each_pruner_stops_the_runs_it_rejects_at_the_step_it_rejects_them(project, write_experiment):
+    """One trial at a time over a fixed grid of LRs (the notebook's loss: |log10 LR + 2| + 1/step, so LR 0.01 is
+    best at every step): each trial's decision is replayed in an in-memory study holding the trials before it as the
+    driver left them. A run is pruned exactly where Optuna, given every point one by one, first rejects it; the best
+    LR is never pruned; some run is. A point that arrives just as its run ends may go unjudged (only the last one)."""
+    import optuna
+
+    make_notebook(project / "nb.ipynb", [LOSS_CURVE], parameters="LR = 0.1\nEPOCHS = 5\nPAUSE = 0.3")
+    grid = [0.01, 0.03, 0.003, 0.1, 0.5, 1.0e-4]
+    drivers = {}
+    for name, pruner in PRUNERS.items():
+        block = {"metric": "loss", "mode": "min", "trials": len(grid), "sampler": "grid", "seed": 1,
+                 "pruner": pruner, "params": {"LR": grid}}
+        exp = write_experiment(json.dumps({"experiment": name, "notebooks": ["nb.ipynb"], "search": block,
+                                           "resources": {"max_parallel": 1}}), name=f"{name}.yaml")
+        drivers[name] = subprocess.Popen([sys.executable, "-m", "nbbatch", "submit", str(exp)],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    share = FileShare(project / "results")
+    for name, driver in drivers.items():
+        assert driver.wait(240) == 0, driver.stderr.read()
+        trials = _study(project, name, "nb").trials
+        records = {r.run_id: r for r in load_records(share, name)[0]}
+        assert len(trials) == len(records) == len(grid)
+        for number, trial in enumerate(trials):
+            record = records[trial.user_attrs["run_id"]]
+            judged = optuna.create_study(study_name=f"{name}/nb", pruner=_pruner(name))
+            for earlier in trials[:number]:
+                judged.add_trial(earlier)
+            replay = judged.ask({"LR": trial.distributions["LR"]})
+            rejected_at = None
+            for step, value in sorted(trial.intermediate_values.items()):
+                replay.report(value, step)
+                if replay.should_prune():
+                    rejected_at = step
+                    break
+            if record.status == "pruned":
+                assert rejected_at == record.trial["step"] == max(trial.intermediate_values), (name, number)
+                assert trial.state.name == "PRUNED" and record.error.kind == "pruned"
+            else:
+                assert record.status == "succeeded" and trial.state.name == "COMPLETE", (name, record.status)
+                assert rejected_at in (None, 5), (name, number, rejected_at)
+        statuses = {records[t.user_attrs["run_id"]].parameters["LR"]: records[t.user_attrs["run_id"]].status
+                    for t in trials}
+        assert statuses[0.01] == "succeeded" and "pruned" in statuses.values(), (name, statuses)
+
+
+def _pruner(name: str):
+    import optuna
+
+    settings = PRUNERS[name][name]
+    return {"median": lambda: optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1),
+            "percentile": lambda: optuna.pruners.PercentilePruner(40, n_startup_trials=2, n_warmup_steps=1),
+            "asha": lambda: optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=3),
+            "hyperband": lambda: optuna.pruners.HyperbandPruner(**settings)}[name]()
+
+
 def _study(project, experiment: str, label: str):
     import optuna
     from optuna.storages import JournalStorage

@@ -223,14 +223,13 @@ class SearchDriver:
         record = read_record_or_none(self.share, self.experiment, trial.run.run_id)
         launch_done = trial.thread is None or not trial.thread.is_alive()
         if record is not None and record.final and launch_done:
-            self._report(study, trial)  # the last points were written before the record
+            self._report(study, trial, judge=False)  # its last points (written before the record): it has ended
             self._end(study, trial, record)
         elif trial.launch_error is not None and launch_done:
             self._end(study, trial, None)
 
-    def _report(self, study: _Study, trial: _Trial) -> None:
+    def _report(self, study: _Study, trial: _Trial, judge: bool = True) -> None:
         metric = self.search.metric
-        fresh = False
         for point in trial.tail.read():
             if trial.stop_asked:  # the trial is decided: what the run records while it stops is not the study's
                 break
@@ -240,17 +239,23 @@ class SearchDriver:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
                 continue
             trial.trial.report(float(value), step)
-            trial.reported, trial.last_value, fresh = step, float(value), True
+            trial.reported, trial.last_value = step, float(value)
             study.metric_seen = True
-        if fresh and not trial.stop_asked and trial.trial.should_prune():
-            trial.stop_asked = True
-            reason = (f"stopped at step {trial.reported} by the search's {self.search.pruner} pruner: {metric} "
-                      f"{trial.last_value:.6g} is not among the {'lowest' if self.search.mode == 'min' else 'highest'} "
-                      "it keeps at this step")
-            self.say(f"trial {trial.number} of {study.label}: {reason}")
-            request = StopRequest(Status.PRUNED, reason)
-            threading.Thread(target=self.backend.cancel, args=(self.experiment, self.share, [trial.run.run_id]),
-                             kwargs={"request": request}, daemon=True).start()
+            # asked at every point, as a training loop would: points read together (short epochs) must not
+            # reach a rung with a later step's value than the other trials were judged by there
+            if judge and trial.trial.should_prune():
+                self._prune(study, trial)
+
+    def _prune(self, study: _Study, trial: _Trial) -> None:
+        metric = self.search.metric
+        trial.stop_asked = True
+        reason = (f"stopped at step {trial.reported} by the search's {self.search.pruner} pruner: {metric} "
+                  f"{trial.last_value:.6g} is not among the {'lowest' if self.search.mode == 'min' else 'highest'} "
+                  "it keeps at this step")
+        self.say(f"trial {trial.number} of {study.label}: {reason}")
+        request = StopRequest(Status.PRUNED, reason)
+        threading.Thread(target=self.backend.cancel, args=(self.experiment, self.share, [trial.run.run_id]),
+                         kwargs={"request": request}, daemon=True).start()
 
     def _end(self, study: _Study, trial: _Trial, record: RunRecord | None) -> None:
         state = optuna_module().trial.TrialState

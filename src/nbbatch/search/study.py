@@ -54,7 +54,7 @@ def sampler_of(search: Search, asked: int = 0) -> Any:
     samplers = optuna.samplers
     seed = None if search.seed is None else search.seed + asked
     if search.sampler == "grid":
-        return samplers.GridSampler({p.name: list(p.args) for p in search.params}, seed=seed)
+        return _grid_sampler(samplers.GridSampler)({p.name: list(p.args) for p in search.params}, seed=seed)
     if search.sampler == "random":
         return samplers.RandomSampler(seed=seed)
     if search.sampler == "cmaes":
@@ -64,6 +64,17 @@ def sampler_of(search: Search, asked: int = 0) -> Any:
     if search.sampler == "qmc":
         return samplers.QMCSampler(seed=seed)
     return samplers.TPESampler(seed=seed)
+
+
+def _grid_sampler(base: type) -> type:
+    class Grid(base):  # type: ignore[misc, valid-type]
+        """Optuna's grid sampler, less its Study.stop() once every point was drawn: that works only inside
+        ``study.optimize``, and here the budget (search.trials, no more than the grid's points) ends the search."""
+
+        def after_trial(self, *args: Any) -> None:
+            return None
+
+    return Grid
 
 
 def pruner_of(search: Search) -> Any:
