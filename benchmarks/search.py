@@ -1,14 +1,15 @@
 """What pruning saves: the same LR search of the PyTorch notebook on digits with and without a pruner.
 
-    python benchmarks/search.py [--trials 24] [--epochs 9] [--pruner hyperband] [--rounds 2] [--parallel 2]
-                                [--gpus 0] [--max-samples 1797]
+    python benchmarks/search.py [--trials 24] [--epochs 9] [--pruner hyperband[,asha,median]] [--rounds 2]
+                                [--parallel 2] [--gpus 0] [--max-samples 1797] [--data-dir DIR] [--kernel-here]
 
 Needs the pytorch framework venv (``nbbatch envs create pytorch``) and Optuna (``nbbatch[search]``); with
 ``--kernel-here`` (a GPU machine without nbbatch's venvs) the notebook runs in a kernel of this Python instead, which
-then needs torch and ipykernel. Each round runs
-two searches of ``--trials`` trials over LR (loguniform 1e-4..1, TPE with the round's seed; metric: the training
-loss each epoch records), one with ``pruner: none`` and one with the pruner, in alternating order, each a ``nbbatch
-submit`` in a new process. Printed as a markdown table per round and the medians:
+then needs torch and ipykernel. Each round runs the same search of ``--trials`` trials over LR (loguniform 1e-4..1,
+TPE with the round's seed; metric: the training loss each epoch records) with ``pruner: none`` and with each pruner
+named, in an order that alternates by round, each a ``nbbatch submit`` in a new process. Hyperband's max_resource is
+``--epochs``, its min_resource 1 and its reduction factor 3 (ASHA: min_resource 1, factor 3). Printed as a markdown
+table per round and the medians:
 - epochs run: the steps the runs' metric histories reached, summed over the trials;
 - wall time of the search;
 - the best test accuracy of a trial that ran to its end;
@@ -76,7 +77,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=24)
     parser.add_argument("--epochs", type=int, default=9)
-    parser.add_argument("--pruner", default="hyperband", choices=("hyperband", "asha", "median"))
+    parser.add_argument("--pruner", default="hyperband", type=lambda text: text.split(","),
+                        help="hyperband, asha or median; several, comma-separated, each against the same unpruned runs")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--gpus", type=int, default=0)
@@ -86,11 +88,11 @@ def main() -> None:
     args = parser.parse_args()
     args.kernel = bench_kernel()[0] if args.kernel_here else None
     print(describe("Search with and without pruning (benchmarks/search.py)"))
-    results: dict[str, list[dict[str, float]]] = {"none": [], args.pruner: []}
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in ["none", *args.pruner]}
     with tempfile.TemporaryDirectory(prefix="nbbatch-search-bench-") as tmp:
         folder = Path(tmp)
         for round_ in range(args.rounds):
-            order = ["none", args.pruner] if round_ % 2 == 0 else [args.pruner, "none"]
+            order = list(results) if round_ % 2 == 0 else list(results)[::-1]
             for pruner in order:
                 name = f"search-{pruner}-{round_}"
                 result = search(experiment(folder, name, args, pruner, seed=round_), name, folder / "share")
@@ -106,10 +108,11 @@ def main() -> None:
         print(f"| {pruner} | {median([r['epochs'] for r in rows]):.0f} | {median([r['wall_s'] for r in rows]):.1f} s | "
               f"{median([r['best_accuracy'] for r in rows]):.4f} | {median([r['pruned'] for r in rows]):.0f} | "
               f"{median([r['overrun'] for r in rows]):.0f} |")
-    base, pruned = results["none"], results[args.pruner]
-    saved = 1 - median([r["epochs"] for r in pruned]) / median([r["epochs"] for r in base])
-    print(f"\nepochs saved by {args.pruner}: {saved:.0%}; best accuracy {args.pruner} − none: "
-          f"{median([r['best_accuracy'] for r in pruned]) - median([r['best_accuracy'] for r in base]):+.4f}")
+    base = results["none"]
+    for name in args.pruner:
+        saved = 1 - median([r["epochs"] for r in results[name]]) / median([r["epochs"] for r in base])
+        print(f"\nepochs saved by {name}: {saved:.0%}; best accuracy {name} − none: "
+              f"{median([r['best_accuracy'] for r in results[name]]) - median([r['best_accuracy'] for r in base]):+.4f}")
 
 
 if __name__ == "__main__":
