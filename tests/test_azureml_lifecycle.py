@@ -239,7 +239,8 @@ def test_cancel_goes_on_past_jobs_that_finished_and_says_which(aml, share, azpro
     assert read_record(share, "cifar", runs[0].run_id).status == "failed"
 
 
-def test_cancel_requested_then_completed_ends_succeeded(aml, share, azproject):
+def _running_job(aml, share, azproject):
+    """One run queued and started on the fake service, its job Running and seen so: (run, backend, job name)."""
     run = _runs(azproject, count=1)[0]
     backend = _backend(aml)
     _queue(share, [run])
@@ -247,6 +248,11 @@ def test_cancel_requested_then_completed_ends_succeeded(aml, share, azproject):
     name = _job_name(share, run)
     aml.set_job_status(name, "Running")
     backend.refresh("cifar", share)
+    return run, backend, name
+
+
+def test_cancel_requested_then_completed_ends_succeeded(aml, share, azproject):
+    run, backend, name = _running_job(aml, share, azproject)
     aml.set_job_status(name, "CancelRequested")  # cancelled in the studio: the job may still finish
     backend.refresh("cifar", share)
     record = read_record(share, "cifar", run.run_id)
@@ -299,13 +305,7 @@ def test_a_job_stuck_on_quota_says_so_in_status(aml, share, azproject):
 def test_a_pruned_runs_job_is_cancelled_and_the_run_ends_pruned(aml, share, azproject):
     """The search's driver stops a run with a pruned request: its marker says so (the executor in the job stops the
     kernel and ends pruned), its job is cancelled, and the record ends pruned, also once the service says Canceled."""
-    run = _runs(azproject, count=1)[0]
-    backend = _backend(aml)
-    _queue(share, [run])
-    backend.start([run], share, SubmitOptions())
-    name = _job_name(share, run)
-    aml.set_job_status(name, "Running")
-    backend.refresh("cifar", share)
+    run, backend, name = _running_job(aml, share, azproject)
     request = StopRequest(Status.PRUNED, "stopped at step 3 by the search's median pruner")
     assert backend.cancel("cifar", share, [run.run_id], request=request) == [run.run_id]
     assert stop_request(share, "cifar", run.run_id) == request

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbbatch.errors import SpecError, did_you_mean
+from nbbatch.spec.sweep import distribution
 
 SAMPLERS = ("tpe", "random", "grid", "cmaes", "qmc")
 PRUNERS = ("none", "median", "percentile", "asha", "hyperband")
@@ -120,16 +121,8 @@ def _params(data: Any, fixed: Mapping[str, Any]) -> tuple[SearchParam, ...]:
 
 def _param(name: str, spec: Any) -> SearchParam:
     where = f"search.params.{name}"
-    if isinstance(spec, list):
-        spec = {"choice": spec}
-    if not isinstance(spec, Mapping) or len(spec) != 1:
-        raise SpecError(f"{where} must be one distribution, e.g. {{loguniform: [1.0e-4, 1.0e-1]}}; known: "
-                        f"{', '.join(DISTRIBUTIONS)}")
-    (kind, args), = spec.items()
-    if kind not in DISTRIBUTIONS:
-        hint = " (a search samples bounded ranges: use uniform)" if kind == "normal" else ""
-        raise SpecError(f"{where}: unknown distribution `{kind}`{did_you_mean(str(kind), DISTRIBUTIONS)}{hint}; "
-                        f"known: {', '.join(DISTRIBUTIONS)}")
+    kind, args = distribution(where, spec, DISTRIBUTIONS,
+                              lambda kind: " (a search samples bounded ranges: use uniform)" if kind == "normal" else "")
     if kind == "choice":
         if not isinstance(args, list) or not args:
             raise SpecError(f"{where}: choice takes a non-empty list of values")

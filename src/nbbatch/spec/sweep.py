@@ -62,16 +62,23 @@ def _pair(name: str, kind: str, args: Any) -> tuple[float, float]:
     return float(args[0]), float(args[1])
 
 
-def _sampler(name: str, spec: Any):
+def distribution(where: str, spec: Any, known: tuple[str, ...], hint: Callable[[str], str] = lambda kind: ""
+                 ) -> tuple[str, Any]:
+    """``(kind, args)`` of one distribution at ``where`` (``{loguniform: [lo, hi]}``; a plain list is a choice)."""
     if isinstance(spec, list):
         spec = {"choice": spec}
     if not isinstance(spec, Mapping) or len(spec) != 1:
-        raise SpecError(f"sweep.random.{name} must be one distribution, e.g. {{loguniform: [1e-4, 1e-1]}}; known: "
-                        f"{', '.join(DISTRIBUTIONS)}")
+        raise SpecError(f"{where} must be one distribution, e.g. {{loguniform: [1.0e-4, 1.0e-1]}}; known: "
+                        f"{', '.join(known)}")
     (kind, args), = spec.items()
-    if kind not in DISTRIBUTIONS:
-        raise SpecError(f"sweep.random.{name}: unknown distribution `{kind}`{did_you_mean(kind, DISTRIBUTIONS)}; "
-                        f"known: {', '.join(DISTRIBUTIONS)}")
+    if kind not in known:
+        raise SpecError(f"{where}: unknown distribution `{kind}`{did_you_mean(str(kind), known)}{hint(kind)}; "
+                        f"known: {', '.join(known)}")
+    return kind, args
+
+
+def _sampler(name: str, spec: Any):
+    kind, args = distribution(f"sweep.random.{name}", spec, DISTRIBUTIONS)
     if kind == "choice":
         if not isinstance(args, list) or not args:
             raise SpecError(f"sweep.random.{name}: choice takes a non-empty list")
