@@ -233,3 +233,27 @@ def test_a_metric_history_is_read_as_it_grows_line_by_line(tmp_path):
         out.write(b'ss":1.5}\n\x00\x00\n{"step":3,"loss":1.2}\n')
     assert tail.read() == [{"step": 2, "loss": 1.5}, {"step": 3, "loss": 1.2}]  # a zero-filled line is skipped
     assert tail.read() == []
+
+
+@pytest.mark.kernel
+def test_the_submit_widget_counts_a_searchs_trials(project, monkeypatch):
+    """The widget's bar covers the search's budget from the start, and counts the trials' runs as they end (the
+    plan's own run, the notebook without the searched parameters, is never shown)."""
+    pytest.importorskip("ipywidgets")
+    from nbbatch import widgets
+    from nbbatch.ui.widgets import display as widget_display
+
+    monkeypatch.setattr(widget_display, "display_mode", lambda: "widgets")
+    monkeypatch.setattr(widget_display, "show", lambda obj: None)
+    make_notebook(project / "nb.ipynb", [LOSS_CURVE], parameters="LR = 0.1\nEPOCHS = 2\nPAUSE = 0.1")
+    spec = Experiment.from_dict({"experiment": "wsearch", "notebooks": ["nb.ipynb"],
+                                 "search": {**_search(trials=3), "pruner": "none", "sampler": "random", "seed": 0},
+                                 "resources": {"max_parallel": 2}}, base_dir=project)
+    submission = widgets.submit_all(spec)
+    assert submission.planned_runs(timeout=60) == [] and submission.model.total == 3
+    result = submission.wait(timeout=240)
+    assert result.ok and len(result.records) == 3
+    label, bar, _details = submission.widget.children
+    assert (bar.value, bar.max, bar.bar_style) == (3, 3, "success")
+    assert "wsearch: done, 3/3 finished — 3 succeeded" in label.value
+    assert sorted(submission.model.run_ids) == sorted(r.run_id for r in result.records)

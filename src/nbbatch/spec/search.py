@@ -66,6 +66,12 @@ class Search:
         """How many points the grid sampler has (every choice crossed)."""
         return math.prod(len(p.args) for p in self.params)
 
+    def describe(self) -> str:
+        """One line for people: what is searched and how."""
+        space = "; ".join(f"{p.name} {p.kind} {list(p.args)}" for p in self.params)
+        return (f"up to {self.trials} trials each, {self.mode}imising {self.metric}: {space}; sampler {self.sampler}"
+                f"{'' if self.seed is None else f' (seed {self.seed})'}, pruner {self.pruner}")
+
     def to_dict(self) -> dict[str, Any]:
         """The block as an experiment file writes it (stored in the share's manifest)."""
         return {"metric": self.metric, "mode": self.mode, "trials": self.trials, "sampler": self.sampler,

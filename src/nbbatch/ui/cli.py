@@ -153,7 +153,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     console = _console()  # the table fits the width as `status` does; run data is Text, never read as markup
     shown = len(runs) if args.all else PLAN_ROWS
-    console.print(plan_table(runs, title=f"{the_plan.experiment.name}: {len(runs):,} run(s) → {share.url}", max_rows=shown))
+    search = the_plan.experiment.search
+    what = f"a search of {len(runs)} notebook(s)" if search else f"{len(runs):,} run(s)"
+    console.print(plan_table(runs, title=f"{the_plan.experiment.name}: {what} → {share.url}", max_rows=shown))
+    if search:  # the rows are the studies' notebooks and fixed parameters; each trial is a run of its own
+        console.print(Text(f"search: {search.describe()}. Each trial is a run of its own, its id made from the "
+                           "parameters it draws; the ids above are the notebooks' without them"))
     if shown < len(runs):
         console.print(Text(f"… and {len(runs) - shown:,} more run(s): `nbbatch plan --all` lists every one, "
                            "`--json` gives them as data"))

@@ -36,6 +36,7 @@ class SubmissionModel:
         self.records: dict[str, RunRecord] = {}
         self.error: str | None = None
         self.result: SubmitResult | None = None
+        self.budget = 0  # a search: the runs it will make at most (its trials appear as they start)
         self._lock = threading.Lock()
 
     def planned(self, run_ids: Iterable[str]) -> None:
@@ -70,8 +71,8 @@ class SubmissionModel:
 
     @property
     def total(self) -> int:
-        """How many runs the submission covers (skipped ones included)."""
-        return len(self.run_ids)
+        """How many runs the submission covers (skipped ones included; a search's budget of trials)."""
+        return max(len(self.run_ids), self.budget if self.state != "done" else 0)
 
     def counts(self) -> dict[str, int]:
         """Runs per status (runs not reported yet count as ``queued``)."""
@@ -162,7 +163,10 @@ class Submission:
             runs = the_plan.runs
             if self.only:
                 runs = [r for r in runs if any(r.run_id.startswith(o) for o in self.only)]
-            self.model.planned(r.run_id for r in runs)
+            search = the_plan.experiment.search
+            if search is not None:  # the plan's runs are its notebooks; each trial is a run of its own
+                self.model.budget = search.trials * len(runs)
+            self.model.planned(r.run_id for r in runs if search is None)
             self._planned.set()
             self._render()
             result = api.submit(self.experiment, force=self.force, build_envs=False, wait=True, progress=self._on_update,
