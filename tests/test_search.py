@@ -58,6 +58,16 @@ def test_a_search_with_a_sweep_or_a_fixed_searched_parameter_is_refused():
                               "parameters": {"LR": 0.1}})
 
 
+def test_plan_says_what_a_search_will_draw(project, write_experiment, capsys):
+    make_notebook(project / "nb.ipynb", [LOSS_CURVE], parameters="LR = 0.1\nEPOCHS = 12\nPAUSE = 0.3")
+    exp = write_experiment(json.dumps({"experiment": "lr", "notebooks": ["nb.ipynb"], "search": SEARCH}))
+    assert main(["plan", str(exp)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "lr: a search of 1 notebook(s)" in out
+    assert "search: up to 6 trials each, minimising loss: LR loguniform [0.0001, 1.0]; sampler random (seed 3), " \
+           "pruner median" in out
+
+
 @pytest.mark.kernel
 def test_a_median_pruned_search_stops_bad_runs_and_keeps_good_ones(project, write_experiment):
     make_notebook(project / "nb.ipynb", [LOSS_CURVE], parameters="LR = 0.1\nEPOCHS = 12\nPAUSE = 0.3")
