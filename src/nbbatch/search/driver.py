@@ -83,7 +83,8 @@ class SearchDriver:
         self.experiment = plan.experiment.name
         self.say, self.on_runs, self.fresh = say, on_runs, fresh
         self.run_ids: list[str] = []  # every trial's run, in the order asked
-        self.poll = poll_interval(share, local=0.5, remote=2.0)
+        # a trial trains on while its point waits to be judged: locally a read is cheap, and epochs may be short
+        self.poll = poll_interval(share, local=0.2, remote=2.0)
         # how often the backend's own view is asked for (job states: a request per run on Azure ML)
         self.sync_s = backend.poll_s if backend.poll_s is not None else poll_interval(share, local=2.0, remote=10.0)
         self.parallel = max(1, options.max_parallel or getattr(getattr(backend, "settings", None), "max_parallel", None)
