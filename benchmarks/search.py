@@ -80,6 +80,7 @@ def main() -> None:
     parser.add_argument("--pruner", default="hyperband", type=lambda text: text.split(","),
                         help="hyperband, asha or median; several, comma-separated, each against the same unpruned runs")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--first-seed", type=int, default=0, help="round r's sampler seed is this + r")
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--gpus", type=int, default=0)
     parser.add_argument("--max-samples", type=int, default=1797, help="digits has 1797 images")
@@ -95,7 +96,8 @@ def main() -> None:
             order = list(results) if round_ % 2 == 0 else list(results)[::-1]
             for pruner in order:
                 name = f"search-{pruner}-{round_}"
-                result = search(experiment(folder, name, args, pruner, seed=round_), name, folder / "share")
+                result = search(experiment(folder, name, args, pruner, seed=args.first_seed + round_), name,
+                                folder / "share")
                 results[pruner].append(result)
                 print(f"round {round_} {pruner}: {json.dumps({k: round(v, 4) for k, v in result.items()})}",
                       flush=True)
