@@ -12,7 +12,7 @@ from support.notebooks import LOSS_CURVE, SEARCH, make_notebook
 from support.waiting import wait_until
 
 from nbbatch.api import submit
-from nbbatch.errors import SpecError
+from nbbatch.errors import NbbatchError, SpecError
 from nbbatch.spec.experiment import Experiment
 from nbbatch.store.runfiles import load_records
 from nbbatch.store.share import FileShare
@@ -66,6 +66,16 @@ def test_plan_says_what_a_search_will_draw(project, write_experiment, capsys):
     assert "lr: a search of 1 notebook(s)" in out
     assert "search: up to 6 trials each, minimising loss: LR loguniform [0.0001, 1.0]; sampler random (seed 3), " \
            "pruner median" in out
+
+
+def test_a_search_is_not_submitted_without_waiting_or_for_some_runs_only(project, write_experiment):
+    make_notebook(project / "nb.ipynb", [LOSS_CURVE], parameters="LR = 0.1\nEPOCHS = 12\nPAUSE = 0.3")
+    exp = write_experiment(json.dumps({"experiment": "lr", "notebooks": ["nb.ipynb"], "search": SEARCH}))
+    with pytest.raises(NbbatchError, match=r"without waiting \(--no-wait\).*submit again to resume"):
+        submit(exp, wait=False, progress=False)
+    with pytest.raises(NbbatchError, match="--only selects runs of a planned batch"):
+        submit(exp, only=["nb-"], progress=False)
+    assert not (project / "results" / "lr").exists()  # nothing ran
 
 
 @pytest.mark.kernel

@@ -107,9 +107,12 @@ def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, 
     does by default (:attr:`~nbbatch.backends.base.Backend.waits_by_default`: all but slurm wait).
     """
     the_plan, backend, share = prepare(experiment, build_envs=build_envs, progress=progress is True)
+    spec = the_plan.experiment
+    if spec.search is not None:
+        _check_search_submit(wait, only)
+        wait = True  # the driver judges every run as it goes: it stays up until the search ends
     if wait is None:
         wait = backend.waits_by_default
-    spec = the_plan.experiment
     project = find_project(spec.base_dir)
     runs = the_plan.runs
     if only:
@@ -156,6 +159,16 @@ def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, 
     result.records = [r for r in records if r.run_id in wanted]
     result.warnings.extend(problems)
     return result
+
+
+def _check_search_submit(wait: bool | None, only: list[str] | None) -> None:
+    if wait is False:
+        raise NbbatchError("a search cannot be submitted without waiting (--no-wait): its driver judges every run as "
+                           "it goes and stays up until the search ends. Submit without --no-wait (in tmux or with "
+                           "nohup if the terminal may close); after a Ctrl-C, submit again to resume the search")
+    if only:
+        raise NbbatchError("--only selects runs of a planned batch, but a search draws its runs as it goes: name "
+                           "the notebooks or frameworks to search in the experiment file instead")
 
 
 def _search(the_plan: Plan, backend: Backend, share: Share, source: object, result: SubmitResult, force: bool,
