@@ -14,7 +14,7 @@ from support.waiting import wait_until
 from nbbatch.api import submit
 from nbbatch.errors import NbbatchError, SpecError
 from nbbatch.spec.experiment import Experiment
-from nbbatch.store.runfiles import load_records
+from nbbatch.store.runfiles import load_records, read_record_or_none
 from nbbatch.store.share import FileShare
 from nbbatch.ui.cli import main
 
@@ -211,6 +211,40 @@ def test_a_search_whose_driver_was_killed_resumes_the_same_study(project, write_
     for trial in before.trials:  # each trial kept the parameters it had drawn
         assert after.trials[trial.number].params == trial.params
     assert sorted(r.trial["number"] for r in result.records) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.kernel
+def test_cancelling_the_experiment_stops_the_search_and_submit_resumes_it(project, write_experiment):
+    """`nbbatch cancel EXPERIMENT` mid-search: the driver starts no more trials and ends; the trial whose run the
+    cancel stopped stays open in the study (not a failed trial), and `submit` again runs it and the rest."""
+    make_notebook(project / "nb.ipynb", [LOSS_CURVE], parameters="LR = 0.1\nEPOCHS = 8\nPAUSE = 0.4")
+    block = {"metric": "loss", "mode": "min", "trials": 4, "sampler": "random", "seed": 5,
+             "params": {"LR": {"loguniform": [1.0e-4, 1.0]}}}
+    exp = write_experiment(json.dumps({"experiment": "cx", "notebooks": ["nb.ipynb"], "search": block,
+                                       "resources": {"max_parallel": 1}}))
+    share = FileShare(project / "results")
+    driver = subprocess.Popen([sys.executable, "-m", "nbbatch", "submit", str(exp)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: any(r.status == "succeeded" for r in load_records(share, "cx")[0])
+                   and any(r.status == "running" for r in load_records(share, "cx")[0]),
+                   timeout=180, message="one trial told and the next running", interval=0.2)
+        assert main(["cancel", "cx"]) == 0
+        assert driver.wait(120) == 1  # it ended by itself, its runs not all succeeded
+    finally:
+        driver.kill()
+    said = driver.stderr.read()
+    assert "the experiment was cancelled: no more trials start" in said, said
+    study = _study(project, "cx", "nb")
+    states = [t.state.name for t in study.trials]  # told up to the one the cancel stopped, and no trial after it
+    assert states[-1] == "RUNNING" and set(states[:-1]) == {"COMPLETE"} and len(states) < 4, states
+    number, stopped = len(states) - 1, study.trials[-1].user_attrs["run_id"]
+    assert read_record_or_none(share, "cx", stopped).status == "cancelled"
+    result = submit(exp, progress=False)
+    assert result.ok and len(result.records) == 4, [(r.run_id, r.status, r.error) for r in result.records]
+    study = _study(project, "cx", "nb")
+    assert [t.state.name for t in study.trials] == ["COMPLETE"] * 4
+    assert study.trials[number].user_attrs["run_id"] == stopped  # the same trial, run again
 
 
 @pytest.mark.slow

@@ -39,7 +39,13 @@ from nbbatch.search.study import (
 from nbbatch.spec.search import Search
 from nbbatch.store.jsonl import JsonlTail
 from nbbatch.store.layout import run_paths
-from nbbatch.store.runfiles import StopRequest, clear_run_cancels, read_record_or_none, write_record
+from nbbatch.store.runfiles import (
+    StopRequest,
+    cancel_requested,
+    clear_run_cancels,
+    read_record_or_none,
+    write_record,
+)
 from nbbatch.store.runjson import ErrorKind, RunRecord, Status
 from nbbatch.store.share import Share, poll_interval
 
@@ -90,6 +96,7 @@ class SearchDriver:
         self.parallel = max(1, options.max_parallel or getattr(getattr(backend, "settings", None), "max_parallel", None)
                             or backend.compute().slots or 1)
         self.studies: list[_Study] = []
+        self.cancelled = False  # the experiment was cancelled: see _note_cancel
 
     # --- the loop ---------------------------------------------------------------------------------------
 
@@ -107,8 +114,10 @@ class SearchDriver:
                 for study in self.studies:
                     for trial in list(study.running.values()):
                         self._watch(study, trial)
-                if self.backend.capabilities.detached and time.monotonic() >= synced + self.sync_s:
-                    self.backend.sync(self.experiment, self.share, [t.run.run_id for t in self._in_flight()])
+                if time.monotonic() >= synced + self.sync_s:
+                    self._note_cancel()
+                    if self.backend.capabilities.detached:
+                        self.backend.sync(self.experiment, self.share, [t.run.run_id for t in self._in_flight()])
                     synced = time.monotonic()
                 time.sleep(self.poll)
         except KeyboardInterrupt:
@@ -127,8 +136,18 @@ class SearchDriver:
         return any(s.running or self._left(s) > 0 and not self._halted() for s in self.studies)
 
     def _halted(self) -> bool:
-        """Whether this driver must start no more runs (another driver took the experiment's lease over)."""
-        return self.options.halt is not None and self.options.halt.is_set()
+        """Whether this driver must start no more runs (the experiment was cancelled, or another driver took its
+        lease over)."""
+        return self.cancelled or self.options.halt is not None and self.options.halt.is_set()
+
+    def _note_cancel(self) -> bool:
+        """Whether the whole experiment was cancelled (``nbbatch cancel EXPERIMENT``): the search starts no more
+        trials, and those whose runs the cancel stopped stay open in the study, to run again when it resumes."""
+        if not self.cancelled and cancel_requested(self.share, self.experiment):
+            self.cancelled = True
+            self.say("the experiment was cancelled: no more trials start; submit again to resume the search (the "
+                     "trials the cancel stopped run again)")
+        return self.cancelled
 
     def _in_flight(self) -> list[_Trial]:
         return [t for s in self.studies for t in s.running.values()]
@@ -261,6 +280,9 @@ class SearchDriver:
     def _end(self, study: _Study, trial: _Trial, record: RunRecord | None) -> None:
         state = optuna_module().trial.TrialState
         del study.running[trial.number]
+        if record is not None and record.status == Status.CANCELLED and self._note_cancel():
+            self.say(f"trial {trial.number} of {study.label}: run {record.run_id} cancelled with the experiment")
+            return  # not told: the trial runs again when the search resumes
         metric = self.search.metric
         if record is None:  # the backend refused to start it
             study.study.tell(trial.trial, state=state.FAIL)
