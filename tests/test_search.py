@@ -178,26 +178,35 @@ def _study(project, experiment: str, label: str):
     return optuna.load_study(study_name=f"{experiment}/{label}", storage=JournalStorage(JournalFileBackend(str(path))))
 
 
+def _driver_under_way(project, write_experiment, name: str, trials: int, seed: int, parallel: int, told: int):
+    """`nbbatch submit` of a random search of the tiny notebook in a process of its own, once ``told`` of its runs
+    succeeded and another is running: (experiment file, share, driver process)."""
+    make_notebook(project / "nb.ipynb", [LOSS_CURVE], parameters="LR = 0.1\nEPOCHS = 8\nPAUSE = 0.4")
+    block = {"metric": "loss", "mode": "min", "trials": trials, "sampler": "random", "seed": seed,
+             "params": {"LR": {"loguniform": [1.0e-4, 1.0]}}}
+    exp = write_experiment(json.dumps({"experiment": name, "notebooks": ["nb.ipynb"], "search": block,
+                                       "resources": {"max_parallel": parallel}}))
+    share = FileShare(project / "results")
+    driver = subprocess.Popen([sys.executable, "-m", "nbbatch", "submit", str(exp)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: sum(r.status == "succeeded" for r in load_records(share, name)[0]) >= told
+                   and any(r.status == "running" for r in load_records(share, name)[0]),
+                   timeout=180, message=f"{told} trial(s) told and one running", interval=0.2)
+    except BaseException:
+        driver.kill()
+        raise
+    return exp, share, driver
+
+
 @pytest.mark.kernel
 def test_a_search_whose_driver_was_killed_resumes_the_same_study(project, write_experiment):
     """The driver is killed (SIGKILL) with trials told and runs in flight; `submit` again goes on with the same
     study: the runs the dead driver left are run again under their trials, no trial is lost or asked twice, and the
     budget is the one given."""
-    make_notebook(project / "nb.ipynb", [LOSS_CURVE], parameters="LR = 0.1\nEPOCHS = 8\nPAUSE = 0.4")
-    block = {"metric": "loss", "mode": "min", "trials": 5, "sampler": "random", "seed": 7,
-             "params": {"LR": {"loguniform": [1.0e-4, 1.0]}}}
-    exp = write_experiment(json.dumps({"experiment": "again", "notebooks": ["nb.ipynb"], "search": block,
-                                       "resources": {"max_parallel": 2}}))
-    share = FileShare(project / "results")
-    driver = subprocess.Popen([sys.executable, "-m", "nbbatch", "submit", str(exp)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
-    try:
-        wait_until(lambda: sum(r.status == "succeeded" for r in load_records(share, "again")[0]) >= 2
-                   and any(r.status == "running" for r in load_records(share, "again")[0]),
-                   timeout=180, message="two trials told and one running", interval=0.2)
-    finally:
-        driver.kill()
-        driver.wait(30)
+    exp, _share, driver = _driver_under_way(project, write_experiment, "again", trials=5, seed=7, parallel=2, told=2)
+    driver.kill()
+    driver.wait(30)
     before = _study(project, "again", "nb")
     told = [t.number for t in before.trials if t.state.is_finished()]
     in_flight = [t.number for t in before.trials if t.state.name == "RUNNING"]
@@ -217,18 +226,8 @@ def test_a_search_whose_driver_was_killed_resumes_the_same_study(project, write_
 def test_cancelling_the_experiment_stops_the_search_and_submit_resumes_it(project, write_experiment):
     """`nbbatch cancel EXPERIMENT` mid-search: the driver starts no more trials and ends; the trial whose run the
     cancel stopped stays open in the study (not a failed trial), and `submit` again runs it and the rest."""
-    make_notebook(project / "nb.ipynb", [LOSS_CURVE], parameters="LR = 0.1\nEPOCHS = 8\nPAUSE = 0.4")
-    block = {"metric": "loss", "mode": "min", "trials": 4, "sampler": "random", "seed": 5,
-             "params": {"LR": {"loguniform": [1.0e-4, 1.0]}}}
-    exp = write_experiment(json.dumps({"experiment": "cx", "notebooks": ["nb.ipynb"], "search": block,
-                                       "resources": {"max_parallel": 1}}))
-    share = FileShare(project / "results")
-    driver = subprocess.Popen([sys.executable, "-m", "nbbatch", "submit", str(exp)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
+    exp, share, driver = _driver_under_way(project, write_experiment, "cx", trials=4, seed=5, parallel=1, told=1)
     try:
-        wait_until(lambda: any(r.status == "succeeded" for r in load_records(share, "cx")[0])
-                   and any(r.status == "running" for r in load_records(share, "cx")[0]),
-                   timeout=180, message="one trial told and the next running", interval=0.2)
         assert main(["cancel", "cx"]) == 0
         assert driver.wait(120) == 1  # it ended by itself, its runs not all succeeded
     finally:
