@@ -286,3 +286,38 @@ def test_atomic_path_replaces_files_and_folders_whole_and_leaves_nothing_on_fail
         tmp.mkdir()
         raise RuntimeError("killed mid-save")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.keras", "saved"]  # no temporary left
+
+
+def test_background_writer_writes_in_order_one_at_a_time_and_reports_a_failed_write(tmp_path):
+    import threading
+
+    from nbbatch.artifacts import BackgroundWriter
+
+    target, release, seen = tmp_path / "checkpoint.pt", threading.Event(), []
+
+    def slow(version):
+        def write(tmp):
+            release.wait(30)  # held until the caller has asked for the next write
+            assert not tmp.exists() and tmp.parent == tmp_path
+            tmp.write_text(version)
+            seen.append(version)
+        return write
+
+    writer = BackgroundWriter()
+    writer.write(target, slow("epoch 1"))
+    assert not target.exists()  # the call returned while the write waits: training would go on meanwhile
+    release.set()
+    writer.write(target, slow("epoch 2"))  # waits for epoch 1's write first
+    writer.wait()
+    assert seen == ["epoch 1", "epoch 2"] and target.read_text() == "epoch 2"
+
+    def broken(tmp):
+        tmp.write_text("half")
+        raise OSError("disk full")
+
+    writer.write(target, broken)
+    with pytest.raises(OSError, match="disk full"):
+        writer.wait()
+    assert target.read_text() == "epoch 2"  # the failed write left the last checkpoint whole, and no temporary
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+    writer.wait()  # the failure was reported once

@@ -13,6 +13,8 @@ Outside nbbatch (a notebook opened by hand) ``output_dir()`` is ``./outputs`` an
 is None: nothing to resume from, nothing kept. Write checkpoints with :func:`atomic_path`, so a kernel
 killed mid-write leaves the previous checkpoint whole. :func:`write_file_atomic` is the same write for bytes
 in hand, and the one every part of nbbatch uses for local files (the lowest layer, so the kernel side can too).
+:class:`BackgroundWriter` does such writes in a thread of their own, so that training goes on while a checkpoint
+is written.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 OUTPUT_DIR_ENV = "NBBATCH_OUTPUT_DIR"
@@ -63,6 +66,37 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
     """
     with _replaced_whole(Path(target), keep_suffix=True) as tmp:
         yield tmp
+
+
+class BackgroundWriter:
+    """Writes files in one background thread, one at a time and in the order asked, each through :func:`atomic_path`.
+
+    ``writer.write(ckpt, lambda tmp: torch.save(state, tmp))`` returns at once: the next epoch trains while
+    the file is written. ``state`` must be a copy that training does not change (tensors copied to the host).
+    A write waits for the one before it; :meth:`wait` waits for the last, and raises the error of a failed write
+    (so does the next :meth:`write`). Call :meth:`wait` before the notebook relies on the file being there.
+    """
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbbatch-writer")
+        self._last: Future[None] | None = None
+
+    def write(self, target: str | os.PathLike[str], write: Callable[[Path], object]) -> None:
+        """Have ``write(tmp)`` write ``target``'s new content to ``tmp`` in the background; renamed over ``target``
+        when it returns."""
+        self.wait()
+        self._last = self._pool.submit(self._write, Path(target), write)
+
+    def wait(self) -> None:
+        """Wait until the last write is done (renamed into place); raise its error if it failed."""
+        last, self._last = self._last, None
+        if last is not None:
+            last.result()
+
+    @staticmethod
+    def _write(target: Path, write: Callable[[Path], object]) -> None:
+        with atomic_path(target) as tmp:
+            write(tmp)
 
 
 def write_file_atomic(target: str | os.PathLike[str], data: bytes, mode: int = 0o600) -> None:

@@ -9,6 +9,8 @@ jupyter_client's kernel manager and client with these changes (kernels started a
   until the driver handles it (:class:`_IOPubChannel`): a kernel printing faster than the driver handles
   neither fills the driver's memory nor, in short bursts, loses lines.
 * A killed kernel is reaped in milliseconds, not on jupyter_client's 0.1-s poll (:class:`BatchKernelManager`).
+* A kernel whose environment has ``NBBATCH_CPUS`` (a rank's cores) runs on those cores only
+  (:class:`BatchKernelManager`, :mod:`nbbatch.execute.affinity`).
 * A kernel is reached over Unix sockets (ZeroMQ ``ipc``), not localhost TCP, where the platform has
   them (:func:`kernel_transport`): no port other local users could connect to, and no ipykernel
   warning about unencrypted TCP at the top of every run's log. Its sockets and connection file live
@@ -45,6 +47,9 @@ from jupyter_client.manager import AsyncKernelManager
 from jupyter_core.utils import run_sync
 from traitlets import DottedObjectName, Type, default
 
+from nbbatch.errors import NbbatchError
+from nbbatch.execute.affinity import CPUS_VARIABLE, parse_cpu_list, pin_process
+
 # A kernel's output the driver has received but not handled yet: at most this many bytes (see _IOPubChannel),
 # and this many messages in ZeroMQ's own queue (its default, 1000, is 1 GiB of 1-MiB lines).
 IOPUB_BUFFER_BYTES = 16 << 20
@@ -56,6 +61,7 @@ _SOCKET_NAME = "k"  # the kernel binds <folder>/k-1 … k-5
 _FOLDER_PREFIX = "nbbatch-k"
 _FOLDER_LEN = len(os.sep + _FOLDER_PREFIX + "x" * 8 + os.sep + _SOCKET_NAME + "-99")  # mkdtemp adds 8 characters
 logger = logging.getLogger(__name__)
+_pin_warned = threading.Event()  # a kernel that could not be pinned is said once per driver, not once per kernel
 
 
 def kernel_transport() -> str:
@@ -295,6 +301,7 @@ class BatchKernelManager(AsyncKernelManager):
             with contextlib.suppress(Exception):
                 await _reap(self)
             raise
+        pin_kernel(self, kw.get("env") or {})
 
     start_kernel = _async_start_kernel  # type: ignore[assignment]  # AsyncKernelManager binds the base's
 
@@ -315,6 +322,25 @@ class BatchKernelManager(AsyncKernelManager):
         while await self._async_is_alive():
             await asyncio.sleep(step)
             step = min(step * 2, pollinterval)
+
+
+def pin_kernel(km: Any, env: dict[str, str]) -> None:
+    """Pin the kernel process of ``km`` to the cores ``NBBATCH_CPUS`` in its environment ``env`` names, if any.
+
+    Without ``sched_setaffinity`` (not Linux) or a local kernel process (another provisioner) nothing is pinned. A
+    malformed value, a kernel already gone, or cores this process may not use leave the kernel unpinned, with a
+    warning (once per driver): pinning is an optimization, never a reason for a run to fail.
+    """
+    value = env.get(CPUS_VARIABLE, "").strip()
+    pid = getattr(getattr(getattr(km, "provisioner", None), "process", None), "pid", None)
+    if not value or pid is None or not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        pin_process(pid, parse_cpu_list(value))
+    except (NbbatchError, OSError, OverflowError) as exc:
+        log = logger.debug if _pin_warned.is_set() else logger.warning
+        _pin_warned.set()
+        log("kernel %s is not pinned to the cores %s=%s names: %s", pid, CPUS_VARIABLE, value, exc)
 
 
 def kill_kernel_group(km: Any) -> None:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from nbbatch.errors import NbbatchError
+from nbbatch.execute.affinity import CPUS_VARIABLE, CpuBlocks, format_cpu_list, node_cpu_blocks
 from nbbatch.plan.runs import Run
 
 CONTRACT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -67,9 +68,15 @@ def local_placements(run: Run) -> list[NodePlacement]:
     return [NodePlacement(n, endpoints) for n in range(len(endpoints))]
 
 
-def rank_env(run: Run, placement: NodePlacement, local_rank: int) -> dict[str, str]:
+def rank_env(run: Run, placement: NodePlacement, local_rank: int,
+             cpu_blocks: CpuBlocks | None = None) -> dict[str, str]:
     """The environment of one rank: torchrun's variables (also with an ``NBBATCH_`` prefix), and by type
-    ``JAX_COORDINATOR_ADDRESS`` or ``TF_CONFIG``."""
+    ``JAX_COORDINATOR_ADDRESS`` or ``TF_CONFIG``; ``NBBATCH_CPUS``, the cores the rank is pinned to (if any), and
+    ``OMP_NUM_THREADS``, its share of them (or of the node's).
+
+    ``cpu_blocks`` are every local rank's cores (:func:`~nbbatch.execute.affinity.node_cpu_blocks`); None or
+    empty: none pinned.
+    """
     d = run.distribution
     assert d is not None
     per_node = d.processes_per_node
@@ -78,14 +85,24 @@ def rank_env(run: Run, placement: NodePlacement, local_rank: int) -> dict[str, s
                                  placement.node_rank, host, port), strict=True))
     env = {name: str(value) for name, value in values.items()}
     env.update({f"NBBATCH_{name}": value for name, value in list(env.items())})
-    if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in run.env:  # as torchrun: ranks share the cores
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // per_node))
+    cpu_blocks = cpu_blocks or ()
+    cpus = cpu_blocks[local_rank] if local_rank < len(cpu_blocks) else frozenset()
+    if cpus:
+        env[CPUS_VARIABLE] = format_cpu_list(cpus)
+    if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in run.env:  # ranks share the cores
+        sharing = sum(block == cpus for block in cpu_blocks) if cpus else per_node
+        env["OMP_NUM_THREADS"] = str(max(1, (len(cpus) or os.cpu_count() or 1) // sharing))
     if d.type == "jax":
         env["JAX_COORDINATOR_ADDRESS"] = placement.endpoints[0]
     elif d.type == "tensorflow":  # one worker per node (processes_per_node is 1), each on its node's endpoint
         env["TF_CONFIG"] = json.dumps({"cluster": {"worker": list(placement.endpoints)},
                                        "task": {"type": "worker", "index": placement.node_rank}})
     return env
+
+
+def _pinned_by_user(run: Run) -> bool:
+    """Whether the environment or the experiment's ``env:`` says where kernels run (an empty value: unpinned)."""
+    return CPUS_VARIABLE in os.environ or CPUS_VARIABLE in run.env
 
 
 def placement_from_env(run: Run, environ: Mapping[str, str],
@@ -111,10 +128,12 @@ def placement_from_env(run: Run, environ: Mapping[str, str],
     return local_placements(run)[0]
 
 
-def ranks_of(run: Run, placement: NodePlacement) -> list[Rank]:
-    """The ranks the launcher at ``placement`` starts."""
+def ranks_of(run: Run, placement: NodePlacement, gpu_ids: Sequence[int] | None = None) -> list[Rank]:
+    """The ranks the launcher at ``placement`` starts; ``gpu_ids`` are the node's GPUs (NVML indices, the kernels'
+    ``CUDA_VISIBLE_DEVICES``), local rank ``r`` using the ``r``-th: its cores are those near it."""
     assert run.distribution is not None
     per_node = run.distribution.processes_per_node
     locals_ = placement.local_ranks if placement.local_ranks is not None else tuple(range(per_node))
+    blocks = () if _pinned_by_user(run) else node_cpu_blocks(per_node, gpu_ids)  # NVML asked once for the node
     return [Rank(placement.node_rank * per_node + local, local, placement.node_rank, run.world_size,
-                 rank_env(run, placement, local)) for local in locals_]
+                 rank_env(run, placement, local, blocks)) for local in locals_]

@@ -86,7 +86,7 @@ class _Node:
         return self.records[rank.rank]
 
     def execute(self) -> RunRecord:
-        ranks = ranks_of(self.run, self.placement)
+        ranks = ranks_of(self.run, self.placement, self.context.gpu_ids)
         try:
             folders = RunFolders(self.run, self.share, input_paths=self.context.input_paths,
                                  project_root=self.context.project_root)
@@ -125,7 +125,7 @@ class _Node:
                 port_retries -= 1
                 assert self.context.new_endpoints is not None
                 self.placement = replace(self.placement, endpoints=self.context.new_endpoints())
-                ranks = ranks_of(self.run, self.placement)
+                ranks = ranks_of(self.run, self.placement, self.context.gpu_ids)
             else:
                 attempts_left -= 1
 
