@@ -14,8 +14,8 @@ Each round runs, for every framework and GPU count N, the framework's notebook t
   else N ranks of one GPU each (torch, DDP over NCCL) or one process over N GPUs (JAX). It writes a checkpoint
   every epoch, as any run under nbbatch does.
 
-``--unpinned`` adds a third run of the torch notebooks at N > 1 with ``NBBATCH_CPUS`` empty (ranks not pinned
-to their cores), to measure what pinning buys.
+``--variant LABEL:NAME=VALUE`` adds a distributed run through nbbatch with that variable in the
+experiment's ``env:`` (``unpinned:NBBATCH_CPUS=``: ranks not pinned; ``omp1:OMP_NUM_THREADS=1``: as torchrun).
 
 The speed is ``images_per_second`` as rank 0 measures it: every rank's images, leaving out the first epoch.
 Every N trains about as long: ``--epochs`` at one GPU, N times as many at N GPUs (``--same-epochs``: not so).
@@ -72,7 +72,7 @@ def experiment_for(name: str, gpus: int, cpu_ranks: int, parameters: dict, folde
     if ranks > 1:
         per_node = ranks if kind == "torch" else 1
         resources = Resources.of(kind, gpus_per_node=gpus, processes_per_node=per_node)
-    label = f"{name}-{gpus}gpu-{cpu_ranks}cpu" + ("-unpinned" if env else "")
+    label = re.sub(r"[^a-z0-9]+", "-", f"{name}-{gpus}gpu-{cpu_ranks}cpu-{env}".lower()).strip("-")
     return Experiment(name=label, base_dir=folder, share=str(folder / "results"),
                       notebooks=[NotebookEntry(framework.notebook, framework.kernel_name, name)],
                       parameters=parameters, backend=backend, resources=resources, env=env)
@@ -189,7 +189,9 @@ def main() -> None:
     parser.add_argument("--same-epochs", action="store_true", help="--epochs at every GPU count")
     parser.add_argument("--train-images", type=int, default=50_000)
     parser.add_argument("--batchsize", type=int, default=512, help="per GPU")
-    parser.add_argument("--unpinned", action="store_true", help="also torch notebooks through nbbatch, unpinned")
+    parser.add_argument("--variant", action="append", default=[], metavar="LABEL:NAME=VALUE",
+                        help="one more distributed run through nbbatch, with this variable in the experiment's "
+                             "env: (e.g. unpinned:NBBATCH_CPUS= or omp1:OMP_NUM_THREADS=1)")
     parser.add_argument("--no-raw", action="store_true", help="nbbatch only")
     parser.add_argument("--raw-only-at-baseline", action="store_true",
                         help="at the first GPU count only the raw run (the speed-ups' baseline)")
@@ -197,6 +199,7 @@ def main() -> None:
     parser.add_argument("--cpu-ranks", type=int, default=0, help="CPU ranks over gloo on digits instead of GPUs")
     args = parser.parse_args()
     names = args.frameworks.split(",")
+    variants = {label: dict([setting.split("=", 1)]) for label, _, setting in (v.partition(":") for v in args.variant)}
     folder = Path(tempfile.mkdtemp(prefix="nbbatch-bench-distributed-"))
     os.environ["NBBATCH_PROJECT"] = str(folder)
     (folder / ".nbbatch").mkdir()
@@ -237,9 +240,10 @@ def main() -> None:
                 if count != counts[0] or not args.raw_only_at_baseline:
                     runs.append(("nbbatch", partial(nbbatch_run, name, parameters=parameters, folder=folder,
                                                     backend=backend, **ranks)))
-                if args.unpinned and KIND[name] == "torch" and count > 1:
-                    runs.append(("nbbatch-unpinned", partial(nbbatch_run, name, parameters=parameters, folder=folder,
-                                                             backend=backend, env={"NBBATCH_CPUS": ""}, **ranks)))
+                for label, env in variants.items():
+                    if count > 1:
+                        runs.append((f"nbbatch-{label}", partial(nbbatch_run, name, parameters=parameters,
+                                                                  folder=folder, backend=backend, env=env, **ranks)))
                 raw_speed = None
                 for launcher, go in runs:
                     got = go()

@@ -72,7 +72,7 @@ def rank_env(run: Run, placement: NodePlacement, local_rank: int,
              cpu_blocks: CpuBlocks | None = None) -> dict[str, str]:
     """The environment of one rank: torchrun's variables (also with an ``NBBATCH_`` prefix), and by type
     ``JAX_COORDINATOR_ADDRESS`` or ``TF_CONFIG``; ``NBBATCH_CPUS``, the cores the rank is pinned to (if any), and
-    ``OMP_NUM_THREADS``, its share of them (or of the node's).
+    ``OMP_NUM_THREADS``, its share of them (or of the node's) where ranks share the node.
 
     ``cpu_blocks`` are every local rank's cores (:func:`~nbbatch.execute.affinity.node_cpu_blocks`); None or
     empty: none pinned.
@@ -89,7 +89,9 @@ def rank_env(run: Run, placement: NodePlacement, local_rank: int,
     cpus = cpu_blocks[local_rank] if local_rank < len(cpu_blocks) else frozenset()
     if cpus:
         env[CPUS_VARIABLE] = format_cpu_list(cpus)
-    if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in run.env:  # ranks share the cores
+    # Ranks that share the node's cores share them out. One process per node keeps the default, as an ordinary run:
+    # JAX over 2 GPUs ran 5-10 % slower with OMP_NUM_THREADS set to every core (docs/benchmarks.md §17).
+    if per_node > 1 and "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in run.env:
         sharing = sum(block == cpus for block in cpu_blocks) if cpus else per_node
         env["OMP_NUM_THREADS"] = str(max(1, (len(cpus) or os.cpu_count() or 1) // sharing))
     if d.type == "jax":
