@@ -189,10 +189,17 @@ def _driver_under_way(project, write_experiment, name: str, trials: int, seed: i
     share = FileShare(project / "results")
     driver = subprocess.Popen([sys.executable, "-m", "nbbatch", "submit", str(exp)], stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
+
+    def under_way() -> bool:  # told in the study itself: a run's record says succeeded before the driver tells it
+        try:
+            states = [t.state.name for t in _study(project, name, "nb").trials]
+        except (FileNotFoundError, KeyError):  # the driver has not created the study yet
+            return False
+        return (sum(state == "COMPLETE" for state in states) >= told and "RUNNING" in states
+                and any(r.status == "running" for r in load_records(share, name)[0]))
+
     try:
-        wait_until(lambda: sum(r.status == "succeeded" for r in load_records(share, name)[0]) >= told
-                   and any(r.status == "running" for r in load_records(share, name)[0]),
-                   timeout=180, message=f"{told} trial(s) told and one running", interval=0.2)
+        wait_until(under_way, timeout=180, message=f"{told} trial(s) told and one running", interval=0.2)
     except BaseException:
         driver.kill()
         raise
