@@ -93,7 +93,7 @@ def write_notebook(path: Path, simulate: bool, kernel: str = "python3") -> Path:
 
 def find_gpus(simulate: int = 0) -> list:
     """This machine's GPUs: NVML (nvidia-ml-py) if installed, else ``nvidia-smi``; ``simulate`` fake ones."""
-    from nbbatch.execute.gpus import GpuInfo, detect_gpus
+    from nbbatch.backends.local.gpus import GpuInfo, detect_gpus
 
     if simulate:
         return [GpuInfo(i, "simulated GPU", 0) for i in range(simulate)]
@@ -119,7 +119,7 @@ def find_gpus(simulate: int = 0) -> list:
 def use_gpus(gpus: list, name: str = "bench-local") -> str:
     """Register a local backend placed on exactly ``gpus`` (NVML may be absent); returns its name."""
     from nbbatch.backends import register_backend
-    from nbbatch.backends.local import LocalBackend
+    from nbbatch.backends.local.backend import LocalBackend
 
     register_backend(name, lambda **settings: LocalBackend(gpus=list(gpus), **settings))
     return name

@@ -46,7 +46,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["NBBATCH_GPUS"] = args.gpus
     import nbbatch
-    from nbbatch.execute.gpus import detect_gpus
+    from nbbatch.backends.local.gpus import detect_gpus
 
     print("GPUs:", ", ".join(f"{g.index}: {g.name}" for g in detect_gpus()))
     print("\n| case | run | CUDA_VISIBLE_DEVICES | device seen (PCI bus) | util mean / max % | memory max MB |")

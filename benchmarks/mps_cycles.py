@@ -74,7 +74,7 @@ class Warnings(logging.Handler):
 
 def keep_control_logs(folder: Path) -> None:
     """Save each daemon's control.log once it is stopped, before its folder is removed."""
-    from nbbatch.execute.mps import MpsDaemon
+    from nbbatch.backends.local.mps import MpsDaemon
 
     stop = MpsDaemon._stop
 
@@ -106,7 +106,7 @@ def main() -> None:
     import nbbatch
 
     warned = Warnings()
-    logging.getLogger("nbbatch.execute.mps").addHandler(warned)
+    logging.getLogger("nbbatch.backends.local.mps").addHandler(warned)
     succeeded, leftovers = 0, []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -41,7 +41,7 @@ EXTRA_LOADERS = ("nbbatch.results.compare", "nbbatch.results.diff", "nbbatch.res
 # nbbatch.api` and the widgets) start without it: the notebook runtime (papermill, nbclient, jupyter_client: when a
 # command runs a notebook; tests/test_cli.py checks it) and jsonschema, also under nbformat's validator (its format
 # checkers import rfc3987_syntax, which builds a grammar: when an experiment or a notebook is validated).
-SLOW_TO_IMPORT = ("papermill", "nbclient", "jupyter_client", "jsonschema", "nbformat", "nbbatch.execute.attempt",
+SLOW_TO_IMPORT = ("papermill", "nbclient", "jupyter_client", "jsonschema", "nbformat", "nbbatch.execute.attempts",
                   "nbbatch.execute.engine")
 FAST_STARTING = ("nbbatch.api", "nbbatch.ui", "nbbatch.plan", "nbbatch.spec.schema")
 

@@ -20,7 +20,7 @@ from support.notebooks import make_notebook
 
 from nbbatch.containers.images import image_spec, image_spec_args, instructions, stage_context
 from nbbatch.errors import ValidationError
-from nbbatch.execute.attempt import execute_run
+from nbbatch.execute.attempts import execute_run
 from nbbatch.execute.context import AttemptContext
 from nbbatch.plan.runs import Run
 from nbbatch.spec.frameworks import DISTRIBUTION_PACKAGES, list_frameworks
@@ -202,7 +202,7 @@ def test_an_azure_ml_jobs_kernel_sees_the_run_token_only_with_tracking(project, 
 
 def test_tracking_none_strips_mlflow_and_the_run_token_from_a_kernel_and_a_container(project, monkeypatch):
     from nbbatch.containers.runner import passed_variables
-    from nbbatch.execute.attempt import kernel_launch
+    from nbbatch.execute.attempts import kernel_launch
 
     make_notebook(project / "nb.ipynb", ["pass"])
     for name, value in AZUREML_JOB_ENV.items():

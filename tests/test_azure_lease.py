@@ -294,7 +294,7 @@ def test_lease_errors_other_than_contention_raise(a, server):
 def test_partial_uploads_of_a_dead_writer_are_removed_when_the_run_starts_again(a, server, tmp_path):
     from support.notebooks import make_notebook
 
-    from nbbatch.execute.attempt import execute_run
+    from nbbatch.execute.attempts import execute_run
     from nbbatch.plan.runs import Run
 
     a.write_bytes("exp/r1/run.json.keep", b"not ours to touch")

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import pytest
 
 from nbbatch.backends import Backend, Compute, get_backend
-from nbbatch.backends.local import LocalBackend, LocalSettings
+from nbbatch.backends.local.backend import LocalBackend, LocalSettings
 from nbbatch.backends.settings import Setting, setting, setting_table
 from nbbatch.errors import BackendError
 

@@ -18,7 +18,7 @@ from support.shares import ShareDouble
 
 import nbbatch
 from nbbatch.backends import SubmitOptions, get_backend
-from nbbatch.backends.local import LocalBackend
+from nbbatch.backends.local.backend import LocalBackend
 from nbbatch.containers import engines
 from nbbatch.containers.engines import CA_MOUNT, Docker, Podman, build_ca_bundle, find_engine
 from nbbatch.containers.images import (

@@ -18,7 +18,7 @@ from support.notebooks import RANK_HELLOS, make_notebook
 from support.processes import kernels_of
 
 from nbbatch.api import logs, submit
-from nbbatch.backends import local as local_module
+from nbbatch.backends.local import backend as local_module
 from nbbatch.backends.placement import azureml_placement, placement_reader
 from nbbatch.errors import NbbatchError, SpecError, ValidationError
 from nbbatch.execute.placement import CONTRACT, NodePlacement, placement_from_env, rank_env
@@ -338,8 +338,8 @@ def test_the_pytorch_notebook_trains_over_two_gloo_ranks_to_identical_weights(py
 @pytest.mark.kernel
 def test_each_node_gets_its_own_gpus_and_every_rank_sees_all_of_them(project, ranks_notebook, write_experiment,
                                                                        monkeypatch):
-    from nbbatch.backends import local
-    from nbbatch.execute.gpus import GpuInfo
+    from nbbatch.backends.local import backend as local
+    from nbbatch.backends.local.gpus import GpuInfo
 
     monkeypatch.setattr(local, "detect_gpus", lambda: [GpuInfo(i, f"Fake {i}", 1000) for i in range(4)])
     monkeypatch.setenv("NBBATCH_SIMULATE_NODES", "1")

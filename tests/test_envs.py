@@ -11,10 +11,10 @@ import pytest
 from support.notebooks import make_notebook
 
 from nbbatch.api import submit
-from nbbatch.backends import local
+from nbbatch.backends.local import backend as local
+from nbbatch.backends.local.gpus import GpuInfo
 from nbbatch.errors import EnvironmentNotReady
 from nbbatch.execute.envs import build_env, env_status, remove_env
-from nbbatch.execute.gpus import GpuInfo
 from nbbatch.spec.frameworks import get_framework
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

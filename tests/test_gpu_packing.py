@@ -14,9 +14,9 @@ from support.notebooks import make_notebook
 from support.processes import kernels_of
 
 from nbbatch.api import submit
+from nbbatch.backends.local import gpus as gpus_module
+from nbbatch.backends.local.gpus import AUTO, GpuInfo, MemoryNeeds, SlotPool, auto_cap, is_gpu_oom
 from nbbatch.errors import SpecError, ValidationError
-from nbbatch.execute import gpus as gpus_module
-from nbbatch.execute.gpus import AUTO, GpuInfo, MemoryNeeds, SlotPool, auto_cap, is_gpu_oom
 from nbbatch.plan.runs import Run
 from nbbatch.spec.experiment import Experiment
 from nbbatch.store.runfiles import write_record
@@ -146,7 +146,7 @@ def test_runs_per_gpu_is_auto_unless_a_number_is_given(tmp_path):
 
 @pytest.fixture
 def one_gpu(monkeypatch):
-    from nbbatch.backends import local
+    from nbbatch.backends.local import backend as local
 
     monkeypatch.setattr(local, "detect_gpus", lambda: [_gpu(0, memory=1_000)])
     monkeypatch.setattr(gpus_module, "auto_cap", lambda count, cpus=None: 8)  # not the CI machine's 2 cores
@@ -256,7 +256,7 @@ PRINT_DEVICES = "import os, time; print('DEVICES=' + os.environ['CUDA_VISIBLE_DE
 
 @pytest.mark.kernel
 def test_kernels_started_ahead_of_gpu_runs_see_the_gpus_their_runs_got(project, write_experiment, monkeypatch):
-    from nbbatch.backends import local
+    from nbbatch.backends.local import backend as local
 
     monkeypatch.setattr(local, "detect_gpus", lambda: [_gpu(0), _gpu(1)])
     make_notebook(project / "nb.ipynb", [PRINT_DEVICES])
@@ -291,7 +291,7 @@ def test_run_json_of_a_cpu_run_says_nothing_of_gpu_sharing(project, write_experi
 
 def test_gpu_runs_on_an_exclusive_process_gpu_are_refused_a_fixed_share_without_mps(project, write_experiment,
                                                                                     monkeypatch):
-    from nbbatch.backends import local
+    from nbbatch.backends.local import backend as local
 
     monkeypatch.setattr(local, "detect_gpus", lambda: [_gpu(0, mode="exclusive_process")])
     make_notebook(project / "nb.ipynb", ["pass"])

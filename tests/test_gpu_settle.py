@@ -20,11 +20,11 @@ from support.nvml import FakeNvml
 from support.waiting import wait_until
 
 from nbbatch.backends.base import SubmitOptions
-from nbbatch.backends.local import LocalBackend
-from nbbatch.backends.local_scheduler import SETTLE_QUIET_S, LocalScheduler
-from nbbatch.execute import gpus as gpus_module
+from nbbatch.backends.local import gpus as gpus_module
+from nbbatch.backends.local.backend import LocalBackend
+from nbbatch.backends.local.gpus import AUTO, HEADROOM, GpuInfo, GpuLease, MemoryNeeds, SlotPool
+from nbbatch.backends.local.scheduler import SETTLE_QUIET_S, LocalScheduler
 from nbbatch.execute import telemetry
-from nbbatch.execute.gpus import AUTO, HEADROOM, GpuInfo, GpuLease, MemoryNeeds, SlotPool
 from nbbatch.execute.telemetry import GpuSampler
 from nbbatch.plan.runs import Run
 from nbbatch.store.runfiles import new_record, read_record, write_record

@@ -12,8 +12,8 @@ import pytest
 from support.notebooks import make_notebook
 
 from nbbatch.api import submit
+from nbbatch.backends.local.gpus import GpuInfo
 from nbbatch.errors import ValidationError
-from nbbatch.execute.gpus import GpuInfo
 from nbbatch.plan.notebook import inspect_notebook
 from nbbatch.plan.runs import plan
 from nbbatch.spec.experiment import load_experiment
@@ -124,7 +124,7 @@ def _kernel_sharing(project, record) -> dict:
                                                    ("{gpus: 1, runs_per_gpu: 2}", True),
                                                    ("{gpus: 1, runs_per_gpu: 1}", False)])
 def test_the_kernel_of_any_notebook_sharing_a_gpu_gets_them(project, monkeypatch, resources, shared):
-    from nbbatch.backends import local
+    from nbbatch.backends.local import backend as local
 
     monkeypatch.setattr(local, "detect_gpus", lambda: [GpuInfo(0, "Fake", 8000)])
     make_notebook(project / "mine.ipynb", [PRINT_SHARING], kernel="python3")

@@ -143,7 +143,7 @@ def test_a_remote_share_gets_the_points_while_the_run_goes(project, monkeypatch)
     pytest.importorskip("azure.storage.fileshare")
     from fakes.azure_files_server import ACCOUNT, FAKE_KEY, FakeAzureFiles
 
-    from nbbatch.execute.attempt import execute_run
+    from nbbatch.execute.attempts import execute_run
     from nbbatch.plan.runs import Run
     from nbbatch.store.share import open_share
 
@@ -184,7 +184,7 @@ for step in range(1, 5):
 
 @pytest.mark.kernel
 def test_a_retry_continues_the_history_and_its_points_win(project):
-    from nbbatch.execute.attempt import execute_run
+    from nbbatch.execute.attempts import execute_run
     from nbbatch.plan.runs import Run
 
     died = project / "died"
@@ -222,7 +222,7 @@ def test_gpu_telemetry_streams_while_the_run_goes(project, monkeypatch):
     """NVML stands in for a GPU (FakeNvml): samples reach telemetry.jsonl and run.json's live values midway."""
     from support.nvml import FakeNvml
 
-    from nbbatch.execute.attempt import AttemptContext, execute_run
+    from nbbatch.execute.attempts import AttemptContext, execute_run
     from nbbatch.execute.telemetry import read_series
     from nbbatch.plan.runs import Run
 
@@ -251,7 +251,7 @@ def test_gpu_telemetry_streams_while_the_run_goes(project, monkeypatch):
 
 
 def test_a_kernel_gets_tracking_credentials_only_with_a_tracking_uri(project, monkeypatch):
-    from nbbatch.execute.attempt import kernel_launch
+    from nbbatch.execute.attempts import kernel_launch
     from nbbatch.plan.runs import Run
 
     make_notebook(project / "nb.ipynb", ["pass"])
@@ -322,7 +322,7 @@ while not os.path.exists(RELEASE):
 def test_a_real_gpu_run_streams_its_telemetry_and_history(project):
     pytest.importorskip("torch")
     pytest.importorskip("pynvml")
-    from nbbatch.execute.attempt import AttemptContext, execute_run
+    from nbbatch.execute.attempts import AttemptContext, execute_run
     from nbbatch.execute.telemetry import read_series
     from nbbatch.plan.runs import Run
 

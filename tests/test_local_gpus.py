@@ -7,8 +7,8 @@ from support.notebooks import make_notebook
 
 from nbbatch.api import submit
 from nbbatch.backends import get_backend
+from nbbatch.backends.local.gpus import GpuInfo, SlotPool, detect_gpus
 from nbbatch.errors import ValidationError
-from nbbatch.execute.gpus import GpuInfo, SlotPool, detect_gpus
 
 
 def _ids(lease):
@@ -61,7 +61,7 @@ def _devices(project, result):
 
 @pytest.fixture
 def fake_gpus(monkeypatch):
-    from nbbatch.backends import local
+    from nbbatch.backends.local import backend as local
 
     monkeypatch.setattr(local, "detect_gpus", lambda: list(FAKE))
 
@@ -92,7 +92,7 @@ def test_cpu_runs_see_no_gpu(project, write_experiment, fake_gpus):
 
 
 def test_gpu_runs_refused_without_gpus(project, write_experiment, monkeypatch):
-    from nbbatch.backends import local
+    from nbbatch.backends.local import backend as local
 
     monkeypatch.setattr(local, "detect_gpus", lambda: [])
     make_notebook(project / "nb.ipynb", ["pass"])

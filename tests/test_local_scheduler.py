@@ -1,6 +1,6 @@
 """The local backend's scheduler without kernels: a fake ``_execute`` writes the records, the GPUs are stand-ins.
 
-Each test drives :class:`~nbbatch.backends.local_scheduler.LocalScheduler` (or one of its decisions) in
+Each test drives :class:`~nbbatch.backends.local.scheduler.LocalScheduler` (or one of its decisions) in
 well under a second; the runs that must overlap meet at a barrier instead of sleeping.
 """
 
@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
-from nbbatch.backends import local_scheduler
 from nbbatch.backends.base import SubmitOptions
-from nbbatch.backends.local import LocalBackend
-from nbbatch.backends.local_scheduler import LocalScheduler
+from nbbatch.backends.local import scheduler as local_scheduler
+from nbbatch.backends.local.backend import LocalBackend
+from nbbatch.backends.local.gpus import GpuInfo, GpuLease
+from nbbatch.backends.local.scheduler import LocalScheduler
 from nbbatch.errors import ShareError
-from nbbatch.execute.attempt import SHARE_FAILED
-from nbbatch.execute.gpus import GpuInfo, GpuLease
+from nbbatch.execute.attempts import SHARE_FAILED
 from nbbatch.plan.runs import Run
 from nbbatch.store.runfiles import new_record, read_record, write_cancel_markers, write_record
 from nbbatch.store.runjson import ErrorKind, GpuSharing, RunError, RunRecord, Status

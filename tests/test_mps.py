@@ -1,4 +1,4 @@
-"""The private CUDA MPS daemon (nbbatch.execute.mps), against a fake `nvidia-cuda-mps-control`: no NVIDIA
+"""The private CUDA MPS daemon (nbbatch.backends.local.mps), against a fake `nvidia-cuda-mps-control`: no NVIDIA
 software needed. The fake daemonizes a Python loop named like MPS that writes its pid file, quits ~0.5 s after
 `quit` (so stop() must wait) and notes what happened in a record file outside its folder."""
 
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from nbbatch.backends.local import mps
+from nbbatch.backends.local.gpus import GpuInfo
+from nbbatch.backends.local.mps import MPS_CONTROL, MpsDaemon, check_mps
 from nbbatch.errors import BackendError, ValidationError
-from nbbatch.execute import mps
-from nbbatch.execute.gpus import GpuInfo
-from nbbatch.execute.mps import MPS_CONTROL, MpsDaemon, check_mps
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 LOCK = os.path.join(tempfile.gettempdir(), "nbbatch-test-mps.lock")  # before any test changes the temporary folder
@@ -365,7 +365,7 @@ def test_check_refuses_another_mps_daemon(fake, tmp_path):
 
 def _driver(tmp_path: Path, body: str) -> subprocess.Popen[str]:
     script = tmp_path / "driver.py"
-    script.write_text("from nbbatch.execute.mps import MpsDaemon\nimport time\n" + textwrap.dedent(body))
+    script.write_text("from nbbatch.backends.local.mps import MpsDaemon\nimport time\n" + textwrap.dedent(body))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))}
     # SIGINT back to default: a test runner started in the background passes it on ignored
     return subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -434,7 +434,7 @@ def test_check_tells_a_busy_daemon_from_a_left_over_one_and_stops_that(fake, tmp
         assert _alive(pid), "a daemon in use is left alone"
         process.kill()  # kill -9: no clean-up of its own runs
         process.communicate(timeout=60)
-        with caplog.at_level(logging.WARNING, logger="nbbatch.execute.mps"):
+        with caplog.at_level(logging.WARNING, logger="nbbatch.backends.local.mps"):
             check_mps([H100])  # the daemon it left is nbbatch's own and unused: stopped, not a reason to refuse
         assert f"[{pid}] left running by an nbbatch that has gone" in caplog.text
         assert not _alive(pid) and _lines(fake, "daemon")[-1] == "quit", "asked to quit, not killed"
@@ -455,7 +455,7 @@ RECORD_CLIENT = ("import os, time, nbbatch\n"
 
 @pytest.fixture
 def two_gpus(monkeypatch):
-    from nbbatch.backends import local
+    from nbbatch.backends.local import backend as local
 
     monkeypatch.setattr(local, "detect_gpus", lambda: [GpuInfo(3, "Fake 3", 1000), GpuInfo(5, "Fake 5", 1000)])
 
@@ -583,7 +583,7 @@ def test_stop_waits_for_the_last_clients_before_quit(fake, tmp_path, caplog):
 
     from support.waiting import wait_until
 
-    caplog.set_level(logging.INFO, logger="nbbatch.execute.mps")
+    caplog.set_level(logging.INFO, logger="nbbatch.backends.local.mps")
     daemon = MpsDaemon([0], stop_timeout=60).start()
     release = tmp_path / "release"
     pipe = daemon.pipe_dir
@@ -634,7 +634,7 @@ def test_check_stops_a_server_left_by_an_nbbatch_whose_folder_is_gone(fake, capl
     pipe = os.path.join(str(short_tmp), "nbbatch-mps-gone1234", "pipe")  # removed by the stop() it outlived
     server = _stray_server({}, pipe)
     try:
-        with caplog.at_level(logging.WARNING, logger="nbbatch.execute.mps"):
+        with caplog.at_level(logging.WARNING, logger="nbbatch.backends.local.mps"):
             check_mps([H100])
         assert mps._wait_gone([server.pid], 60)
         assert f"{server.pid}" in caplog.text and "left running" in caplog.text

@@ -21,8 +21,8 @@ from support.shares import ShareDouble
 import nbbatch
 from nbbatch.api import prepare, submit
 from nbbatch.backends.base import SubmitOptions
-from nbbatch.backends.local import LocalBackend
-from nbbatch.execute.attempt import AttemptContext, execute_run
+from nbbatch.backends.local.backend import LocalBackend
+from nbbatch.execute.attempts import AttemptContext, execute_run
 from nbbatch.plan.runs import Run, run_id_for
 from nbbatch.store.layout import run_paths
 from nbbatch.store.runfiles import new_record, write_record

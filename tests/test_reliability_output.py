@@ -16,7 +16,7 @@ from nbclient.exceptions import CellTimeoutError
 from support.notebooks import make_notebook
 
 from nbbatch.api import submit
-from nbbatch.execute import one_attempt
+from nbbatch.execute import attempt as one_attempt
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -22,8 +22,8 @@ from support.processes import kernels_of
 from support.waiting import wait_until
 
 from nbbatch.backends.base import SubmitOptions
-from nbbatch.backends.local import LocalBackend
-from nbbatch.backends.local_scheduler import LocalScheduler
+from nbbatch.backends.local.backend import LocalBackend
+from nbbatch.backends.local.scheduler import LocalScheduler
 from nbbatch.plan.runs import Run
 from nbbatch.store.runfiles import new_record, read_record, write_record
 from nbbatch.store.share import FileShare

@@ -170,7 +170,7 @@ def test_on_a_remote_share_a_lost_attempt_resumes_and_inputs_and_outputs_travel(
     starts again pulls the checkpoints, pulls the input from its share URL, and uploads the outputs at the end."""
     from fakes.azure_files_server import ACCOUNT, FAKE_KEY, FakeAzureFiles
 
-    from nbbatch.execute.attempt import AttemptContext, execute_run
+    from nbbatch.execute.attempts import AttemptContext, execute_run
     from nbbatch.plan.runs import Run
     from nbbatch.store.azfiles import AzureFileShare
     from nbbatch.store.runfiles import write_record

@@ -15,7 +15,7 @@ from support.notebooks import make_notebook
 
 from nbbatch import backends
 from nbbatch.api import submit
-from nbbatch.backends.local import LocalBackend
+from nbbatch.backends.local.backend import LocalBackend
 from nbbatch.errors import BackendError
 from nbbatch.ui import cli
 

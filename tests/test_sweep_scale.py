@@ -13,7 +13,7 @@ import pytest
 from support.notebooks import make_notebook
 
 from nbbatch.backends.base import QUEUED_FIRST, SubmitOptions
-from nbbatch.backends.local import LocalBackend
+from nbbatch.backends.local.backend import LocalBackend
 from nbbatch.errors import SpecError
 from nbbatch.plan.runs import Run, plan
 from nbbatch.spec.experiment import Experiment

@@ -6,7 +6,7 @@ import os
 import shutil
 from pathlib import Path
 
-from nbbatch.execute.gpus import detect_gpus
+from nbbatch.backends.local.gpus import detect_gpus
 
 REPO = Path(__file__).resolve().parents[2]
 

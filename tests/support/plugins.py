@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nbbatch.backends.base import Backend, Capabilities, Compute, SubmitOptions
-from nbbatch.execute.attempt import execute_run
+from nbbatch.execute.attempts import execute_run
 from nbbatch.execute.context import AttemptContext
 from nbbatch.plan.runs import Run
 from nbbatch.store.share import Share
@@ -75,6 +75,14 @@ class MemoryShare:
 
     def local_path(self, path: str) -> Path | None:
         return None  # not on this machine: nbbatch must go through the methods above
+
+    def remove_partial_writes(self, folder: str) -> int:
+        prefix = self._key(folder) + "/" if self._key(folder) else ""
+        stale = [k for k in list(self.files) if k.startswith(prefix) and "/" not in k[len(prefix):]
+                 and k[len(prefix):].startswith(".") and k.endswith(".part")]
+        for key in stale:
+            self.files.pop(key, None)
+        return len(stale)
 
 
 def install_plugins(site: Path) -> Path:

@@ -80,6 +80,10 @@ class ShareDouble:
     def local_path(self, path: str) -> Path | None:
         return None if self.remote else self._inner.local_path(path)
 
+    def remove_partial_writes(self, folder: str) -> int:
+        self._check("remove_partial_writes", folder)
+        return self._inner.remove_partial_writes(folder)
+
     def _write_range(self, path: str, data: bytes, offset: int) -> None:
         self._check("write_range", path)
         self.written[path] = self.written.get(path, 0) + len(data)

@@ -17,7 +17,7 @@ from nbbatch.errors import BackendError, did_you_mean
 
 ENTRY_POINT_GROUP = "nbbatch.backends"
 _BUILTIN = {
-    "local": "nbbatch.backends.local:LocalBackend",
+    "local": "nbbatch.backends.local.backend:LocalBackend",
     "azureml": "nbbatch.backends.azureml:AzureMLBackend",
     "ray": "nbbatch.backends.ray:RayBackend",
     "slurm": "nbbatch.backends.slurm:SlurmBackend",

@@ -1,6 +1,6 @@
 """The backend base class: where runs execute, and the lifecycle every backend shares.
 
-A backend only decides *where* ``nbbatch run-one`` (:func:`nbbatch.execute.attempt.execute_run`) runs;
+A backend only decides *where* ``nbbatch run-one`` (:func:`nbbatch.execute.attempts.execute_run`) runs;
 the execution itself and the share layout are the same everywhere. :class:`Backend` owns what is the
 same for all of them, in the manner of jupyter-scheduler's ``ExecutionManager``:
 

@@ -1,14 +1,14 @@
 """Distributed runs: one kernel per rank, started by nbbatch itself on every node, the same on every backend.
 
-A backend starts one *node launcher* per node (:func:`nbbatch.execute.attempt.execute_run` of a distributed run:
+A backend starts one *node launcher* per node (:func:`nbbatch.execute.attempts.execute_run` of a distributed run:
 the local backend in a thread, Ray in a task of a placement group, Azure ML as the job's command on each
 instance). It starts the node's ranks (:func:`execute_gang`), each an ordinary attempt
-(:func:`nbbatch.execute.one_attempt.run_attempt`) of the same notebook with the torchrun environment
+(:func:`nbbatch.execute.attempt.run_attempt`) of the same notebook with the torchrun environment
 (:func:`nbbatch.execute.placement.rank_env`). Rank 0's files are the run's own; rank ``r``'s are in
 ``ranks/<r>/``. When a rank fails, every rank is stopped: on its node at once, on the other nodes through
 a marker in the share (``ranks/stop-<n>.json``) that every launcher watches. Node 0 then writes the
 run's record, naming the first rank that failed, and says whether the whole gang runs again
-(:func:`~nbbatch.execute.one_attempt.retry_after`, the single runs' policy) in ``ranks/decision-<n>.json``,
+(:func:`~nbbatch.execute.attempt.retry_after`, the single runs' policy) in ``ranks/decision-<n>.json``,
 which the other nodes wait for.
 """
 
@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass, replace
 
 from nbbatch.errors import NbbatchError, ShareError
+from nbbatch.execute.attempt import cancel_came, failed_before_start, note_lost_attempt, retry_after, run_attempt
 from nbbatch.execute.context import AttemptContext
 from nbbatch.execute.folders import RunFolders
-from nbbatch.execute.one_attempt import cancel_came, failed_before_start, note_lost_attempt, retry_after, run_attempt
 from nbbatch.execute.placement import NodePlacement, Rank, ranks_of
 from nbbatch.plan.runs import Run
 from nbbatch.store.layout import LOG_FILE, OUTPUT_NOTEBOOK, run_paths

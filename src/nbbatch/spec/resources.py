@@ -54,7 +54,7 @@ class Resources:
     """
 
     gpus: int = 0
-    runs_per_gpu: int | str = AUTO  # a number, or "auto": packed by memory (see nbbatch.execute.gpus)
+    runs_per_gpu: int | str = AUTO  # a number, or "auto": packed by memory (see nbbatch.backends.local.gpus)
     mps: bool = False  # the runs on a GPU share it through a CUDA MPS daemon nbbatch starts
     max_parallel: int | None = None  # None: as many as the compute allows
     max_runs: int = 10_000  # the most runs the experiment may plan: a larger sweep is refused before it is expanded

@@ -47,6 +47,11 @@ class Share(Protocol):
     def local_path(self, path: str) -> Path | None:
         """The path on this machine's file system, when the share is a local folder."""
 
+    def remove_partial_writes(self, folder: str) -> int:
+        """Delete the hidden ``.part`` files a writer killed mid-write left directly in ``folder``; how many.
+
+        Only called where nobody else writes now (a run's folder as its attempt starts)."""
+
 
 @runtime_checkable
 class RangeStore(Protocol):
@@ -142,6 +147,12 @@ class FileShare:
 
     def local_path(self, path: str) -> Path | None:
         return self._abs(path)
+
+    def remove_partial_writes(self, folder: str) -> int:
+        stale = list(self._abs(folder).glob(".*.part"))
+        for path in stale:
+            path.unlink(missing_ok=True)
+        return len(stale)
 
     # --- optional capabilities (see :class:`RangeStore`, :class:`LeaseStore`) ------------------------
     def write_range(self, path: str, data: bytes, offset: int) -> None:

@@ -297,7 +297,7 @@ def cmd_run_one(args: argparse.Namespace) -> int:
         images = dict(item.partition("=")[::2] for item in args.container_image)
         record = execute_on_node(run, share, context, args.container_engine, images)
     else:
-        from nbbatch.execute.attempt import execute_run  # the notebook runtime: only the commands that run one load it
+        from nbbatch.execute.attempts import execute_run  # the notebook runtime: only the commands that run one load it
 
         record = execute_run(run, share, context)
     print(f"{record.run_id}: {record.status}" + (f" ({record.error.summary()})" if record.error else ""))

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import nbbatch.ui.widgets.display as display
 from nbbatch.backends import Backend, Capabilities, Compute, Setting, backend_class, backend_names, get_backend
+from nbbatch.backends.local.gpus import AUTO, auto_cap
 from nbbatch.errors import BackendError
-from nbbatch.execute.gpus import AUTO, auto_cap
 from nbbatch.redact import is_secret
 from nbbatch.results.status import format_metric
 

@@ -31,8 +31,8 @@ import time
 from collections.abc import Iterable, Sequence
 from types import TracebackType
 
+from nbbatch.backends.local.gpus import GpuInfo
 from nbbatch.errors import BackendError, ValidationError
-from nbbatch.execute.gpus import GpuInfo
 from nbbatch.store.lock import pid_alive
 
 MPS_CONTROL = "nvidia-cuda-mps-control"

@@ -18,10 +18,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from nbbatch.backends.base import SubmitOptions
+from nbbatch.backends.local.gpus import GpuLease, MemoryNeeds, is_gpu_oom
+from nbbatch.backends.local.mps import MpsDaemon
 from nbbatch.errors import ShareError
-from nbbatch.execute.attempt import SHARE_FAILED, kernel_launch
-from nbbatch.execute.gpus import GpuLease, MemoryNeeds, is_gpu_oom
-from nbbatch.execute.mps import MpsDaemon
+from nbbatch.execute.attempts import SHARE_FAILED, kernel_launch
 from nbbatch.execute.prestart import KernelPool
 from nbbatch.plan.runs import Run
 from nbbatch.store.runfiles import CancelRequests, cancel_requests, requested_outcome, write_record
@@ -29,7 +29,7 @@ from nbbatch.store.runjson import ErrorKind, GpuSharing, RunError, RunRecord, St
 from nbbatch.store.share import Share, poll_interval
 
 if TYPE_CHECKING:
-    from nbbatch.backends.local import LocalBackend
+    from nbbatch.backends.local.backend import LocalBackend
     from nbbatch.execute.telemetry import GpuSampler
 
 logger = logging.getLogger(__name__)

@@ -2,12 +2,12 @@
 
 Each run executes in a worker thread of this process (papermill is imported once; the kernels are
 separate processes, the next ones started ahead of their runs). Runs start longest-first by their
-past durations, GPU runs get ``CUDA_VISIBLE_DEVICES`` from a :class:`~nbbatch.execute.gpus.SlotPool`
+past durations, GPU runs get ``CUDA_VISIBLE_DEVICES`` from a :class:`~nbbatch.backends.local.gpus.SlotPool`
 (by count, or by memory with ``runs_per_gpu: auto``), CPU runs get it empty. A run that runs out of
 GPU memory while sharing its GPU is run again, alone. With ``resources.mps`` the runs are clients of
 a CUDA MPS daemon started for the batch. Ctrl-C cancels: kernels are killed, runs are marked
 ``cancelled``, finished output stays, the MPS daemon is stopped. The scheduling lives in
-:mod:`nbbatch.backends.local_scheduler`.
+:mod:`nbbatch.backends.local.scheduler`.
 
 With ``container: true`` each run executes ``nbbatch run-one`` inside its framework's image
 (:mod:`nbbatch.containers`) instead of a kernel of this machine's venv; placement is the same.
@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from nbbatch.backends.base import Backend, Capabilities, Compute, SubmitOptions
-from nbbatch.backends.local_scheduler import SIMULATE_NODES_ENV, nodes_here, run_batch
+from nbbatch.backends.local.gpus import GpuInfo, GpuLease, SlotPool, detect_gpus
+from nbbatch.backends.local.mps import check_mps
+from nbbatch.backends.local.scheduler import SIMULATE_NODES_ENV, nodes_here, run_batch
 from nbbatch.backends.settings import setting
 from nbbatch.containers.checks import (
     build_framework_images,
@@ -41,10 +43,8 @@ from nbbatch.containers.checks import (
 from nbbatch.containers.engines import Engine, find_engine
 from nbbatch.containers.runner import execute_in_container
 from nbbatch.errors import ContainerError, ValidationError
-from nbbatch.execute.attempt import execute_run
+from nbbatch.execute.attempts import execute_run
 from nbbatch.execute.context import AttemptContext, SamplerCallback
-from nbbatch.execute.gpus import GpuInfo, GpuLease, SlotPool, detect_gpus
-from nbbatch.execute.mps import check_mps
 from nbbatch.execute.placement import local_placements
 from nbbatch.plan.runs import Run
 from nbbatch.spec.project import Project
