@@ -172,8 +172,26 @@ def _installed(module: str) -> bool:
         return False
 
 
+# Session fixtures that start something heavy and shared (podman's image store, a registry, a Slurm cluster): under
+# pytest-xdist every test that uses one runs in the same worker, so each is started once per test session.
+SHARED_FIXTURE_GROUPS = (({"podman_env", "chainer_image", "pytorch_image", "image_registry"}, "podman"),
+                         ({"slurm_cluster"}, "slurm"))
+
+
+def _xdist_group(item: pytest.Item) -> str:
+    """The worker group of a test: its heavy session fixture's, else its file's (so module fixtures start once)."""
+    used = set(getattr(item, "fixturenames", ()))
+    for fixtures, group in SHARED_FIXTURE_GROUPS:
+        if used & fixtures:
+            return group
+    return item.nodeid.split("::")[0]
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (`--dist loadgroup`)
 def pytest_collection_modifyitems(config, items):
-    """Skip `gpu` tests without a GPU and `azure` tests without the azure extra."""
+    """Skip `gpu` tests without a GPU and `azure` tests without the azure extra; give each test its xdist group."""
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
     skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU (NVML found none)")
     skip_azure = pytest.mark.skip(reason="needs the azure extra: pip install 'nbbatch[azure]'")
     has_gpu = has_azure = None
