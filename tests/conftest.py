@@ -23,7 +23,10 @@ from nbbatch.execute.envs import build_env
 from nbbatch.spec.frameworks import get_framework
 from nbbatch.spec.project import Project
 
-AZURE_EXTRA_MODULES = ("azure.ai.ml", "azure.identity", "azure.storage.fileshare")
+# The markers of tests that need an extra, and the modules that extra installs: skipped without them, so that the
+# unit tier passes on `pip install -e '.[test]'` alone.
+EXTRA_MARKERS = {"azure": ("azure.ai.ml", "azure.identity", "azure.storage.fileshare"),
+                 "compare": ("pandas", "matplotlib", "nbdime", "jinja2")}
 NOT_UNIT_TIERS = ("kernel", "slow", "browser", "ray", "container", "slurm")  # the markers `make test-unit` deselects
 REFUSED_KERNELS = pytest.StashKey[list]()
 UNMARKED_KERNEL = "this test starts a Jupyter kernel: mark it `kernel` (pytest.mark.kernel) so the unit tier skips it"
@@ -189,20 +192,19 @@ def _xdist_group(item: pytest.Item) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (`--dist loadgroup`)
 def pytest_collection_modifyitems(config, items):
-    """Skip `gpu` tests without a GPU and `azure` tests without the azure extra; give each test its xdist group."""
+    """Skip `gpu` tests without a GPU and tests of an extra without it; give each test its xdist group."""
     for item in items:
         item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
     skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU (NVML found none)")
-    skip_azure = pytest.mark.skip(reason="needs the azure extra: pip install 'nbbatch[azure]'")
-    has_gpu = has_azure = None
+    missing = {marker: pytest.mark.skip(reason=f"needs the {marker} extra: pip install 'nbbatch[{marker}]'")
+               for marker, modules in EXTRA_MARKERS.items() if not all(map(_installed, modules))}
+    has_gpu = None
     for item in items:
         if "gpu" in item.keywords:
             if has_gpu is None:
                 has_gpu = gpu_count() > 0
             if not has_gpu:
                 item.add_marker(skip_gpu)
-        if "azure" in item.keywords:
-            if has_azure is None:
-                has_azure = all(map(_installed, AZURE_EXTRA_MODULES))
-            if not has_azure:
-                item.add_marker(skip_azure)
+        for marker, skip in missing.items():
+            if marker in item.keywords:
+                item.add_marker(skip)

@@ -69,6 +69,7 @@ def assert_literal(out: str) -> None:
 
 # --- terminal views ---------------------------------------------------------------------------------
 
+@pytest.mark.compare
 def test_status_and_compare_print_markup_in_run_data_literally(project):
     hostile_records(project / "results")
     env = {**os.environ, "COLUMNS": "1000", "NO_COLOR": "1"}

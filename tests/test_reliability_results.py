@@ -103,6 +103,7 @@ def test_another_experiment_file_reusing_the_name_is_warned_of_naming_both(proje
     assert len(api.status("e", all_runs=True)) == 3
 
 
+@pytest.mark.compare
 def test_compare_of_the_whole_share_and_check_take_each_experiments_current_plan(project, capsys):
     results = project / "results"
     _share(results, "e", [_record("e", "nb-1", "failed"), _record("e", "nb-2")], planned=["nb-2"])
@@ -166,6 +167,7 @@ def test_plan_table_keeps_every_run_id_whole_on_one_line_at_80_columns(project, 
     assert len([line for line in out if re.match(r"nb-[0-9a-f]{10} +[123] ", line)]) == 3, out
 
 
+@pytest.mark.compare
 def test_compare_piped_fits_a_sane_width(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("COLUMNS", raising=False)
     metrics = {f"a_metric_with_a_long_name_{i}": 0.123456 * i for i in range(8)}
@@ -176,6 +178,7 @@ def test_compare_piped_fits_a_sane_width(tmp_path, capsys, monkeypatch):
     assert any("hidden at this width" in line for line in lines)  # what did not fit is named
 
 
+@pytest.mark.compare
 def test_compare_and_report_show_framework_once(tmp_path):
     records = [_record("c", "nb-1", framework="PyTorch"), _record("c", "nb-2", framework="Keras (TensorFlow)")]
     _share(tmp_path, "c", records, planned=None)

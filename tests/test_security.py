@@ -180,6 +180,7 @@ def test_a_bad_nested_setting_is_refused_without_echoing_its_secrets():
 
 # --- servers started by the tests ----------------------------------------------------------------
 
+@pytest.mark.azure
 def test_fake_azure_files_server_listens_on_loopback_and_refuses_unsigned_requests():
     from fakes.azure_files_server import FakeAzureFiles
 

@@ -306,6 +306,7 @@ def _headers(table_or_html: object) -> list[str]:
     return [str(column.header) for column in table_or_html.columns]
 
 
+@pytest.mark.compare
 def test_compare_heads_a_framework_metric_apart_from_the_run_framework(tmp_path):
     from nbbatch.results.compare import collect, render_report, runs_table
 
@@ -321,6 +322,7 @@ def test_compare_heads_a_framework_metric_apart_from_the_run_framework(tmp_path)
     assert "Keras (TensorFlow)" in text and "keras-tf" in text
 
 
+@pytest.mark.compare
 def test_compare_leaves_out_a_framework_metric_that_repeats_the_run_framework(tmp_path):
     from nbbatch.results.compare import collect, render_report, runs_table
 
