@@ -4,6 +4,10 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 NBBATCH := $(BIN)/nbbatch
 EXPERIMENT ?= experiments/digits.yaml
+# pytest-xdist workers: kernel tests mostly wait on subprocesses, so more workers than cores pay. Each heavy fixture
+# (Slurm, podman and the registry) keeps its tests in one worker (tests/conftest.py: SHARED_FIXTURE_GROUPS).
+TEST_WORKERS ?= 4
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 .PHONY: setup envs submit demo report test test-fast test-unit lint data images bench azure-smoke clean
 
@@ -25,13 +29,13 @@ demo: envs  ## the nine framework notebooks on digits, in parallel, then the com
 	$(NBBATCH) compare digits --report results/digits/report.html
 
 test: envs  ## the whole test suite (framework envs are built once above)
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 test-fast: setup  ## tests that need no framework env, no browser and no cluster
-	$(BIN)/python -m pytest -q -m "not slow and not browser and not ray and not container and not slurm"
+	$(PYTEST) -m "not slow and not browser and not ray and not container and not slurm"
 
-test-unit: setup  ## the unit tier: test-fast without the tests that start Jupyter kernels (under a minute)
-	$(BIN)/python -m pytest -q -m "not kernel and not slow and not browser and not ray and not container and not slurm"
+test-unit: setup  ## the unit tier: test-fast without the tests that start Jupyter kernels; passes on `pip install -e '.[test]'` alone
+	$(PYTEST) -m "not kernel and not slow and not browser and not ray and not container and not slurm"
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks
