@@ -18,6 +18,7 @@ devices, and one kernel takes that path (several processes, one per rank, are nb
 from __future__ import annotations
 
 import ast
+import json
 import math
 import re
 import time
@@ -119,7 +120,7 @@ def test_notebook_reaches_accuracy_on_digits(framework, framework_envs, tmp_path
     seconds = time.perf_counter() - start
     metrics = metrics_from_notebook(executed)
     record_property("notebook_seconds", round(seconds, 1))
-    record_property("metrics", metrics)
+    record_property("metrics", json.loads(json.dumps(metrics)))  # plain values: pytest-xdist sends them between processes
     assert {"accuracy", "train_seconds", "images_per_second", "framework", "framework_version", "device"} <= set(metrics)
     assert metrics["device"] == "cpu"
     assert metrics["accuracy"] >= MIN_ACCURACY, (
@@ -131,7 +132,7 @@ def test_notebook_reaches_accuracy_on_digits(framework, framework_envs, tmp_path
     epochs = default_parameter(executed, "EPOCHS")
     points = recorded(executed, HISTORY_MIME)
     last = next((p for p in points if p.get("step") == epochs), None)
-    record_property("last_history_point", last)
+    record_property("last_history_point", json.loads(json.dumps(last)))
     assert last is not None, f"{fw.notebook.name} recorded no history point with step={epochs} (EPOCHS): {points}"
     assert is_number(last.get("loss")) and last["loss"] > 0, f"loss of the last epoch: {last}"
     assert is_number(last.get("train_accuracy")) and 0 <= last["train_accuracy"] <= 1, f"last epoch: {last}"
