@@ -3,7 +3,8 @@
 This is deep_bait's Batch AI flow on today's service (Azure ML, SDK v2 ``azure-ai-ml``):
 
 * a **cluster** (:class:`AzureMLCluster`, :mod:`.cluster`): an ``AmlCompute`` cluster that scales
-  between ``min_nodes`` and ``max_nodes`` VMs of ``vm_size`` (dedicated or low-priority);
+  between ``min_nodes`` and ``max_nodes`` VMs of ``vm_size`` (dedicated or low-priority), sized by
+  :class:`ClusterSettings` (which the backend's settings extend) and managed by ``nbbatch cluster``;
 * an **environment** per framework (:mod:`.images`): an Azure ML ``Environment`` named
   ``nbbatch-<framework>``, built by Azure ML from the build context :mod:`nbbatch.containers.images`
   stages (``dockerfiles/Dockerfile`` filled from framework.yaml, and all it copies), versioned by the
