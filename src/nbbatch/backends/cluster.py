@@ -67,8 +67,22 @@ def cluster_parser(backend: type[Backend], prog: str = "nbbatch cluster") -> arg
     for option, (key, setting) in cluster_options(backend).items():
         kind = int if setting.kinds == (int,) else float if float in setting.kinds else str
         parser.add_argument(option, dest=key, type=kind, choices=list(setting.choices) or None,
+                            metavar=option.lstrip("-").replace("-", "_").upper(),
                             help=setting.label or key.replace("_", " "))
     return parser
+
+
+def _chosen_backend(args: argparse.Namespace) -> str | None:
+    """The backend ``args`` name (``--backend``, else the experiment's), wherever on the command line it was given."""
+    rest: Sequence[str] | None = getattr(args, "options", None)
+    if rest:
+        common = argparse.ArgumentParser(add_help=False)  # only to find --backend and --experiment among the rest
+        add_common_arguments(common)
+        given, _unknown = common.parse_known_args([args.action, *rest])
+        args = argparse.Namespace(**{**vars(args), **{k: v for k, v in vars(given).items() if v}})
+    if getattr(args, "backend", None):
+        return str(args.backend)
+    return load_experiment(args.experiment).backend if getattr(args, "experiment", None) else None
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,8 +100,7 @@ def managing_backend(name: str | None = None) -> type[Backend]:
     if name:
         found = backend_class(name)
         if not found.capabilities.managed_cluster:
-            raise BackendError(f"the `{name}` backend has no cluster that nbbatch manages: its administrators "
-                               "manage it")
+            raise BackendError(f"the `{name}` backend has no cluster that nbbatch manages")
         return found  # type: ignore[no-any-return]
     managing, missing = [], []
     for candidate in backend_names():
@@ -138,7 +151,7 @@ def run_cluster_command(args: argparse.Namespace, backend: type[Backend] | None 
     cluster settings by name (or, from the command line, the unparsed rest in ``options``). ``python_settings``
     (a client, a credential) go to the backend as they are.
     """
-    backend = backend or managing_backend(getattr(args, "backend", None) or _experiment_backend(args))
+    backend = backend or managing_backend(_chosen_backend(args))
     args = parsed(backend, args)
     if not backend.capabilities.managed_cluster:
         raise BackendError(f"the `{backend.name}` backend has no cluster that nbbatch manages")
@@ -161,10 +174,6 @@ def run_cluster_command(args: argparse.Namespace, backend: type[Backend] | None 
         raise BackendError(f"unknown cluster action `{args.action}`: one of {', '.join(ACTIONS)}")
     print(json.dumps(status.to_dict(), indent=2) if getattr(args, "json", False) else status.summary())
     return 0
-
-
-def _experiment_backend(args: argparse.Namespace) -> str | None:
-    return load_experiment(args.experiment).backend if getattr(args, "experiment", None) else None
 
 
 __all__ = ["ACTIONS", "ClusterState", "ManagedCluster", "add_common_arguments", "cluster_options", "cluster_parser",
