@@ -256,9 +256,12 @@ class Backend(ABC):
             build_envs(frameworks, project, progress=progress)
 
     @classmethod
-    def node_placement(cls, run: Run, environ: Mapping[str, str]) -> NodePlacement | None:
+    def node_placement(cls, run: Run, environ: Mapping[str, str], share: Share | None = None) -> NodePlacement | None:
         """Where this node is in a distributed run's gang, from the variables the backend's cluster set (read by
-        ``nbbatch run-one`` on the node, after nbbatch's own ``NBBATCH_NODE_RANK``/``NBBATCH_ENDPOINTS``); None: not set."""
+        ``nbbatch run-one`` on the node, after nbbatch's own ``NBBATCH_NODE_RANK``/``NBBATCH_ENDPOINTS``); None: not set.
+
+        ``share`` is the experiment's, should the nodes exchange their addresses through it. run-one finds the hook
+        through the registry (:func:`nbbatch.backends.node_placement_hook`)."""
         return None
 
     def in_flight(self, share: Share, record: RunRecord) -> bool:

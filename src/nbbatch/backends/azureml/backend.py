@@ -41,6 +41,7 @@ from nbbatch.backends.azureml.jobs import (
     refused_job_error,
 )
 from nbbatch.backends.azureml.logstream import stream_job
+from nbbatch.backends.azureml.placement import azureml_placement
 from nbbatch.backends.azureml.rules import (
     check_location,
     check_run,
@@ -51,7 +52,6 @@ from nbbatch.backends.azureml.rules import (
 )
 from nbbatch.backends.azureml.workspace import connect, error_text
 from nbbatch.backends.base import Backend, Capabilities, Compute, SubmitOptions
-from nbbatch.backends.placement import azureml_placement
 from nbbatch.backends.settings import setting
 from nbbatch.errors import BackendError, NbbatchError, ValidationError
 from nbbatch.execute.placement import NodePlacement
@@ -167,9 +167,10 @@ class AzureMLBackend(Backend):
                        details={"cluster": status.to_dict(), "summary": status.summary()})
 
     @classmethod
-    def node_placement(cls, run: Run, environ: Mapping[str, str]) -> NodePlacement | None:
-        """Azure ML's PyTorch, TensorFlow and MPI variables (:func:`nbbatch.backends.placement.azureml_placement`)."""
-        return azureml_placement(run, environ)
+    def node_placement(cls, run: Run, environ: Mapping[str, str], share: Share | None = None) -> NodePlacement | None:
+        """Azure ML's PyTorch, TensorFlow and MPI variables (:func:`~nbbatch.backends.azureml.placement.azureml_placement`,
+        what the registry gives run-one on a node without the SDK)."""
+        return azureml_placement(run, environ, share)
 
     def check_share(self, share: Share) -> None:
         """Jobs write to an Azure File share: refuse any other share, or one Azure ML cannot mount, before anything starts."""
