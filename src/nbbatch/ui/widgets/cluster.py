@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import nbbatch.ui.widgets.display as display
 from nbbatch.backends import Backend, Capabilities, Compute, Setting, backend_class, backend_names, get_backend
-from nbbatch.backends.local.gpus import AUTO, auto_cap
 from nbbatch.errors import BackendError
 from nbbatch.redact import is_secret
 from nbbatch.results.status import format_metric
+from nbbatch.spec.resources import AUTO, auto_cap
 
 if TYPE_CHECKING:
     from nbbatch.spec.experiment import Experiment
