@@ -157,7 +157,8 @@ class Capabilities:
     local_kernels: bool = True  # runs use this machine's kernels: their framework environments must be ready here
     detached: bool = False  # runs outlive the submitting process (``submit --no-wait`` returns at once)
     gpu_slots: bool = False  # places runs on this machine's GPU slots: runs_per_gpu and max_parallel are its knobs
-    managed_cluster: bool = False  # has a cluster nbbatch creates, resizes and deletes (``backend.cluster``)
+    managed_cluster: bool = False  # has a cluster nbbatch creates, resizes and deletes (``backend.cluster``: a
+    # backends.cluster.ManagedCluster; ``nbbatch cluster`` and the form's button use it)
     containers: bool = False  # runs execute inside the frameworks' images (``nbbatch images``)
 
 
