@@ -1,6 +1,6 @@
 """The layout's promises, checked on the source: small modules and functions, no import cycles (counting the imports
 inside functions too), layers that only import downwards, imports at the top of modules, one place for share paths,
-one secret-name rule, front ends that ask a backend's capabilities instead of its name."""
+one secret-name rule, no branch on a backend's name outside the registry (nor an import of a named backend's package)."""
 
 from __future__ import annotations
 
@@ -169,11 +169,71 @@ def test_one_secret_name_rule():
     assert not offenders, f"use nbbatch.redact.is_secret_name: {offenders}"
 
 
-BACKEND_NAME_BRANCH = re.compile(r"""backend\s*[!=]=\s*["'](local|azureml|ray)["']""")
+BUILT_IN_BACKENDS = ("local", "azureml", "ray", "slurm")
+REGISTRY = "nbbatch.backends"  # registers the built-in backends by name (nbbatch/backends/__init__.py)
 
 
-def test_front_ends_ask_capabilities_not_backend_names():
-    front = [p for p in MODULES if "ui" in p.relative_to(SRC).parts or p.name == "api.py"]
-    offenders = [f"{p.relative_to(SRC)}:{i}" for p in front
-                 for i, line in enumerate(p.read_text().splitlines(), 1) if BACKEND_NAME_BRANCH.search(line)]
-    assert not offenders, f"ask backend_class(name).capabilities instead: {offenders}"
+def _is_backend_name(node: ast.AST) -> bool:
+    """A backend's name as a literal, or a tuple, list or set holding one (``name in ("azureml", "ray")``)."""
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_is_backend_name(item) for item in node.elts)
+    return isinstance(node, ast.Constant) and node.value in BUILT_IN_BACKENDS
+
+
+def _backend_name_branches(tree: ast.Module) -> list[int]:
+    """Lines that choose by a backend's name: comparisons with it (``==``, ``!=``, ``in``, ``match``), look-ups by it
+    (``.get("azureml")``, ``table["slurm"]``) and tables keyed by it (``{"azureml": …}``)."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            hit = any(_is_backend_name(operand) for operand in (node.left, *node.comparators))
+        elif isinstance(node, ast.Call):
+            hit = isinstance(node.func, ast.Attribute) and node.func.attr in ("get", "pop", "setdefault") and \
+                bool(node.args) and _is_backend_name(node.args[0])
+        elif isinstance(node, ast.Subscript):
+            hit = _is_backend_name(node.slice)
+        elif isinstance(node, ast.Dict):
+            hit = any(key is not None and _is_backend_name(key) for key in node.keys)
+        elif isinstance(node, ast.MatchValue):
+            hit = _is_backend_name(node.value)
+        else:
+            hit = False
+        if hit:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_nothing_branches_on_a_backends_name():
+    """Only the registry knows the backends by name: the rest asks a backend's class (capabilities, settings, hooks)."""
+    offenders = [f"{p.relative_to(SRC)}:{line}" for p in MODULES if _module_name(p) != REGISTRY
+                 for line in _backend_name_branches(ast.parse(p.read_text()))]
+    assert not offenders, ("ask backend_class(name) (its capabilities, settings or hooks) instead of branching on a "
+                           f"backend's name: {offenders}")
+
+
+def test_only_the_registry_and_a_backends_own_package_import_it():
+    """A named backend's package is imported by its own modules and the registry only (a new backend touches its own
+    package plus one registration line)."""
+    offenders = []
+    for path in MODULES:
+        importer = _module_name(path)
+        for node, _inside in _imports(path):
+            for module in _imported(node):
+                named = next((f"{REGISTRY}.{b}" for b in BUILT_IN_BACKENDS if _within(module, (f"{REGISTRY}.{b}",))), None)
+                if named and importer != REGISTRY and not _within(importer, (named,)):
+                    offenders.append(f"{path.relative_to(SRC)}:{node.lineno} imports {module}")
+    assert not offenders, f"reach a backend through the registry (nbbatch.backends) instead: {offenders}"
+
+
+def test_the_built_in_backends_are_the_registrys():
+    from nbbatch.backends import _BUILTIN
+
+    assert set(BUILT_IN_BACKENDS) == set(_BUILTIN)
+
+
+def test_the_guards_see_every_form_of_a_backend_name_branch():
+    samples = ['if backend == "azureml": pass', 'if "slurm" != name: pass', 'ok = name in ("azureml", "ray")',
+               'hook = table.get("azureml")', 'hook = table["slurm"]', 'table = {"local": None}',
+               'match name:\n    case "ray": pass']
+    assert all(_backend_name_branches(ast.parse(sample)) for sample in samples)
+    assert not _backend_name_branches(ast.parse('record = new_record(run, backend="ray")\nbackend: str = "local"'))

@@ -118,7 +118,8 @@ def test_the_fake_refuses_a_bad_compute_name_and_nbbatch_shows_the_body_whole(am
         aml.ml_client().compute.begin_create_or_update(AmlCompute(name="ab", size="Standard_D4s_v5")).result()
     assert _body(caught.value)["message"] == COMPUTE_NAME_MESSAGE and not aml.computes
     cluster = AzureMLCluster(aml.ml_client(), ClusterSettings("gpu-t4"))
-    cluster.settings.name = "gpu-"  # a name the offline check would refuse: here the service refuses it
+    # a name the offline check would refuse (settings are frozen and checked): here the service refuses it
+    object.__setattr__(cluster.settings, "compute", "gpu-")
     with pytest.raises(BackendError) as refused:
         cluster.create()
     assert f"(UserError) {COMPUTE_NAME_MESSAGE}" in str(refused.value)

@@ -153,3 +153,13 @@ def test_an_experiment_file_outside_any_project_belongs_to_the_working_directory
     elsewhere.mkdir()
     assert find_project(elsewhere).root == project
     assert find_project(project / "sub").root == project
+
+
+def test_cluster_asks_the_backends_capabilities(tiny):
+    """`nbbatch cluster` knows no backend by name: one without a managed cluster is one clear line."""
+    (tiny / "slurm.yaml").write_text("experiment: e\nnotebooks: [nb.ipynb]\nbackend: slurm\n")
+    for args in (["cluster", "status", "--backend", "local"], ["cluster", "--experiment", "slurm.yaml", "status"],
+                 ["cluster", "status", "--experiment", "slurm.yaml"]):
+        done = nbbatch(*args, cwd=tiny)
+        assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.startswith("nbbatch: error:") and "has no cluster that nbbatch manages" in done.stderr

@@ -18,8 +18,9 @@ from support.notebooks import RANK_HELLOS, make_notebook
 from support.processes import kernels_of
 
 from nbbatch.api import logs, submit
+from nbbatch.backends.azureml.placement import azureml_placement
 from nbbatch.backends.local import backend as local_module
-from nbbatch.backends.placement import azureml_placement, placement_reader
+from nbbatch.backends.placement import placement_reader
 from nbbatch.errors import NbbatchError, SpecError, ValidationError
 from nbbatch.execute.placement import CONTRACT, NodePlacement, placement_from_env, rank_env
 from nbbatch.metrics import metrics_from_notebook

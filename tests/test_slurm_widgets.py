@@ -14,7 +14,7 @@ import pytest
 from nbbatch import widgets
 from nbbatch.backends import get_backend
 from nbbatch.backends.slurm import SlurmBackend
-from nbbatch.backends.slurm.script import JobShape
+from nbbatch.backends.slurm.script import JobShape, job_options
 from nbbatch.spec.experiment import Experiment
 from nbbatch.ui.widgets import Cluster
 
@@ -62,7 +62,7 @@ def test_the_form_has_slurms_labelled_settings_and_edits_reach_the_experiment(tm
     spec = cluster.apply(slurm_experiment(tmp_path, python="/shared/venv/bin/python"))
     assert spec.backend == "slurm" and spec.backend_settings == {"python": "/shared/venv/bin/python", **expected}
     backend = get_backend(spec.backend, **spec.backend_settings)
-    options = backend.settings.request().options(_shape(), "nbbatch-exp")
+    options = job_options(backend.settings, _shape(), "nbbatch-exp")
     for option in ("--partition=gpu", "--account=lab", "--qos=high", "--constraint=a100", "--time=90",
                    "--cpus-per-task=4", "--mem=16G", "--gpus-per-node=a100:1"):
         assert option in options, options
@@ -82,7 +82,7 @@ def test_empty_text_fields_leave_the_settings_unset(tmp_path: Path) -> None:
     backend = get_backend(spec.backend, **spec.backend_settings)
     assert (backend.settings.partition, backend.settings.time_limit, backend.settings.gpu_type) == (None, None, None)
     assert backend.settings.max_parallel is None
-    options = backend.settings.request().options(_shape(gpus=0), "nbbatch-exp")
+    options = job_options(backend.settings, _shape(gpus=0), "nbbatch-exp")
     assert not [o for o in options if o.startswith(("--partition", "--time", "--gpus"))], options
 
 

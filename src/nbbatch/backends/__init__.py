@@ -14,6 +14,7 @@ from typing import Any
 
 from nbbatch.backends.base import Backend, Capabilities, Compute, Setting, SubmitOptions, SubmitOutcome
 from nbbatch.errors import BackendError, did_you_mean
+from nbbatch.execute.placement import PlacementReader
 
 ENTRY_POINT_GROUP = "nbbatch.backends"
 _BUILTIN = {
@@ -23,12 +24,20 @@ _BUILTIN = {
     "slurm": "nbbatch.backends.slurm:SlurmBackend",
 }
 _EXTRAS = {"azureml": "azure", "ray": "ray"}
+# A built-in backend's node placement hook, where its class cannot load on the node (Azure ML's job images carry
+# nbbatch without the azure extra) or in a module of its own (Slurm's address exchange); the others' is their class's.
+_NODE_PLACEMENT = {
+    "azureml": "nbbatch.backends.azureml.placement:azureml_placement",
+    "slurm": "nbbatch.backends.slurm.gang:slurm_placement",
+}
 _REGISTRY: dict[str, Any] = {}
+_REGISTERED: set[str] = set()  # registered by register_backend (not loaded from _BUILTIN)
 
 
 def register_backend(name: str, factory: Any) -> None:
     """Register a backend class (or a factory taking the spec's backend settings) under ``name``."""
     _REGISTRY[name] = factory
+    _REGISTERED.add(name)
 
 
 def _entry_points() -> dict[str, Any]:
@@ -59,10 +68,22 @@ def backend_class(name: str) -> Any:
     return _REGISTRY[name]
 
 
+def node_placement_hook(name: str) -> PlacementReader | None:
+    """Where a node of backend ``name``'s gang is (``(run, environ, share=None) -> NodePlacement | None``, see
+    :meth:`Backend.node_placement`); None when the backend has no hook beyond nbbatch's own variables."""
+    if name in _NODE_PLACEMENT and name not in _REGISTERED and name not in _entry_points():
+        module, _, attr = _NODE_PLACEMENT[name].partition(":")
+        return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
+    hook = getattr(backend_class(name), "node_placement", None)
+    if hook is None or getattr(hook, "__func__", None) is Backend.node_placement.__func__:  # the base's: none
+        return None
+    return hook  # type: ignore[no-any-return]
+
+
 def get_backend(name: str = "local", **settings: Any) -> Backend:
     """An instance of the backend called ``name``, configured with the spec's backend settings."""
     return backend_class(name)(**settings)
 
 
 __all__ = ["Backend", "Capabilities", "Compute", "Setting", "SubmitOptions", "SubmitOutcome", "backend_class",
-           "backend_names", "get_backend", "register_backend"]
+           "backend_names", "get_backend", "node_placement_hook", "register_backend"]

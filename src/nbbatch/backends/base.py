@@ -157,7 +157,8 @@ class Capabilities:
     local_kernels: bool = True  # runs use this machine's kernels: their framework environments must be ready here
     detached: bool = False  # runs outlive the submitting process (``submit --no-wait`` returns at once)
     gpu_slots: bool = False  # places runs on this machine's GPU slots: runs_per_gpu and max_parallel are its knobs
-    managed_cluster: bool = False  # has a cluster nbbatch creates, resizes and deletes (``backend.cluster``)
+    managed_cluster: bool = False  # has a cluster nbbatch creates, resizes and deletes (``backend.cluster``: a
+    # backends.cluster.ManagedCluster; ``nbbatch cluster`` and the form's button use it)
     containers: bool = False  # runs execute inside the frameworks' images (``nbbatch images``)
 
 
@@ -256,9 +257,12 @@ class Backend(ABC):
             build_envs(frameworks, project, progress=progress)
 
     @classmethod
-    def node_placement(cls, run: Run, environ: Mapping[str, str]) -> NodePlacement | None:
+    def node_placement(cls, run: Run, environ: Mapping[str, str], share: Share | None = None) -> NodePlacement | None:
         """Where this node is in a distributed run's gang, from the variables the backend's cluster set (read by
-        ``nbbatch run-one`` on the node, after nbbatch's own ``NBBATCH_NODE_RANK``/``NBBATCH_ENDPOINTS``); None: not set."""
+        ``nbbatch run-one`` on the node, after nbbatch's own ``NBBATCH_NODE_RANK``/``NBBATCH_ENDPOINTS``); None: not set.
+
+        ``share`` is the experiment's, should the nodes exchange their addresses through it. run-one finds the hook
+        through the registry (:func:`nbbatch.backends.node_placement_hook`)."""
         return None
 
     def in_flight(self, share: Share, record: RunRecord) -> bool:

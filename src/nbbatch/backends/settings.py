@@ -3,15 +3,19 @@
 A backend's settings are the experiment's ``backend:`` mapping (and the keywords Python callers pass). Each is
 one field of the backend's :attr:`~nbbatch.backends.base.Backend.Settings` dataclass: its annotation says
 which types it takes, its default is the default, and :func:`setting` adds the rest (a minimum, the only
-values allowed, values a form suggests, the form's label, whether it is for Python callers only)::
+values allowed, values a form suggests, the form's label, whether it is for Python callers only, the command-line
+option that sets it)::
 
     @dataclass(frozen=True)
     class LocalSettings:
         max_parallel: int | None = field(default=None, metadata=setting(minimum=1))
 
 :func:`setting_table` turns the dataclass into :class:`Setting` rows, which drive validation
-(:func:`validated`: unknown names get "did you mean", values are checked, secrets never echoed) and the
-Jupyter form (:mod:`nbbatch.ui.widgets.cluster`).
+(:func:`validated`: unknown names get "did you mean", values are checked, secrets never echoed), the
+Jupyter form (:mod:`nbbatch.ui.widgets.cluster`), what is kept on disk
+(:meth:`~nbbatch.backends.base.Backend.storable_settings`) and a managed cluster's command line
+(:mod:`nbbatch.backends.cluster`). A group of settings that belongs together (a cluster's size) is a dataclass
+of its own that the backend's settings extend.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class Setting:
     suggestions: tuple[Any, ...] = ()  # values a form offers (others are allowed)
     label: str | None = None  # shown in a form (settings without one are not in the form)
     python_only: bool = False  # an object for Python callers and tests (a client, a credential): never stored or shown
+    option: str | None = None  # the command-line option that sets it (``nbbatch cluster --max-nodes``), if any
 
     def problem(self, value: Any) -> str | None:
         """What ``value`` must be instead, e.g. ``"an integer ≥ 1"`` (None: it is fine)."""
@@ -68,13 +73,14 @@ _KIND_NAMES = {"int": "an integer", "str": "a string", "bool": "true or false", 
 
 
 def setting(*, minimum: float | None = None, choices: tuple[Any, ...] = (), suggestions: tuple[Any, ...] = (),
-            label: str | None = None, python_only: bool = False) -> dict[str, Setting]:
+            label: str | None = None, python_only: bool = False, option: str | None = None) -> dict[str, Setting]:
     """A settings field's ``metadata``: what its annotation and default do not say.
 
-    ``python_only`` settings (a client, a credential) take any object: tests pass doubles for them.
+    ``python_only`` settings (a client, a credential) take any object: tests pass doubles for them. ``option``
+    names the command-line option that sets it (a managed cluster's settings: ``nbbatch cluster``).
     """
     return {_METADATA_KEY: Setting(minimum=minimum, choices=tuple(choices), suggestions=tuple(suggestions),
-                                   label=label, python_only=python_only)}
+                                   label=label, python_only=python_only, option=option)}
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ options and the widgets, so no layer re-reads the experiment file's keys.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -44,6 +45,13 @@ class Distribution:
 
 
 AUTO = "auto"  # resources.runs_per_gpu: as many runs as fit in the GPU's memory
+AUTO_CAP = 16  # runs per GPU at most under `auto`
+
+
+def auto_cap(gpu_count: int, cpus: int | None = None) -> int:
+    """Runs per GPU at most under ``auto``: :data:`AUTO_CAP`, and no more than the CPU cores per GPU."""
+    cpus = cpus or os.cpu_count() or 1
+    return max(1, min(AUTO_CAP, cpus // max(1, gpu_count)))
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from rich.text import Text
 
 import nbbatch.ui.skip_iri_grammar  # noqa: F401 - first of nbbatch's imports: before any of them imports jsonschema
 from nbbatch import __version__, api
+from nbbatch.backends.cluster import add_common_arguments, run_cluster_command
 from nbbatch.backends.placement import placement_reader
 from nbbatch.containers.node import execute_on_node
 from nbbatch.containers.runner import node_placement_of
@@ -347,11 +348,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
-    try:  # the azure extra: loaded only by this command
-        from nbbatch.backends.azureml import cli_cluster
-    except ImportError as exc:
-        raise NbbatchError(f"`nbbatch cluster` needs the azure extra: pip install 'nbbatch[azure]' ({exc})") from exc
-    return int(cli_cluster(args) or 0)
+    return run_cluster_command(args)
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
@@ -463,7 +460,7 @@ def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_setup_parsers(sub: argparse._SubParsersAction) -> None:
-    """What runs need: framework environments, the Azure ML cluster, the experiment file's schema."""
+    """What runs need: framework environments, a backend's managed cluster, the experiment file's schema."""
     p = sub.add_parser("envs", help="framework environments: create | list | remove")
     p.add_argument("action", choices=["create", "list", "remove"])
     p.add_argument("names", nargs="*")
@@ -476,21 +473,10 @@ def _add_setup_parsers(sub: argparse._SubParsersAction) -> None:
     variant.add_argument("--cpu", dest="gpu", action="store_false", help="install the pins as they are (the default)")
     p.set_defaults(func=cmd_envs)
 
-    p = sub.add_parser("cluster", help="the azureml backend's compute cluster: create | status | scale | delete")
-    p.add_argument("action", choices=["create", "status", "scale", "delete"])
-    p.add_argument("--experiment", help="take cluster and workspace settings from this experiment file's backend:")
-    p.add_argument("--name", help="cluster name (default: the experiment's `compute`, else nbbatch-gpu)")
-    p.add_argument("--vm-size", dest="vm_size")
-    p.add_argument("--min-nodes", dest="min_nodes", type=int)
-    p.add_argument("--max-nodes", dest="max_nodes", type=int)
-    p.add_argument("--tier", choices=["dedicated", "low_priority"])
-    p.add_argument("--idle-seconds", dest="idle_time_before_scale_down", type=int)
-    p.add_argument("--subscription-id", dest="subscription_id")
-    p.add_argument("--resource-group", dest="resource_group")
-    p.add_argument("--workspace")
-    p.add_argument("--config", help="an Azure ML config.json")
-    p.add_argument("--no-wait", action="store_true")
-    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("cluster", help="a backend's managed cluster (Azure ML's): create | status | scale | delete")
+    add_common_arguments(p)
+    p.add_argument("options", nargs=argparse.REMAINDER,
+                   help="the backend's cluster options (--name, --max-nodes…): `nbbatch cluster ACTION --help` lists them")
     p.set_defaults(func=cmd_cluster)
 
     p = sub.add_parser("schema", help="print the experiment file's JSON Schema (for editors that validate YAML)")

@@ -3,7 +3,8 @@
 This is deep_bait's Batch AI flow on today's service (Azure ML, SDK v2 ``azure-ai-ml``):
 
 * a **cluster** (:class:`AzureMLCluster`, :mod:`.cluster`): an ``AmlCompute`` cluster that scales
-  between ``min_nodes`` and ``max_nodes`` VMs of ``vm_size`` (dedicated or low-priority);
+  between ``min_nodes`` and ``max_nodes`` VMs of ``vm_size`` (dedicated or low-priority), sized by
+  :class:`ClusterSettings` (which the backend's settings extend) and managed by ``nbbatch cluster``;
 * an **environment** per framework (:mod:`.images`): an Azure ML ``Environment`` named
   ``nbbatch-<framework>``, built by Azure ML from the build context :mod:`nbbatch.containers.images`
   stages (``dockerfiles/Dockerfile`` filled from framework.yaml, and all it copies), versioned by the
@@ -23,33 +24,31 @@ The workspace comes from the settings (``subscription_id``, ``resource_group``, 
 else from ``AZURE_SUBSCRIPTION_ID`` / ``AZURE_RESOURCE_GROUP`` / ``AZUREML_WORKSPACE``, else from an
 Azure ML ``config.json`` (searched from the working directory up, or ``config:``) (:func:`connect`,
 :mod:`.workspace`). Credentials are :class:`azure.identity.DefaultAzureCredential`'s.
-Importing this package imports the Azure SDK; ``import nbbatch`` does not.
+Importing this package imports nothing yet: each name below loads its module (and so the Azure SDK) on first use,
+so that :mod:`.placement` loads on a job's node, whose image has nbbatch without the azure extra.
 """
 
 from __future__ import annotations
 
-from nbbatch.backends.azureml.backend import DEFAULT_LAUNCHER, AzureMLBackend, AzureMLSettings
-from nbbatch.backends.azureml.cli import cli_cluster
-from nbbatch.backends.azureml.cluster import AzureMLCluster, ClusterSettings, ClusterStatus
-from nbbatch.backends.azureml.images import build_code_snapshot, ensure_datastore, ensure_environment, framework_environment
-from nbbatch.backends.azureml.jobs import JOB_FILE, JobState, job_yaml, map_job_status
-from nbbatch.backends.azureml.workspace import connect
+import importlib
+from typing import Any
 
-__all__ = [
-    "AzureMLBackend",
-    "AzureMLSettings",
-    "AzureMLCluster",
-    "ClusterSettings",
-    "ClusterStatus",
-    "JobState",
-    "map_job_status",
-    "connect",
-    "framework_environment",
-    "ensure_environment",
-    "ensure_datastore",
-    "build_code_snapshot",
-    "job_yaml",
-    "cli_cluster",
-    "JOB_FILE",
-    "DEFAULT_LAUNCHER",
-]
+_WHERE = {  # name -> the module of this package that defines it
+    "AzureMLBackend": "backend", "AzureMLSettings": "backend", "DEFAULT_LAUNCHER": "backend",
+    "cli_cluster": "cli",
+    "AzureMLCluster": "cluster", "ClusterSettings": "cluster", "ClusterStatus": "cluster",
+    "build_code_snapshot": "images", "ensure_datastore": "images", "ensure_environment": "images",
+    "framework_environment": "images",
+    "JOB_FILE": "jobs", "JobState": "jobs", "job_yaml": "jobs", "map_job_status": "jobs",
+    "azureml_placement": "placement",
+    "connect": "workspace",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+
+
+__all__ = sorted(_WHERE)

@@ -17,16 +17,7 @@ from azure.ai.ml import Input, MLClient, Output, command
 from azure.ai.ml.entities import Command
 from azure.core.exceptions import AzureError, HttpResponseError, ResourceNotFoundError
 
-from nbbatch.backends.azureml.cluster import (
-    DEFAULT_CLUSTER,
-    DEFAULT_VM_SIZE,
-    TIERS,
-    VM_SIZES,
-    AzureMLCluster,
-    ClusterSettings,
-    vm_gpus,
-    vm_sizes_with,
-)
+from nbbatch.backends.azureml.cluster import AzureMLCluster, ClusterSettings, vm_gpus, vm_sizes_with
 from nbbatch.backends.azureml.images import (
     build_code_snapshot,
     check_pushed,
@@ -50,6 +41,7 @@ from nbbatch.backends.azureml.jobs import (
     refused_job_error,
 )
 from nbbatch.backends.azureml.logstream import stream_job
+from nbbatch.backends.azureml.placement import azureml_placement
 from nbbatch.backends.azureml.rules import (
     check_location,
     check_run,
@@ -60,7 +52,6 @@ from nbbatch.backends.azureml.rules import (
 )
 from nbbatch.backends.azureml.workspace import connect, error_text
 from nbbatch.backends.base import Backend, Capabilities, Compute, SubmitOptions
-from nbbatch.backends.placement import azureml_placement
 from nbbatch.backends.settings import setting
 from nbbatch.errors import BackendError, NbbatchError, ValidationError
 from nbbatch.execute.placement import NodePlacement
@@ -87,13 +78,14 @@ DEFAULT_LAUNCHER = 'PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" python -m n
 
 
 @dataclass(frozen=True)
-class AzureMLSettings:
+class AzureMLSettings(ClusterSettings):
     """The azureml backend's settings (the experiment's ``backend:`` mapping; all optional).
 
     ``compute`` names the cluster (created on first submit unless ``create_cluster: false``)
     sized by ``vm_size``, ``min_nodes``, ``max_nodes``, ``tier`` (dedicated | low_priority) and
-    ``idle_time_before_scale_down`` (seconds). ``datastore`` names the workspace datastore of
-    the experiment's file share (default ``nbbatch_<account>_<share>``). ``environments`` maps a
+    ``idle_time_before_scale_down`` (seconds): the fields of :class:`ClusterSettings`. The workspace is
+    ``subscription_id``, ``resource_group`` and ``workspace``, or a ``config`` file. ``datastore`` names the workspace
+    datastore of the experiment's file share (default ``nbbatch_<account>_<share>``). ``environments`` maps a
     framework (or ``"*"``) to an existing Azure ML environment (``azureml:name:version``)
     instead of building the framework's image from ``dockerfiles/``; ``registry`` uses the framework images pushed
     there (``nbbatch images push REGISTRY``) instead of building them. ``poll_seconds`` is how often waiting
@@ -102,17 +94,10 @@ class AzureMLSettings:
     ``ml_client``/``credential``/``client_kwargs`` are for Python callers and tests.
     """
 
-    subscription_id: str | None = None
-    resource_group: str | None = None
-    workspace: str | None = None
-    config: str | os.PathLike | None = None
-    compute: str = field(default=DEFAULT_CLUSTER, metadata=setting(label="cluster name"))
-    vm_size: str = field(default=DEFAULT_VM_SIZE, metadata=setting(suggestions=VM_SIZES, label="VM size"))
-    min_nodes: int = field(default=0, metadata=setting(minimum=0, label="min nodes"))
-    max_nodes: int = field(default=2, metadata=setting(minimum=1, label="max nodes"))
-    # suggestions, not choices: ClusterSettings also takes aliases ("low-priority", "spot")
-    tier: str = field(default="dedicated", metadata=setting(suggestions=TIERS, label="priority"))
-    idle_time_before_scale_down: int = field(default=1800, metadata=setting(minimum=0))
+    subscription_id: str | None = field(default=None, metadata=setting(option="--subscription-id"))
+    resource_group: str | None = field(default=None, metadata=setting(option="--resource-group"))
+    workspace: str | None = field(default=None, metadata=setting(option="--workspace"))
+    config: str | os.PathLike | None = field(default=None, metadata=setting(option="--config"))  # a config.json
     create_cluster: bool = True
     datastore: str | None = None
     environments: Mapping[str, str] | None = None
@@ -140,11 +125,8 @@ class AzureMLBackend(Backend):
     def __init__(self, settings: AzureMLSettings | None = None, /, **values: Any) -> None:
         """Configure from the experiment's ``backend:`` settings (see :class:`AzureMLSettings`)."""
         super().__init__(settings, **values)
-        given = self.settings
-        # the cluster's shape, changed in place when the cluster is resized
-        self.cluster_settings = ClusterSettings(given.compute, given.vm_size, given.min_nodes, given.max_nodes,
-                                                given.tier, given.idle_time_before_scale_down)
-        self._ml_client = given.ml_client
+        self._ml_client = self.settings.ml_client
+        self._cluster: AzureMLCluster | None = None
         self._environment_refs: dict[str, str] = {}
         self._registry_checked: set[str] = set()  # frameworks whose image was found in `registry:`
 
@@ -166,8 +148,15 @@ class AzureMLBackend(Backend):
 
     @property
     def cluster(self) -> AzureMLCluster:
-        """The compute cluster these settings name."""
-        return AzureMLCluster(self.ml_client, self.cluster_settings)
+        """The compute cluster these settings name (:class:`~nbbatch.backends.cluster.ManagedCluster`)."""
+        if self._cluster is None:
+            self._cluster = AzureMLCluster(self.ml_client, self.settings)
+        return self._cluster
+
+    @property
+    def cluster_settings(self) -> ClusterSettings:
+        """The cluster's shape: the settings', with the node range it was resized to through :attr:`cluster`."""
+        return self._cluster.settings if self._cluster is not None else self.settings
 
     # --- the Backend hooks ------------------------------------------------------------------------
     def compute(self) -> Compute:
@@ -178,9 +167,10 @@ class AzureMLBackend(Backend):
                        details={"cluster": status.to_dict(), "summary": status.summary()})
 
     @classmethod
-    def node_placement(cls, run: Run, environ: Mapping[str, str]) -> NodePlacement | None:
-        """Azure ML's PyTorch, TensorFlow and MPI variables (:func:`nbbatch.backends.placement.azureml_placement`)."""
-        return azureml_placement(run, environ)
+    def node_placement(cls, run: Run, environ: Mapping[str, str], share: Share | None = None) -> NodePlacement | None:
+        """Azure ML's PyTorch, TensorFlow and MPI variables (:func:`~nbbatch.backends.azureml.placement.azureml_placement`,
+        what the registry gives run-one on a node without the SDK)."""
+        return azureml_placement(run, environ, share)
 
     def check_share(self, share: Share) -> None:
         """Jobs write to an Azure File share: refuse any other share, or one Azure ML cannot mount, before anything starts."""
@@ -519,7 +509,7 @@ class AzureMLBackend(Backend):
         if clusters is not None and canonical_status(state.job_status) == "Queued" and job.compute:
             if job.compute not in clusters:
                 clusters[job.compute] = AzureMLCluster(self.ml_client, dataclasses.replace(
-                    self.cluster_settings, name=job.compute)).allocation().waiting_note()
+                    self.cluster_settings, compute=job.compute)).allocation().waiting_note()
             state.note = clusters[job.compute] or state.note
         state.studio_url = job.studio_url or state.studio_url
         state.updated_at = utc_now()

@@ -13,11 +13,12 @@ from azure.core.exceptions import AzureError, HttpResponseError, ResourceNotFoun
 
 from nbbatch.backends.azureml.rules import check_name
 from nbbatch.backends.azureml.workspace import error_text
+from nbbatch.backends.settings import setting
 from nbbatch.errors import BackendError
 
 DEFAULT_CLUSTER = "nbbatch-gpu"
 DEFAULT_VM_SIZE = "Standard_NC4as_T4_v3"
-TIERS = ("dedicated", "low_priority")  # ClusterSettings also takes "low-priority", "LowPriority", "spot"
+TIERS = ("dedicated", "low_priority")
 VM_SIZES = ("Standard_NC4as_T4_v3", "Standard_NC6s_v3", "Standard_NC24ads_A100_v4", "Standard_ND96asr_v4",
             "Standard_D4s_v5")  # what a form offers (any size the region has is allowed)
 # GPUs of one VM of the sizes nbbatch knows (Azure's size names are case-insensitive). A size not here is not
@@ -49,29 +50,40 @@ def vm_sizes_with(gpus: int) -> list[str]:
     return [name for n, name in sorted((n, name) for name, n in VM_GPUS.items() if n >= gpus)]
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClusterSettings:
-    """How a compute cluster is sized: VM size, node range, priority tier, idle time before scale-down."""
+    """How a compute cluster is sized: its name, VM size, node range, priority tier, idle time before scale-down.
 
-    name: str = DEFAULT_CLUSTER
-    vm_size: str = DEFAULT_VM_SIZE
-    min_nodes: int = 0
-    max_nodes: int = 2
-    tier: str = "dedicated"
-    idle_time_before_scale_down: int = 1800  # seconds
+    Declared once: the azureml backend's settings extend it (:class:`~nbbatch.backends.azureml.AzureMLSettings`),
+    and its fields' metadata drive validation, the Jupyter form and ``nbbatch cluster``'s options.
+    """
+
+    compute: str = field(default=DEFAULT_CLUSTER, metadata=setting(label="cluster name", option="--name"))
+    vm_size: str = field(default=DEFAULT_VM_SIZE, metadata=setting(suggestions=VM_SIZES, label="VM size",
+                                                                    option="--vm-size"))
+    min_nodes: int = field(default=0, metadata=setting(minimum=0, label="min nodes", option="--min-nodes"))
+    max_nodes: int = field(default=2, metadata=setting(minimum=1, label="max nodes", option="--max-nodes"))
+    # suggestions, not choices: the tier takes aliases too ("low-priority", "LowPriority", "spot")
+    tier: str = field(default="dedicated", metadata=setting(suggestions=TIERS, label="priority", option="--tier"))
+    idle_time_before_scale_down: int = field(default=1800, metadata=setting(minimum=0, option="--idle-seconds"))  # s
 
     def __post_init__(self) -> None:
         tier = self.tier.replace("-", "_").lower()
         tier = {"lowpriority": "low_priority", "low": "low_priority", "spot": "low_priority"}.get(tier, tier)
         if tier not in TIERS:
             raise BackendError(f"cluster tier `{self.tier}` is not one of {', '.join(TIERS)}")
-        self.tier = tier
-        check_name("compute", self.name, "cluster name")  # the service's rule (rules.yaml), before anything is created
+        object.__setattr__(self, "tier", tier)
+        check_name("compute", self.compute, "cluster name")  # the service's rule (rules.yaml), before anything is created
         if not (0 <= int(self.min_nodes) <= int(self.max_nodes)) or int(self.max_nodes) < 1:
             raise BackendError(f"cluster nodes must satisfy 0 <= min_nodes <= max_nodes and max_nodes >= 1 "
                                f"(got min_nodes={self.min_nodes}, max_nodes={self.max_nodes})")
-        self.min_nodes, self.max_nodes = int(self.min_nodes), int(self.max_nodes)
-        self.idle_time_before_scale_down = int(self.idle_time_before_scale_down)
+        for name in ("min_nodes", "max_nodes", "idle_time_before_scale_down"):
+            object.__setattr__(self, name, int(getattr(self, name)))
+
+    @property
+    def name(self) -> str:
+        """The cluster's name (the ``compute`` setting)."""
+        return self.compute
 
     def to_compute(self) -> AmlCompute:
         """The ``AmlCompute`` entity these settings describe."""
@@ -175,6 +187,21 @@ class AzureMLCluster:
                                    "subscription has quota for its family (docs/azure.md)") from exc
         return self.status()
 
+    def provision(self, wait: bool = True) -> str:
+        """Create the cluster if missing, else resize its node range to the settings'; what could not change.
+
+        An existing cluster keeps its VM size and tier: the note says when the settings' differ (empty: none do)."""
+        status = self.create(wait=wait)
+        wanted = (self.settings.min_nodes, self.settings.max_nodes)
+        if status.exists and (status.min_nodes, status.max_nodes) != wanted:
+            status = self.scale(*wanted, wait=wait)
+        differ = [f"{key} is {value}" for key, value in (("vm_size", status.vm_size), ("tier", status.tier))
+                  if value and str(value).lower() != str(getattr(self.settings, key)).lower()]
+        if not status.exists or not differ:
+            return ""
+        return (f"cluster {self.name} exists and its {' and its '.join(differ)}: only its node range changes; "
+                "delete it (cluster.delete()) or choose another cluster name to change the others")
+
     def capacity(self) -> tuple[str, int, bool]:
         """``(vm_size, max_nodes, exists)``: the existing cluster's own (:meth:`create` keeps them), else the settings'."""
         compute = self._get()
@@ -259,7 +286,7 @@ class AzureMLCluster:
         poller = self.ml_client.compute.begin_update(compute)
         if wait:
             poller.result()
-        self.settings.min_nodes, self.settings.max_nodes = new_min, new_max
+        self.settings = dataclasses.replace(self.settings, min_nodes=new_min, max_nodes=new_max)
         return self.status()
 
     def delete(self, wait: bool = True) -> bool:

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 import pynvml  # nvidia-ml-py: loads the NVML library only at nvmlInit
 
+from nbbatch.spec.resources import AUTO, AUTO_CAP, auto_cap  # noqa: F401 - what `auto` means (the scheduler packs by it)
+
 if TYPE_CHECKING:
     from nbbatch.plan.runs import Run
     from nbbatch.store.runjson import RunError, RunRecord
 
-AUTO = "auto"
-AUTO_CAP = 16  # runs per GPU at most under `auto`
 MEMORY_MARGIN = 0.10  # of each GPU's memory never reserved under `auto` (allocator slack, fragmentation)
 HEADROOM = 1.2  # a measured peak is reserved with this much to spare (data and batches vary)
 
@@ -190,12 +190,6 @@ class SlotPool:
         if not lease.gpu_ids or lease.alone:
             return False
         return self.auto or int(self.runs_per_gpu) > 1
-
-
-def auto_cap(gpu_count: int, cpus: int | None = None) -> int:
-    """Runs per GPU at most under ``auto``: :data:`AUTO_CAP`, and no more than the CPU cores per GPU."""
-    cpus = cpus or os.cpu_count() or 1
-    return max(1, min(AUTO_CAP, cpus // max(1, gpu_count)))
 
 
 def _budget_mb(gpu: GpuInfo) -> float:

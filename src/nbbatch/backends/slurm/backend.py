@@ -30,11 +30,11 @@ from nbbatch.backends.slurm.jobs import (
 )
 from nbbatch.backends.slurm.script import (
     SUBMISSIONS,
-    JobRequest,
     JobShape,
     array_option,
     batch_script,
     group_by_shape,
+    job_options,
     launcher_command,
     spec_path,
 )
@@ -122,12 +122,6 @@ class SlurmSettings:
             raise ValidationError(f"backend setting `time_limit: {limit}` is not a Slurm time: write minutes (90) or "
                                   "days-hours:minutes:seconds (1-12:00:00)")
 
-    def request(self) -> JobRequest:
-        limit = self.time_limit
-        return JobRequest(self.partition, self.account, self.qos, self.constraint,
-                          str(limit) if limit is not None else None, self.cpus, str(self.memory).upper(),
-                          self.gpu_type, tuple(str(a) for a in self.extra_sbatch or ()))
-
 
 class SlurmBackend(Backend):
     """Execute runs as Slurm jobs: one job array per submission (a task per run), a job per distributed run."""
@@ -194,18 +188,18 @@ class SlurmBackend(Backend):
             raise BackendError(f"the Slurm partition `{wanted}` does not exist{did_you_mean(wanted, partitions)}; "
                                f"this cluster has: {', '.join(sorted(partitions)) or 'none'}. Fix `partition:` in the "
                                "experiment's backend settings. Nothing was queued.")
-        request = self.settings.request()
         shapes = {JobShape.of(r): r for r in runs}
         partition = partitions.get(wanted or "") or next((p for p in partitions.values() if p.default), None)
         self._check_time_limits(shapes, partition)
         for shape, run in shapes.items():
-            refusal = self.slurm.test_only(request.options(shape, "nbbatch-check"))
+            refusal = self.slurm.test_only(job_options(self.settings, shape, "nbbatch-check"))
             if refusal is not None:
                 offered = sorted({g for p in partitions.values() for g in p.gres.split(",") if g})
                 gres = f" (GPUs there: {', '.join(offered) or 'none'})" if shape.gpus else ""
+                options = " ".join(job_options(self.settings, shape, job_name(run.experiment)))
                 raise BackendError(
                     f"Slurm would refuse the job of run {run.run_id} ({_shape_words(shape)}; options "
-                    f"{' '.join(request.options(shape, job_name(run.experiment)))}). Slurm says: {refusal}{gres}. Fix the "
+                    f"{options}). Slurm says: {refusal}{gres}. Fix the "
                     "backend settings (partition, account, qos, constraint, gpu_type, memory, cpus, time_limit, "
                     "extra_sbatch) or the experiment's resources. Nothing was queued.")
 
@@ -334,7 +328,7 @@ class SlurmBackend(Backend):
         script = folder / (script_name or f"batch-{first}.sh")
         script.write_text(batch_script(group[0].experiment, command, project, self.settings.env or {}, gang))
         output = "slurm-%A_%a.out" if array else "slurm-%j.out"
-        args = [*self.settings.request().options(shape, job_name(group[0].experiment)),
+        args = [*job_options(self.settings, shape, job_name(group[0].experiment)),
                 f"--output={folder / output}"]
         if array:
             args.append(array_option(len(group), throttle))

@@ -11,9 +11,13 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nbbatch.backends.slurm.jobs import slurm_time, time_limit_minutes
 from nbbatch.plan.runs import Run
+
+if TYPE_CHECKING:
+    from nbbatch.backends.slurm.backend import SlurmSettings
 
 SUBMISSIONS = ".slurm"  # in the experiment's folder on the share
 
@@ -32,37 +36,23 @@ class JobShape:
         return cls(nodes, run.gpus, time_limit_minutes(run))
 
 
-@dataclass(frozen=True)
-class JobRequest:
-    """The settings every job of a submission gets (the backend's settings, as sbatch options)."""
-
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    constraint: str | None = None
-    time_limit: str | None = None  # the user's own --time: replaces the one nbbatch works out
-    cpus: int = 2
-    memory: str = "8G"
-    gpu_type: str | None = None
-    extra: tuple[str, ...] = ()
-
-    def options(self, shape: JobShape, name: str) -> list[str]:
-        """``sbatch``'s options for a job of ``shape`` (without ``--array`` and ``--output``)."""
-        # --no-requeue: after a node failure nbbatch submits the run again itself (a requeue waits minutes)
-        args = [f"--job-name={name}", f"--nodes={shape.nodes}", "--ntasks-per-node=1", "--no-requeue",
-                f"--cpus-per-task={self.cpus}", f"--mem={self.memory}"]  # --mem always: without it a job takes a node
-        if shape.gpus:
-            gpus = f"{self.gpu_type}:{shape.gpus}" if self.gpu_type else str(shape.gpus)
-            args.append(f"--gpus-per-node={gpus}")
-        if self.time_limit:
-            args.append(f"--time={self.time_limit}")
-        elif shape.time_minutes is not None:
-            args.append(f"--time={slurm_time(shape.time_minutes)}")
-        for flag, value in (("partition", self.partition), ("account", self.account), ("qos", self.qos),
-                            ("constraint", self.constraint)):
-            if value:
-                args.append(f"--{flag}={value}")
-        return [*args, *self.extra]
+def job_options(settings: SlurmSettings, shape: JobShape, name: str) -> list[str]:
+    """``sbatch``'s options for a job of ``shape`` (without ``--array`` and ``--output``): the shape's, then the
+    backend's settings (the user's own ``time_limit`` replaces the one nbbatch works out), then ``extra_sbatch``."""
+    # --no-requeue: after a node failure nbbatch submits the run again itself (a requeue waits minutes)
+    args = [f"--job-name={name}", f"--nodes={shape.nodes}", "--ntasks-per-node=1", "--no-requeue",
+            f"--cpus-per-task={settings.cpus}", f"--mem={str(settings.memory).upper()}"]  # --mem always: else a node
+    if shape.gpus:
+        gpus = f"{settings.gpu_type}:{shape.gpus}" if settings.gpu_type else str(shape.gpus)
+        args.append(f"--gpus-per-node={gpus}")
+    if settings.time_limit is not None:
+        args.append(f"--time={settings.time_limit}")
+    elif shape.time_minutes is not None:
+        args.append(f"--time={slurm_time(shape.time_minutes)}")
+    for flag in ("partition", "account", "qos", "constraint"):
+        if getattr(settings, flag):
+            args.append(f"--{flag}={getattr(settings, flag)}")
+    return [*args, *(str(option) for option in settings.extra_sbatch or ())]
 
 
 def launcher_command(python: str, spec: str, share: str, project: str, gpus: bool,

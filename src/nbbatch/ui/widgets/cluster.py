@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import nbbatch.ui.widgets.display as display
 from nbbatch.backends import Backend, Capabilities, Compute, Setting, backend_class, backend_names, get_backend
-from nbbatch.backends.local.gpus import AUTO, auto_cap
 from nbbatch.errors import BackendError
 from nbbatch.redact import is_secret
 from nbbatch.results.status import format_metric
+from nbbatch.spec.resources import AUTO, auto_cap
 
 if TYPE_CHECKING:
     from nbbatch.spec.experiment import Experiment
@@ -55,6 +55,7 @@ class Cluster:
     settings: dict[str, Any] = field(default_factory=dict)
     runs_per_gpu: int | str | None = None  # a number, or "auto" (packed by memory)
     max_parallel: int | None = None
+    note: str = field(default="", init=False, repr=False, compare=False)  # what the last provision could not change
 
     def get_backend(self) -> Backend:
         """An instance of the backend, configured with :attr:`settings`."""
@@ -74,19 +75,15 @@ class Cluster:
         return dataclasses.replace(experiment, **changes)
 
     def provision(self, wait: bool = True) -> Compute:
-        """Create the backend's cluster if missing and resize it to ``min_nodes``/``max_nodes``; return its compute.
+        """Create the backend's cluster if missing, else resize its node range to the settings; return its compute.
 
-        Only backends that manage a cluster (:attr:`Capabilities.managed_cluster`: their ``cluster`` with
-        ``create``/``scale``) have anything to do; for the others this is :meth:`compute`.
+        Only backends that manage a cluster (:attr:`Capabilities.managed_cluster`: their ``cluster``, a
+        :class:`~nbbatch.backends.cluster.ManagedCluster`) have anything to do; for the others this is :meth:`compute`.
+        :attr:`note` says what an existing cluster could not change (its VM size…).
         """
         backend = self.get_backend()
-        if not capabilities(self.backend).managed_cluster:
-            return backend.compute()
-        managed = backend.cluster
-        status = managed.create(wait=wait)
-        wanted = (self.settings.get("min_nodes"), self.settings.get("max_nodes"))
-        if status.exists and None not in wanted and (status.min_nodes, status.max_nodes) != wanted:
-            managed.scale(*wanted, wait=wait)
+        if capabilities(self.backend).managed_cluster:
+            self.note = backend.cluster.provision(wait=wait)
         return backend.compute()
 
     def delete(self) -> bool:
@@ -358,25 +355,12 @@ class ClusterForm:
         self.message.value = display.message_html("creating or resizing the cluster…", "busy")
         try:
             self.compute = self.cluster.provision(wait=False)
-            self.message.value = display.message_html(_unchangeable(self.compute, self.cluster))
+            self.message.value = display.message_html(self.cluster.note)
         except Exception as exc:  # noqa: BLE001
             self.message.value = display.message_html(str(exc), "error")
         finally:
             self.apply_button.disabled = False
         self._refresh()
-
-
-def _unchangeable(compute: Compute, cluster: Cluster) -> str:
-    """A note when an existing cluster's VM size or tier differ from the form (only its nodes can change)."""
-    status = compute.details.get("cluster")
-    if not isinstance(status, dict) or not status.get("exists"):
-        return ""
-    differ = [f"{key} is {status[key]}" for key in ("vm_size", "tier")
-              if status.get(key) and cluster.settings.get(key) and str(status[key]).lower() != str(cluster.settings[key]).lower()]
-    if not differ:
-        return ""
-    return (f"cluster {status.get('name')} exists and its {' and its '.join(differ)}: only its node range changes; "
-            "delete it (cluster.delete()) or choose another cluster name to change the others")
 
 
 def _provisioning(compute: Compute) -> bool:
