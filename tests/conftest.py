@@ -181,20 +181,25 @@ SHARED_FIXTURE_GROUPS = (({"podman_env", "chainer_image", "pytorch_image", "imag
                          ({"slurm_cluster"}, "slurm"))
 
 
-def _xdist_group(item: pytest.Item) -> str:
-    """The worker group of a test: its heavy session fixture's, else its file's (so module fixtures start once)."""
+def _xdist_group(item: pytest.Item) -> str | None:
+    """The worker group of a test: its heavy session fixture's, else its file's when it uses a module fixture (so
+    that starts once), else none (any worker)."""
     used = set(getattr(item, "fixturenames", ()))
     for fixtures, group in SHARED_FIXTURE_GROUPS:
         if used & fixtures:
             return group
-    return item.nodeid.split("::")[0]
+    definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    if any(d.scope == "module" for defs in definitions.values() for d in defs):
+        return item.nodeid.split("::")[0]
+    return None
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (`--dist loadgroup`)
 def pytest_collection_modifyitems(config, items):
     """Skip `gpu` tests without a GPU and tests of an extra without it; give each test its xdist group."""
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
+        if group := _xdist_group(item):
+            item.add_marker(pytest.mark.xdist_group(group))
     skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU (NVML found none)")
     missing = {marker: pytest.mark.skip(reason=f"needs the {marker} extra: pip install 'nbbatch[{marker}]'")
                for marker, modules in EXTRA_MARKERS.items() if not all(map(_installed, modules))}
