@@ -1,6 +1,7 @@
 """The layout's promises, checked on the source: small modules and functions, no import cycles (counting the imports
 inside functions too), layers that only import downwards, imports at the top of modules, one place for share paths,
-one secret-name rule, front ends that ask a backend's capabilities instead of its name."""
+one secret-name rule, front ends that ask a backend's capabilities instead of its name, one builder of run-one's
+command."""
 
 from __future__ import annotations
 
@@ -177,3 +178,15 @@ def test_front_ends_ask_capabilities_not_backend_names():
     offenders = [f"{p.relative_to(SRC)}:{i}" for p in front
                  for i, line in enumerate(p.read_text().splitlines(), 1) if BACKEND_NAME_BRANCH.search(line)]
     assert not offenders, f"ask backend_class(name).capabilities instead: {offenders}"
+
+
+# run-one's command as a backend once wrote it: the subcommand as a word of a command, followed by its options
+RUN_ONE_COMMAND = re.compile(r"""^run-one$|\brun-one\s+(--|'|\{)|--(spec-file|placement-file|container-image|container-engine|shared-gpu)\b""")
+
+
+def test_one_module_composes_run_ones_command():
+    """Backends fill a LaunchSpec and ask nbbatch.execute.launch for the command; they never write run-one's words."""
+    offenders = [f"{p.relative_to(SRC)}:{node.lineno}" for p in MODULES if p.relative_to(SRC) != Path("execute/launch.py")
+                 for node in ast.walk(ast.parse(p.read_text()))
+                 if isinstance(node, ast.Constant) and isinstance(node.value, str) and RUN_ONE_COMMAND.search(node.value)]
+    assert not offenders, f"build run-one's command with nbbatch.execute.launch.launch_command: {offenders}"
