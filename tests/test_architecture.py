@@ -181,7 +181,8 @@ def test_front_ends_ask_capabilities_not_backend_names():
 
 
 # run-one's command as a backend once wrote it: the subcommand as a word of a command, followed by its options
-RUN_ONE_COMMAND = re.compile(r"""^run-one$|\brun-one\s+(--|'|\{)|--(spec-file|placement-file|container-image|container-engine|shared-gpu)\b""")
+RUN_ONE_COMMAND = re.compile(r"""^run-one$|\brun-one\s+(--|'|\{)"""
+                             r"|--(spec-file|placement-file|container-image|container-engine|shared-gpu)\b")
 
 
 def test_one_module_composes_run_ones_command():
