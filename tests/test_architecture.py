@@ -1,6 +1,7 @@
 """The layout's promises, checked on the source: small modules and functions, no import cycles (counting the imports
 inside functions too), layers that only import downwards, imports at the top of modules, one place for share paths,
-one secret-name rule, no branch on a backend's name outside the registry (nor an import of a named backend's package)."""
+one secret-name rule, no branch on a backend's name outside the registry (nor an import of a named backend's package),
+one builder of run-one's command."""
 
 from __future__ import annotations
 
@@ -237,3 +238,16 @@ def test_the_guards_see_every_form_of_a_backend_name_branch():
                'match name:\n    case "ray": pass']
     assert all(_backend_name_branches(ast.parse(sample)) for sample in samples)
     assert not _backend_name_branches(ast.parse('record = new_record(run, backend="ray")\nbackend: str = "local"'))
+
+
+# run-one's command as a backend once wrote it: the subcommand as a word of a command, followed by its options
+RUN_ONE_COMMAND = re.compile(r"""^run-one$|\brun-one\s+(--|'|\{)"""
+                             r"|--(spec-file|placement-file|container-image|container-engine|shared-gpu)\b")
+
+
+def test_one_module_composes_run_ones_command():
+    """Backends fill a LaunchSpec and ask nbbatch.execute.launch for the command; they never write run-one's words."""
+    offenders = [f"{p.relative_to(SRC)}:{node.lineno}" for p in MODULES if p.relative_to(SRC) != Path("execute/launch.py")
+                 for node in ast.walk(ast.parse(p.read_text()))
+                 if isinstance(node, ast.Constant) and isinstance(node.value, str) and RUN_ONE_COMMAND.search(node.value)]
+    assert not offenders, f"build run-one's command with nbbatch.execute.launch.launch_command: {offenders}"

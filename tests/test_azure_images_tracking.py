@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import os
 import re
 import resource
+import shlex
 import shutil
 import subprocess
 import uuid
@@ -22,6 +22,7 @@ from nbbatch.containers.images import image_spec, image_spec_args, instructions,
 from nbbatch.errors import ValidationError
 from nbbatch.execute.attempts import execute_run
 from nbbatch.execute.context import AttemptContext
+from nbbatch.execute.launch import LaunchSpec
 from nbbatch.plan.runs import Run
 from nbbatch.spec.frameworks import DISTRIBUTION_PACKAGES, list_frameworks
 from nbbatch.spec.project import Project
@@ -175,14 +176,14 @@ PROBE = ("import os, nbbatch\n"
 
 
 def _as_azure_ml_sends_it(run: Run) -> Run:
-    """The run as the azureml backend puts it in its job's command (``run-one --spec '…'``)."""
+    """The run as the azureml backend puts it in its job's command (``run-one '<launch JSON>'``)."""
     pytest.importorskip("azure.ai.ml")
     from nbbatch.backends.azureml import AzureMLBackend  # the azure extra: loaded only when installed
 
     job = AzureMLBackend().build_job(run, "azureml:e:1", "/tmp", datastore="nbbatch_acct_results",
                                      share_url="azfiles://acct/results/nbbatch")
-    spec = job.command.split("--spec ", 1)[1].split(" --share", 1)[0]
-    return Run.from_dict(json.loads(spec.strip("'")))
+    words = shlex.split(job.command)
+    return LaunchSpec.from_json(words[words.index("run-one") + 1]).run
 
 
 @pytest.mark.kernel

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import io
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from support.notebooks import make_notebook  # noqa: E402
 
 from nbbatch.backends import SubmitOptions, get_backend  # noqa: E402
 from nbbatch.backends.azureml import (  # noqa: E402
+    DEFAULT_LAUNCHER,
     JOB_FILE,
     AzureMLBackend,
     AzureMLCluster,
@@ -36,6 +38,7 @@ from nbbatch.backends.azureml import (  # noqa: E402
 )
 from nbbatch.containers.images import copy_sources, image_spec, render  # noqa: E402
 from nbbatch.errors import BackendError, ValidationError  # noqa: E402
+from nbbatch.execute.launch import LaunchSpec  # noqa: E402
 from nbbatch.plan.runs import Run  # noqa: E402
 from nbbatch.spec.frameworks import get_framework  # noqa: E402
 from nbbatch.spec.project import Project  # noqa: E402
@@ -67,6 +70,12 @@ def _run(root, run_id: str, lr: float, gpus: int = 1) -> Run:
     return Run(run_id=run_id, experiment="cifar", notebook=str(root / "notebooks" / "Toy.ipynb"),
                notebook_rel="notebooks/Toy.ipynb", kernel="nbbatch-toy", parameters={"EPOCHS": 1, "LR": lr},
                framework="toy", gpus=gpus, timeout_s=900)
+
+
+def _launch_in(command: str) -> LaunchSpec:
+    """The launch a job's command hands ``run-one`` (its JSON, on the command line)."""
+    words = shlex.split(command)
+    return LaunchSpec.from_json(words[words.index("run-one") + 1])
 
 
 @pytest.fixture
@@ -149,19 +158,19 @@ def test_job_yaml_roundtrip(backend, runs, tmp_path):
     share_out = loaded.outputs["share"]
     assert share_out.mode == "rw_mount" and share_out.type == "uri_folder"
     assert share_out.path == f"azureml://datastores/{DATASTORE}/paths/nbbatch/"
-    assert " run-one --spec " in loaded.command and "--share ${{outputs.share}}" in loaded.command
-    assert "--backend azureml" in loaded.command and "--gpus 0" in loaded.command
+    assert loaded.command.startswith(f"{DEFAULT_LAUNCHER} run-one '{{")  # the launch JSON itself: all a node gets
+    launch = _launch_in(loaded.command)
+    assert launch.share == "${{outputs.share}}" and launch.backend == "azureml" and launch.gpus == (0,)
     assert str(tmp_path) not in loaded.command  # the spec names notebooks by their project-relative path
-    spec = json.loads(loaded.command.split("--spec ", 1)[1].split(" --share", 1)[0].strip("'"))
-    assert Run.from_dict(spec) == Run.from_dict({**runs[0].to_dict(), "notebook": "notebooks/Toy.ipynb",
-                                                 "tracking": "none"})  # Azure ML tracks only when asked
+    assert launch.run == Run.from_dict({**runs[0].to_dict(), "notebook": "notebooks/Toy.ipynb",
+                                        "tracking": "none"})  # Azure ML tracks only when asked
     assert job.name.startswith("toy-000000-")
 
 
 def test_direct_share_mode_passes_the_url(aml, runs, tmp_path):
     backend = AzureMLBackend(ml_client=aml.ml_client(), share_mode="direct")
     job = backend.build_job(runs[0], "azureml:e:1", tmp_path, datastore=DATASTORE, share_url=SHARE_URL)
-    assert f"--share {SHARE_URL}" in job.command and not job.outputs
+    assert _launch_in(job.command).share == SHARE_URL and not job.outputs
 
 
 def test_compute_yaml_roundtrip():
@@ -523,10 +532,10 @@ def test_a_binding_in_a_parameter_stays_text(backend, runs, tmp_path):
     code = build_code_snapshot([run], tmp_path / "code")
     job = backend.build_job(run, "azureml:nbbatch-toy:abc", code, datastore=DATASTORE, share_url=SHARE_URL,
                             share_prefix="nbbatch")
-    assert job.command.count("${{") == 1 and "--share ${{outputs.share}}" in job.command  # the share's own binding
+    assert job.command.count("${{") == 1 and '"share":"${{outputs.share}}"' in job.command  # the share's own binding
     loaded = load_job(source=io.StringIO(job_yaml(job)))
-    spec = json.loads(loaded.command.split("--spec ", 1)[1].split(" --share", 1)[0].strip("'"))
-    assert spec["parameters"]["NOTE"] == text and spec["env"] == {"LABEL": "${{name}}"}
+    spec = _launch_in(loaded.command).run
+    assert spec.parameters["NOTE"] == text and spec.env == {"LABEL": "${{name}}"}
 
 
 def test_a_create_that_times_out_is_found_on_resubmit(aml, backend, share, runs, files, env_upload, azproject):
@@ -594,7 +603,7 @@ def test_through_nbbatch_submit(aml, files, azproject, write_experiment, env_upl
     assert {r.status for r in result.records} == {"queued"}
     assert {j["properties"]["displayName"] for j in aml.jobs.values()} == set(result.started)
     for job in aml.jobs.values():
-        assert "--gpus 0" in job["properties"]["command"]
+        assert _launch_in(job["properties"]["command"]).gpus == (0,)
     share = AzureFileShare(SHARE_URL)
     for name in aml.jobs:  # the executor would write the final records; here the jobs just complete
         aml.set_job_status(name, "Completed")
@@ -620,8 +629,8 @@ def test_inputs_are_read_only_mounts_bound_to_their_parameters(backend, runs, tm
     assert (extra.type, extra.mode) == ("uri_folder", "ro_mount")
     # another share: its own datastore; its root is `paths/./` (the SDK's parser refuses an empty path)
     assert extra.path == f"azureml://datastores/nbbatch_{ACCOUNT}_other/paths/./"
-    assert "--input DATA_DIR=${{inputs.DATA_DIR}}" in loaded.command
-    assert "--input EXTRA=${{inputs.EXTRA}}" in loaded.command
+    assert _launch_in(loaded.command).inputs == {"DATA_DIR": "${{inputs.DATA_DIR}}", "EXTRA": "${{inputs.EXTRA}}"}
+    assert '"DATA_DIR":"${{inputs.DATA_DIR}}"' in loaded.command  # a binding Azure ML replaces with the mount
 
 
 def test_a_local_input_is_refused_with_the_push_command(backend, runs, azproject):
@@ -684,9 +693,9 @@ def test_distributed_job_yaml_roundtrip(aml, runs, tmp_path, kind):
     assert type(loaded.distribution).__name__ == cls
     assert {k: getattr(loaded.distribution, k) for k in counts} == counts
     assert loaded.resources.instance_count == 2 and loaded.resources.shm_size == "16g"
-    assert "--gpus 0,1,2,3" in loaded.command  # the GPUs of each node
-    spec = json.loads(loaded.command.split("--spec ", 1)[1].split(" --share", 1)[0].strip("'"))
-    assert spec["distribution"] == world  # the node launcher reads its gang from the run itself
+    launch = _launch_in(loaded.command)
+    assert launch.gpus == (0, 1, 2, 3)  # the GPUs of each node
+    assert launch.run.distribution.to_dict() == world  # the node launcher reads its gang from the run itself
     assert json.loads(loaded.tags["distribution"]) == world
 
 
@@ -778,7 +787,7 @@ def test_a_distributed_run_is_one_job_over_its_nodes(aml, files, distproject, wr
     body = job["properties"]
     assert body["resources"]["instanceCount"] == 2 and body["resources"]["shmSize"] == "8g"
     assert body["distribution"] == {"distributionType": "PyTorch", "processCountPerInstance": 1}
-    assert result.started == [body["displayName"]] and "--gpus 0" in body["command"]
+    assert result.started == [body["displayName"]] and _launch_in(body["command"]).gpus == (0,)
 
 
 def test_its_placement_hook_reads_azure_mls_node_variables():

@@ -163,3 +163,34 @@ def test_cluster_asks_the_backends_capabilities(tiny):
         done = nbbatch(*args, cwd=tiny)
         assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
         assert done.stderr.startswith("nbbatch: error:") and "has no cluster that nbbatch manages" in done.stderr
+
+
+@pytest.mark.kernel
+def test_run_one_executes_the_launch_its_backend_wrote(tiny):
+    """`nbbatch run-one LAUNCH`: a launch file, or the launch JSON itself, as every backend hands it."""
+    from nbbatch.execute.launch import LaunchSpec, launch_command, nbbatch_launcher
+    from nbbatch.plan.runs import Run
+
+    (tiny / "exp.yaml").write_text("experiment: e\nnotebooks: [nb.ipynb]\nsweep: {zip: {A: [1, 2]}}\n")
+    planned = json.loads(nbbatch("plan", "exp.yaml", "--json", cwd=tiny, check=True).stdout)
+    share = tiny / "results"
+    first, second = (LaunchSpec(Run.from_dict(r), str(share), project=str(tiny)) for r in planned)
+    (tiny / "launch.json").write_text(first.to_json())
+    for launch in (tiny / "launch.json", second.to_json()):
+        done = subprocess.run(launch_command(nbbatch_launcher(sys.executable), launch), cwd=tiny,
+                              capture_output=True, text=True)
+        assert done.returncode == 0 and ": succeeded" in done.stdout, done.stderr
+    values = [json.loads((share / "e" / r["run_id"] / "run.json").read_text())["metrics"]["value"] for r in planned]
+    assert values == [2, 4]
+
+
+@pytest.mark.parametrize("launch, message", [
+    ("missing.json", "cannot read the launch file missing.json"),
+    ('{"run_id": "r1"}', "is not an nbbatch launch (no launch_version)"),  # a Run alone: an older nbbatch's spec
+    ('{"launch_version": 99}', "is launch version 99, newer than this nbbatch reads"),
+    ('{"launch_version": 1, "share": "s"}', "is not a valid launch (KeyError: 'run')"),
+    ("{not json", "is not JSON"),
+])
+def test_run_one_says_what_is_wrong_with_its_launch(tiny, launch, message):
+    done = nbbatch("run-one", launch, cwd=tiny)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr

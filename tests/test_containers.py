@@ -29,12 +29,15 @@ from nbbatch.containers.images import (
     machine_arch,
     require_image,
 )
-from nbbatch.containers.runner import HOST_NBBATCH, container_command
+from nbbatch.containers.runner import HOST_NBBATCH, container_command, container_launch
 from nbbatch.errors import BackendError, ContainerError, ValidationError
+from nbbatch.execute.context import AttemptContext
 from nbbatch.execute.envs import MARKER, env_status
+from nbbatch.execute.launch import LaunchSpec
 from nbbatch.plan.runs import Run
 from nbbatch.spec.frameworks import Framework, get_framework, list_frameworks
 from nbbatch.spec.project import Project
+from nbbatch.store.runjson import ContainerInfo
 from nbbatch.ui.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -288,10 +291,19 @@ def container_run(layout: dict[str, Path], **extra) -> Run:
                            "MISSING": str(layout["data"] / "nope"), "N": 3, "REL": "inputs"}, **extra)
 
 
-def command_for(layout, gpu_ids=(), shared_gpu=False, **extra) -> list[str]:
+def command_for(layout, gpu_ids=(), **extra) -> list[str]:
     return container_command(Podman("/fake/podman"), "localhost/nbbatch/toy:abc", "nbbatch-toy-1",
-                             container_run(layout, **extra), layout["share"], layout["proj"], layout["private"],
-                             list(gpu_ids), shared_gpu, {"nbbatch.experiment": "exp", "nbbatch.run": "toy-0123456789"})
+                             container_run(layout, **extra), layout["share"], layout["proj"],
+                             layout["private"] / "launch.json", list(gpu_ids),
+                             {"nbbatch.experiment": "exp", "nbbatch.run": "toy-0123456789"})
+
+
+def launch_for(layout, gpu_ids=(), shared_gpu=False) -> LaunchSpec:
+    """What run-one inside the container is told (its launch file, read back)."""
+    context = AttemptContext(gpu_ids=list(gpu_ids), shared_gpu=shared_gpu)
+    launch = container_launch(container_run(layout), layout["share"], layout["proj"], context,
+                              ContainerInfo("podman", "localhost/nbbatch/toy:abc", "sha256:1", "nbbatch-toy-1"), None)
+    return LaunchSpec.from_json(launch.to_json())
 
 
 def test_container_mounts_the_share_rw_and_what_the_run_reads_ro(layout):
@@ -321,8 +333,8 @@ def test_a_parameter_naming_a_system_folder_never_hides_the_images_own(layout):
     run = container_run(layout)
     run = Run(**{**run.to_dict(), "parameters": {"ROOT": "/", "TMP": "/tmp", "USR": "/usr/share", "ETC": "/etc",
                                                  "DATA": str(layout["data"])}})
-    cmd = container_command(Podman("/fake/podman"), "img", "n", run, layout["share"], layout["proj"], layout["private"],
-                            [], False, {})
+    cmd = container_command(Podman("/fake/podman"), "img", "n", run, layout["share"], layout["proj"],
+                            layout["private"] / "launch.json", [], {})
     volumes = values_of(cmd, "--volume")
     assert not [v for v in volumes if v.split(":")[0] in ("/", "/tmp", "/usr/share", "/etc")]
     assert f"{layout['proj']}:{layout['proj']}:ro" in volumes and f"{layout['data']}:{layout['data']}:ro" in volumes
@@ -335,22 +347,20 @@ def test_container_shares_the_hosts_namespaces_and_carries_labels(layout):
             ("--label", "nbbatch.experiment=exp"), ("--label", "nbbatch.run=toy-0123456789")} <= got
     assert "--rm" in cmd
     image = cmd.index("localhost/nbbatch/toy:abc")
-    assert cmd[image + 1:image + 5] == ["python", "-m", "nbbatch", "run-one"]
-    after = cmd[image:]
-    assert ("--share", str(layout["share"])) in pairs(after) and ("--project", str(layout["proj"])) in pairs(after)
-    assert ("--spec-file", str(layout["private"] / "spec.json")) in pairs(after)
-    assert ("--backend", "local") in pairs(after)
-    assert "--shared-gpu" not in cmd
-    assert ("--gpus", "") in pairs(after) and not values_of(cmd[:image], "--device")
+    assert cmd[image + 1:] == ["python", "-m", "nbbatch", "run-one", str(layout["private"] / "launch.json")]
+    launch = launch_for(layout)
+    assert (launch.share, launch.project) == (str(layout["share"].resolve()), str(layout["proj"]))
+    assert launch.backend == "local" and not launch.shared_gpu and launch.run == container_run(layout)
+    assert launch.gpus == () and not values_of(cmd[:image], "--device")
+    assert launch.container.name == "nbbatch-toy-1" and launch.node is None  # run.json's container, as the host knows it
 
 
 def test_container_gets_its_gpus_numbered_from_zero(layout):
-    cmd = command_for(layout, gpu_ids=[3, 5], shared_gpu=True)
+    cmd = command_for(layout, gpu_ids=[3, 5])
     image = cmd.index("localhost/nbbatch/toy:abc")
     assert values_of(cmd[:image], "--device") == ["nvidia.com/gpu=3", "nvidia.com/gpu=5"]
-    run_one = cmd.index("run-one")
-    assert values_of(cmd[run_one:], "--gpus") == ["0,1"]
-    assert "--shared-gpu" in cmd[run_one:]
+    launch = launch_for(layout, gpu_ids=[3, 5], shared_gpu=True)
+    assert launch.gpus == (0, 1) and launch.host_gpu_ids == (3, 5) and launch.shared_gpu
 
 
 def test_container_gets_variables_by_name_and_never_secrets(layout, monkeypatch):

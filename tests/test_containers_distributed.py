@@ -31,13 +31,15 @@ from support.processes import kernels_of
 from support.waiting import wait_until
 
 from nbbatch import api
-from nbbatch.containers.runner import end_unfinished, node_placement_json, node_placement_of
+from nbbatch.containers.runner import container_launch, end_unfinished
+from nbbatch.execute.context import AttemptContext
+from nbbatch.execute.launch import LaunchSpec
 from nbbatch.execute.placement import NodePlacement
 from nbbatch.metrics import metrics_from_notebook
 from nbbatch.plan.runs import Run
 from nbbatch.spec.resources import Distribution
 from nbbatch.store.runfiles import load_records, new_record, read_record, write_record
-from nbbatch.store.runjson import ErrorKind, RunError, Status
+from nbbatch.store.runjson import ContainerInfo, ErrorKind, RunError, Status
 from nbbatch.store.share import FileShare
 
 pytestmark = pytest.mark.timeout(900)
@@ -119,13 +121,18 @@ def _gang_run(nodes: int = 2) -> Run:
                distribution=Distribution("torch", nodes=nodes, processes_per_node=1, gpus_per_node=0))
 
 
-def test_the_placement_file_tells_run_one_inside_its_node():
+def test_the_launch_file_tells_run_one_inside_its_node(tmp_path):
     node = NodePlacement(1, ("10.0.0.4:7000", "10.0.0.5:7001"))
-    written = json.loads(json.dumps(node_placement_json(node, fresh_ports=False)))
-    assert node_placement_of(written) == node and written["fresh_ports"] is False
-    assert node_placement_of({"gpu_ids": [0]}) is None  # a single run's
+    info = ContainerInfo("podman", "img", "sha256:1")
+    written = container_launch(_gang_run(), tmp_path, tmp_path, AttemptContext(gpu_ids=[2]), info, node)
+    read = LaunchSpec.from_json(written.to_json())
+    assert read.node == node and read.fresh_ports is False and read.container == info and read.host_gpu_ids == (2,)
+    alone = container_launch(_gang_run(), tmp_path, tmp_path, AttemptContext(), info, None)
+    assert LaunchSpec.from_json(alone.to_json()).node is None  # a single run's
     mpi = NodePlacement(0, ("10.0.0.4:7000",), (0,))
-    assert node_placement_of(json.loads(json.dumps(node_placement_json(mpi, fresh_ports=True)))) == mpi
+    fresh = AttemptContext(new_endpoints=lambda: ("127.0.0.1:1",))  # the local backend's one node may pick new ports
+    read = LaunchSpec.from_json(container_launch(_gang_run(), tmp_path, tmp_path, fresh, info, mpi).to_json())
+    assert read.node == mpi and read.fresh_ports is True
 
 
 def test_a_nodes_container_that_ended_early_ends_its_ranks_and_stops_the_gang(tmp_path):

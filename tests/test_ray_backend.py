@@ -291,8 +291,8 @@ def test_the_run_travels_to_run_one_in_a_private_file_not_on_its_command_line(tm
         returncode = 0
 
         def __init__(self, cmd, env=None, **kwargs):
-            spec_file = Path(cmd[cmd.index("--spec-file") + 1])
-            seen.update(cmd=cmd, env=env, spec_file=spec_file, spec=json.loads(spec_file.read_text()),
+            spec_file = Path(cmd[cmd.index("run-one") + 1])
+            seen.update(cmd=cmd, env=env, spec_file=spec_file, spec=json.loads(spec_file.read_text())["run"],
                         file_mode=spec_file.stat().st_mode & 0o777, folder_mode=spec_file.parent.stat().st_mode & 0o777)
             seen["notebook"] = Path(seen["spec"]["notebook"])
             seen["notebook_in_folder"] = seen["notebook"].parent == spec_file.parent and seen["notebook"].exists()
@@ -311,7 +311,7 @@ def test_the_run_travels_to_run_one_in_a_private_file_not_on_its_command_line(tm
     assert run.run_id in str(seen["spec_file"])  # `ps` still tells which run a process is
     assert not seen["spec_file"].parent.exists(), "the task's private folder outlived it"
 
-    cmd, _cwd = node.run_one_command(spec.to_dict(), "/private/spec.json", "0")
+    cmd, _cwd = node.run_one_command(spec.to_dict(), "/private/launch.json")
     assert marker not in " ".join(cmd)
 
 
@@ -497,8 +497,8 @@ def test_cancel_stops_running_and_queued_runs(cluster, probe, tmp_path):
         time.sleep(0.3)
     for proc in _run_one_processes(running):  # what `ps` shows every user of the node
         line = " ".join(cmdline(proc))
-        assert "run-marker" not in line and "node-marker" not in line and "--spec-file" in line
-        spec_file = Path(line.split("--spec-file ", 1)[1].split(" ", 1)[0])
+        assert "run-marker" not in line and "node-marker" not in line and " run-one " in line
+        spec_file = Path(line.split(" run-one ", 1)[1].split(" ", 1)[0])
         assert spec_file.stat().st_mode & 0o777 == 0o600 and spec_file.parent.stat().st_mode & 0o777 == 0o700
     followed: list[str] = []
     follower = threading.Thread(target=lambda: followed.extend(api.logs("cancel", running, follow=True)), daemon=True)

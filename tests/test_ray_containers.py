@@ -41,7 +41,7 @@ from support.waiting import wait_until  # noqa: E402
 from nbbatch import api  # noqa: E402
 from nbbatch.backends.base import SubmitOptions  # noqa: E402
 from nbbatch.backends.ray import NAMESPACE, RayBackend, supervisor_name  # noqa: E402
-from nbbatch.backends.ray.node import run_one_command  # noqa: E402
+from nbbatch.backends.ray.node import run_one_command, task_launch  # noqa: E402
 from nbbatch.errors import ContainerError, ValidationError  # noqa: E402
 from nbbatch.metrics import metrics_from_notebook  # noqa: E402
 from nbbatch.plan.runs import Run  # noqa: E402
@@ -63,16 +63,17 @@ def _run(framework: str | None = "chainer", **fields) -> Run:
 
 
 def test_the_task_starts_run_one_in_the_runs_image(tmp_path):
-    """The task's run-one names the run's image and the engine; run-one's parser takes them; the GPUs are Ray's."""
+    """The task's launch names the run's image and the engine; run-one's parser takes it; the GPUs are Ray's."""
     backend = RayBackend(container=True, engine="podman")
     assert backend.capabilities.containers and not RayBackend().capabilities.containers
     spec = backend.task_spec(_run(), FileShare(tmp_path), SubmitOptions(), "/proj", {"chainer": TAG, "jax": "j:1"})
     assert spec.container_images == {"chainer": TAG} and spec.container_engine == "podman"
-    cmd, _cwd = run_one_command(spec.to_dict(), tmp_path / "spec.json", "2,3")
-    args = build_parser().parse_args(cmd[3:])
-    assert args.container_image == [f"chainer={TAG}"] and args.container_engine == "podman" and args.gpus == "2,3"
+    launch = task_launch(spec.to_dict(), spec.run, [2, 3])
+    assert launch.container_images == {"chainer": TAG} and launch.container_engine == "podman" and launch.gpus == (2, 3)
+    cmd, _cwd = run_one_command(spec.to_dict(), tmp_path / "launch.json")
+    assert build_parser().parse_args(cmd[3:]).launch == str(tmp_path / "launch.json")  # run-one's parser takes it
     plain = RayBackend().task_spec(_run(), FileShare(tmp_path), SubmitOptions(), "/proj")
-    assert "--container-image" not in run_one_command(plain.to_dict(), tmp_path / "spec.json", "")[0]
+    assert not task_launch(plain.to_dict(), plain.run, []).container_images
 
 
 def test_a_run_of_no_framework_is_refused():

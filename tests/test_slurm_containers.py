@@ -20,11 +20,12 @@ from support.waiting import wait_until
 
 from nbbatch import api
 from nbbatch.backends.slurm import SlurmBackend, SlurmJob
-from nbbatch.backends.slurm.script import launcher_command
+from nbbatch.backends.slurm.script import job_launch
 from nbbatch.containers.checks import NodeImages
 from nbbatch.containers.node import execute_on_node
 from nbbatch.errors import ContainerError, ValidationError
 from nbbatch.execute.context import AttemptContext
+from nbbatch.execute.launch import LaunchSpec, launch_shell_command, shell_launcher
 from nbbatch.plan.runs import Run
 from nbbatch.spec.resources import Distribution
 from nbbatch.store.runfiles import load_records, read_record
@@ -66,15 +67,17 @@ def test_containers_need_no_framework_venvs_here():
 
 
 def test_the_launcher_starts_each_framework_image():
-    """The batch script's launcher names every framework's image; run-one takes it; GPUs by the node's indices."""
-    command = launcher_command("/venv/bin/python", "/share/e/.slurm/s/specs/0.json", "/share", "/proj", True,
-                               {"chainer": "localhost/nbbatch/chainer:abc", "jax": "localhost/nbbatch/jax:def"})
-    assert "--container-image chainer=localhost/nbbatch/chainer:abc --container-image jax=localhost/nbbatch/jax:def" \
-        in command and "--container-engine podman" in command and "SLURM_JOB_GPUS" in command
-    words = shlex.split(command.replace('"${SLURM_JOB_GPUS:-${CUDA_VISIBLE_DEVICES:-}}"', "0"))
-    args = build_parser().parse_args(words[3:])
-    assert args.container_image == ["chainer=localhost/nbbatch/chainer:abc", "jax=localhost/nbbatch/jax:def"]
-    assert "--container" not in launcher_command("/venv/bin/python", "/s.json", "/share", "/proj", False)
+    """The job's launch names every framework's image; run-one takes it; GPUs by the node's indices."""
+    images = {"chainer": "localhost/nbbatch/chainer:abc", "jax": "localhost/nbbatch/jax:def"}
+    launch = LaunchSpec.from_json(job_launch(_run(), "/share", "/proj", True, images).to_json())
+    assert launch.container_images == images and launch.container_engine == "podman" and launch.backend == "slurm"
+    assert launch.gpu_ids({"SLURM_JOB_GPUS": "2,3", "CUDA_VISIBLE_DEVICES": "0,1"}) == [2, 3]  # the node's own
+    assert launch.gpu_ids({"CUDA_VISIBLE_DEVICES": "0,1"}) == [0, 1]
+    venv = job_launch(_run(), "/share", "/proj", True)
+    assert not venv.container_images and venv.gpu_ids({"SLURM_JOB_GPUS": "2,3", "CUDA_VISIBLE_DEVICES": "0,1"}) == [0, 1]
+    assert job_launch(_run(), "/share", "/proj", False).gpu_ids({"CUDA_VISIBLE_DEVICES": "0"}) == []  # a CPU run
+    command = launch_shell_command(shell_launcher("/venv/bin/python"), "/share/e/.slurm/s/specs/0.json")
+    assert build_parser().parse_args(shlex.split(command)[3:]).launch == "/share/e/.slurm/s/specs/0.json"
 
 
 @pytest.mark.container
@@ -129,7 +132,7 @@ def test_a_run_executes_in_its_image_on_a_node(slurm_cluster, chainer_image, tmp
     assert record.container.engine == "podman" and record.container.image == chainer_image.ref
     assert record.container.image_id == image_id
     job = SlurmJob.read(FileShare(share), "slurm-ctr", record.run_id)
-    assert "--container-image chainer=" + chainer_image.ref in next((share / job.submission).glob("batch-*.sh")).read_text()
+    assert LaunchSpec.from_json((share / job.spec).read_text()).container_images == {"chainer": chainer_image.ref}
     assert "in podman image " + chainer_image.ref in (share / "slurm-ctr" / record.run_id / "log.txt").read_text()
     nothing_left("slurm-ctr")
 

@@ -1,7 +1,8 @@
 """The backend base class: where runs execute, and the lifecycle every backend shares.
 
-A backend only decides *where* ``nbbatch run-one`` (:func:`nbbatch.execute.attempts.execute_run`) runs;
-the execution itself and the share layout are the same everywhere. :class:`Backend` owns what is the
+A backend only decides *where* ``nbbatch run-one`` (:func:`nbbatch.execute.attempts.execute_run`) runs, handing
+it a :class:`~nbbatch.execute.launch.LaunchSpec` (:func:`~nbbatch.execute.launch.launch_command`, never run-one's
+arguments); the execution itself and the share layout are the same everywhere. :class:`Backend` owns what is the
 same for all of them, in the manner of jupyter-scheduler's ``ExecutionManager``:
 
 * settings, declared once as the frozen dataclass :attr:`Backend.Settings` and validated once when the

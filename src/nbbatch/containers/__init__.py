@@ -9,5 +9,5 @@ runs executed inside them.
   the local backend's ``container: true``;
 * :mod:`~nbbatch.containers.checks`: what ``container: true`` refuses and the images it needs, for any backend;
 * :mod:`~nbbatch.containers.registry`: images pushed to and pulled from a registry (``REGISTRY/nbbatch-<fw>:<fp>``);
-* :mod:`~nbbatch.containers.node`: the slurm backend's ``container: true`` on a node (``run-one --container-image``).
+* :mod:`~nbbatch.containers.node`: the slurm backend's ``container: true`` on a node (a launch naming ``container_images``).
 """

@@ -1,4 +1,4 @@
-"""A run in its framework's image on a cluster's node: ``nbbatch run-one --container-image FRAMEWORK=TAG``.
+"""A run in its framework's image on a cluster's node: ``nbbatch run-one`` of a launch naming ``container_images``.
 
 The slurm backend's ``container: true``: the job's launcher (``nbbatch run-one`` of the node's venv) starts the run's
 container with the local backend's runner (:func:`~nbbatch.containers.runner.execute_in_container`), on this node.
@@ -9,7 +9,7 @@ records how the job ended, from Slurm.
 
 A distributed run's job starts one launcher per node (``srun``); each finds its place in the gang on the host (the
 share's address exchange, :mod:`nbbatch.backends.slurm.gang`) and runs the node's ranks in one container, told that
-place in placement.json.
+place in the container's launch file.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ and PyTorch's data loaders get the host's shared memory. Files it writes belong 
 Cancel, the driver's Ctrl-C and a run that outlives its timeout kill the container; ``--rm`` removes it.
 
 A distributed run has one container per node: the node's launcher (``run-one`` in the image, told its
-:class:`~nbbatch.execute.placement.NodePlacement` in placement.json) starts that node's ranks inside it, as on a
+:class:`~nbbatch.execute.placement.NodePlacement` in its launch file) starts that node's ranks inside it, as on a
 venv (:mod:`nbbatch.execute.ranks`). Host network and IPC let the ranks of every container meet (gloo, NCCL's
 shared memory); a failed rank stops the other containers' ranks through the share's markers. A container that
 ends before its ranks did ends them with it and tells the other nodes to stop.
@@ -21,7 +21,6 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -39,6 +38,7 @@ import nbbatch
 from nbbatch.containers.engines import Engine
 from nbbatch.errors import ShareError
 from nbbatch.execute.context import AttemptContext, UpdateCallback
+from nbbatch.execute.launch import LaunchSpec, launch_command, nbbatch_launcher
 from nbbatch.execute.placement import NodePlacement, ranks_of
 from nbbatch.metrics import tracking_wanted, without_tracking
 from nbbatch.plan.runs import Run
@@ -51,7 +51,7 @@ from nbbatch.store.runfiles import (
     stop_gang,
     write_record,
 )
-from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status, to_json_value, utc_now
+from nbbatch.store.runjson import ContainerInfo, ErrorKind, RunError, RunRecord, Status, utc_now
 from nbbatch.store.share import Share
 
 HOST_NBBATCH = "/opt/nbbatch/host"  # where the driver's own nbbatch is mounted: the run uses the same code
@@ -111,27 +111,32 @@ def _outermost(paths: Iterable[Path]) -> list[Path]:
 
 
 def container_command(engine: Engine, image: str, name: str, run: Run, share_root: Path, project_root: Path,
-                      private: Path, gpu_ids: list[int], shared_gpu: bool, labels: dict[str, str],
-                      backend: str = "local") -> list[str]:
-    """The ``run`` command of a run's container (``private`` holds its spec and placement files; ``backend`` is
-    run.json's)."""
+                      launch_file: Path, gpu_ids: list[int], labels: dict[str, str]) -> list[str]:
+    """The ``run`` command of a run's container (``launch_file``: its launch, in a private folder mounted read-only)."""
     share_root = share_root.resolve()
     mounts = ["--volume", f"{share_root}:{share_root}:rw",
-              "--volume", f"{private}:{private}:ro",
+              "--volume", f"{launch_file.parent}:{launch_file.parent}:ro",
               "--volume", f"{Path(nbbatch.__file__).resolve().parent}:{HOST_NBBATCH}/nbbatch:ro"]
     for path in read_only_paths(run, project_root):
         if path != share_root and share_root not in path.parents:
             mounts += ["--volume", f"{path}:{path}:ro"]
     variables = ["--env", "HOME=/tmp", "--env", f"PYTHONPATH={HOST_NBBATCH}"]
     variables += [arg for n in passed_variables(tracking=run.tracking) for arg in ("--env", n)]
-    inside = ",".join(str(i) for i in range(len(gpu_ids)))  # the container sees only its GPUs, numbered from 0
     return engine.command(
         "run", "--rm", "--name", name, "--network", "host", "--pid", "host", "--ipc", "host",
         *[arg for k, v in labels.items() for arg in ("--label", f"{k}={v}")],
         *engine.user_args(), "--workdir", str(project_root), *mounts, *variables, *engine.gpu_args(gpu_ids),
-        image, "python", "-m", "nbbatch", "run-one", "--spec-file", str(private / "spec.json"),
-        "--placement-file", str(private / "placement.json"), "--share", str(share_root), "--gpus", inside,
-        "--project", str(project_root), "--backend", backend, *(["--shared-gpu"] if shared_gpu else []))
+        image, *launch_command(nbbatch_launcher("python"), launch_file))
+
+
+def container_launch(run: Run, share_root: Path, project_root: Path, context: AttemptContext,
+                     container: ContainerInfo, node: NodePlacement | None) -> LaunchSpec:
+    """What run-one inside the container executes: the run where the host put it; its GPUs as the container sees
+    them (only its own, numbered from 0), the host's indices, sharing and image as run.json records them."""
+    return LaunchSpec(run=run, share=str(share_root.resolve()), backend=context.backend, project=str(project_root),
+                      gpus=tuple(range(len(context.gpu_ids))), shared_gpu=context.shared_gpu,
+                      host_gpu_ids=tuple(context.gpu_ids), gpu_share=context.gpu_share, container=container,
+                      node=node, fresh_ports=node is not None and context.new_endpoints is not None)
 
 
 def execute_in_container(engine: Engine, run: Run, share: Share, context: AttemptContext) -> RunRecord:
@@ -153,15 +158,13 @@ def execute_in_container(engine: Engine, run: Run, share: Share, context: Attemp
     private = Path(tempfile.mkdtemp(prefix="nbbatch-container-"))  # 0700: the run's parameters are nobody else's
     tail: collections.deque[str] = collections.deque(maxlen=200)
     try:
-        (private / "spec.json").write_text(run.to_json())
         if context.container is None:
             raise RuntimeError("execute_in_container needs context.container: the image to run in")
         container = replace(context.container, name=name)
-        (private / "placement.json").write_text(json.dumps({
-            "gpu_share": to_json_value(context.gpu_share) or {}, "container": to_json_value(container),
-            "gpu_ids": context.gpu_ids, **(node_placement_json(node, context.new_endpoints is not None) if node else {})}))
-        cmd = container_command(engine, container.image, name, run, Path(share_root), project_root, private,
-                                context.gpu_ids, context.shared_gpu, labels, context.backend)
+        launch_file = private / "launch.json"
+        launch_file.write_text(container_launch(run, Path(share_root), project_root, context, container, node).to_json())
+        cmd = container_command(engine, container.image, name, run, Path(share_root), project_root, launch_file,
+                                context.gpu_ids, labels)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 text=True, errors="replace")
         with _running_lock:
@@ -180,23 +183,6 @@ def execute_in_container(engine: Engine, run: Run, share: Share, context: Attemp
         shutil.rmtree(private, ignore_errors=True)
     ended = _why_ended(engine, container.image, run, proc.returncode, stopped, "".join(tail))
     return end_unfinished(share, run, node, *ended, backend=context.backend)
-
-
-def node_placement_json(node: NodePlacement, fresh_ports: bool) -> dict[str, Any]:
-    """What placement.json says of a gang's node (``fresh_ports``: its launcher may pick new rendezvous ports, as
-    the local backend's single node does), read back by :func:`node_placement_of`."""
-    return {"node": {"node_rank": node.node_rank, "endpoints": list(node.endpoints),
-                     "local_ranks": None if node.local_ranks is None else list(node.local_ranks)},
-            "fresh_ports": fresh_ports}
-
-
-def node_placement_of(placement: dict[str, Any]) -> NodePlacement | None:
-    """The gang's node a placement.json names (written by :func:`node_placement_json`), or None."""
-    node = placement.get("node")
-    if not node:
-        return None
-    local = node.get("local_ranks")
-    return NodePlacement(int(node["node_rank"]), tuple(node["endpoints"]), None if local is None else tuple(local))
 
 
 def _why_ended(engine: Engine, image: str, run: Run, returncode: int | None, stopped: str,

@@ -28,12 +28,10 @@ from nbbatch import __version__, api
 from nbbatch.backends.cluster import add_common_arguments, run_cluster_command
 from nbbatch.backends.placement import placement_reader
 from nbbatch.containers.node import execute_on_node
-from nbbatch.containers.runner import node_placement_of
 from nbbatch.errors import NbbatchError, NotebookStopped
-from nbbatch.execute.context import AttemptContext
 from nbbatch.execute.envs import build_envs, remove_env
-from nbbatch.execute.placement import local_placements, placement_from_env
-from nbbatch.plan.runs import Run
+from nbbatch.execute.launch import RUN_ONE, read_launch
+from nbbatch.execute.placement import placement_from_env
 from nbbatch.results.progress import abandoned_runs, table_title, watch_status
 from nbbatch.results.status import plan_table, status_rows, status_table
 from nbbatch.spec.environments import list_envs
@@ -43,7 +41,7 @@ from nbbatch.spec.schema import experiment_schema, parameter_name_problem
 from nbbatch.spec.yaml_loader import load_yaml
 from nbbatch.store.fetch import FetchWarning, fetch
 from nbbatch.store.known import open_experiment_share
-from nbbatch.store.runjson import DONE_STATUSES, ContainerInfo, GpuSharing, RunRecord, Status, from_json_value
+from nbbatch.store.runjson import DONE_STATUSES, RunRecord, Status
 from nbbatch.store.share import open_share
 from nbbatch.ui.data_commands import add_data_parser
 from nbbatch.ui.images_commands import add_images_parser
@@ -271,32 +269,18 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_run_one(args: argparse.Namespace) -> int:
-    text = Path(args.spec_file).read_text() if args.spec_file else args.spec
-    if not text:
-        raise NbbatchError("run-one needs --spec JSON or --spec-file PATH (a Run as written by the backends)")
-    try:
-        run = Run.from_dict(json.loads(text))
-    except (ValueError, TypeError) as exc:
-        raise NbbatchError(f"run-one: the run spec is not a valid Run ({exc})") from exc
-    project = find_project(args.project) if args.project else find_project()
+    launch = read_launch(args.launch)
+    run = launch.run
+    project = find_project(launch.project) if launch.project else find_project()
     project.activate_kernels()
-    placement = json.loads(Path(args.placement_file).read_text()) if args.placement_file else {}
-    share = open_share(args.share)
-    gpu_share, container = placement.get("gpu_share"), placement.get("container")
-    # a node of a gang: placed by the launcher that started this container (placement.json), else where it is by
-    # nbbatch's own variables or those its backend's cluster set
-    node = node_placement_of(placement) or (placement_from_env(run, os.environ, placement_reader(args.backend, share))
-                                            if run.distribution else None)
-    context = AttemptContext(
-        backend=args.backend, project_root=project.root, shared_gpu=args.shared_gpu,
-        gpu_ids=[int(g) for g in args.gpus.split(",") if g.strip()] if args.gpus else [],
-        gpu_share=from_json_value(GpuSharing, gpu_share, args.placement_file, "gpu_share") if gpu_share else None,
-        container=from_json_value(ContainerInfo, container, args.placement_file, "container") if container else None,
-        recorded_gpu_ids=placement.get("gpu_ids"), input_paths=dict(item.partition("=")[::2] for item in args.input or []),
-        placement=node, new_endpoints=(lambda: local_placements(run)[0].endpoints) if placement.get("fresh_ports") else None)
-    if args.container_image:  # a cluster's node: the run in its framework's image
-        images = dict(item.partition("=")[::2] for item in args.container_image)
-        record = execute_on_node(run, share, context, args.container_engine, images)
+    share = open_share(launch.share)
+    # a node of a gang: placed by the launcher that started this container, else where it is by nbbatch's own
+    # variables or those its backend's cluster set
+    node = launch.node or (placement_from_env(run, os.environ, placement_reader(launch.backend, share))
+                           if run.distribution else None)
+    context = launch.attempt_context(project.root, node, os.environ)
+    if launch.container_images:  # a cluster's node: the run in its framework's image
+        record = execute_on_node(run, share, context, launch.container_engine, launch.container_images)
     else:
         from nbbatch.execute.attempts import execute_run  # the notebook runtime: only the commands that run one load it
 
@@ -442,20 +426,9 @@ def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
     _add_param_options(p)
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("run-one", help="execute one planned run (what every backend calls)")
-    p.add_argument("--spec", help="the Run as JSON")
-    p.add_argument("--spec-file", help="a file holding the Run as JSON")
-    p.add_argument("--share", required=True)
-    p.add_argument("--gpus", default="", help="GPU indices for CUDA_VISIBLE_DEVICES (comma-separated)")
-    p.add_argument("--shared-gpu", action="store_true", help="the GPU is shared with other runs")
-    p.add_argument("--backend", default="local")
-    p.add_argument("--project", help="project root (default: found from the working directory)")
-    p.add_argument("--placement-file", help="JSON written by the backend: gpu_share, container, gpu_ids (the host's)")
-    p.add_argument("--input", action="append", metavar="NAME=PATH",
-                   help="where an input of the run is on this machine (an Azure ML mount); repeatable")
-    p.add_argument("--container-image", action="append", metavar="FRAMEWORK=TAG",
-                   help="run in the image of the run's framework, started here (a Slurm node); repeatable")
-    p.add_argument("--container-engine", default="podman", help="the engine that starts it (default: podman)")
+    p = sub.add_parser(RUN_ONE, help="execute one planned run (what every backend calls)")
+    p.add_argument("launch", metavar="LAUNCH",
+                   help="the run's launch, as its backend wrote it: a launch file, or the launch JSON itself")
     p.set_defaults(func=cmd_run_one)
 
 
@@ -493,7 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     # run-one is stopped by its backend (Ray, Azure ML), which records why: it keeps the default signals.
-    previous = _terminate_like_ctrl_c() if args.command != "run-one" else {}
+    previous = _terminate_like_ctrl_c() if args.command != RUN_ONE else {}
     try:
         return int(args.func(args) or 0)
     except NbbatchError as exc:

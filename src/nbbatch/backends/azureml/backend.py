@@ -8,7 +8,7 @@ import os
 import shlex
 import tempfile
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -54,6 +54,7 @@ from nbbatch.backends.azureml.workspace import connect, error_text
 from nbbatch.backends.base import Backend, Capabilities, Compute, SubmitOptions
 from nbbatch.backends.settings import setting
 from nbbatch.errors import BackendError, NbbatchError, ValidationError
+from nbbatch.execute.launch import LaunchSpec, launch_shell_command
 from nbbatch.execute.placement import NodePlacement
 from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret, is_secret_value
@@ -74,6 +75,7 @@ from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status, utc_no
 from nbbatch.store.share import Share
 
 DEFAULT_LAUNCHER = 'PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" python -m nbbatch'
+SHARE_BINDING = "${{outputs.share}}"  # where Azure ML mounted the share (share_mode: mount), in the job's command
 
 
 
@@ -415,12 +417,10 @@ class AzureMLBackend(Backend):
         # Azure ML sets MLflow's URI and the run token in every job: its kernels track only when asked (`tracking:`)
         remote = dataclasses.replace(run, notebook=run.notebook_rel, tracking=run.tracking or "none",
                                      cwd=run.cwd if run.cwd and not Path(run.cwd).is_absolute() else None)
-        spec = command_json(remote.to_dict())
-        gpus = ",".join(str(i) for i in range(run.gpus))
-        share_arg = "${{outputs.share}}" if self.settings.share_mode == "mount" else shlex.quote(share_url)
-        parts = [self.settings.launcher, "run-one", "--spec", shlex.quote(spec), "--share", share_arg, "--backend", self.name]
-        if gpus:
-            parts += ["--gpus", gpus]
+        mounted = self.settings.share_mode == "mount"
+        launch = LaunchSpec(run=remote, share=SHARE_BINDING if mounted else share_url, backend=self.name,
+                            gpus=tuple(range(run.gpus)), inputs={name: f"${{{{inputs.{name}}}}}" for name in run.inputs})
+        bindings = {"inputs", "share"} if mounted else {"inputs"}
         outputs = {}
         if self.settings.share_mode == "mount":
             outputs["share"] = Output(type="uri_folder", path=_datastore_path(datastore, share_prefix), mode="rw_mount")
@@ -431,7 +431,6 @@ class AzureMLBackend(Backend):
             store = datastore if (place.account, place.share) == share_place else datastore_name_for(place.account,
                                                                                                      place.share)
             inputs[name] = Input(type="uri_folder", path=_datastore_path(store, place.prefix), mode="ro_mount")
-            parts += ["--input", f"{name}=${{{{inputs.{name}}}}}"]
         tags = {"nbbatch": "1", "run_id": run.run_id, "experiment": run.experiment,
                 "framework": run.framework or "", "notebook": run.notebook_rel,
                 "parameters": json.dumps(run.parameters, sort_keys=True, default=str)[:1000]}
@@ -444,7 +443,7 @@ class AzureMLBackend(Backend):
             experiment_name=run.experiment,
             description=f"nbbatch run {run.run_id}: {run.notebook_rel}",
             code=str(code),
-            command=" ".join(parts),
+            command=launch_shell_command(self.settings.launcher, shlex.quote(command_json(launch.to_dict(), bindings))),
             environment=environment,
             compute=self.cluster_settings.name,
             inputs=inputs,
@@ -516,13 +515,20 @@ class AzureMLBackend(Backend):
         return state
 
 
-def command_json(value: Any) -> str:
-    """``value`` as compact JSON for a job's command, with every ``$`` written ``\\u0024``.
+def command_json(value: Mapping[str, Any], bindings: Collection[str] = ()) -> str:
+    """``value`` as compact JSON for a job's command, with every ``$`` written ``\\u0024`` except in the entries
+    ``bindings`` names, whose ``${{…}}`` Azure ML replaces (the share's mount, the inputs').
 
     Azure ML reads ``${{…}}`` anywhere in a command as a binding (``${{inputs.x}}``, ``${{outputs.share}}``);
     a parameter holding that text would be taken for one. ``$`` only occurs inside JSON strings, where
     ``\\u0024`` is the same character to any JSON reader, and it means nothing to the shell in quotes.
     """
+    entries = (f"{json.dumps(key)}:{json.dumps(item, sort_keys=True, separators=(',', ':'))}" if key in bindings
+               else f"{json.dumps(key)}:{_escaped_json(item)}" for key, item in sorted(value.items()))
+    return "{" + ",".join(entries) + "}"
+
+
+def _escaped_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":")).replace("$", "\\u0024")
 
 

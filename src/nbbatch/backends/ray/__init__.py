@@ -14,7 +14,7 @@ and leaves by itself once it has been idle for ``linger_s``.
 
 Secrets never travel with an experiment: a secret-looking variable in ``env``, ``runtime_env.env_vars``
 or a run's ``env:`` is refused before anything starts (:meth:`RayBackend.check_secrets`). Share
-credentials (``AZURE_STORAGE_KEY``) come from the nodes' own environment. On the node, the run spec
+credentials (``AZURE_STORAGE_KEY``) come from the nodes' own environment. On the node, the run's launch
 reaches ``run-one`` through a file in a private temporary folder of the task (not its command line),
 next to the notebook's copy when the node has none.
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from nbbatch.containers.engines import find_engine
 from nbbatch.containers.runner import stop_container
+from nbbatch.execute.launch import LaunchSpec, launch_command, nbbatch_launcher
 from nbbatch.execute.placement import free_port
 from nbbatch.plan.runs import Run
 from nbbatch.store.runfiles import cancel_requested, finalize_record, read_record_or_none, requested_outcome
@@ -35,7 +36,7 @@ from nbbatch.store.share import open_share
 
 NODE_ID_ENV = "NBBATCH_RAY_NODE_ID"  # set for the run (and its kernel): the Ray node it executes on
 OUTPUT_TAIL = 3000  # characters of run-one's output a task returns
-SPEC_FILE = "spec.json"  # the run, for run-one --spec-file, in the task's private folder
+LAUNCH_FILE = "launch.json"  # what run-one executes, in the task's private folder
 RENDEZVOUS_POLL_S = 0.5  # how often a gang's node asks the supervisor whether every node has published
 STOP_GRACE_S = 60.0  # a task interrupted in its worker: how long run-one may take to stop (its container) after SIGTERM
 TASK_DONE = b"done"  # what a container run's task tells its watcher when it ends by itself
@@ -91,8 +92,8 @@ def execute_on_node(spec: dict[str, Any]) -> dict[str, Any]:
     watcher = start_watcher(spec, env) if in_container else None
     try:
         run = _with_notebook_here(run, spec.get("project"), spec.get("notebook_source"), folder)
-        spec_file = write_private(folder / SPEC_FILE, json.dumps(run))
-        cmd, cwd = run_one_command(spec, spec_file, devices)
+        launch_file = write_private(folder / LAUNCH_FILE, task_launch(spec, run, gpu_ids).to_json())
+        cmd, cwd = run_one_command(spec, launch_file)
         # a container run's run-one stops its container on SIGTERM; a venv run's kernel dies with it
         dying = functools.partial(_die_with_parent, signal.SIGTERM if in_container else signal.SIGKILL)
         proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -155,28 +156,25 @@ def rendezvous(gang: dict[str, Any], node_id: str) -> dict[str, str]:
                         f"for the rendezvous ({type(exc).__name__}: {exc})") from exc
 
 
-def run_one_command(spec: dict[str, Any], spec_file: str | os.PathLike[str],
-                    devices: str) -> tuple[list[str], str | None]:
-    """The ``python -m nbbatch run-one`` command of a task and its working directory.
+def task_launch(spec: dict[str, Any], run: dict[str, Any], gpu_ids: list[int]) -> LaunchSpec:
+    """What a task's ``run-one`` executes: ``run`` on Ray's GPUs ``gpu_ids``, in its image with ``container: true``
+    (the node's GPUs)."""
+    return LaunchSpec(run=Run.from_dict(run), share=spec["share"], backend="ray", project=spec.get("project"),
+                      gpus=tuple(gpu_ids), shared_gpu=bool(spec.get("shared_gpu")),
+                      container_images=dict(spec.get("container_images") or {}),
+                      container_engine=str(spec.get("container_engine") or "podman"))
 
-    The run (its parameters and ``env:``) is in ``spec_file``, never on the command line, which every
+
+def run_one_command(spec: dict[str, Any], launch_file: str | os.PathLike[str]) -> tuple[list[str], str | None]:
+    """The ``python -m nbbatch run-one`` command of a task and its working directory (the project, where the node
+    has it).
+
+    The run (its parameters and ``env:``) is in ``launch_file``, never on the command line, which every
     user of the node can read (``ps``, ``/proc/<pid>/cmdline``).
     """
-    cmd = [sys.executable, "-m", "nbbatch", "run-one", "--spec-file", str(spec_file), "--share", spec["share"],
-           "--gpus", devices, "--backend", "ray"]
-    cwd = None
     project = spec.get("project")
-    if project:
-        cmd += ["--project", project]
-        cwd = project if os.path.isdir(project) else None
-    if spec.get("shared_gpu"):
-        cmd.append("--shared-gpu")
-    images = spec.get("container_images") or {}
-    for framework, tag in sorted(images.items()):  # the run starts in its framework's image, with the node's GPUs
-        cmd += ["--container-image", f"{framework}={tag}"]
-    if images:
-        cmd += ["--container-engine", str(spec.get("container_engine") or "podman")]
-    return cmd, cwd
+    return (launch_command(nbbatch_launcher(sys.executable), launch_file),
+            project if project and os.path.isdir(project) else None)
 
 
 def start_watcher(spec: dict[str, Any], env: dict[str, str]) -> int | None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import re
 import sys
 import time
@@ -34,15 +33,16 @@ from nbbatch.backends.slurm.script import (
     array_option,
     batch_script,
     group_by_shape,
+    job_launch,
     job_options,
-    launcher_command,
     spec_path,
 )
 from nbbatch.containers.checks import (
     NodeImages,
     refuse_image_settings_without_container,
 )
-from nbbatch.errors import BackendError, ContainerError, ValidationError, did_you_mean
+from nbbatch.errors import BackendError, ContainerError, NbbatchError, ValidationError, did_you_mean
+from nbbatch.execute.launch import LaunchSpec, launch_shell_command, shell_launcher
 from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret
 from nbbatch.spec.project import Project
@@ -313,8 +313,6 @@ class SlurmBackend(Backend):
                 jobs.append(([run], JobShape.of(run), index))
                 index += 1
         for group, shape, first in jobs:
-            for offset, run in enumerate(group):
-                (folder / "specs" / f"{first + offset}.json").write_text(run.to_json())
             self._submit_group(group, shape, first, folder, folder_rel, share, project, python, throttle)
 
     def _submit_group(self, group: Sequence[Run], shape: JobShape, first: int, folder: Path, folder_rel: str,
@@ -323,8 +321,10 @@ class SlurmBackend(Backend):
         array = not gang
         task = f"$(( SLURM_ARRAY_TASK_ID + {first} ))" if array else str(first)
         images = self._node_images.refs(group) if self.settings.container else None
-        command = launcher_command(python, spec_path(folder, task), str(share.local_path("")), project, bool(shape.gpus),
-                                   images, CONTAINER_ENGINE)
+        for offset, run in enumerate(group):
+            launch = job_launch(run, str(share.local_path("")), project, bool(shape.gpus), images, CONTAINER_ENGINE)
+            (folder / "specs" / f"{first + offset}.json").write_text(launch.to_json())
+        command = launch_shell_command(shell_launcher(python), spec_path(folder, task))
         script = folder / (script_name or f"batch-{first}.sh")
         script.write_text(batch_script(group[0].experiment, command, project, self.settings.env or {}, gang))
         output = "slurm-%A_%a.out" if array else "slurm-%j.out"
@@ -429,8 +429,8 @@ class SlurmBackend(Backend):
     def _resubmit(self, share: Share, record: RunRecord, job: SlurmJob, error: RunError) -> bool:
         """Submit a lost run again while its retries allow; True when it was."""
         try:
-            run = Run.from_dict(json.loads(share.read_bytes(job.spec)))
-        except (OSError, ValueError, TypeError):
+            run = LaunchSpec.from_json(share.read_bytes(job.spec).decode(), job.spec).run
+        except (OSError, ValueError, NbbatchError):  # one of an older nbbatch (its run alone) is not submitted again
             return False
         if job.resubmits >= run.retries:
             return False

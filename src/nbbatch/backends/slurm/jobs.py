@@ -41,7 +41,7 @@ class SlurmJob:
     """The Slurm job (or array task) of one run, kept next to its files so any machine seeing the share finds it."""
 
     job_id: str  # "123_4" for a task of job array 123, "125" for a job of its own
-    submission: str  # the submission's folder on the share: its batch script, run specs and Slurm's output files
+    submission: str  # the submission's folder on the share: its batch script, runs' launches and Slurm's output files
     output: str  # Slurm's output file of this job (the launcher's own stdout and stderr), on the share
     submitted_at: str
     spec: str = ""  # the run as submitted (what a resubmission runs again), on the share

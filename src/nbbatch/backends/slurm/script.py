@@ -1,7 +1,7 @@
 """What nbbatch hands ``sbatch``: the options of a run's job (resources, limits, the user's settings) and its script.
 
 A submission's files go to ``<experiment>/.slurm/<submission>/`` on the share: ``batch.sh`` (one per job shape),
-``specs/<index>.json`` (one per run: what ``nbbatch run-one`` executes) and Slurm's output files
+``specs/<index>.json`` (one per run: the launch its job's ``nbbatch run-one`` executes) and Slurm's output files
 (``slurm-<job>_<task>.out``: the launcher's own output, the first place to look when a job ended without a record).
 """
 
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nbbatch.backends.slurm.jobs import slurm_time, time_limit_minutes
+from nbbatch.execute.launch import LaunchSpec
 from nbbatch.plan.runs import Run
 
 if TYPE_CHECKING:
@@ -55,20 +56,17 @@ def job_options(settings: SlurmSettings, shape: JobShape, name: str) -> list[str
     return [*args, *(str(option) for option in settings.extra_sbatch or ())]
 
 
-def launcher_command(python: str, spec: str, share: str, project: str, gpus: bool,
-                     images: Mapping[str, str] | None = None, engine: str = "podman") -> str:
-    """The node launcher of one run (``nbbatch run-one``), as a shell command: ``spec`` may name
-    ``$SLURM_ARRAY_TASK_ID``; the GPUs are those Slurm gave the job (CUDA_VISIBLE_DEVICES), none for a CPU run.
+def job_launch(run: Run, share: str, project: str, gpus: bool, images: Mapping[str, str] | None = None,
+               engine: str = "podman") -> LaunchSpec:
+    """What the node launcher of one run executes (its ``specs/<index>.json``): its GPUs are those Slurm gave the job
+    (CUDA_VISIBLE_DEVICES), none for a CPU run.
 
     ``images`` (framework → image tag): ``container: true``, the run starts in its framework's image with ``engine``;
     its GPUs are then the node's own indices (SLURM_JOB_GPUS: the container engine names GPUs by them, whereas
     CUDA_VISIBLE_DEVICES counts from 0 where Slurm constrains the job's devices)."""
-    visible = "${SLURM_JOB_GPUS:-${CUDA_VISIBLE_DEVICES:-}}" if images else "${CUDA_VISIBLE_DEVICES:-}"
-    gpu_arg = f'"{visible}"' if gpus else "''"
-    in_image = "".join(f" --container-image {shlex.quote(f'{name}={tag}')}" for name, tag in sorted((images or {}).items()))
-    return (f"{shlex.quote(python)} -m nbbatch run-one --spec-file {spec} --share {shlex.quote(share)} "
-            f"--backend slurm --project {shlex.quote(project)} --gpus {gpu_arg}"
-            + (f"{in_image} --container-engine {shlex.quote(engine)}" if images else ""))
+    visible = ("SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES") if images else ("CUDA_VISIBLE_DEVICES",)
+    return LaunchSpec(run=run, share=share, backend="slurm", project=project, gpus_from_env=visible if gpus else (),
+                      container_images=dict(images or {}), container_engine=engine)
 
 
 def batch_script(experiment: str, command: str, project: str, env: Mapping[str, str], gang: bool) -> str:
