@@ -206,10 +206,10 @@ def test_watch_in_a_pipe_prints_on_change_and_exits_0_when_every_run_ended(proje
 
 
 def _patch_status(monkeypatch, on_call):
-    """``nbbatch.api.status`` that calls ``on_call(n)`` before reading (n: how many reads so far)."""
+    """``nbbatch.api.read_status`` that calls ``on_call(n)`` before reading (n: how many reads so far)."""
     import nbbatch.api
 
-    real = nbbatch.api.status
+    real = nbbatch.api.read_status
     calls = []
 
     def status(*args, **kwargs):
@@ -217,7 +217,7 @@ def _patch_status(monkeypatch, on_call):
         on_call(len(calls))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(nbbatch.api, "status", status)
+    monkeypatch.setattr(nbbatch.api, "read_status", status)
     return calls
 
 
