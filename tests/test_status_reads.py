@@ -7,6 +7,7 @@ the share is opened once per command.
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -206,3 +207,33 @@ def test_damaged_records_are_footer_lines_not_python_warnings(project, capsys):
     assert err.count(str(damaged)) == 1 and err.startswith(f"nbbatch: warning: {damaged} is not valid JSON")
     assert [r.run_id for r in view.records] == [final[0].run_id] and view.footer == view.problems
     assert str(damaged) in view.problems[0]
+
+
+def test_a_live_watch_draws_the_footer_under_its_table(project, monkeypatch, capsys):
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")
+    monkeypatch.setenv("COLUMNS", "400")  # the footer (a long path) on one line
+    running, final = two_runs()
+    write_records(project / "results", final)
+    damaged = project / "results" / "w" / "toy-9a2b3c4d5e" / RUN_RECORD
+    damaged.parent.mkdir()
+    damaged.write_text("{not json")
+    assert main(["status", "w", "--watch", "--no-refresh"]) == 0
+    out, err = capsys.readouterr()
+    plain = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", out)
+    assert "w: 1 failed, 1 succeeded" in out and f"warning: {damaged} is not valid JSON" in plain
+    assert not err  # the live table says it; stderr does not say it again
+
+
+def test_the_jobs_widget_shows_a_failed_refresh_under_its_table(project, refresh_fails):
+    from nbbatch.store.share import FileShare
+    from nbbatch.ui.widgets.jobs import JobsSummary, JobsSummaryModel
+
+    running, _final = two_runs()
+    write_records(project / "results", running)
+    summary = JobsSummary(JobsSummaryModel("w"), FileShare(project / "results"), backend_refresh_s=3600)
+    assert len(summary.load()) == 2 and not summary.model.problems and not refresh_fails  # only read
+    summary.backend_refresh_s = 0
+    summary.load()
+    assert refresh_fails == ["w"]
+    assert summary.model.problems == [FOOTER.removeprefix("nbbatch: warning: ")]
+    assert summary.model.to_text().count("could not ask") == 1
