@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
+from support.records import two_runs, write_records
 
 from nbbatch.results.status import format_metric, status_rows, status_table, varying_parameters
 from nbbatch.store.layout import RUN_RECORD
@@ -158,28 +159,6 @@ def test_the_submit_progress_table_shows_the_latest_live_metrics(tmp_path, monke
 
 # --- nbbatch status --watch --------------------------------------------------------------------------
 
-def write_records(root: Path, records: list[RunRecord]) -> None:
-    for record in records:
-        folder = root / record.experiment / record.run_id
-        folder.mkdir(parents=True, exist_ok=True)
-        part = folder / f".{RUN_RECORD}.part"
-        part.write_bytes(record.to_json())
-        os.replace(part, folder / RUN_RECORD)  # whole or not at all, as the share writes it
-
-
-def two_runs(experiment: str = "w") -> tuple[list[RunRecord], list[RunRecord]]:
-    """Two running runs, and the same two after they ended (one succeeded, one failed)."""
-    running = [RunRecord(run_id=f"toy-{i}a2b3c4d5e", experiment=experiment, notebook="toy.ipynb", kernel="python3",
-                         framework="toy", parameters={"LR": lr, "EPOCHS": 3}, status="running", attempts=1,
-                         started_at="2024-05-01T10:00:00+00:00", metrics={"loss": 0.5})
-               for i, lr in enumerate((0.01, 0.1))]
-    final = [RunRecord.from_dict(r.to_dict()) for r in running]
-    final[0].status, final[0].duration_s, final[0].metrics = "succeeded", 12.0, {"loss": 0.1, "accuracy": 0.93}
-    final[1].status, final[1].duration_s = "failed", 4.0
-    final[1].error = RunError("ValueError", "bad LR", cell_index=3)
-    return running, final
-
-
 def test_watch_in_a_pipe_prints_on_change_and_exits_0_when_every_run_ended(project):
     running, final = two_runs()
     write_records(project / "results", running)
@@ -206,10 +185,10 @@ def test_watch_in_a_pipe_prints_on_change_and_exits_0_when_every_run_ended(proje
 
 
 def _patch_status(monkeypatch, on_call):
-    """``nbbatch.api.status`` that calls ``on_call(n)`` before reading (n: how many reads so far)."""
+    """``nbbatch.api.read_status`` that calls ``on_call(n)`` before reading (n: how many reads so far)."""
     import nbbatch.api
 
-    real = nbbatch.api.status
+    real = nbbatch.api.read_status
     calls = []
 
     def status(*args, **kwargs):
@@ -217,7 +196,7 @@ def _patch_status(monkeypatch, on_call):
         on_call(len(calls))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(nbbatch.api, "status", status)
+    monkeypatch.setattr(nbbatch.api, "read_status", status)
     return calls
 
 

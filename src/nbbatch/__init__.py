@@ -1,7 +1,8 @@
 """nbbatch: run parameterized Jupyter notebooks as a batch.
 
 Inside a notebook: ``nbbatch.record(accuracy=...)`` and ``nbbatch.data``. From Python:
-``nbbatch.submit(...)``, ``nbbatch.status(...)`` and friends. Importing nbbatch is light (it runs
+``nbbatch.submit(...)``, ``nbbatch.status(...)`` (or, as two steps, ``nbbatch.refresh_runs`` and
+``nbbatch.read_status``) and friends. Importing nbbatch is light (it runs
 in every framework kernel): the driver's modules load on first use.
 """
 
@@ -22,6 +23,8 @@ _LAZY = {
     "RunRecord": "nbbatch.store.runjson",
     "submit": "nbbatch.api",
     "status": "nbbatch.api",
+    "read_status": "nbbatch.api",
+    "refresh_runs": "nbbatch.api",
     "cancel": "nbbatch.api",
     "logs": "nbbatch.api",
     "run_notebook": "nbbatch.api",

@@ -22,7 +22,15 @@ from nbbatch.errors import NbbatchError, NotebookStopped, ValidationError, did_y
 from nbbatch.plan.notebook import inspect_notebook, validate_parameters
 from nbbatch.plan.runs import Plan, plan
 from nbbatch.results.progress import live_progress
-from nbbatch.results.status import follow_log, load_plan_records, read_log, resolve_run_id
+from nbbatch.results.status import (
+    RefreshOutcome,
+    StatusView,
+    follow_log,
+    read_log,
+    refresh_records,
+    resolve_run_id,
+    status_view,
+)
 from nbbatch.search.driver import run_search
 from nbbatch.spec.experiment import Experiment, load_experiment
 from nbbatch.spec.project import Project, find_project
@@ -244,33 +252,41 @@ def _submitted_from(manifest: dict[str, Any]) -> str:
     return f"an experiment built in Python (running {', '.join(ran)})"
 
 
-def status(experiment: str, share: str | Share | None = None, refresh: bool = True,
-           all_runs: bool = False) -> list[RunRecord]:
-    """The run records of an experiment (a name known to this project, or an experiment file).
+def read_status(experiment: str, share: str | Share | None = None, all_runs: bool = False) -> StatusView:
+    """The runs of an experiment (a name known to this project, or an experiment file) as its share has them.
 
-    Those of its current plan: the runs its last submission planned. Runs that an earlier submission
-    planned (before a notebook, the sweep or the experiment file changed) are superseded: kept on the
-    share, and returned too with ``all_runs``.
+    Only reads: nothing is written and no backend is asked (:func:`refresh_runs` does that). Those of its current
+    plan: the runs its last submission planned. Runs that an earlier submission planned (before a notebook, the
+    sweep or the experiment file changed) are superseded: kept on the share, and read too with ``all_runs``.
+    Records that could not be read are the view's ``problems``, each naming its file.
     """
+    name, the_share = open_experiment_share(experiment, share)
+    return status_view(the_share, name, all_runs)
+
+
+def refresh_runs(experiment: str, share: str | Share | None = None) -> RefreshOutcome:
+    """Ask the experiment's backend about its runs and bring their records on the share up to date (a run whose
+    job or driver is gone ends as failed). A failure to ask is the outcome's ``error``, not an exception."""
     project = find_project()
     name, the_share = open_experiment_share(experiment, share, project)
-    if refresh:
-        try:
-            known_backend(name, project, the_share).refresh(name, the_share)
-        except NbbatchError:
-            pass
-    records, problems, planned = load_plan_records(the_share, name, all_runs)
-    if not records and not problems:
-        if planned is not None and not all_runs and load_records(the_share, name)[0]:
-            raise NbbatchError(f"none of the {len(planned)} run(s) of experiment `{name}`'s last submission has "
-                               f"a run record in {the_share.url} yet (it may still be starting, or it was stopped "
-                               f"before they were queued); `nbbatch status {name} --all` shows the runs of earlier "
-                               f"submissions")
-        raise NbbatchError(f"experiment `{name}` has no runs in {the_share.url}; submit it with "
-                           f"`nbbatch submit <experiment.yaml>` or pass --share where its results are")
-    for problem in problems:
-        warnings.warn(problem, stacklevel=2)
-    return records
+    return refresh_records(lambda: known_backend(name, project, the_share), name, the_share)
+
+
+def status(experiment: str, share: str | Share | None = None, refresh: bool = True,
+           all_runs: bool = False) -> list[RunRecord]:
+    """The run records of an experiment (see :func:`read_status`), after asking its backend about them unless
+    ``refresh`` is false (:func:`refresh_runs`).
+
+    A failed refresh and each record that could not be read are said as a warning; :func:`read_status` and
+    :func:`refresh_runs` give them as values.
+    """
+    name, the_share = open_experiment_share(experiment, share)
+    outcome = refresh_runs(name, the_share) if refresh else None
+    view = status_view(the_share, name, all_runs)
+    view.refresh = outcome
+    for line in view.footer:
+        warnings.warn(line, stacklevel=2)
+    return view.records
 
 
 def logs(experiment: str, run: str, follow: bool = False, tail: int | None = None,

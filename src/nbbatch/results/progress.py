@@ -19,7 +19,7 @@ from rich.text import Text
 
 from nbbatch.backends import backend_class
 from nbbatch.errors import NbbatchError
-from nbbatch.results.status import status_table, summary_counts
+from nbbatch.results.status import REFRESH_EVERY_S, RefreshOutcome, StatusView, status_table, summary_counts
 from nbbatch.store.layout import experiment_paths
 from nbbatch.store.lease import STALE_AFTER_S
 from nbbatch.store.lock import pid_alive
@@ -149,37 +149,73 @@ def _changes(records: list[RunRecord]) -> tuple[tuple[str, str, int, int], ...]:
     return tuple(sorted((r.run_id, str(r.status), r.attempts, r.cells_done) for r in records))
 
 
-def watch_status(load: Callable[[], list[RunRecord]], experiment: str, interval: float = 2.0,
-                 console: Console | None = None,
-                 stuck: Callable[[list[RunRecord]], object] = lambda records: False) -> list[RunRecord]:
-    """Show the runs table until every run is final, or ``stuck`` (e.g. :func:`abandoned_runs`) says that nothing will
-    move any more (``nbbatch status --watch``); return the last records.
+class StatusReads:
+    """The reads of ``nbbatch status`` (one, or one per tick of ``--watch``), each a :class:`StatusView`.
 
-    ``load`` reads the records again every ``interval`` seconds. On a terminal the table is redrawn
-    in place and its last state stays on screen. Elsewhere (a pipe, a CI log) it is printed when a
-    run's status, attempt or cell count changed (metrics that tick every step would flood a log), and
-    always for the final state. Ctrl-C raises :class:`KeyboardInterrupt` with the table left as it was.
+    Every call reads the share (``read``: nothing written). When ``refresh`` is given it asks the backend first, on
+    the first call and then once every ``refresh_s`` seconds, not at every redraw: asking runs ``squeue`` or calls
+    a cloud service, and may write records. Each view carries the last ask's outcome, so a failed refresh stays one
+    line under the table until an ask succeeds.
+    """
+
+    def __init__(self, read: Callable[[], StatusView], refresh: Callable[[], RefreshOutcome] | None = None,
+                 refresh_s: float = REFRESH_EVERY_S, clock: Callable[[], float] = time.monotonic):
+        self.read, self.refresh, self.refresh_s, self.clock = read, refresh, refresh_s, clock
+        self._asked: float | None = None
+        self._outcome: RefreshOutcome | None = None
+
+    def __call__(self) -> StatusView:
+        if self.refresh is not None and (self._asked is None or self.clock() - self._asked >= self.refresh_s):
+            self._asked = self.clock()
+            self._outcome = self.refresh()
+        view = self.read()
+        view.refresh = self._outcome
+        return view
+
+
+def footer_lines(view: StatusView) -> list[Text]:
+    """The footer under a live status table: one line per record that could not be read, and a failed refresh."""
+    return [Text(f"warning: {line}", style="yellow") for line in view.footer]
+
+
+def watch_status(load: Callable[[], StatusView], experiment: str, interval: float = 2.0,
+                 console: Console | None = None,
+                 stuck: Callable[[list[RunRecord]], object] = lambda records: False,
+                 say_footer: Callable[[StatusView], None] = lambda view: None) -> StatusView:
+    """Show the runs table until every run is final, or ``stuck`` (e.g. :func:`abandoned_runs`) says that nothing will
+    move any more (``nbbatch status --watch``); return the last view.
+
+    ``load`` (e.g. a :class:`StatusReads`) reads the records again every ``interval`` seconds. On a terminal the
+    table is redrawn in place, its footer (:attr:`StatusView.footer`) under it, and its last state stays on screen.
+    Elsewhere (a pipe, a CI log) it is printed when a run's status, attempt or cell count changed (metrics that
+    tick every step would flood a log), and always for the final state; each view then goes to ``say_footer``,
+    which says the footer lines it has not said yet. Ctrl-C raises :class:`KeyboardInterrupt` with the table left
+    as it was.
     """
     console = console or Console()
-    records = load()
+    view = load()
 
     def ended() -> bool:
-        return all(r.final for r in records) or bool(stuck(records))
+        return all(r.final for r in view.records) or bool(stuck(view.records))
+
+    def frame() -> Group:
+        return Group(*_screenful(view.records, experiment, console), *footer_lines(view))
     if console.is_terminal:
-        with _drawn(Live(Group(*_screenful(records, experiment, console)), console=console,
-                         refresh_per_second=1, transient=False)) as live:  # 1/s: elapsed times tick between reads
+        with _drawn(Live(frame(), console=console, refresh_per_second=1,
+                         transient=False)) as live:  # 1/s: elapsed times tick between reads
             while not ended():
                 time.sleep(interval)
-                records = load()
-                live.update(Group(*_screenful(records, experiment, console)), refresh=True)
-        return records
+                view = load()
+                live.update(frame(), refresh=True)
+        return view
     printed = None
     while True:
-        if _changes(records) != printed:
-            printed = _changes(records)
-            title = f"{time.strftime('%H:%M:%S')} {table_title(experiment, records)}"  # a log says when
-            console.print(status_table(records, title=title))
+        if _changes(view.records) != printed:
+            printed = _changes(view.records)
+            title = f"{time.strftime('%H:%M:%S')} {table_title(experiment, view.records)}"  # a log says when
+            console.print(status_table(view.records, title=title))
+        say_footer(view)
         if ended():
-            return records
+            return view
         time.sleep(interval)
-        records = load()
+        view = load()

@@ -1,4 +1,9 @@
-"""Reading results back from a share: run records, status tables, log tails and follows."""
+"""Reading results back from a share: run records, status tables, log tails and follows.
+
+Reading and refreshing are two steps: :func:`status_view` only reads the share (a :class:`StatusView`, with the
+records it could not read as values); :func:`refresh_records` asks the backend about the runs, which may write
+records (a run whose job is gone ends as failed), and gives its failure as a value (:class:`RefreshOutcome`).
+"""
 
 from __future__ import annotations
 
@@ -8,10 +13,11 @@ import math
 import numbers
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
 
@@ -23,12 +29,16 @@ from nbbatch.store.runfiles import load_records, read_record, run_ids
 from nbbatch.store.runjson import RunRecord, Status
 from nbbatch.store.share import RangeStore, Share, poll_interval
 
+if TYPE_CHECKING:
+    from nbbatch.backends import Backend
+
 # One colour per status, for every view (terminal tables, widgets, the HTML report).
 STATUS_STYLE = {Status.QUEUED: "dim", Status.RUNNING: "bold blue", Status.SUCCEEDED: "green", Status.FAILED: "bold red",
                 Status.CANCELLED: "yellow", Status.TIMED_OUT: "magenta", Status.PRUNED: "cyan",
                 # what `compare` says of an executed notebook found without a run record
                 "incomplete": "yellow", "unreadable": "magenta"}
 KEY_METRICS = ("accuracy", "train_seconds", "images_per_second")
+REFRESH_EVERY_S = 15.0  # how often a watching view asks the backend about its runs: squeue and clouds, not each redraw
 
 
 def resolve_run_id(share: Share, experiment: str, ref: str) -> str:
@@ -90,6 +100,75 @@ def load_plan_records(share: Share, experiment: str, all_runs: bool = False
         if record is not None:
             records.append(record)
     return records, problems, planned
+
+
+@dataclass(frozen=True)
+class RefreshOutcome:
+    """How asking the backend about an experiment's runs went (:func:`refresh_records`): ``error`` says why it
+    could not (None: it did), and the records on the share may then be behind."""
+
+    backend: str  # the backend's name; empty when it could not even be made
+    error: str | None = None
+
+    @property
+    def note(self) -> str | None:
+        """The line a status table shows under itself when the refresh failed."""
+        if self.error is None:
+            return None
+        asked = f"the `{self.backend}` backend" if self.backend else "the experiment's backend"
+        return f"could not ask {asked} about the runs: {self.error}; the records on the share may be behind"
+
+
+@dataclass
+class StatusView:
+    """An experiment's runs as its share has them (:func:`status_view`: read, nothing written).
+
+    ``records``: its current plan's (with ``all_runs``: every run's); ``problems``: what could not be read (a
+    damaged ``run.json``, named by its path); ``refresh``: how the last ask of the backend went, when one was made.
+    """
+
+    experiment: str
+    records: list[RunRecord]
+    problems: list[str] = field(default_factory=list)
+    refresh: RefreshOutcome | None = None
+
+    @property
+    def footer(self) -> list[str]:
+        """The lines shown under the table: each record that could not be read, then a failed refresh."""
+        note = self.refresh.note if self.refresh is not None else None
+        return [*self.problems, *([note] if note else [])]
+
+
+def status_view(share: Share, experiment: str, all_runs: bool = False) -> StatusView:
+    """The runs of ``experiment`` on ``share``: its current plan's (with ``all_runs``: every run's). Only reads.
+
+    A :class:`NbbatchError` when there is nothing to show (no run at all, or none of the last submission's yet).
+    """
+    records, problems, planned = load_plan_records(share, experiment, all_runs)
+    if not records and not problems:
+        if planned is not None and not all_runs and load_records(share, experiment)[0]:
+            raise NbbatchError(f"none of the {len(planned)} run(s) of experiment `{experiment}`'s last submission has "
+                               f"a run record in {share.url} yet (it may still be starting, or it was stopped "
+                               f"before they were queued); `nbbatch status {experiment} --all` shows the runs of "
+                               "earlier submissions")
+        raise NbbatchError(f"experiment `{experiment}` has no runs in {share.url}; submit it with "
+                           f"`nbbatch submit <experiment.yaml>` or pass --share where its results are")
+    return StatusView(experiment, records, problems)
+
+
+def refresh_records(backend: Callable[[], Backend], experiment: str, share: Share) -> RefreshOutcome:
+    """Ask the experiment's backend (made by ``backend()``) to bring its records on ``share`` up to date
+    (:meth:`~nbbatch.backends.base.Backend.refresh`: it may end lost runs as failed). A failure is the outcome's
+    ``error``, never raised: the records are still worth showing."""
+    try:
+        made = backend()
+    except NbbatchError as exc:  # e.g. a backend not installed on this machine
+        return RefreshOutcome("", str(exc))
+    try:
+        made.refresh(experiment, share)
+    except (NbbatchError, OSError) as exc:  # the scheduler cannot be reached, the share is read-only, …
+        return RefreshOutcome(made.name, str(exc) or type(exc).__name__)
+    return RefreshOutcome(made.name)
 
 
 def format_metric(value: Any) -> str:

@@ -32,8 +32,8 @@ from nbbatch.errors import NbbatchError, NotebookStopped
 from nbbatch.execute.envs import build_envs, remove_env
 from nbbatch.execute.launch import RUN_ONE, read_launch
 from nbbatch.execute.placement import placement_from_env
-from nbbatch.results.progress import abandoned_runs, table_title, watch_status
-from nbbatch.results.status import plan_table, status_rows, status_table
+from nbbatch.results.progress import StatusReads, abandoned_runs, table_title, watch_status
+from nbbatch.results.status import REFRESH_EVERY_S, StatusView, plan_table, status_rows, status_table
 from nbbatch.spec.environments import list_envs
 from nbbatch.spec.frameworks import get_framework, list_frameworks
 from nbbatch.spec.project import find_project
@@ -188,31 +188,30 @@ def _interval(text: str) -> float:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    name, share = open_experiment_share(args.experiment, args.share)
-    problems: list[str] = []
+    name, share = open_experiment_share(args.experiment, args.share)  # once: every read and refresh use it
+    said: list[str] = []
 
-    def load() -> list[RunRecord]:
-        with warnings.catch_warnings(record=True) as caught:  # corrupt run records: one line each, with the path
-            warnings.simplefilter("always", UserWarning)
-            records = api.status(args.experiment, share=args.share, all_runs=args.all)
-        for problem in (str(w.message) for w in caught if w.category is UserWarning):
-            if problem not in problems:  # a watch reads the records again and again: say it once
-                problems.append(problem)
-                print(f"nbbatch: warning: {problem}", file=sys.stderr)
-        return records
+    def say_footer(view: StatusView) -> None:  # a watch reads again and again: each line is said once
+        for line in view.footer:
+            if line not in said:
+                said.append(line)
+                print(f"nbbatch: warning: {line}", file=sys.stderr)
 
     def stuck(records: list[RunRecord]) -> list[RunRecord]:
         return abandoned_runs(share, name, records)
 
-    if not args.watch:
-        records = load()
-    elif args.json:  # for scripts: wait quietly, then the JSON of the final state
-        records = load()
-        while not all(r.final for r in records) and not stuck(records):
-            time.sleep(args.interval)
-            records = load()
+    load = StatusReads(lambda: api.read_status(name, share, all_runs=args.all),
+                       None if args.no_refresh else lambda: api.refresh_runs(name, share), REFRESH_EVERY_S)
+    if args.watch and not args.json:
+        view = watch_status(load, name, interval=args.interval, console=_console(), stuck=stuck,
+                            say_footer=say_footer)
     else:
-        records = watch_status(load, name, interval=args.interval, console=_console(), stuck=stuck)
+        view = load()
+        while args.watch and not all(r.final for r in view.records) and not stuck(view.records):
+            say_footer(view)  # for scripts: wait quietly, then the JSON of the final state
+            time.sleep(args.interval)
+            view = load()
+    records = view.records
     abandoned = stuck(records) if args.watch else []
     if abandoned:  # a watch would wait forever: say why it stops
         print(f"nbbatch: warning: {len(abandoned)} run(s) of `{name}` are still queued, but no `nbbatch submit` "
@@ -221,7 +220,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(status_rows(records), indent=2, default=str))
     elif not args.watch:
         _console().print(status_table(records, title=table_title(name, records)))
-    return 0 if all(r.status in DONE_STATUSES for r in records) and not problems or not args.check else 1
+    if args.json or not args.watch:
+        say_footer(view)  # the table's footer (a live table draws its own)
+    return 0 if all(r.status in DONE_STATUSES for r in records) and not view.problems or not args.check else 1
 
 
 def cmd_status_interruptible(args: argparse.Namespace) -> int:
@@ -389,7 +390,11 @@ def _add_batch_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-w", "--watch", action="store_true",
                    help="redraw the table until every run has ended (with --json: wait, then print)")
     p.add_argument("--interval", type=_interval, default=2.0, metavar="SECONDS",
-                   help="how often --watch reads the runs again (default: 2)")
+                   help="how often --watch reads the runs again (default: 2); it asks the backend about them "
+                        f"every {REFRESH_EVERY_S:.0f} s, not at each read")
+    p.add_argument("--no-refresh", action="store_true",
+                   help="only read the share: do not ask the backend (Slurm, Ray, Azure ML, a local driver) about "
+                        "the runs first, so nothing is written, and a run whose job is gone stays as recorded")
     p.set_defaults(func=cmd_status_interruptible)
 
     p = sub.add_parser("logs", help="a run's output (log.txt); -f follows it")

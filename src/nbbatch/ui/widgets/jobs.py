@@ -18,7 +18,15 @@ import nbbatch.ui.widgets.display as display
 from nbbatch import api
 from nbbatch.errors import NbbatchError
 from nbbatch.results.history import history_metrics, metric_series, read_history
-from nbbatch.results.status import KEY_METRICS, format_metric, load_plan_records, status_rows, varying_parameters
+from nbbatch.results.status import (
+    KEY_METRICS,
+    RefreshOutcome,
+    StatusView,
+    format_metric,
+    load_plan_records,
+    status_rows,
+    varying_parameters,
+)
 from nbbatch.store.runjson import RunRecord
 from nbbatch.store.share import poll_interval
 from nbbatch.ui.widgets.links import NotebookLinks, notebook_links_for
@@ -379,25 +387,26 @@ class JobsSummary:
         self.refresher: SummaryRefresher | None = None
         self.backend_refresh_s = backend_refresh_s
         self._backend_refreshed = time.monotonic()
+        self._refreshed: RefreshOutcome | None = None  # the last ask of the backend
         self._buttons: dict[str, Any] = {}
         self._lock = threading.RLock()  # reentrant: setting the dropdown in render() calls its observer
         self._syncing = False  # render() is setting the dropdown: not the user's choice
 
     def load(self) -> list[RunRecord]:
-        """The records of the experiment's current plan (its last submission's runs) from the share
-        (corrupt ones become the model's problems).
+        """The records of the experiment's current plan (its last submission's runs) from the share; those that
+        could not be read, and a failed ask of the backend, are the model's problems (the table's footer).
 
-        Every ``backend_refresh_s`` seconds the backend first brings them up to date with its own
-        view (:func:`nbbatch.api.status`), e.g. a job Azure ML failed to start, or a run whose
-        driver process died.
+        Every ``backend_refresh_s`` seconds the backend is asked about the runs first
+        (:func:`nbbatch.api.refresh_runs`), e.g. about a job Azure ML failed to start, or a run whose driver
+        process died; in between, a load only reads.
         """
         if self.submission is not None:
             self.model.expect(self.submission.model.run_ids)
-        records, problems, _planned = load_plan_records(self.share, self.model.experiment)  # the current plan's
-        if records and not problems and time.monotonic() - self._backend_refreshed > self.backend_refresh_s:
+        if time.monotonic() - self._backend_refreshed > self.backend_refresh_s:
             self._backend_refreshed = time.monotonic()
-            records = api.status(self.model.experiment, share=self.share, refresh=True)
-        self.model.problems = problems
+            self._refreshed = api.refresh_runs(self.model.experiment, share=self.share)
+        records, problems, _planned = load_plan_records(self.share, self.model.experiment)  # the current plan's
+        self.model.problems = StatusView(self.model.experiment, records, problems, self._refreshed).footer
         if self.model.expected:
             wanted = set(self.model.expected)
             records = [r for r in records if r.run_id in wanted]
