@@ -15,7 +15,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import nbbatch.ui.widgets.display as display
-from nbbatch.backends import Backend, Capabilities, Compute, Setting, backend_class, backend_names, get_backend
+from nbbatch.backends import (
+    Backend,
+    Capabilities,
+    Compute,
+    Setting,
+    SubmitOptions,
+    backend_class,
+    backend_names,
+    get_backend,
+)
 from nbbatch.errors import BackendError
 from nbbatch.redact import is_secret
 from nbbatch.results.status import format_metric
@@ -122,8 +131,8 @@ class Cluster:
             capacity = len(compute.gpus) * int(per_gpu)
         else:
             capacity = max(compute.slots, 1)
-        limits = [k for k in (self.max_parallel, self.settings.get("max_parallel")) if isinstance(k, int) and k > 0]
-        return min([capacity, *limits])
+        limit = self.get_backend().parallel_limit(SubmitOptions(max_parallel=self.max_parallel))
+        return min(capacity, limit) if limit else capacity
 
 
 def _knob(key: str, value: Any) -> int | str:
