@@ -301,13 +301,9 @@ class Backend(ABC):
     # --- the lifecycle every backend shares ---------------------------------------------------------
 
     def parallel_limit(self, options: SubmitOptions) -> int | None:
-        """At most how many runs of a submission execute at once; None: as many as the compute has room for.
-
-        The one rule, the same on every backend: the experiment's ``resources.max_parallel`` and the backend's own
-        ``max_parallel`` setting (where it has one) are both limits, so the smaller wins when both are given.
-        """
-        return min((k for k in (options.max_parallel, getattr(self.settings, "max_parallel", None)) if k),
-                   default=None)
+        """At most how many runs of a submission execute at once (see :func:`parallel_limit`); None: as many as the
+        compute has room for."""
+        return parallel_limit(options.max_parallel, getattr(self.settings, "max_parallel", None))
 
     def triage(self, runs: Sequence[Run], share: Share, force: bool = False) -> SubmitOutcome:
         """Which runs to start: not those that already succeeded or were pruned (unless ``force``), nor those still in
@@ -505,6 +501,13 @@ class QueuedRecords:
         return self.error
 
 
+def parallel_limit(experiment: int | None, backend: int | None) -> int | None:
+    """The one rule for ``max_parallel``, the same on every backend: the experiment's ``resources.max_parallel`` and
+    the backend's own ``max_parallel`` setting are both limits, so the smaller wins when both are given; None when
+    neither is."""
+    return min((k for k in (experiment, backend) if isinstance(k, int) and k > 0), default=None)
+
+
 def order_longest_first(runs: Sequence[Run], records: Sequence[RunRecord]) -> list[Run]:
     """Runs ordered by past duration (from the experiment's ``records``), longest (or never seen) first:
     shortens the makespan."""
@@ -527,7 +530,7 @@ def order_longest_first(runs: Sequence[Run], records: Sequence[RunRecord]) -> li
 
 
 __all__ = ["Backend", "Capabilities", "Compute", "Setting", "SubmitOptions", "SubmitOutcome", "guarded",
-           "order_longest_first"]
+           "order_longest_first", "parallel_limit"]
 
 
 def clear_run_folders(share: Share, run: Run, fresh: bool) -> None:

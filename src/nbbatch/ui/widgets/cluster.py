@@ -15,16 +15,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import nbbatch.ui.widgets.display as display
-from nbbatch.backends import (
-    Backend,
-    Capabilities,
-    Compute,
-    Setting,
-    SubmitOptions,
-    backend_class,
-    backend_names,
-    get_backend,
-)
+from nbbatch.backends import Backend, Capabilities, Compute, Setting, backend_class, backend_names, get_backend
+from nbbatch.backends.base import parallel_limit
 from nbbatch.errors import BackendError
 from nbbatch.redact import is_secret
 from nbbatch.results.status import format_metric
@@ -131,7 +123,7 @@ class Cluster:
             capacity = len(compute.gpus) * int(per_gpu)
         else:
             capacity = max(compute.slots, 1)
-        limit = self.get_backend().parallel_limit(SubmitOptions(max_parallel=self.max_parallel))
+        limit = parallel_limit(self.max_parallel, self.settings.get("max_parallel"))  # the form's, not validated yet
         return min(capacity, limit) if limit else capacity
 
 
