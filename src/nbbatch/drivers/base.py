@@ -67,7 +67,7 @@ class Driver(ABC):
         self.experiment = self.spec.name
         self.source, self.force, self.progress = source, force, progress
         self.wait = self.default_wait() if wait is None else wait
-        self.settings = backend.storable_settings(self.spec.backend_settings)  # nothing secret: kept on disk
+        self.stored_settings = backend.storable_settings(self.spec.backend_settings)  # nothing secret: kept on disk
         self.result = SubmitResult(self.experiment, share.url, self.spec.backend, warnings=list(plan.warnings),
                                    waited=self.wait)
 
@@ -85,7 +85,7 @@ class Driver(ABC):
         """The whole submission: lock and lease, :meth:`run`, and the records of its runs."""
         project = find_project(self.spec.base_dir)
         result = self.result
-        remember(project, self.experiment, self.share.url, self.spec.backend, self.settings)
+        remember(project, self.experiment, self.share.url, self.spec.backend, self.stored_settings)
         with ExperimentLock(_lock_path(project, self.share, self.experiment), self.experiment) as lock, \
                 ShareLease(self.share, self.experiment, command=lock.command) as lease:
             for gone in (lock.recovered_from, lease.recovered_from):
@@ -113,7 +113,7 @@ class Driver(ABC):
     def write_manifest(self, run_ids: list[str], warn: bool = True) -> None:
         """Write the experiment's manifest with ``run_ids`` as its runs (:func:`~nbbatch.drivers.manifest.write_manifest`);
         with ``warn``, the result says when this name was last submitted from another experiment file."""
-        said = write_manifest(self.share, self.spec, run_ids, self.source, self.settings)
+        said = write_manifest(self.share, self.spec, run_ids, self.source, self.stored_settings)
         if warn:
             self.result.warnings.extend(said)
 
