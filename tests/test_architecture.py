@@ -27,6 +27,7 @@ LAYERS = (
     ("nbbatch.backends",),
     ("nbbatch.results",),
     ("nbbatch.search",),
+    ("nbbatch.drivers",),
     ("nbbatch.api",),
     ("nbbatch.ui", "nbbatch.widgets", "nbbatch.__main__"),
 )
@@ -251,3 +252,12 @@ def test_one_module_composes_run_ones_command():
                  for node in ast.walk(ast.parse(p.read_text()))
                  if isinstance(node, ast.Constant) and isinstance(node.value, str) and RUN_ONE_COMMAND.search(node.value)]
     assert not offenders, f"build run-one's command with nbbatch.execute.launch.launch_command: {offenders}"
+
+
+MAX_PARALLEL_READ = re.compile(r"(options|settings)\.max_parallel\b")
+
+
+def test_one_rule_for_max_parallel():
+    offenders = [f"{p.relative_to(SRC)}:{i}" for p in MODULES if p.relative_to(SRC).as_posix() != "backends/base.py"
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if MAX_PARALLEL_READ.search(line)]
+    assert not offenders, f"ask Backend.parallel_limit(options) how many runs go at once (one rule): {offenders}"

@@ -130,6 +130,14 @@ def _options(**kw) -> SubmitOptions:
     return SubmitOptions(wait=kw.pop("wait", False), **kw)
 
 
+def _submit(backend, runs, share, options):
+    """What the submission driver does with a batch: start the runs that need it, and wait with ``options.wait``."""
+    outcome = backend.triage(runs, share, force=options.force)
+    started = set(outcome.started)
+    backend.launch([r for r in runs if r.run_id in started], share, options)
+    return outcome
+
+
 def _queue(share, runs):
     for run in runs:  # what nbbatch.api.submit does before calling the backend
         write_record(share, RunRecord(run_id=run.run_id, experiment=run.experiment, notebook=run.notebook_rel,
@@ -315,7 +323,7 @@ def test_cluster_cli_arguments(aml, capsys):
 def test_submit_statuses_cancel_resubmit(aml, backend, share, runs, files, env_upload, azproject):
     _queue(share, runs)
     updates = []
-    backend.submit(runs, share, _options(on_update=updates.append))
+    _submit(backend, runs, share, _options(on_update=updates.append))
     # cluster created, datastore registered, environment built once, one job per run
     assert "gpu-a100" in aml.computes
     assert aml.computes["gpu-a100"]["properties"]["properties"]["vmPriority"] == "LowPriority"
@@ -373,7 +381,7 @@ def test_submit_statuses_cancel_resubmit(aml, backend, share, runs, files, env_u
     # resubmitting skips the succeeded run and reuses cluster, datastore and environment
     before = set(aml.jobs)
     puts_before = [c.path for c in aml.transport.calls if c.method == "PUT"]
-    backend.submit(runs, share, _options())
+    _submit(backend, runs, share, _options())
     new_jobs = set(aml.jobs) - before
     assert len(new_jobs) == 2
     assert {aml.jobs[j]["properties"]["displayName"] for j in new_jobs} == {runs[1].run_id, runs[2].run_id}
@@ -382,7 +390,7 @@ def test_submit_statuses_cancel_resubmit(aml, backend, share, runs, files, env_u
     assert len(env_upload) == 1
 
     # a run whose job is still in flight is not submitted twice
-    backend.submit([runs[1]], share, _options())
+    _submit(backend, [runs[1]], share, _options())
     assert len(aml.jobs) == 5
 
     cluster = backend.cluster
@@ -411,7 +419,7 @@ def test_submit_and_wait(aml, backend, share, runs, files, env_upload, azproject
 
     backend.ml_client.jobs.create_or_update = create
     seen = []
-    backend.submit([run], share, _options(wait=True, on_update=lambda r: seen.append(r.status)))
+    _submit(backend, [run], share, _options(wait=True, on_update=lambda r: seen.append(r.status)))
     assert seen[0] == "queued" and seen[-1] == "succeeded" and "running" in seen
     assert read_record(share, "cifar", run.run_id).status == "succeeded"
     assert env_upload == []  # the environment existed: reused, not rebuilt
@@ -423,7 +431,7 @@ def test_share_must_be_azure_files(aml, runs, tmp_path):
 
     backend = AzureMLBackend(ml_client=aml.ml_client())
     with pytest.raises(BackendError, match="azfiles://"):
-        backend.submit(runs, FileShare(tmp_path), _options())
+        _submit(backend, runs, FileShare(tmp_path), _options())
 
 
 def test_missing_datastore_without_key_says_how(aml, runs, files, monkeypatch, share):
@@ -431,7 +439,7 @@ def test_missing_datastore_without_key_says_how(aml, runs, files, monkeypatch, s
     backend = AzureMLBackend(ml_client=aml.ml_client(), poll_seconds=0)
     _queue(share, runs)  # the share object was opened with the key; the backend no longer sees it
     with pytest.raises(BackendError, match="az ml datastore create"):
-        backend.submit(runs, share, _options())
+        _submit(backend, runs, share, _options())
     assert not aml.jobs
 
 
@@ -440,7 +448,7 @@ def test_stream_log_follows_the_job(aml, backend, share, runs, files, env_upload
 
     monkeypatch.setattr(helper, "_wait_before_polling", lambda seconds: 0)
     _queue(share, runs[:1])
-    backend.submit(runs[:1], share, _options())
+    _submit(backend, runs[:1], share, _options())
     (name,) = aml.jobs
     aml.set_job_status(name, "Completed")
     aml.run_history[name] = [
@@ -479,7 +487,7 @@ def test_code_snapshot(runs, azproject, tmp_path):
 def test_storage_key_never_leaves_the_environment(aml, backend, share, runs, files, env_upload, tmp_path):
     """The planted key signs requests (HMAC) but is written nowhere: not in files, job specs or their YAML."""
     _queue(share, runs)
-    backend.submit(runs, share, _options())
+    _submit(backend, runs, share, _options())
     names = _job_names(share, runs)
     aml.set_job_status(names[runs[0].run_id], "Failed")
     backend.refresh("cifar", share)
@@ -553,10 +561,10 @@ def test_a_create_that_times_out_is_found_on_resubmit(aml, backend, share, runs,
 
     backend.ml_client.jobs.create_or_update = created_then_timed_out
     with pytest.raises(BackendError, match="may have been created"):
-        backend.submit([run], share, _options())
+        _submit(backend, [run], share, _options())
     assert len(aml.jobs) == 1
     backend.ml_client.jobs.create_or_update = original_create
-    outcome = backend.submit([run], share, _options())
+    outcome = _submit(backend, [run], share, _options())
     assert outcome.in_flight == [run.run_id] and len(aml.jobs) == 1, "a second job was created"
     assert _job_names(share, [run])[run.run_id] in aml.jobs
 
@@ -569,9 +577,9 @@ def test_a_create_that_times_out_is_found_on_resubmit(aml, backend, share, runs,
 
     backend.ml_client.jobs.create_or_update = never_created
     with pytest.raises(BackendError):
-        backend.submit([other], share, _options())
+        _submit(backend, [other], share, _options())
     backend.ml_client.jobs.create_or_update = original_create
-    outcome = backend.submit([other], share, _options())
+    outcome = _submit(backend, [other], share, _options())
     assert outcome.started == [other.run_id] and len(aml.jobs) == 2
     assert not aml.transport.unmatched
 
@@ -830,7 +838,7 @@ def test_registry_images_are_used_not_built(aml, share, runs, files, env_upload,
     backend = AzureMLBackend(ml_client=aml.ml_client(), compute="gpu-a100", poll_seconds=0,
                              registry="registry.example.com/team")
     _queue(share, runs)
-    backend.submit(runs, share, _options())
+    _submit(backend, runs, share, _options())
     version = _image_version(azproject)
     image = f"registry.example.com/team/nbbatch-toy:{version}"
     assert env_upload == []  # no build context went anywhere

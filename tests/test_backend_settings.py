@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from nbbatch.backends import Backend, Compute, get_backend
+from nbbatch.backends import Backend, Compute, SubmitOptions, backend_class, get_backend
 from nbbatch.backends.local.backend import LocalBackend, LocalSettings
 from nbbatch.backends.settings import Setting, setting, setting_table
 from nbbatch.errors import BackendError
@@ -90,3 +90,34 @@ def test_the_builtin_backends_keep_their_call_forms():
     assert ray.RayBackend(address="").settings.address == "auto"  # empty: Ray's own lookup
     assert ray.RayBackend(env={"A": 1}).settings.run_env == {"A": "1"}
     assert ray.RayBackend(poll_s=0).poll_s is None and ray.RayBackend(poll_s=2).poll_s == 2
+
+
+# --- max_parallel: one rule on every backend ---------------------------------------------------------------
+
+BUILTIN_BACKENDS = ["local", "slurm", "ray", "azureml"]
+
+
+def test_the_max_parallel_test_covers_every_builtin_backend():
+    from nbbatch.backends import _BUILTIN
+
+    assert sorted(_BUILTIN) == sorted(BUILTIN_BACKENDS)
+
+
+@pytest.mark.parametrize("name", BUILTIN_BACKENDS)
+@pytest.mark.parametrize(("experiment", "setting", "limit"), [
+    (None, None, None),  # neither: as many as the compute has room for
+    (3, None, 3),  # the experiment's resources.max_parallel
+    (None, 3, 3),  # the backend's own max_parallel setting
+    (3, 5, 3), (5, 3, 3),  # both: both are limits, the smaller wins
+])
+def test_the_same_experiment_gives_the_same_parallel_limit_on_every_backend(name, experiment, setting, limit):
+    if name == "ray":
+        pytest.importorskip("nbbatch.backends.ray")
+    if name == "azureml":
+        pytest.importorskip("nbbatch.backends.azureml")
+    cls = backend_class(name)
+    has_setting = "max_parallel" in cls.setting_table()
+    if setting is not None and not has_setting:
+        pytest.skip(f"{name} has no max_parallel setting of its own")
+    backend = cls(**({"max_parallel": setting} if has_setting else {}))
+    assert backend.parallel_limit(SubmitOptions(max_parallel=experiment)) == limit

@@ -1,7 +1,7 @@
 """The Python API the CLI and the Jupyter front are built on.
 
-``submit`` plans and validates an experiment, skips runs that already succeeded on the share,
-and hands the rest to the experiment's backend; ``status``, ``logs`` and ``cancel`` read and act on
+``submit`` plans and validates an experiment and hands it to its driver (:mod:`nbbatch.drivers`: a planned
+batch's or a search's), which runs it on the experiment's backend; ``status``, ``logs`` and ``cancel`` read and act on
 the share. ``run_notebook`` runs one notebook papermill-style.
 """
 
@@ -13,15 +13,14 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from nbbatch.backends import Backend, SubmitOptions, get_backend
-from nbbatch.errors import NbbatchError, NotebookStopped, ValidationError, did_you_mean
+from nbbatch.drivers import SearchDriver, SubmissionDriver, SubmitResult
+from nbbatch.errors import NotebookStopped, ValidationError, did_you_mean
 from nbbatch.plan.notebook import inspect_notebook, validate_parameters
 from nbbatch.plan.runs import Plan, plan
-from nbbatch.results.progress import live_progress
 from nbbatch.results.status import (
     RefreshOutcome,
     StatusView,
@@ -31,36 +30,13 @@ from nbbatch.results.status import (
     resolve_run_id,
     status_view,
 )
-from nbbatch.search.driver import run_search
 from nbbatch.spec.experiment import Experiment, load_experiment
 from nbbatch.spec.project import Project, find_project
-from nbbatch.store.known import check_experiment, lookup, open_experiment_share, remember
+from nbbatch.store.known import check_experiment, lookup, open_experiment_share
 from nbbatch.store.layout import experiment_paths
-from nbbatch.store.lease import ShareLease
-from nbbatch.store.lock import ExperimentLock
 from nbbatch.store.notebook_io import check_notebook_target
-from nbbatch.store.runfiles import clear_cancel, load_records
-from nbbatch.store.runjson import DONE_STATUSES, RunRecord, utc_now
+from nbbatch.store.runjson import RunRecord
 from nbbatch.store.share import Share, open_share
-
-
-@dataclass
-class SubmitResult:
-    """What a submission did: the runs it started, those it skipped, and the records at return."""
-
-    experiment: str
-    share: str
-    backend: str
-    started: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-    records: list[RunRecord] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    waited: bool = True  # whether submit waited for every run to be final
-
-    @property
-    def ok(self) -> bool:
-        """Whether every run of the experiment has succeeded (or, in a search, was pruned)."""
-        return bool(self.records) and all(r.status in DONE_STATUSES for r in self.records)
 
 
 def _as_experiment(experiment: Experiment | str | os.PathLike[str] | dict[str, Any]) -> Experiment:
@@ -69,13 +45,6 @@ def _as_experiment(experiment: Experiment | str | os.PathLike[str] | dict[str, A
     if isinstance(experiment, dict):
         return Experiment.from_dict(experiment)
     return load_experiment(experiment)
-
-
-def _lock_path(project: Project, share: Share, experiment: str) -> Path:
-    local = share.local_path(experiment_paths(experiment).lock)
-    if local is not None:
-        return local
-    return project.state_dir / "locks" / f"{experiment}.lock"
 
 
 def known_backend(name: str, project: Project, share: Share | None = None) -> Backend:
@@ -113,143 +82,17 @@ def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, 
     :class:`RunRecord` as it changes (what the Jupyter widgets use). ``only`` restricts to run ids/prefixes.
     ``wait``: return when every run is final (True) or once they are started (False); None: as the backend
     does by default (:attr:`~nbbatch.backends.base.Backend.waits_by_default`: all but slurm wait).
+    The submission is its driver's (:mod:`nbbatch.drivers`): a search's, else a planned batch's.
     """
     the_plan, backend, share = prepare(experiment, build_envs=build_envs, progress=progress is True)
-    spec = the_plan.experiment
-    if spec.search is not None:
-        _check_search_submit(wait, only)
-        wait = True  # the driver judges every run as it goes: it stays up until the search ends
-    if wait is None:
-        wait = backend.waits_by_default
-    project = find_project(spec.base_dir)
-    runs = the_plan.runs
-    if only:
-        runs = [r for r in runs if any(r.run_id.startswith(o) for o in only)]
-        if not runs:
-            raise NbbatchError(f"--only {', '.join(only)} matches none of the {len(the_plan.runs)} planned runs")
-    result = SubmitResult(spec.name, share.url, spec.backend, warnings=list(the_plan.warnings), waited=wait)
-    remember(project, spec.name, share.url, spec.backend, backend.storable_settings(spec.backend_settings))
-    with ExperimentLock(_lock_path(project, share, spec.name), spec.name) as lock, \
-            ShareLease(share, spec.name, command=lock.command) as lease:
-        for gone in (lock.recovered_from, lease.recovered_from):
-            if gone:
-                result.warnings.append(f"experiment `{spec.name}` was left locked by process {gone.get('pid')} on "
-                                       f"{gone.get('host')} (since {gone.get('since')}), which is gone; took it over")
-                break
-        clear_cancel(share, spec.name)
-        backend.refresh(spec.name, share)
-        if spec.search is not None:
-            result.started = _search(the_plan, backend, share, experiment, result, force, progress, lease.lost)
-            records, problems = load_records(share, spec.name)
-            result.records = [r for r in records if r.run_id in set(result.started)]
-            result.warnings.extend(problems)
-            return result
-        outcome = backend.triage(runs, share, force=force)
-        result.skipped = outcome.skipped
-        result.warnings.extend(outcome.notes)
-        result.started = [*outcome.started, *outcome.in_flight]
-        result.warnings.extend(_write_manifest(share, spec, [r.run_id for r in the_plan.runs], experiment,
-                                               backend.storable_settings(spec.backend_settings)))
-        options = submit_options(spec, wait=wait, force=force, on_update=progress if callable(progress) else None,
-                                 halt=lease.lost)
-        starting = set(outcome.started)
-        todo = [r for r in runs if r.run_id in starting]
-        if todo and progress is True:
-            with live_progress(share, spec.name, [r.run_id for r in runs]) as on_update:
-                options.on_update = on_update
-                backend.launch(todo, share, options)
-        elif todo:
-            backend.launch(todo, share, options)
-        if outcome.in_flight and wait and backend.capabilities.detached:
-            backend.wait(spec.name, share, outcome.in_flight, options.on_update)
-    records, problems = load_records(share, spec.name)
-    wanted = {r.run_id for r in runs}
-    result.records = [r for r in records if r.run_id in wanted]
-    result.warnings.extend(problems)
-    return result
-
-
-def _check_search_submit(wait: bool | None, only: list[str] | None) -> None:
-    if wait is False:
-        raise NbbatchError("a search cannot be submitted without waiting (--no-wait): its driver judges every run as "
-                           "it goes and stays up until the search ends. Submit without --no-wait (in tmux or with "
-                           "nohup if the terminal may close); after a Ctrl-C, submit again to resume the search")
-    if only:
-        raise NbbatchError("--only selects runs of a planned batch, but a search draws its runs as it goes: name "
-                           "the notebooks or frameworks to search in the experiment file instead")
-
-
-def _search(the_plan: Plan, backend: Backend, share: Share, source: object, result: SubmitResult, force: bool,
-            progress: bool | Callable[[RunRecord], None], halt: Any) -> list[str]:
-    """Run the experiment's search (:mod:`nbbatch.search`); the trials' runs. The manifest lists them as they start,
-    so ``status`` and ``compare`` show them; ``force`` starts the search afresh."""
-    spec = the_plan.experiment
-    settings = backend.storable_settings(spec.backend_settings)
-    options = submit_options(spec, wait=True, on_update=progress if callable(progress) else None, halt=halt)
-    noted: list[str] = []
-
-    def on_runs(run_ids: list[str]) -> None:
-        if not noted:  # the first time: the warning of a name reused by another experiment file
-            result.warnings.extend(_write_manifest(share, spec, run_ids, source, settings))
-            noted.append("written")
-        else:
-            _write_manifest(share, spec, run_ids, source, settings)
-
-    def say(line: str) -> None:
-        if progress is True:
-            print(f"nbbatch search: {line}", file=sys.stderr, flush=True)
-
-    return list(run_search(the_plan, backend, share, options, say, on_runs, fresh=force))
+    driver = SearchDriver if the_plan.experiment.search is not None else SubmissionDriver
+    return driver(the_plan, backend, share, source=experiment, force=force, wait=wait, progress=progress,
+                  only=only).submit()
 
 
 def submit_options(spec: Experiment, **more: Any) -> SubmitOptions:
     """The experiment's resources as a backend takes them."""
     return SubmitOptions.of(spec.resources, **more)
-
-
-def _write_manifest(share: Share, spec: Experiment, run_ids: list[str], source: object = None,
-                    backend_settings: dict[str, Any] | None = None) -> list[str]:
-    """Write the submission's manifest, ``<experiment>/experiment.json``: its ``runs`` are the experiment's
-    current plan (what ``status``, ``compare`` and ``check`` show). Return a warning when the last submission
-    under this name came from another experiment file: its runs are superseded by this one's."""
-    path = experiment_paths(spec.name).manifest
-    manifest = {
-        "experiment": spec.name, "updated": utc_now(), "backend": spec.backend,
-        "backend_settings": backend_settings or {},  # nothing secret (Backend.storable_settings)
-        # the experiment file (None for one built in Python): tells a reused name from an edited file
-        "source": str(Path(source).resolve()) if isinstance(source, (str, os.PathLike)) else None,
-        "frameworks": spec.frameworks, "notebooks": [str(n.path.name) for n in spec.notebooks],
-        "parameters": spec.parameters, "sweep": spec.sweep,
-        **({"search": spec.search.to_dict()} if spec.search else {}),
-        "runs": list(run_ids),
-    }
-    try:
-        previous = json.loads(share.read_bytes(path))
-    except (OSError, ValueError, UnicodeDecodeError, NbbatchError):
-        previous = None
-    share.write_bytes(path, json.dumps(manifest, indent=2, default=str).encode())
-    if not isinstance(previous, dict) or not isinstance(previous.get("runs"), list):
-        return []
-    if previous.get("source") and manifest["source"]:
-        reused = previous["source"] != manifest["source"]
-    else:  # a file or a submission without a known path: another experiment if it runs other notebooks
-        reused = [previous.get("frameworks"), previous.get("notebooks")] != [spec.frameworks, manifest["notebooks"]]
-    if not reused:
-        return []
-    return [f"experiment name `{spec.name}` was last submitted to {share.url} from {_submitted_from(previous)} (at "
-            f"{previous.get('updated')}); this submission from {_submitted_from(manifest)} reuses the name and "
-            f"replaces its plan: "
-            f"`nbbatch status {spec.name}` and `nbbatch compare {spec.name}` now show this submission's "
-            f"{len(manifest['runs'])} run(s), and the earlier runs stay on the share (shown with --all). If they "
-            f"are different experiments, give one of the files its own `experiment:` name"]
-
-
-def _submitted_from(manifest: dict[str, Any]) -> str:
-    """Where a manifest's submission came from, for people: its experiment file, else what it ran."""
-    if manifest.get("source"):
-        return str(manifest["source"])
-    ran = [str(n) for key in ("frameworks", "notebooks") if isinstance(manifest.get(key), list) for n in manifest[key]]
-    return f"an experiment built in Python (running {', '.join(ran)})"
 
 
 def read_status(experiment: str, share: str | Share | None = None, all_runs: bool = False) -> StatusView:

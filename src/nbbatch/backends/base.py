@@ -8,9 +8,11 @@ same for all of them, in the manner of jupyter-scheduler's ``ExecutionManager``:
 * settings, declared once as the frozen dataclass :attr:`Backend.Settings` and validated once when the
   backend is made (:mod:`nbbatch.backends.settings`: unknown names get "did you mean", values are checked
   before anything starts, secrets are never echoed);
-* :meth:`Backend.submit`: skip runs that already succeeded (unless forced) or are still in flight
-  (:meth:`~Backend.triage`), then order the rest longest-first, write their ``queued`` records,
-  :meth:`~Backend.start` them and :meth:`~Backend.wait` until final when asked (:meth:`~Backend.launch`);
+* :meth:`Backend.triage`: skip runs that already succeeded (unless forced) or are still in flight; then
+  :meth:`~Backend.launch` orders the rest longest-first, writes their ``queued`` records,
+  starts them (:meth:`~Backend.start`) and waits until final when asked (:meth:`~Backend.wait`); a driver
+  (:mod:`nbbatch.drivers`) calls them in turn;
+* :meth:`Backend.parallel_limit`: the one rule for how many runs execute at once;
 * :meth:`Backend.finalize`: the one way a backend ends a run's record;
 * :meth:`Backend.refresh`: bring records up to date with the backend's own view (:meth:`~Backend.sync`)
   and fail runs whose execution is gone (:meth:`~Backend.lost_runs`);
@@ -139,7 +141,7 @@ class SubmitOptions:
 
 @dataclass
 class SubmitOutcome:
-    """What :meth:`Backend.submit` did with the runs it was given."""
+    """What :meth:`Backend.triage` decided for the runs it was given."""
 
     started: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # already succeeded
@@ -161,6 +163,7 @@ class Capabilities:
     managed_cluster: bool = False  # has a cluster nbbatch creates, resizes and deletes (``backend.cluster``: a
     # backends.cluster.ManagedCluster; ``nbbatch cluster`` and the form's button use it)
     containers: bool = False  # runs execute inside the frameworks' images (``nbbatch images``)
+    parallel_limit: bool = True  # holds a batch to max_parallel runs at once (else only a search's driver does)
 
 
 class Backend(ABC):
@@ -298,12 +301,10 @@ class Backend(ABC):
 
     # --- the lifecycle every backend shares ---------------------------------------------------------
 
-    def submit(self, runs: Sequence[Run], share: Share, options: SubmitOptions) -> SubmitOutcome:
-        """Start the runs that need it (:meth:`triage`), and wait for them with ``options.wait`` (:meth:`launch`)."""
-        outcome = self.triage(runs, share, force=options.force)
-        started = set(outcome.started)
-        self.launch([r for r in runs if r.run_id in started], share, options)
-        return outcome
+    def parallel_limit(self, options: SubmitOptions) -> int | None:
+        """At most how many runs of a submission execute at once (see :func:`parallel_limit`); None: as many as the
+        compute has room for."""
+        return parallel_limit(options.max_parallel, getattr(self.settings, "max_parallel", None))
 
     def triage(self, runs: Sequence[Run], share: Share, force: bool = False) -> SubmitOutcome:
         """Which runs to start: not those that already succeeded or were pruned (unless ``force``), nor those still in
@@ -501,6 +502,13 @@ class QueuedRecords:
         return self.error
 
 
+def parallel_limit(experiment: int | None, backend: int | None) -> int | None:
+    """The one rule for ``max_parallel``, the same on every backend: the experiment's ``resources.max_parallel`` and
+    the backend's own ``max_parallel`` setting are both limits, so the smaller wins when both are given; None when
+    neither is."""
+    return min((k for k in (experiment, backend) if isinstance(k, int) and k > 0), default=None)
+
+
 def order_longest_first(runs: Sequence[Run], records: Sequence[RunRecord]) -> list[Run]:
     """Runs ordered by past duration (from the experiment's ``records``), longest (or never seen) first:
     shortens the makespan."""
@@ -523,7 +531,7 @@ def order_longest_first(runs: Sequence[Run], records: Sequence[RunRecord]) -> li
 
 
 __all__ = ["Backend", "Capabilities", "Compute", "Setting", "SubmitOptions", "SubmitOutcome", "guarded",
-           "order_longest_first"]
+           "order_longest_first", "parallel_limit"]
 
 
 def clear_run_folders(share: Share, run: Run, fresh: bool) -> None:

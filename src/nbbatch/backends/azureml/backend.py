@@ -120,7 +120,8 @@ class AzureMLBackend(Backend):
     name: ClassVar[str] = "azureml"
     capabilities: ClassVar[Capabilities] = Capabilities(
         cancel=True, log_stream=True, gpus=True, multi_node=True, local_kernels=False, detached=True,
-        gpu_slots=False, managed_cluster=True)  # kernels live in the framework images
+        gpu_slots=False, managed_cluster=True,  # kernels live in the framework images
+        parallel_limit=False)  # every run's job is created at once: the cluster's max_nodes bounds them
     Settings: ClassVar[type] = AzureMLSettings
     settings: AzureMLSettings
 

@@ -63,12 +63,13 @@ class LocalScheduler:
 
     def __init__(self, backend: LocalBackend, runs: Sequence[Run], share: Share, options: SubmitOptions,
                  daemon: MpsDaemon | None = None):
-        max_parallel, prestart, container = _settings(backend)
+        prestart, container = backend.settings.prestart, backend.settings.container
         self.backend, self.share, self.options, self.daemon = backend, share, options, daemon
         self.pool = backend.slot_pool(options.runs_per_gpu, mps=daemon is not None)
         self.needs = MemoryNeeds(options.earlier if self.pool.auto else ())
-        self.cpu_parallel = options.max_parallel or max_parallel or (os.cpu_count() or 1)
-        self.gpu_parallel = options.max_parallel or max_parallel or max(self.pool.capacity, 1)
+        limit = backend.parallel_limit(options)
+        self.cpu_parallel = limit or (os.cpu_count() or 1)
+        self.gpu_parallel = limit or max(self.pool.capacity, 1)
         self.pending = list(runs)
         # The CPUs a run keeps busy: a distributed CPU run, one per rank.
         self.weight = {r.run_id: r.world_size if r.distribution and not r.gpus else 1 for r in runs}
@@ -330,12 +331,6 @@ class LocalScheduler:
         """Whether the run failed for GPU memory on GPUs other runs could share (running it alone may help)."""
         return (record.status == Status.FAILED and not lease.exclusive and bool(lease.gpu_ids)
                 and record.error is not None and is_gpu_oom(record.error) and self.pool.capacity > len(self.pool.load))
-
-
-def _settings(backend: LocalBackend) -> tuple[int | None, int | None, bool]:
-    """The backend settings the scheduler reads: ``max_parallel``, ``prestart`` and ``container``."""
-    settings = backend.settings
-    return settings.max_parallel, settings.prestart, settings.container
 
 
 class CancelWatch:

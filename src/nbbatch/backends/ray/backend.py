@@ -329,7 +329,7 @@ class RayBackend(Backend):
         while True:  # a supervisor that is just leaving refuses: start a new one
             supervisor = self._supervisor(experiment, share, create=True)
             try:
-                accepted = ray.get(supervisor.submit.remote(specs, options.max_parallel), timeout=60)
+                accepted = ray.get(supervisor.submit.remote(specs, self.parallel_limit(options)), timeout=60)
             except ray.exceptions.RayActorError:
                 accepted = None
             if accepted is not None:  # runs already in flight there are left to their tasks

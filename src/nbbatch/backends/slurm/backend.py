@@ -300,7 +300,7 @@ class SlurmBackend(Backend):
         folder_rel = f"{experiment_paths(experiment).folder}/{SUBMISSIONS}/{stamp}"
         folder = root / folder_rel
         (folder / "specs").mkdir(parents=True, exist_ok=True)
-        throttle = min((k for k in (self.settings.max_parallel, options.max_parallel) if k), default=None)
+        throttle = self.parallel_limit(options)
         project = self.settings.project or str(runs[0].project_root())
         python = self.settings.python or sys.executable
         index = 0

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import nbbatch.ui.widgets.display as display
 from nbbatch.backends import Backend, Capabilities, Compute, Setting, backend_class, backend_names, get_backend
+from nbbatch.backends.base import parallel_limit
 from nbbatch.errors import BackendError
 from nbbatch.redact import is_secret
 from nbbatch.results.status import format_metric
@@ -122,8 +123,8 @@ class Cluster:
             capacity = len(compute.gpus) * int(per_gpu)
         else:
             capacity = max(compute.slots, 1)
-        limits = [k for k in (self.max_parallel, self.settings.get("max_parallel")) if isinstance(k, int) and k > 0]
-        return min([capacity, *limits])
+        limit = parallel_limit(self.max_parallel, self.settings.get("max_parallel"))  # the form's, not validated yet
+        return min(capacity, limit) if limit else capacity
 
 
 def _knob(key: str, value: Any) -> int | str:

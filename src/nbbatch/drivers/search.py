@@ -12,19 +12,25 @@ The study's journal (:mod:`nbbatch.search.study`) outlives the driver: started a
 had asked for. A trial whose run is still going (on a cluster) is adopted; one whose run ended meanwhile is told;
 one whose run was stopped with its driver (local runs, Ctrl-C) runs again under the same run id, from its
 checkpoints. The budget stays the one given: no trial is asked for twice.
+
+Like every driver (:class:`~nbbatch.drivers.base.Driver`), it holds the experiment's lock and lease while it runs;
+the manifest lists the trials' runs as they start.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbbatch.backends.base import Backend, SubmitOptions
+from nbbatch.backends.base import Backend
+from nbbatch.drivers.base import Driver, Progress
+from nbbatch.errors import NbbatchError
 from nbbatch.plan.runs import Plan, Run
 from nbbatch.search.study import (
     RUN_ID,
@@ -48,8 +54,6 @@ from nbbatch.store.runfiles import (
 )
 from nbbatch.store.runjson import ErrorKind, RunRecord, Status
 from nbbatch.store.share import Share, poll_interval
-
-Say = Callable[[str], None]
 
 
 @dataclass
@@ -78,29 +82,50 @@ class _Study:
     metric_seen: bool = False  # a run of this study recorded the metric
 
 
-class SearchDriver:
-    """Runs the search of ``plan`` (an experiment with ``search:``) on ``backend``; see the module's docstring."""
+class SearchDriver(Driver):
+    """Runs the search of ``plan`` (an experiment with ``search:``) on ``backend``; see the module's docstring.
 
-    def __init__(self, plan: Plan, backend: Backend, share: Share, options: SubmitOptions, say: Say,
-                 on_runs: Callable[[list[str]], None], fresh: bool = False) -> None:
+    It waits whatever the caller asked (it judges every run as it goes) and draws its runs as it goes (nothing to
+    select with ``only``); ``force`` starts the search afresh.
+    """
+
+    def __init__(self, plan: Plan, backend: Backend, share: Share, *, source: object = None, force: bool = False,
+                 wait: bool | None = None, progress: Progress = True, only: list[str] | None = None) -> None:
         assert plan.experiment.search is not None
-        self.plan, self.backend, self.share, self.options = plan, backend, share, options
+        _check_search_submit(wait, only)
+        super().__init__(plan, backend, share, source=source, force=force, wait=True, progress=progress)
         self.search: Search = plan.experiment.search
-        self.experiment = plan.experiment.name
-        self.say, self.on_runs, self.fresh = say, on_runs, fresh
+        self.fresh = force
+        self.options = self.submit_options(wait=True, on_update=self.on_update())
         self.run_ids: list[str] = []  # every trial's run, in the order asked
         # a trial trains on while its point waits to be judged: locally a read is cheap, and epochs may be short
         self.poll = poll_interval(share, local=0.2, remote=2.0)
         # how often the backend's own view is asked for (job states: a request per run on Azure ML)
         self.sync_s = backend.poll_s if backend.poll_s is not None else poll_interval(share, local=2.0, remote=10.0)
-        self.parallel = max(1, options.max_parallel or getattr(getattr(backend, "settings", None), "max_parallel", None)
-                            or backend.compute().slots or 1)
+        self.parallel = 1  # trials at once: see run
         self.studies: list[_Study] = []
         self.cancelled = False  # the experiment was cancelled: see _note_cancel
 
+    def say(self, line: str) -> None:
+        """Tell what the search does (on the terminal, when it shows progress)."""
+        if self.progress is True:
+            print(f"nbbatch search: {line}", file=sys.stderr, flush=True)
+
+    def on_runs(self, run_ids: list[str]) -> None:
+        """The trials' runs so far: the manifest lists them as they start, so ``status`` and ``compare`` show them
+        (the warning of a name reused by another experiment file is given once)."""
+        self.write_manifest(run_ids, warn=len(run_ids) == 1)
+
+    def run(self, halt: threading.Event) -> Collection[str]:
+        """The whole search; the trials' runs are the ones started and reported."""
+        self.options.halt = halt
+        self.parallel = max(1, self.backend.parallel_limit(self.options) or self.backend.compute().slots or 1)
+        self.result.started = self.trials()
+        return self.result.started
+
     # --- the loop ---------------------------------------------------------------------------------------
 
-    def run(self) -> list[str]:
+    def trials(self) -> list[str]:
         """The whole search, until every study spent its budget and every run ended; the trials' run ids."""
         optuna_module()
         for template in self.plan.runs:
@@ -333,7 +358,11 @@ def _short(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def run_search(plan: Plan, backend: Backend, share: Share, options: SubmitOptions, say: Say,
-               on_runs: Callable[[list[str]], None], fresh: bool = False) -> Sequence[str]:
-    """Run the search of ``plan`` to its end (see :class:`SearchDriver`); the run ids of its trials."""
-    return SearchDriver(plan, backend, share, options, say, on_runs, fresh).run()
+def _check_search_submit(wait: bool | None, only: list[str] | None) -> None:
+    if wait is False:
+        raise NbbatchError("a search cannot be submitted without waiting (--no-wait): its driver judges every run as "
+                           "it goes and stays up until the search ends. Submit without --no-wait (in tmux or with "
+                           "nohup if the terminal may close); after a Ctrl-C, submit again to resume the search")
+    if only:
+        raise NbbatchError("--only selects runs of a planned batch, but a search draws its runs as it goes: name "
+                           "the notebooks or frameworks to search in the experiment file instead")
