@@ -18,7 +18,7 @@ from typing import Any
 
 from nbbatch.backends import Backend, SubmitOptions, get_backend
 from nbbatch.drivers import SearchDriver, SubmissionDriver, SubmitResult
-from nbbatch.errors import NotebookStopped, ValidationError, did_you_mean
+from nbbatch.errors import NbbatchError, NotebookStopped, ValidationError, did_you_mean  # noqa: F401 - NbbatchError: api.NbbatchError
 from nbbatch.plan.notebook import inspect_notebook, validate_parameters
 from nbbatch.plan.runs import Plan, plan
 from nbbatch.results.status import (
