@@ -8,6 +8,7 @@ does not fails, saying so.
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from support.containers import build_chainer_image, build_pytorch_image, podman_
 from support.frameworks import env_build_lock, framework_envs  # noqa: F401 - framework_envs: a session fixture
 from support.machine import REPO, gpu_count
 from support.processes import TEST_SESSION_VAR
+from support.raycluster import RayHead, ray_cluster
 from support.registry import registry_session
 from support.slurm import SlurmCluster, slurm_available
 
@@ -143,6 +145,32 @@ def slurm_cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def _ray_session(tmp_path_factory):
+    """The Ray cluster of :func:`ray_head`, started once per test session."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before Ray is imported: servers on loopback
+    ray = pytest.importorskip("ray")
+    home = tmp_path_factory.mktemp("ray-home")
+    env = {}
+    for var in ("IPYTHONDIR", "MPLCONFIGDIR", "XDG_CACHE_HOME", "JUPYTER_RUNTIME_DIR"):  # kernels write here
+        (home / var).mkdir(parents=True)
+        env[var] = str(home / var)
+    for started in ray_cluster("nbray-", num_gpus=2, env=env):
+        yield RayHead.of(started, ray.nodes())
+
+
+@pytest.fixture
+def ray_head(_ray_session):
+    """A real two-node Ray cluster on loopback (a head and a second node, 2 CPUs and 2 fake GPUs each: see
+    support.raycluster), started once per session; this process is connected to it (again, when a module's own
+    cluster took the connection meanwhile)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=_ray_session.address, log_to_driver=False)
+    return _ray_session
+
+
+@pytest.fixture(scope="session")
 def podman_env(tmp_path_factory):
     """Podman usable here: runc, ulimits this machine allows, and the Debian base image imported (support.containers);
     skipped where not root or without podman, runc and mmdebstrap."""
@@ -175,18 +203,25 @@ def _installed(module: str) -> bool:
         return False
 
 
-# Session fixtures that start something heavy and shared (podman's image store, a registry, a Slurm cluster): under
-# pytest-xdist every test that uses one runs in the same worker, so each is started once per test session.
+# Session fixtures that start something heavy and shared (podman's image store, a registry, a Slurm cluster, a Ray
+# head): under pytest-xdist every test that uses one runs in the same worker, so each is started once per test
+# session. A test whose fixture reaches one through request.getfixturevalue (the contract suites' harnesses), which
+# fixturenames do not show, carries the group's marker instead (MARKED_GROUPS).
 SHARED_FIXTURE_GROUPS = (({"podman_env", "chainer_image", "pytorch_image", "image_registry"}, "podman"),
-                         ({"slurm_cluster"}, "slurm"))
+                         ({"slurm_cluster"}, "slurm"), ({"ray_head", "_ray_session"}, "ray"))
+# Tests that reach a cluster through request.getfixturevalue (the contract suites' harnesses) by their marker.
+MARKED_GROUPS = ("slurm", "ray")
 
 
 def _xdist_group(item: pytest.Item) -> str | None:
-    """The worker group of a test: its heavy session fixture's, else its file's when it uses a module fixture (so
-    that starts once), else none (any worker)."""
+    """The worker group of a test: its heavy session fixture's (by the fixtures it names, else by its marker), else its
+    file's when it uses a module fixture (so that starts once), else none (any worker)."""
     used = set(getattr(item, "fixturenames", ()))
     for fixtures, group in SHARED_FIXTURE_GROUPS:
         if used & fixtures:
+            return group
+    for group in MARKED_GROUPS:
+        if item.get_closest_marker(group):
             return group
     definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
     if any(d.scope == "module" for defs in definitions.values() for d in defs):

@@ -212,32 +212,6 @@ def test_failed_upload_keeps_the_old_file(share_env):
     assert share_env.file_names("results") == ["nbb/exp/r/output.ipynb"], "the temporary file was left behind"
 
 
-def test_list_exists_remove(share):
-    share.write_bytes("exp/b/run.json", b"{}")
-    share.write_bytes("exp/a/run.json", b"{}")
-    share.write_bytes("exp/a/sub/deep.txt", b"x")
-    share.write_bytes("exp/experiment.json", b"{}")
-    share.client.get_file_client("nbb/exp/.hidden.part").upload_file(b"partial")
-    assert share.list("exp") == ["a", "b", "experiment.json"]
-    assert share.list("exp/a") == ["run.json", "sub"]
-    assert share.list("missing") == []
-    assert share.list("") == ["exp"]
-    assert share.exists("exp") and share.exists("exp/a/run.json") and share.exists("")
-    assert not share.exists("exp/zzz") and not share.exists("exp/a/run.json/x")
-    with pytest.raises(FileNotFoundError):
-        share.read_bytes("exp/a/nothing.json")
-    share.remove("exp/b/run.json")
-    assert share.list("exp/b") == []
-    share.remove("exp/a")
-    assert not share.exists("exp/a")
-    assert share.list("exp") == ["b", "experiment.json"]
-    share.remove("exp/never-there")
-    share.remove("exp")
-    assert share.list("") == []
-    share.write_bytes("exp/a/again.txt", b"folders come back after a remove")
-    assert share.read_bytes("exp/a/again.txt").startswith(b"folders")
-
-
 def test_paths_cannot_escape(share):
     with pytest.raises(ShareError, match="escapes"):
         share.write_bytes("../other/x", b"x")
@@ -307,18 +281,6 @@ def test_fetch_from_azure_share(share, tmp_path):
     assert sorted(p.relative_to(tmp_path).as_posix() for p in written) == [
         "exp/r1/output.ipynb", "exp/r1/run.json", "exp/r2/log.txt"]
     assert (tmp_path / "exp/r1/output.ipynb").read_bytes() == b'{"cells": []}'
-
-
-def test_run_record_roundtrip(share):
-    from nbbatch.store.runfiles import read_record, write_record
-    from nbbatch.store.runjson import RunRecord
-
-    record = RunRecord(run_id="r1", experiment="exp", notebook="nb.ipynb", kernel="python3", status="succeeded",
-                       metrics={"accuracy": 0.9})
-    write_record(share, record)
-    again = read_record(share, "exp", "r1")
-    assert again is not None and again.metrics == {"accuracy": 0.9} and again.status == "succeeded"
-    assert json.loads(share.read_bytes("exp/r1/run.json"))["schema_version"] == record.schema_version
 
 
 @pytest.mark.timeout(180)

@@ -10,9 +10,8 @@ from support.plugins import BACKEND_NAME, SHARE_SCHEME, MemoryShare, MinimalBack
 import nbbatch.backends
 import nbbatch.store.share
 from nbbatch.api import submit
-from nbbatch.plan.runs import Run
 from nbbatch.store.layout import run_paths
-from nbbatch.store.runfiles import load_records, new_record, read_record, write_record
+from nbbatch.store.runfiles import load_records
 from nbbatch.store.runjson import Status
 from nbbatch.store.share import open_share
 
@@ -31,21 +30,6 @@ def test_a_backend_plugin_is_found_by_its_entry_point(plugins):
     assert nbbatch.backends.backend_class(BACKEND_NAME) is MinimalBackend
     backend = nbbatch.backends.get_backend(BACKEND_NAME)
     assert backend.compute().backend == BACKEND_NAME
-
-
-def test_a_share_plugin_records_lists_and_reads_back_a_run(plugins):
-    share = open_share(f"{SHARE_SCHEME}://contract")
-    assert isinstance(share, MemoryShare)
-    run = Run(run_id="r-1", experiment="contract", notebook="nb.ipynb", notebook_rel="nb.ipynb", kernel="python3",
-              parameters={"A": 1})
-    write_record(share, new_record(run, BACKEND_NAME))
-    again = open_share(f"{SHARE_SCHEME}://contract")  # a second open sees the same share
-    assert again.list("contract") == ["r-1"]
-    assert again.exists(run_paths("contract", "r-1").record)
-    record = read_record(again, "contract", "r-1")
-    assert record is not None and record.status == Status.QUEUED and record.parameters == {"A": 1}
-    records, problems = load_records(again, "contract")
-    assert [r.run_id for r in records] == ["r-1"] and not problems
 
 
 @pytest.mark.kernel

@@ -1,8 +1,8 @@
 """The ray backend on a real two-node Ray cluster on loopback, both nodes declaring two fake GPUs.
 
-The module starts a head and a second node (``ray start``) in a temp dir of its own and stops every
-process they started by PID at the end (never a plain ``ray stop``, which would stop other Ray
-clusters of this user). Runs execute a tiny notebook in the test venv's ``python3`` kernel that prints
+The cluster is the session's (``ray_head`` in tests/conftest.py): a head and a second node (``ray start``) in a
+temp dir of their own, every process they started stopped by PID at the end (never a plain ``ray stop``, which
+would stop other Ray clusters of this user). Runs execute a tiny notebook in the test venv's ``python3`` kernel that prints
 its ``CUDA_VISIBLE_DEVICES`` and Ray node; the last test kills the second node's raylet mid-run.
 """
 
@@ -22,7 +22,6 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -31,8 +30,8 @@ import yaml  # noqa: E402
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
-from support.notebooks import LOSS_CURVE, SEARCH, make_notebook  # noqa: E402
-from support.raycluster import cluster_processes, cmdline, ray_cluster  # noqa: E402
+from support.notebooks import make_notebook  # noqa: E402
+from support.raycluster import cluster_processes, cmdline  # noqa: E402
 from support.shares import ShareDouble  # noqa: E402
 
 from nbbatch import api  # noqa: E402
@@ -102,33 +101,11 @@ time.sleep(SLEEP)
 """
 
 
-@dataclass
-class Cluster:
-    address: str
-    temp_dir: Path
-    head_id: str
-    worker_id: str
-    worker_raylet_socket: str
-    tags: tuple[str, ...]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    """A Ray head and a second node on 127.0.0.1, each with 2 CPUs and 2 fake GPUs."""
-    home = Path(tempfile.mkdtemp(prefix="nbray-home-"))
-    env = {}
-    for var in ("IPYTHONDIR", "MPLCONFIGDIR", "XDG_CACHE_HOME", "JUPYTER_RUNTIME_DIR"):  # kernels write here
-        (home / var).mkdir(parents=True)
-        env[var] = str(home / var)
-    try:
-        for started in ray_cluster("nbray-", num_gpus=2, env=env):
-            nodes = [n for n in ray.nodes() if n["Alive"]]
-            head = next(n for n in nodes if "node:__internal_head__" in n["Resources"])
-            worker = next(n for n in nodes if n is not head)
-            yield Cluster(started.address, started.temp_dir, head["NodeID"], worker["NodeID"],
-                          worker["RayletSocketName"], started.tags)
-    finally:
-        shutil.rmtree(home, ignore_errors=True)
+@pytest.fixture
+def cluster(ray_head):
+    """The session's Ray cluster (tests/conftest.py: a head and a second node on 127.0.0.1, 2 CPUs and 2 fake GPUs
+    each)."""
+    return ray_head
 
 
 def _experiment(name: str, share: Path, address: str, gpus: int = 0, seeds: int = 1, **extra) -> dict:
@@ -690,19 +667,3 @@ def test_node_death_mid_run_retries_on_the_head(cluster, probe, tmp_path):
         time.sleep(0.5)
     assert not _run_one_processes(victim), "a run-one process outlived its task"
     json.dumps(RayBackend(cluster.address).compute().nodes)  # what the setup_cluster widget shows, a node down
-
-
-
-
-def test_a_search_prunes_runs_on_the_ray_cluster(cluster, project, tmp_path):
-    """The search's driver launches each trial as a Ray run and stops the hopeless ones through their markers."""
-    make_notebook(project / "curve.ipynb", [LOSS_CURVE], parameters="LR = 0.1\nEPOCHS = 10\nPAUSE = 0.3")
-    share = tmp_path / "share"
-    spec = {"experiment": "ray-search", "notebooks": [{"path": "curve.ipynb", "kernel": "python3"}], "search": SEARCH,
-            "resources": {"max_parallel": 2}, "share": str(share),
-            "backend": {"name": "ray", "address": cluster.address, "linger_s": 5, "cancel_grace_s": 15}}
-    result = api.submit(spec, wait=True, progress=False)
-    assert result.ok and len(result.records) == 6, [(r.run_id, r.status, r.error) for r in result.records]
-    pruned = [r for r in result.records if r.status == "pruned"]
-    assert pruned and all(r.backend == "ray" and r.trial["state"] == "pruned" for r in pruned)
-    assert all("stopped at step" in r.error.reason for r in pruned), [r.error for r in pruned]

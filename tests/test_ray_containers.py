@@ -101,7 +101,7 @@ real = on_cluster(pytest.mark.ray)  # a test on the Ray cluster, in the Chainer 
 
 
 @pytest.fixture(scope="module")
-def ray_head(podman_env, image_registry):
+def podman_ray_head(podman_env, image_registry):
     """A Ray head and a second node on 127.0.0.1 with 2 CPUs each, started with podman's settings in their
     environment (as a node's: containers.conf, and registries.conf marking the test registry insecure); the head's
     address."""
@@ -123,9 +123,9 @@ def _final(share: Path, name: str):
 
 
 @real
-def test_a_run_executes_in_its_image_on_a_ray_node(ray_head, chainer_image, tmp_path):
+def test_a_run_executes_in_its_image_on_a_ray_node(podman_ray_head, chainer_image, tmp_path):
     share = tmp_path / "share"
-    result = api.submit(str(_experiment(tmp_path, ray_head, "ray-ctr")), wait=True, progress=False)
+    result = api.submit(str(_experiment(tmp_path, podman_ray_head, "ray-ctr")), wait=True, progress=False)
     [record] = result.records
     assert record.status == "succeeded", record.error
     assert record.backend == "ray" and record.metrics["accuracy"] > 0
@@ -137,10 +137,10 @@ def test_a_run_executes_in_its_image_on_a_ray_node(ray_head, chainer_image, tmp_
 
 
 @real
-def test_a_node_pulls_the_image_from_the_registry_and_runs_in_it(ray_head, chainer_image, image_registry, tmp_path):
+def test_a_node_pulls_the_image_from_the_registry_and_runs_in_it(podman_ray_head, chainer_image, image_registry, tmp_path):
     """With `registry:` the task names the registry's tag, which the node lacks: its run-one pulls it, then runs."""
     with pushed_elsewhere(chainer_image, f"{image_registry.address}/ray") as remote:
-        path = _experiment(tmp_path, ray_head, "ray-reg", registry=f"{image_registry.address}/ray")
+        path = _experiment(tmp_path, podman_ray_head, "ray-reg", registry=f"{image_registry.address}/ray")
         [record] = api.submit(str(path), wait=True, progress=False).records
         assert record.status == "succeeded", record.error and record.error.evalue
         assert record.container.image == remote
@@ -149,7 +149,7 @@ def test_a_node_pulls_the_image_from_the_registry_and_runs_in_it(ray_head, chain
 
 
 @real
-def test_cancel_and_a_killed_task_leave_no_container(ray_head, chainer_image, tmp_path):
+def test_cancel_and_a_killed_task_leave_no_container(podman_ray_head, chainer_image, tmp_path):
     """``nbbatch cancel`` reaches the run inside its container through the share's cancel marker (it ends itself,
     well within the grace before its task is killed). A task Ray kills (``ray.cancel(force=True)``, as the supervisor
     does past the grace) takes run-one with it by SIGKILL, before it can stop its container: the task's watcher,
@@ -158,7 +158,7 @@ def test_cancel_and_a_killed_task_leave_no_container(ray_head, chainer_image, tm
     fs = FileShare(share)
     names = ("ray-ctr-cancel", "ray-ctr-kill")
     for name in names:
-        api.submit(str(_experiment(tmp_path, ray_head, name, **LONG)), wait=False, progress=False)
+        api.submit(str(_experiment(tmp_path, podman_ray_head, name, **LONG)), wait=False, progress=False)
     running = {name: wait_until(lambda n=name: next((r for r in load_records(fs, n)[0]
                                                       if r.status == "running" and r.cells_done >= 2), None),
                                 timeout=300, message=f"{name} running", interval=0.5) for name in names}
@@ -186,13 +186,13 @@ def test_cancel_and_a_killed_task_leave_no_container(ray_head, chainer_image, tm
 
 
 @real
-def test_an_image_missing_on_the_node_fails_the_run_naming_the_node(ray_head, chainer_image, tmp_path, monkeypatch):
+def test_an_image_missing_on_the_node_fails_the_run_naming_the_node(podman_ray_head, chainer_image, tmp_path, monkeypatch):
     """Where the image is here but not on the node (faked: the submit-side lookup answers a tag nobody built), the
     node's run-one fails the run at once, naming the node; run.json and `nbbatch status` say so."""
     missing = "localhost/nbbatch/chainer:on-no-node"
     monkeypatch.setattr("nbbatch.containers.checks.framework_images", lambda engine, runs, **_: {"chainer": (missing, "")})
     share = tmp_path / "share"
-    [record] = api.submit(str(_experiment(tmp_path, ray_head, "ray-ctr-missing")), wait=True, progress=False).records
+    [record] = api.submit(str(_experiment(tmp_path, podman_ray_head, "ray-ctr-missing")), wait=True, progress=False).records
     assert record.status == "failed" and record.backend == "ray"
     assert f"the image {missing} is not on node {socket.gethostname()}" in record.error.evalue
     assert "its container could not start on node" in record.error.reason
@@ -204,10 +204,10 @@ def test_an_image_missing_on_the_node_fails_the_run_naming_the_node(ray_head, ch
 
 
 @real
-def test_a_two_node_gang_runs_one_container_per_node_with_equal_weights(ray_head, pytorch_image, tmp_path):
+def test_a_two_node_gang_runs_one_container_per_node_with_equal_weights(podman_ray_head, pytorch_image, tmp_path):
     """The PyTorch notebook, 2 ranks over gloo, one per Ray node (a STRICT_SPREAD gang): each node's task starts its
     node's container; DDP keeps the replicas equal across them; no container is left."""
-    backend = {"name": "ray", "address": ray_head, "container": True, "cpu_image": True, "base_image": BASE,
+    backend = {"name": "ray", "address": podman_ray_head, "container": True, "cpu_image": True, "base_image": BASE,
                "linger_s": 5}
     spec = {"experiment": "ray-ctr-ddp", "frameworks": ["pytorch"],
             "parameters": {"DATASET": "digits", "EPOCHS": 2, "MAX_SAMPLES": 400},

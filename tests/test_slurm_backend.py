@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support.notebooks import LOSS_CURVE, SEARCH, make_notebook
+from support.notebooks import make_notebook
 from support.waiting import wait_until
 
 from nbbatch import api
@@ -514,17 +514,3 @@ def test_another_machine_sees_how_slurm_ended_the_jobs(slurm, project, tmp_path,
     records = final_records("admin", share, 2, timeout=60)
     assert [r.status for r in records] == ["cancelled", "cancelled"], [r.error for r in records]
     assert {r.error.reason for r in records} == {"cancelled in Slurm (scancel)"}
-
-
-def test_a_search_prunes_runs_on_slurm(slurm, project, tmp_path):
-    """Each trial is a Slurm job; a pruned one stops through its marker within the grace and ends pruned."""
-    make_notebook(project / "curve.ipynb", [LOSS_CURVE], parameters="LR = 0.1\nEPOCHS = 10\nPAUSE = 0.5")
-    share = tmp_path / "share"
-    spec = {"experiment": "slurm-search", "notebooks": [{"path": "curve.ipynb", "kernel": "python3"}],
-            "search": SEARCH, "share": str(share),
-            "backend": {"name": "slurm", "cpus": 1, "memory": "256M", "cancel_grace_s": 30, "max_parallel": 2}}
-    result = api.submit(spec, wait=True, progress=False)
-    assert result.ok and len(result.records) == 6, [(r.run_id, r.status, r.error) for r in result.records]
-    pruned = [r for r in result.records if r.status == "pruned"]
-    assert pruned and all(r.backend == "slurm" and "stopped at step" in r.error.reason for r in pruned), \
-        [(r.backend, r.error) for r in pruned]

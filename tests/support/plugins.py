@@ -66,7 +66,8 @@ class MemoryShare:
 
     def list(self, path: str = "") -> list[str]:
         prefix = self._key(path) + "/" if self._key(path) else ""
-        return sorted({k[len(prefix):].split("/")[0] for k in list(self.files) if k.startswith(prefix)})
+        names = {k[len(prefix):].split("/")[0] for k in list(self.files) if k.startswith(prefix)}
+        return sorted(n for n in names if not n.startswith("."))  # hidden: writers' temporaries, leases
 
     def remove(self, path: str) -> None:
         key = self._key(path)

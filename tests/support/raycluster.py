@@ -1,4 +1,5 @@
-"""A two-node Ray cluster on loopback for the tests (tests/test_ray_backend.py, tests/test_ray_containers.py).
+"""A two-node Ray cluster on loopback for the tests (the session fixture ``ray_head`` of tests/conftest.py, and
+tests/test_ray_containers.py's own, whose nodes need podman's settings).
 
 A head and a second node (``ray start``) in a temp dir of their own, each with 2 CPUs; every process they started is
 stopped by PID at the end (never a plain ``ray stop``, which would stop other Ray clusters of this user). The test
@@ -46,6 +47,28 @@ class RayCluster:
     address: str
     temp_dir: Path
     tags: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RayHead:
+    """The session's cluster (``ray_head``): its address and temp dir, its two nodes' ids, the second node's raylet
+    socket (to kill that node), and what names its processes."""
+
+    address: str
+    temp_dir: Path
+    head_id: str
+    worker_id: str
+    worker_raylet_socket: str
+    tags: tuple[str, ...]
+
+    @classmethod
+    def of(cls, cluster: RayCluster, nodes: list[dict]) -> RayHead:
+        """From the started cluster and ``ray.nodes()``."""
+        alive = [n for n in nodes if n["Alive"]]
+        head = next(n for n in alive if "node:__internal_head__" in n["Resources"])
+        worker = next(n for n in alive if n is not head)
+        return cls(cluster.address, cluster.temp_dir, head["NodeID"], worker["NodeID"], worker["RayletSocketName"],
+                   cluster.tags)
 
 
 def _ray_cli(args: list[str], env: dict[str, str], join: bool = False) -> None:
@@ -110,6 +133,8 @@ def ray_cluster(prefix: str, num_gpus: int = 0, env: dict[str, str] | None = Non
                   f"--dashboard-agent-listen-port={free_port()}", *common], node_env)
         _ray_cli(["start", f"--address={address}", f"--dashboard-agent-listen-port={free_port()}", *common], node_env,
                  join=True)
+        if ray.is_initialized():  # connected to another test cluster (the session's): that one goes on
+            ray.shutdown()
         ray.init(address=address, log_to_driver=False)
         wait_until(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 2, timeout=60, message="both Ray nodes",
                    interval=0.5)

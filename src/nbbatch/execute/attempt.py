@@ -9,6 +9,7 @@ enforce run and cell timeouts and honour cancellation. Whether a failed attempt 
 from __future__ import annotations
 
 import contextlib
+import copy
 import html
 import io
 import json
@@ -454,12 +455,26 @@ class _Attempt:
             if self.scratch is not None:
                 self.scratch.cleanup()
         if self.rank is None or self.rank.rank != 0:  # a gang's run record turns final once every rank ended
-            write_record(self.share, record)
-            self.notify(record)
+            shown = _while_retried(record, self.run) if self.rank is None else record
+            write_record(self.share, shown)
+            self.notify(shown)
         return record
 
 
 # --- helpers of an attempt ------------------------------------------------------------------------------------
+
+
+def _while_retried(record: RunRecord, run: Run) -> RunRecord:
+    """The record to show for an attempt whose kernel died while attempts are left: still running (the next attempt
+    starts at once), so nobody reading the share (`nbbatch status`, a detached backend's wait) takes the run for
+    failed. Should no attempt follow after all (a cancel came), :func:`~nbbatch.execute.attempts.execute_run` writes
+    the final record."""
+    if record.error is None or record.error.kind != ErrorKind.KERNEL_DIED or record.attempts > run.retries:
+        return record
+    shown = copy.deepcopy(record)
+    shown.status, shown.error, shown.ended_at, shown.duration_s = Status.RUNNING, None, None, None
+    shown.note = f"attempt {record.attempts} failed ({record.error.summary()}); starting attempt {record.attempts + 1}"
+    return shown
 
 
 def _environment_versions(run: Run) -> dict[str, str]:

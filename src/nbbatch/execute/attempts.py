@@ -29,8 +29,8 @@ from nbbatch.execute.placement import placement_from_env
 from nbbatch.execute.ranks import execute_gang
 from nbbatch.plan.runs import Run
 from nbbatch.store.layout import run_paths
-from nbbatch.store.runfiles import new_record, read_record
-from nbbatch.store.runjson import RunRecord, Status
+from nbbatch.store.runfiles import new_record, read_record, write_record
+from nbbatch.store.runjson import ErrorKind, RunRecord, Status
 from nbbatch.store.share import Share
 
 __all__ = ["SHARE_FAILED", "AttemptContext", "UpdateCallback", "execute_run", "kernel_launch", "retry_after",
@@ -75,4 +75,6 @@ def _attempts(run: Run, share: Share, record: RunRecord, context: AttemptContext
         context = replace(context, kernels=None)  # a retry starts a kernel of its own
         attempts_left -= 1
         if not retry_after(record, attempts_left, cancelled):
+            if record.error is not None and record.error.kind == ErrorKind.KERNEL_DIED:
+                write_record(share, record)  # it may have been shown as running until the retry (_while_retried)
             return record
