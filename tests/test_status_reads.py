@@ -63,6 +63,21 @@ def _files(root: Path) -> dict[str, tuple[int, bytes]]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def _final_at_read(monkeypatch: pytest.MonkeyPatch, project: Path, final: list[RunRecord], at: int) -> list[int]:
+    """Count the reads of the runs' status; the records turn final on read number ``at`` (a watch then ends)."""
+    reads: list[int] = []
+    real = nbbatch.api.read_status
+
+    def read_status(*args, **kwargs) -> StatusView:
+        reads.append(1)
+        if len(reads) == at:
+            write_records(project / "results", final)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(nbbatch.api, "read_status", read_status)
+    return reads
+
+
 def test_a_failed_refresh_is_one_footer_line_and_the_table_and_exit_are_as_before(project, refresh_fails, capsys):
     running, final = two_runs()
     write_records(project / "results", final)
@@ -88,16 +103,7 @@ def test_a_watch_says_a_failing_refresh_once_while_the_backend_keeps_failing(pro
     running, final = two_runs()
     write_records(project / "results", running)
     monkeypatch.setattr("nbbatch.ui.cli.REFRESH_EVERY_S", 0)  # ask at every read: it fails each time
-    reads = []
-    real = nbbatch.api.read_status
-
-    def read_status(*args, **kwargs) -> StatusView:
-        reads.append(1)
-        if len(reads) == 3:
-            write_records(project / "results", final)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(nbbatch.api, "read_status", read_status)
+    reads = _final_at_read(monkeypatch, project, final, 3)
     assert main(["status", "w", "--watch", "--interval", "0.01"]) == 0
     err = capsys.readouterr().err
     assert len(refresh_fails) == len(reads) >= 3
@@ -108,18 +114,9 @@ def test_a_watch_asks_the_backend_at_its_own_pace_not_at_every_read(project, mon
     running, final = two_runs()
     write_records(project / "results", running)
     asked: list[str] = []
-    reads = []
-    real = nbbatch.api.read_status
     monkeypatch.setattr(nbbatch.api, "refresh_runs", lambda name, share=None: asked.append(name) or
                         RefreshOutcome("local"))
-
-    def read_status(*args, **kwargs) -> StatusView:
-        reads.append(1)
-        if len(reads) == 4:
-            write_records(project / "results", final)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(nbbatch.api, "read_status", read_status)
+    reads = _final_at_read(monkeypatch, project, final, 4)
     assert main(["status", "w", "--watch", "--interval", "0.01"]) == 0
     assert len(reads) >= 4 and asked == ["w"]  # once, first; the next ask is REFRESH_EVERY_S away
     assert "warning" not in capsys.readouterr().err
@@ -176,16 +173,7 @@ def test_status_opens_the_share_once_however_often_it_reads(project, monkeypatch
     opened: list[str] = []
     real_open = nbbatch.store.known.open_share
     monkeypatch.setattr(nbbatch.store.known, "open_share", lambda url: opened.append(str(url)) or real_open(url))
-    reads = []
-    real = nbbatch.api.read_status
-
-    def read_status(*args, **kwargs) -> StatusView:
-        reads.append(1)
-        if len(reads) == 3:
-            write_records(project / "results", final)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(nbbatch.api, "read_status", read_status)
+    reads = _final_at_read(monkeypatch, project, final, 3)
     assert main(["status", "w"]) == 0
     assert len(opened) == 1
     opened.clear()
