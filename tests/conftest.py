@@ -209,8 +209,9 @@ def _installed(module: str) -> bool:
 # fixturenames do not show, carries the group's marker instead (MARKED_GROUPS).
 SHARED_FIXTURE_GROUPS = (({"podman_env", "chainer_image", "pytorch_image", "image_registry"}, "podman"),
                          ({"slurm_cluster"}, "slurm"), ({"ray_head", "_ray_session"}, "ray"))
-# Tests that reach a cluster through request.getfixturevalue (the contract suites' harnesses) by their marker.
-MARKED_GROUPS = ("slurm", "ray")
+# Tests that reach a cluster through request.getfixturevalue (the contract suites' harnesses), or podman's image
+# store without its fixtures, by their marker.
+MARKED_GROUPS = {"container": "podman", "slurm": "slurm", "ray": "ray"}
 
 
 def _xdist_group(item: pytest.Item) -> str | None:
@@ -220,8 +221,8 @@ def _xdist_group(item: pytest.Item) -> str | None:
     for fixtures, group in SHARED_FIXTURE_GROUPS:
         if used & fixtures:
             return group
-    for group in MARKED_GROUPS:
-        if item.get_closest_marker(group):
+    for marker, group in MARKED_GROUPS.items():
+        if item.get_closest_marker(marker):
             return group
     definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
     if any(d.scope == "module" for defs in definitions.values() for d in defs):
@@ -231,10 +232,16 @@ def _xdist_group(item: pytest.Item) -> str | None:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (`--dist loadgroup`)
 def pytest_collection_modifyitems(config, items):
-    """Skip `gpu` tests without a GPU and tests of an extra without it; give each test its xdist group."""
+    """Skip `gpu` tests without a GPU and tests of an extra without it; give each test its xdist group, and put the
+    heavy groups first: each runs in one worker, one test after another, so they must start at once (the other
+    workers share out the rest meanwhile)."""
+    heavy = [group for _fixtures, group in SHARED_FIXTURE_GROUPS]
+    groups = {}
     for item in items:
         if group := _xdist_group(item):
             item.add_marker(pytest.mark.xdist_group(group))
+        groups[item.nodeid] = group
+    items.sort(key=lambda item: heavy.index(groups[item.nodeid]) if groups[item.nodeid] in heavy else len(heavy))
     skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU (NVML found none)")
     missing = {marker: pytest.mark.skip(reason=f"needs the {marker} extra: pip install 'nbbatch[{marker}]'")
                for marker, modules in EXTRA_MARKERS.items() if not all(map(_installed, modules))}

@@ -131,6 +131,7 @@ def _steps_up_to_uv(text: str) -> str:
     return "\n".join([*kept, "RUN uv --version"]) + "\n"
 
 
+@pytest.mark.container  # builds with podman: in the worker of the other image tests
 @pytest.mark.timeout(300)
 def test_the_image_runs_uv_from_a_context_that_lost_its_file_modes(frameworks, tmp_path, monkeypatch):
     if why := _podman_missing():

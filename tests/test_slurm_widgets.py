@@ -34,6 +34,7 @@ def slurm_experiment(tmp_path: Path, **settings) -> Experiment:
 
 @pytest.mark.slurm
 def test_text_mode_prints_the_settings_nodes_and_partitions(slurm_cluster, capsys: pytest.CaptureFixture) -> None:
+    slurm_cluster.clear()  # the nodes are shown idle: no job of an earlier test may still hold one
     cluster = widgets.setup_cluster("slurm", partition="gpu", memory="1G", max_parallel=3)
     assert (cluster.backend, cluster.settings, cluster.max_parallel) == ("slurm", {"partition": "gpu", "memory": "1G"}, 3)
     out = capsys.readouterr().out

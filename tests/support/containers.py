@@ -67,8 +67,11 @@ def podman_missing() -> str:
 
 
 def podman(*args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    """Run ``podman`` with these arguments, its output captured."""
-    return subprocess.run(["podman", *args], capture_output=True, text=True, check=check, timeout=timeout)
+    """Run ``podman`` with these arguments, its output captured; with ``check``, a failure says what podman said."""
+    done = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout)
+    if check and done.returncode != 0:
+        raise AssertionError(f"podman {' '.join(args)} exited with {done.returncode}: {(done.stderr or done.stdout)[-2000:]}")
+    return done
 
 
 def nbbatch_cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:

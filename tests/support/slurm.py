@@ -272,6 +272,12 @@ PartitionName=gpu Nodes={node_list} Default=NO MaxTime=60 State=UP
         raise RuntimeError(f"Slurm nodes not idle within {timeout:g} s (dead daemons: {dead or 'none'}; nodes: "
                            f"{shown or 'sinfo answered nothing'}):\n{self._log_tails()}")
 
+    def clear(self, timeout: float = 120.0) -> None:
+        """Cancel the jobs an earlier test left (one that returned once its jobs were queued) and wait for idle nodes:
+        under pytest-xdist the session's Slurm tests run one after another in one worker, from several files."""
+        self._cancel_all_jobs()
+        self.wait_nodes_idle(timeout)
+
     def _log_tails(self) -> str:
         logs = sorted(self.log_dir.glob("*.log")) + sorted(self.log_dir.glob("*.out"))
         return "\n".join(f"--- {path.name}\n{_tail(path)}" for path in logs)
