@@ -490,8 +490,10 @@ def test_live_summary_refreshes_until_final_then_stops(project: Path, monkeypatc
     assert "application/vnd.jupyter.widget-view+json" in bundle and "exp: 2 runs" in bundle["text/plain"]
     write_record(share, record("a", "succeeded"))
     write_record(share, record("b", "running"))
-    wait_until(lambda: "data-run='a' data-status='succeeded'" in summary.table.value, 10, "run a's new status")
-    assert summary.refresher.running and "data-run='a' data-status='succeeded'" in summary.table.value
+    # both new states seen (a refresh may fall between the two writes) before b ends
+    wait_until(lambda: "data-run='a' data-status='succeeded'" in summary.table.value
+               and "data-run='b' data-status='running'" in summary.table.value, 10, "runs a's and b's new statuses")
+    assert summary.refresher.running
     write_record(share, record("b", "succeeded"))
     assert summary.wait(timeout=5)  # the thread ended by itself
     assert "data-state='final'" in summary.table.value and summary.actions.layout.display == "none"
