@@ -18,13 +18,16 @@ from nbbatch.api import submit
 pytestmark = [pytest.mark.timeout(180), pytest.mark.kernel]  # every test starts kernels
 
 
-def _kernels_of_this_process() -> list[psutil.Process]:
+def _kernels_of_this_process(experiment: str | None = None) -> list[psutil.Process]:
+    """The live kernels this test process started (only those of ``experiment``'s runs, when given: a worker of
+    pytest-xdist runs test after test, and an earlier test's kernel may still be on its way out)."""
     found = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if "ipykernel_launcher" in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
+            if "ipykernel_launcher" in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE and \
+                    (experiment is None or child.environ().get("NBBATCH_EXPERIMENT") == experiment):
                 found.append(child)
-        except psutil.NoSuchProcess:
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return found
 
@@ -68,7 +71,7 @@ def test_prestart_zero_starts_no_kernel_ahead(project, write_experiment):
 
     def watch():
         while not stop.is_set():
-            counts.append(len(_kernels_of_this_process()))
+            counts.append(len(_kernels_of_this_process("nopool")))
             time.sleep(0.05)
 
     watcher = threading.Thread(target=watch)

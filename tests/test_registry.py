@@ -19,6 +19,7 @@ from support.containers import BASE
 from support.containers import nbbatch_cli as _nbbatch
 from support.containers import podman as _podman
 from support.machine import REPO
+from support.waiting import wait_until
 
 from nbbatch.containers.engines import Docker, Podman
 from nbbatch.containers.images import image_spec
@@ -185,6 +186,16 @@ def _exists(ref: str) -> bool:
     return _podman("image", "exists", ref, check=False).returncode == 0
 
 
+def _wait_unused(ref: str, timeout: float = 120.0) -> None:
+    """Wait until no container uses image ``ref``: an earlier test's container (a run's, a build's) may still be on its
+    way out when this test starts (podman then refuses to remove the image)."""
+    def users() -> list[str]:
+        listed = _podman("ps", "--all", "--external", "--filter", f"ancestor={ref}", "--format", "{{.ID}} {{.Names}}")
+        return listed.stdout.split()
+
+    wait_until(lambda: not users(), timeout=timeout, message=f"no container using {ref}", interval=1.0)
+
+
 @pytest.mark.container
 @pytest.mark.timeout(900)
 def test_pushed_image_is_pulled_back_by_a_run_that_executes_in_it(chainer_image, image_registry, tmp_path):
@@ -195,6 +206,7 @@ def test_pushed_image_is_pulled_back_by_a_run_that_executes_in_it(chainer_image,
     assert f"chainer: pushed {remote} in " in pushed.stdout
     try:
         _podman("rmi", remote)
+        _wait_unused(chainer_image.ref)
         _podman("rmi", chainer_image.ref)  # the last tag: the image itself goes
         assert not _exists(remote) and not _exists(image_id)
         done = _nbbatch("submit", str(_experiment(tmp_path, "reg-ok", image_registry.address)), "-q")
