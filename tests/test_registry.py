@@ -207,7 +207,9 @@ def test_pushed_image_is_pulled_back_by_a_run_that_executes_in_it(chainer_image,
     try:
         _podman("rmi", remote)
         _wait_unused(chainer_image.ref)
-        _podman("rmi", chainer_image.ref)  # the last tag: the image itself goes
+        # the last tag: the image itself goes (--force: also a build's leftover working container, which podman lists
+        # as external and which no filter names)
+        _podman("rmi", "--force", chainer_image.ref)
         assert not _exists(remote) and not _exists(image_id)
         done = _nbbatch("submit", str(_experiment(tmp_path, "reg-ok", image_registry.address)), "-q")
         assert done.returncode == 0, done.stdout + done.stderr

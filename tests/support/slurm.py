@@ -298,8 +298,9 @@ PartitionName=gpu Nodes={node_list} Default=NO MaxTime=60 State=UP
         if process is not None and process.pid == pid:
             process.wait(timeout=STOP_GRACE)
 
-    def restart_node(self, node: str, timeout: float = 60.0) -> None:
-        """Start ``node``'s slurmd again (after ``kill_node``) and wait until it has registered and is idle."""
+    def restart_node(self, node: str, timeout: float = 180.0) -> None:
+        """Start ``node``'s slurmd again (after ``kill_node``) and wait until it has registered and is idle. A slurmd
+        that exits at once (on a loaded machine the killed one may still hold its port) is started again."""
         process = self._daemons.get(f"slurmd-{node}")
         if process is not None and process.poll() is None:
             _stop_process(process)
@@ -307,8 +308,11 @@ PartitionName=gpu Nodes={node_list} Default=NO MaxTime=60 State=UP
         self._spawn(f"slurmd-{node}", ["slurmd", "-D", "-N", node])
         deadline = time.monotonic() + timeout
         while self._node_field(node, "SlurmdStartTime") == started_before:
-            if time.monotonic() > deadline or self._daemons[f"slurmd-{node}"].poll() is not None:
+            if time.monotonic() > deadline:
                 raise RuntimeError(f"slurmd of {node} did not register again:\n{self._log_tails()}")
+            if self._daemons[f"slurmd-{node}"].poll() is not None:
+                time.sleep(1.0)
+                self._spawn(f"slurmd-{node}", ["slurmd", "-D", "-N", node])
             time.sleep(0.1)
         self.wait_nodes_idle(max(1.0, deadline - time.monotonic()), nodes=(node,))
 
