@@ -230,6 +230,25 @@ def _xdist_group(item: pytest.Item) -> str | None:
     return None
 
 
+class _GroupsTakeEffect:
+    """Fails the run at collection when pytest-xdist's ``loadgroup`` cannot see the groups: it marks a grouped test by
+    rewriting its node id, which pytest 9.2 no longer reads, and then every heavy group silently spreads over every
+    worker (two Slurm clusters, a registry test removing the image a Ray test runs in)."""
+
+    @pytest.hookimpl(trylast=True)  # after pytest-xdist's worker hook has marked the node ids
+    def pytest_collection_modifyitems(self, config, items):
+        if not config.getvalue("loadgroup"):  # set in pytest-xdist's workers only
+            return
+        for item in items:
+            if (mark := item.get_closest_marker("xdist_group")) and "@" not in item.nodeid.rpartition("]")[2]:
+                raise pytest.UsageError(f"pytest-xdist did not group {item.nodeid} ({mark.args[0]}): this pytest and "
+                                        "pytest-xdist do not work together; install the versions pyproject.toml pins")
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_GroupsTakeEffect(), "nbbatch-xdist-groups")
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (`--dist loadgroup`)
 def pytest_collection_modifyitems(config, items):
     """Skip `gpu` tests without a GPU and tests of an extra without it; give each test its xdist group, and put the
