@@ -237,7 +237,7 @@ class _GroupsTakeEffect:
 
     @pytest.hookimpl(trylast=True)  # after pytest-xdist's worker hook has marked the node ids
     def pytest_collection_modifyitems(self, config, items):
-        if not config.getvalue("loadgroup"):  # set in pytest-xdist's workers only
+        if not getattr(config.option, "loadgroup", False):  # set in pytest-xdist's workers only
             return
         for item in items:
             if (mark := item.get_closest_marker("xdist_group")) and "@" not in item.nodeid.rpartition("]")[2]:

@@ -12,15 +12,18 @@ import json
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from nbbatch.backends import Backend, SubmitOptions, get_backend
 from nbbatch.drivers import SearchDriver, SubmissionDriver, SubmitResult
+from nbbatch.drivers.pipeline import PipelineDriver, PipelineResult, StageSubmission
 from nbbatch.errors import NbbatchError, NotebookStopped, ValidationError, did_you_mean  # noqa: F401 - NbbatchError: api.NbbatchError
 from nbbatch.plan.notebook import inspect_notebook, validate_parameters
 from nbbatch.plan.runs import Plan, plan
+from nbbatch.results.pipeline import read_pipeline_state
 from nbbatch.results.status import (
     RefreshOutcome,
     StatusView,
@@ -31,10 +34,12 @@ from nbbatch.results.status import (
     status_view,
 )
 from nbbatch.spec.experiment import Experiment, load_experiment
+from nbbatch.spec.pipeline import Pipeline, load_pipeline, placeholder_values
 from nbbatch.spec.project import Project, find_project
 from nbbatch.store.known import check_experiment, lookup, open_experiment_share
 from nbbatch.store.layout import experiment_paths
 from nbbatch.store.notebook_io import check_notebook_target
+from nbbatch.store.runfiles import load_records, write_cancel_markers
 from nbbatch.store.runjson import RunRecord
 from nbbatch.store.share import Share, open_share
 
@@ -153,9 +158,16 @@ def logs(experiment: str, run: str, follow: bool = False, tail: int | None = Non
 
 
 def cancel(experiment: str, runs: list[str] | None = None, share: str | Share | None = None) -> list[str]:
-    """Ask runs to stop (all unfinished ones by default); they end as ``cancelled`` with their partial output."""
+    """Ask runs to stop (all unfinished ones by default); they end as ``cancelled`` with their partial output.
+
+    A pipeline's name cancels the pipeline: its driver starts no more stages, and its running stages are cancelled."""
     project = find_project()
     name, the_share = open_experiment_share(experiment, share, project)
+    state = read_pipeline_state(the_share, name) if not runs else None
+    if state is not None:
+        write_cancel_markers(the_share, name)
+        return [run for stage in state["stages"].values() if stage.get("state") == "running"
+                and the_share.exists(stage["experiment"]) for run in cancel(stage["experiment"], share=the_share)]
     check_experiment(the_share, name)  # a mistyped name: refused, no marker left behind
     ids = [resolve_run_id(the_share, name, r) for r in runs] if runs else None
     return known_backend(name, project, the_share).cancel(name, the_share, ids)
@@ -226,3 +238,79 @@ def run_notebook(input_path: str | os.PathLike[str], output_path: str | os.PathL
     finally:
         for group in kernel_groups:
             engine.REAPER.forget(group)
+
+
+@dataclass
+class StagePlan:
+    """One stage of a pipeline as ``nbbatch plan`` shows it: its experiment (references stood in for, or as last
+    resolved), its validated plan, and whether its runs have all succeeded already."""
+
+    name: str
+    experiment: Experiment
+    plan: Plan
+    needs: list[str]
+    done: bool
+
+
+def plan_pipeline(pipeline: Pipeline | str | os.PathLike[str], build_envs: bool = False) -> list[StagePlan]:
+    """Check every stage of a pipeline as ``submit`` would, before anything runs: each stage's experiment is planned
+    (notebooks, kernels, parameters, backend), its references by values of their type (or as the pipeline last
+    resolved them, so a finished stage shows as done)."""
+    spec = pipeline if isinstance(pipeline, Pipeline) else load_pipeline(pipeline)
+    state = read_pipeline_state(open_share(spec.share), spec.name) or {"stages": {}}
+    stages = []
+    for name in spec.order():
+        last = state["stages"].get(name) or {}
+        values = placeholder_values(spec, name)
+        resolved = {tuple(k.split(".", 1)): v["value"] for k, v in (last.get("resolved") or {}).items()}
+        if resolved.keys() == values.keys():
+            values = resolved
+        experiment = spec.experiment(name, values)
+        the_plan, _backend, share = prepare(experiment, build_envs=build_envs, progress=False)
+        done = last.get("state") == "succeeded" and sorted(last.get("planned") or []) == sorted(
+            r.run_id for r in the_plan.runs)
+        if done and experiment.search is None:  # the runs themselves: still on the share, ended
+            records = {r.run_id: r for r in load_records(share, experiment.name)[0]}
+            done = all(r.run_id in records and records[r.run_id].final for r in the_plan.runs)
+        stages.append(StagePlan(name, experiment, the_plan, list(spec.stages[name].needs), done))
+    return stages
+
+
+def submit_pipeline(pipeline: Pipeline | str | os.PathLike[str], *, force: Collection[str] = (),
+                    build_envs: bool = False, progress: bool | Callable[[str], None] = True) -> PipelineResult:
+    """Run a pipeline: check every stage first (:func:`plan_pipeline`), then run the stages in dependency order
+    (:class:`~nbbatch.drivers.pipeline.PipelineDriver`), independent ones at the same time, each waited for.
+
+    ``force`` names stages to run again (with every stage that needs them) although their runs succeeded.
+    ``progress``: True says each stage's start and end on stderr, False nothing, a callable receives each line."""
+    spec = pipeline if isinstance(pipeline, Pipeline) else load_pipeline(pipeline)
+    plan_pipeline(spec, build_envs=build_envs)
+    say = progress if callable(progress) else _say if progress else (lambda line: None)
+
+    def submit_stage(experiment: Experiment, forced: bool, succeeded_before: list[str] | None) -> StageSubmission:
+        the_plan, backend, share = prepare(experiment, progress=False)
+        planned = [r.run_id for r in the_plan.runs]
+        if not forced and succeeded_before is not None and sorted(succeeded_before) == sorted(planned):
+            return StageSubmission(_unchanged_stage(the_plan, share), planned)  # its runs (failures allowed) stand
+        driver = SearchDriver if experiment.search is not None else SubmissionDriver
+        result = driver(the_plan, backend, share, source=spec.source, force=forced, wait=True, progress=False).submit()
+        return StageSubmission(result, planned)
+
+    share = open_share(spec.share)
+    return PipelineDriver(spec, share, submit_stage, cancel_stage=lambda name: cancel(name, share=share),
+                          force=force, say=say).submit()
+
+
+def _unchanged_stage(the_plan: Plan, share: Share) -> SubmitResult:
+    """A stage that succeeded with the same plan: nothing runs; its runs are those the manifest last listed."""
+    name = the_plan.experiment.name
+    manifest = json.loads(share.read_bytes(experiment_paths(name).manifest))
+    listed = set(manifest.get("runs") or [])
+    records, problems = load_records(share, name)
+    kept = [r for r in records if r.run_id in listed]
+    return SubmitResult(name, share.url, the_plan.experiment.backend, skipped=[r.run_id for r in kept], records=kept,
+                        warnings=problems)
+
+
+def _say(line: str) -> None:
+    print(f"nbbatch: {line}", file=sys.stderr, flush=True)

@@ -86,7 +86,7 @@ class Driver(ABC):
         project = find_project(self.spec.base_dir)
         result = self.result
         remember(project, self.experiment, self.share.url, self.spec.backend, self.stored_settings)
-        with ExperimentLock(_lock_path(project, self.share, self.experiment), self.experiment) as lock, \
+        with ExperimentLock(lock_path(project, self.share, self.experiment), self.experiment) as lock, \
                 ShareLease(self.share, self.experiment, command=lock.command) as lease:
             for gone in (lock.recovered_from, lease.recovered_from):
                 if gone:
@@ -118,7 +118,8 @@ class Driver(ABC):
             self.result.warnings.extend(said)
 
 
-def _lock_path(project: Project, share: Share, experiment: str) -> Path:
+def lock_path(project: Project, share: Share, experiment: str) -> Path:
+    """Where the lock of an experiment (or a pipeline) is: in its folder on a folder share, else in the project."""
     local = share.local_path(experiment_paths(experiment).lock)
     if local is not None:
         return local

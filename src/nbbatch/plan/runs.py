@@ -100,6 +100,7 @@ class Run:
     inputs: dict[str, str] = field(default_factory=dict)  # parameter -> folder or share URL (bound where it runs)
     distribution: Distribution | None = None  # what a distributed run spans (``gpus`` is then per node); None: one kernel
     tracking: str | None = None  # the experiment's `tracking:` (mlflow | none; None: MLFLOW_TRACKING_URI decides)
+    origins: dict[str, Any] = field(default_factory=dict)  # a pipeline stage's: where each resolved value came from
 
     @property
     def world_size(self) -> int:
@@ -251,6 +252,7 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
                 env=env, shared_gpu_env=shared_env, gpu_memory_mb=memory_mb,
                 preload=framework.preload if framework else (), recognised_as=recognised_as,
                 inputs=inputs, distribution=experiment.resources.distribution, tracking=experiment.tracking,
+                origins=dict(experiment.origins),
             ))
             makers[runs[-1].run_id] = run_id
     seen: dict[str, Run] = {}

@@ -61,6 +61,8 @@ class Experiment:
     env: dict[str, str] = field(default_factory=dict)  # a number or true/false given here becomes text (_env_text)
     tracking: str | None = None  # mlflow | none; None: MLFLOW_TRACKING_URI in the driver's environment decides
     base_dir: Path = field(default_factory=Path.cwd)
+    # a pipeline stage's: by `parameters.NAME`/`inputs.NAME`/`env.NAME`, the reference its value was resolved from
+    origins: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.inputs, Mapping):  # folders relative to base_dir, also for experiments built in Python

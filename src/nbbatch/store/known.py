@@ -19,6 +19,7 @@ from typing import Any
 
 from nbbatch.errors import NbbatchError, did_you_mean
 from nbbatch.spec.experiment import load_experiment
+from nbbatch.spec.pipeline import is_pipeline_file, load_pipeline
 from nbbatch.spec.project import Project, find_project
 from nbbatch.store.runjson import utc_now
 from nbbatch.store.share import Share, open_share, write_file_atomic
@@ -80,7 +81,7 @@ def open_experiment_share(experiment: str, share: str | os.PathLike[str] | Share
     if isinstance(share, Share):
         return experiment, share
     if experiment.endswith((".yaml", ".yml")) and Path(experiment).exists():
-        spec = load_experiment(experiment)
+        spec = load_pipeline(experiment) if is_pipeline_file(experiment) else load_experiment(experiment)
         return spec.name, open_share(share or spec.share)
     if share:
         return experiment, open_share(share)

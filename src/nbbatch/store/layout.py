@@ -3,6 +3,8 @@
 ::
 
     <experiment>/experiment.json         the manifest of the last submission
+    <pipeline>/pipeline.json             a pipeline's stages: their states, best runs and resolved values (each
+                                         stage's runs are the experiment <pipeline>.<stage>)
     <experiment>/CANCEL                  cancels every run of the experiment
     <experiment>/.cancel/<run id>        cancels that run (one listing finds every request)
     <experiment>/.lease                  the driver's lease, on the share itself
@@ -34,6 +36,7 @@ TELEMETRY_FILE = "telemetry.jsonl"
 OLD_TELEMETRY_FILE = "telemetry.json"  # one JSON document, written by nbbatch before the series was streamed
 CANCEL_MARKER = "CANCEL"
 MANIFEST = "experiment.json"
+PIPELINE_STATE = "pipeline.json"  # a pipeline's folder: its stages' states and resolved values
 LOCK_FILE = ".lock"
 CANCEL_FOLDER = ".cancel"
 LEASE_FILE = ".lease"
@@ -74,6 +77,11 @@ class ExperimentPaths:
     @property
     def lock(self) -> str:
         return f"{self.experiment}/{LOCK_FILE}"
+
+    @property
+    def pipeline_state(self) -> str:
+        """A pipeline's state (its folder is named as the pipeline; its stages' experiments as <pipeline>.<stage>)."""
+        return f"{self.experiment}/{PIPELINE_STATE}"
 
     def run(self, run_id: str) -> RunPaths:
         return RunPaths(self.experiment, run_id)

@@ -39,6 +39,8 @@ class PlannedRun(Protocol):
     def timeout_s(self) -> float | None: ...
     @property
     def world_size(self) -> int: ...
+    @property
+    def origins(self) -> dict[str, Any]: ...
 
 
 def read_record(share: Share, experiment: str, run_id: str, rank: int | None = None) -> RunRecord | None:
@@ -69,7 +71,8 @@ def new_record(run: PlannedRun, backend: str = "local") -> RunRecord:
     return RunRecord(run_id=run.run_id, experiment=run.experiment, notebook=run.notebook_rel, kernel=run.kernel,
                      framework=run.framework, recognised_as=run.recognised_as,
                      parameters=dict(run.parameters), status=Status.QUEUED,
-                     queued_at=utc_now(), backend=backend, timeout_s=run.timeout_s, world_size=run.world_size)
+                     queued_at=utc_now(), backend=backend, timeout_s=run.timeout_s, world_size=run.world_size,
+                     origins=dict(run.origins) or None)
 
 
 def run_ids(share: Share, experiment: str) -> list[str]:

@@ -216,6 +216,8 @@ class RunRecord:
     note: str | None = _written_when_set()
     # a search's trial: its study, number and the study's decision (complete with its value, pruned at a step, failed)
     trial: dict[str, Any] | None = _written_when_set()
+    # a pipeline stage's run: where each value resolved from a reference came from (stage, run id, the reference)
+    origins: dict[str, Any] | None = _written_when_set()
     schema_version: int = SCHEMA_VERSION
 
     def __setattr__(self, name: str, value: Any) -> None:

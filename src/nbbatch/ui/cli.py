@@ -36,6 +36,7 @@ from nbbatch.results.progress import StatusReads, abandoned_runs, table_title, w
 from nbbatch.results.status import REFRESH_EVERY_S, StatusView, plan_table, status_rows, status_table
 from nbbatch.spec.environments import list_envs
 from nbbatch.spec.frameworks import get_framework, list_frameworks
+from nbbatch.spec.pipeline import is_pipeline_file
 from nbbatch.spec.project import find_project
 from nbbatch.spec.schema import experiment_schema, parameter_name_problem
 from nbbatch.spec.yaml_loader import load_yaml
@@ -45,6 +46,14 @@ from nbbatch.store.runjson import DONE_STATUSES, RunRecord, Status
 from nbbatch.store.share import open_share
 from nbbatch.ui.data_commands import add_data_parser
 from nbbatch.ui.images_commands import add_images_parser
+from nbbatch.ui.pipeline_commands import (
+    file_after_force,
+    forced_stages,
+    pipeline_status,
+    plan_pipeline_command,
+    stage_experiment,
+    submit_pipeline_command,
+)
 from nbbatch.ui.results_commands import add_results_parsers
 
 
@@ -120,8 +129,15 @@ def _warning(text: str) -> Text:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    file_after_force(args)
+    if is_pipeline_file(args.experiment):
+        return submit_pipeline_command(args, _console())
+    stages, force = forced_stages(args)
+    if stages:
+        raise NbbatchError(f"--force {stages[0]}: {args.experiment} is an experiment, not a pipeline: `--force` "
+                           "alone reruns its succeeded runs")
     wait = True if args.wait else False if args.no_wait else None  # None: as the backend does (slurm: no wait)
-    result = api.submit(args.experiment, force=args.force, build_envs=args.build_envs, wait=wait,
+    result = api.submit(args.experiment, force=force, build_envs=args.build_envs, wait=wait,
                         progress=not args.quiet, only=args.only)
     console = _console()
     for warning in result.warnings:
@@ -143,6 +159,8 @@ PLAN_ROWS = 50  # runs `nbbatch plan` lists unless --all: a sweep of 10^5 runs i
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if is_pipeline_file(args.experiment):
+        return plan_pipeline_command(args, _console())
     the_plan, _backend, share = api.prepare(args.experiment)
     runs = the_plan.runs
     if args.json:  # json.dumps(runs, indent=2) written one run at a time, not as one string (10^5 runs: 50 MB)
@@ -189,6 +207,9 @@ def _interval(text: str) -> float:
 
 def cmd_status(args: argparse.Namespace) -> int:
     name, share = open_experiment_share(args.experiment, args.share)  # once: every read and refresh use it
+    if args.stage is None and (shown := pipeline_status(args, name, share, _console())) is not None:
+        return shown
+    name = stage_experiment(name, args.stage)
     said: list[str] = []
 
     def say_footer(view: StatusView) -> None:  # a watch reads again and again: each line is said once
@@ -362,8 +383,10 @@ def _add_batch_parsers(sub: argparse._SubParsersAction) -> None:
     """An experiment's commands: submit, plan, status, logs, cancel, fetch."""
 
     p = sub.add_parser("submit", help="plan, validate and run an experiment")
-    p.add_argument("experiment", help="experiment YAML file")
-    p.add_argument("--force", action="store_true", help="rerun runs that already succeeded")
+    p.add_argument("experiment", nargs="?", help="experiment or pipeline YAML file")
+    p.add_argument("--force", nargs="?", const=True, action="append", metavar="STAGE",
+                   help="rerun runs that already succeeded; of a pipeline: --force STAGE reruns that stage and "
+                        "every stage that needs it (repeatable), --force alone every stage")
     p.add_argument("--build-envs", action="store_true", help="build missing or stale framework environments first")
     waiting = p.add_mutually_exclusive_group()
     waiting.add_argument("--wait", action="store_true", help="return when every run is final (the default, except "
@@ -380,7 +403,8 @@ def _add_batch_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("status", help="table of runs: varying parameters, status, duration, metrics, error")
-    p.add_argument("experiment", help="experiment name (or its YAML file)")
+    p.add_argument("experiment", help="experiment or pipeline name (or its YAML file)")
+    p.add_argument("stage", nargs="?", help="of a pipeline: this stage's runs (default: the table of its stages)")
     p.add_argument("--share", help="the share (default: where it was submitted from this project)")
     p.add_argument("--json", action="store_true", help="every field of every run as JSON (for scripts)")
     p.add_argument("--check", action="store_true", help="exit 1 unless every run of the current plan succeeded")

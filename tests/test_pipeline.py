@@ -1,0 +1,182 @@
+"""Pipelines: the file and its checks (unit), then a real three-stage pipeline of small notebooks on the local
+backend — references resolved with their origins in the run records, resubmit skips all, an upstream change reruns
+what depends on it only, a failed stage blocks its dependents and not the others, ``--force STAGE``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nbbatch import api
+from nbbatch.errors import SpecError
+from nbbatch.spec.pipeline import load_pipeline, pipeline_from_dict
+from support.notebooks import make_notebook
+
+PREP = ["import json, os\nout = os.environ['NBBATCH_OUTPUT_DIR']\n"
+        "json.dump({'n': N}, open(os.path.join(out, 'data.json'), 'w'))"]
+TRAIN = ["import json, os, nbbatch\nn = json.load(open(os.path.join(DATA_DIR, 'data.json')))['n']\n"
+         "assert LR < 1, 'diverged'\n"
+         "open(os.path.join(os.environ['NBBATCH_OUTPUT_DIR'], 'model.txt'), 'w').write(str(LR))\n"
+         "nbbatch.record(accuracy=1 - abs(LR - 0.01) + n / 1e6)"]
+FINAL = ["import os, nbbatch\nassert open(os.path.join(MODEL_DIR, 'model.txt')).read() == str(LR)\n"
+         "nbbatch.record(final=LR, runs=len(RUNS))"]
+
+
+def _notebooks(folder: Path) -> None:
+    make_notebook(folder / "prep.ipynb", PREP, parameters="N = 10")
+    make_notebook(folder / "train.ipynb", TRAIN, parameters="DATA_DIR = ''\nLR = 0.1")
+    make_notebook(folder / "final.ipynb", FINAL, parameters="LR = 0.0\nMODEL_DIR = ''\nRUNS = []")
+    make_notebook(folder / "side.ipynb", ["import nbbatch\nnbbatch.record(side=1)"], parameters="X = 1")
+
+
+def _pipeline(folder: Path, lrs: list[float], n: int = 10, **train: object) -> dict:
+    return {
+        "pipeline": "study", "share": "results",
+        "stages": {
+            "prep": {"notebooks": [{"path": "prep.ipynb", "kernel": "python3"}], "parameters": {"N": n}},
+            "train": {"notebooks": [{"path": "train.ipynb", "kernel": "python3"}],
+                      "inputs": {"DATA_DIR": "${prep.outputs}"}, "sweep": {"grid": {"LR": lrs}},
+                      "select": {"metric": "accuracy", "mode": "max"}, **train},
+            "final": {"notebooks": [{"path": "final.ipynb", "kernel": "python3"}],
+                      "parameters": {"LR": "${train.best.parameters.LR}", "RUNS": "${train.runs}"},
+                      "inputs": {"MODEL_DIR": "${train.best.outputs}"}},
+            "side": {"notebooks": [{"path": "side.ipynb", "kernel": "python3"}]},
+        },
+    }
+
+
+def _write(folder: Path, data: dict) -> Path:
+    path = folder / "study.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+# --- the file -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda d: d["stages"]["final"]["parameters"].update(LR="${trian.best.parameters.LR}"),
+     "needs stage `trian`, which the pipeline does not have (did you mean `train`?)"),
+    (lambda d: d["stages"]["prep"].update(needs=["final"]), "form a cycle"),
+    (lambda d: d["stages"]["train"].pop("select"), "stage `train` has no `select:`"),
+    (lambda d: d["stages"]["final"]["inputs"].update(MODEL_DIR="${train.outputs}"),
+     "stage `train` has 3 runs, so it has no single outputs folder"),
+    (lambda d: d["stages"]["final"]["parameters"].update(LR="${train.best.parameters.LRX}"),
+     "stage `train` sets no parameter `LRX` (did you mean `LR`?)"),
+    (lambda d: d["stages"]["final"]["parameters"].update(LR="${train.best.param.LR}"),
+     "after `best.` comes one of outputs, parameters, metrics, framework, run_id (did you mean `parameters`?)"),
+    (lambda d: d["stages"]["train"].update(select={"metric": "accuracy"}), "needs `mode: max` or `mode: min`"),
+    (lambda d: d["stages"]["train"].update(share="elsewhere"), "`share:` belongs to the pipeline"),
+    (lambda d: d.update(stagse={}), "pipeline key `stagse` is not known (did you mean `stages`?)"),
+    (lambda d: d["stages"]["train"].update(sweep={"grid": {"LR": "${prep.outputs}"}}),
+     "references go in parameters, inputs, env only"),
+])
+def test_a_wrong_pipeline_is_one_line_naming_the_fix(tmp_path, change, message):
+    _notebooks(tmp_path)
+    data = _pipeline(tmp_path, [0.01, 0.1, 0.5])
+    change(data)
+    with pytest.raises(SpecError) as caught:
+        pipeline_from_dict(data, base_dir=tmp_path)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_references_imply_needs_and_the_order_follows_them(tmp_path):
+    _notebooks(tmp_path)
+    pipeline = pipeline_from_dict(_pipeline(tmp_path, [0.01]), base_dir=tmp_path)
+    assert pipeline.stages["train"].needs == ("prep",) and pipeline.stages["final"].needs == ("train",)
+    assert pipeline.order() == ["prep", "train", "final", "side"]
+    assert pipeline.dependents("prep") == ["train", "final"]
+    assert pipeline.experiment("prep").name == "study.prep"
+
+
+@pytest.mark.kernel
+def test_plan_refuses_a_parameter_the_downstream_notebook_lacks(project):
+    _notebooks(project)
+    data = _pipeline(project, [0.01])
+    data["stages"]["final"]["parameters"]["LRATE"] = "${train.best.parameters.LR}"
+    path = _write(project, data)
+    done = _cli("plan", str(path), cwd=project)
+    assert done.returncode != 0 and "LRATE" in done.stderr and "Traceback" not in done.stderr
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "nbbatch", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=600)
+
+
+def _state(project: Path) -> dict:
+    return json.loads((project / "results" / "study" / "pipeline.json").read_text())
+
+
+def _records(project: Path, experiment: str) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((project / "results" / experiment).glob("*/run.json"))]
+
+
+# --- for real, on the local backend ---------------------------------------------------------------------------------
+
+
+@pytest.mark.kernel
+@pytest.mark.timeout(900)
+def test_a_pipeline_runs_in_order_resolves_references_and_resumes_without_rerunning(project):
+    _notebooks(project)
+    path = _write(project, _pipeline(project, [0.01, 0.1, 5.0], allow_failures=True))
+    planned = _cli("plan", str(path), cwd=project)
+    assert planned.returncode == 0, planned.stderr
+    assert "will run" in planned.stdout and "done" not in planned.stdout
+
+    result = api.submit_pipeline(path, progress=False)
+    assert result.ok, {n: (s.state, s.reason) for n, s in result.stages.items()}
+    state = _state(project)
+    assert {n: s["state"] for n, s in state["stages"].items()} == dict.fromkeys(("prep", "train", "final", "side"),
+                                                                               "succeeded")
+    train = state["stages"]["train"]
+    assert train["counts"] == {"succeeded": 2, "failed": 1} and train["best"]["parameters"] == {"LR": 0.01}
+    [final] = _records(project, "study.final")
+    assert final["status"] == "succeeded" and final["metrics"] == {"final": 0.01, "runs": 2}
+    origin = final["origins"]["parameters.LR"]
+    assert origin["stage"] == "train" and origin["run"] == train["best"]["run_id"] and origin["value"] == 0.01
+    assert final["origins"]["inputs.MODEL_DIR"]["value"].endswith(f"{train['best']['run_id']}/outputs")
+    first = {e: [r["ended_at"] for r in _records(project, e)] for e in ("study.prep", "study.train", "study.final")}
+
+    # submitted again: every stage is done, no run reruns
+    replanned = _cli("plan", str(path), cwd=project)
+    assert replanned.stdout.count("done (skipped)") == 4, replanned.stdout
+    again = api.submit_pipeline(path, progress=False)
+    assert again.ok
+    assert {e: [r["ended_at"] for r in _records(project, e)] for e in first} == first
+
+    # prep changes: prep, train and final run again; side does not
+    side = [r["ended_at"] for r in _records(project, "study.side")]
+    path = _write(project, _pipeline(project, [0.01, 0.1, 5.0], n=20, allow_failures=True))
+    changed = api.submit_pipeline(path, progress=False)
+    assert changed.ok
+    assert len(_records(project, "study.prep")) == 2 and len(_records(project, "study.final")) == 2
+    assert [r["ended_at"] for r in _records(project, "study.side")] == side
+
+    # --force final: that stage alone runs again
+    status = _cli("status", "study", cwd=project)
+    assert status.returncode == 0 and "final" in status.stdout and "succeeded" in status.stdout, status.stderr
+    forced = _cli("submit", str(path), "--force", "final", "-q", cwd=project)
+    assert forced.returncode == 0, forced.stderr
+    ended = {e: sorted(r["ended_at"] for r in _records(project, e)) for e in ("study.train", "study.final")}
+    assert ended["study.final"][-1] > ended["study.train"][-1]
+
+
+@pytest.mark.kernel
+@pytest.mark.timeout(900)
+def test_a_failed_stage_blocks_what_needs_it_and_not_the_rest(project):
+    _notebooks(project)
+    path = _write(project, _pipeline(project, [0.01, 5.0]))  # LR 5.0 fails; failures not allowed
+    done = _cli("submit", str(path), cwd=project)
+    assert done.returncode == 1, done.stderr
+    state = _state(project)["stages"]
+    assert state["train"]["state"] == "failed" and "AssertionError: diverged" in state["train"]["reason"]
+    assert state["final"]["state"] == "blocked" and state["final"]["reason"].startswith("stage `train` failed")
+    assert state["side"]["state"] == "succeeded" and state["prep"]["state"] == "succeeded"
+    assert not (project / "results" / "study.final").exists()
+    assert "stage final: blocked" in done.stderr and "Traceback" not in done.stderr
