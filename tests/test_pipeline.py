@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.notebooks import make_notebook
+from support.waiting import wait_until
 
 from nbbatch import api
 from nbbatch.errors import SpecError
-from nbbatch.spec.pipeline import load_pipeline, pipeline_from_dict
-from support.notebooks import make_notebook
+from nbbatch.spec.pipeline import pipeline_from_dict
 
 PREP = ["import json, os\nout = os.environ['NBBATCH_OUTPUT_DIR']\n"
         "json.dump({'n': N}, open(os.path.join(out, 'data.json'), 'w'))"]
@@ -180,3 +181,60 @@ def test_a_failed_stage_blocks_what_needs_it_and_not_the_rest(project):
     assert state["side"]["state"] == "succeeded" and state["prep"]["state"] == "succeeded"
     assert not (project / "results" / "study.final").exists()
     assert "stage final: blocked" in done.stderr and "Traceback" not in done.stderr
+
+
+HELD = ["import os, time\nwhile os.path.exists(HOLD):\n    time.sleep(0.2)\nimport nbbatch\nnbbatch.record(accuracy=LR)"]
+
+
+def _held_pipeline(project: Path) -> Path:
+    make_notebook(project / "prep.ipynb", PREP, parameters="N = 10")
+    make_notebook(project / "held.ipynb", HELD, parameters="HOLD = ''\nLR = 0.1")
+    make_notebook(project / "final.ipynb", ["print(LR)"], parameters="LR = 0.0")
+    (project / "hold").write_text("")
+    return _write(project, {"pipeline": "study", "share": "results", "stages": {
+        "prep": {"notebooks": [{"path": "prep.ipynb", "kernel": "python3"}]},
+        "train": {"notebooks": [{"path": "held.ipynb", "kernel": "python3"}], "needs": ["prep"],
+                  "parameters": {"HOLD": str(project / "hold")}, "sweep": {"grid": {"LR": [0.1, 0.2]}},
+                  "select": {"metric": "accuracy", "mode": "max"}},
+        "final": {"notebooks": [{"path": "final.ipynb", "kernel": "python3"}],
+                  "parameters": {"LR": "${train.best.parameters.LR}"}}}})
+
+
+def _wait_train_running(project: Path, driver: subprocess.Popen) -> None:
+    def running() -> bool:
+        assert driver.poll() is None, driver.communicate()
+        try:
+            return _state(project)["stages"]["train"]["state"] == "running" and any(
+                r["status"] == "running" for r in _records(project, "study.train"))
+        except (FileNotFoundError, ValueError, KeyError):
+            return False
+    wait_until(running, timeout=300, message="train running", interval=0.2)
+
+
+@pytest.mark.kernel
+@pytest.mark.timeout(900)
+def test_a_cancelled_or_killed_pipeline_resumes_where_it_stopped(project):
+    path = _held_pipeline(project)
+    command = [sys.executable, "-m", "nbbatch", "submit", str(path), "-q"]
+    driver = subprocess.Popen(command, cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_train_running(project, driver)
+    cancelled = _cli("cancel", "study", cwd=project)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert driver.wait(timeout=300) == 1
+    stages = _state(project)["stages"]
+    assert stages["prep"]["state"] == "succeeded" and stages["train"]["state"] == "cancelled"
+    assert stages["final"]["state"] == "cancelled" and not (project / "results" / "study.final").exists()
+    prep_ended = [r["ended_at"] for r in _records(project, "study.prep")]
+
+    driver = subprocess.Popen(command, cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_train_running(project, driver)
+    driver.kill()  # the driver is gone at once: its runs' kernels with it
+    driver.wait(timeout=60)
+    (project / "hold").unlink()
+    resumed = _cli("submit", str(path), "-q", cwd=project)
+    assert resumed.returncode == 0, resumed.stderr
+    stages = _state(project)["stages"]
+    assert {n: s["state"] for n, s in stages.items()} == dict.fromkeys(("prep", "train", "final"), "succeeded")
+    assert [r["ended_at"] for r in _records(project, "study.prep")] == prep_ended  # not run again
+    [final] = _records(project, "study.final")
+    assert final["parameters"] == {"LR": 0.2}

@@ -262,7 +262,7 @@ def plan_pipeline(pipeline: Pipeline | str | os.PathLike[str], build_envs: bool 
     for name in spec.order():
         last = state["stages"].get(name) or {}
         values = placeholder_values(spec, name)
-        resolved = {tuple(k.split(".", 1)): v["value"] for k, v in (last.get("resolved") or {}).items()}
+        resolved = {(*k.split(".", 1), "")[:2]: v["value"] for k, v in (last.get("resolved") or {}).items()}
         if resolved.keys() == values.keys():
             values = resolved
         experiment = spec.experiment(name, values)

@@ -123,15 +123,32 @@ def write_cifar10_batches(folder: str | os.PathLike[str], n_train_per_batch: int
                           seed: int = 0) -> Path:
     """Write small random files in CIFAR-10's exact python pickle format (for tests and demos)."""
     rng = np.random.RandomState(seed)
+    n_train = n_train_per_batch * len(_TRAIN_BATCHES)
+    images = rng.randint(0, 256, size=(n_train + n_test, 3, 32, 32), dtype=np.uint8)
+    labels = rng.randint(0, 10, size=n_train + n_test)
+    return write_cifar10_arrays(folder, images[:n_train], labels[:n_train], images[n_train:], labels[n_train:])
+
+
+def write_cifar10_arrays(folder: str | os.PathLike[str], x_train: np.ndarray, y_train: np.ndarray,
+                         x_test: np.ndarray, y_test: np.ndarray) -> Path:
+    """Write images (N, 3, 32, 32: uint8, or floats in [0, 1]) in CIFAR-10's python pickle format, the training
+    images over the five batches, so that ``load_dataset('cifar10', folder)`` reads them back: how a preparation
+    notebook hands its data to the framework notebooks."""
     out = Path(folder) / CIFAR10_FOLDER
     out.mkdir(parents=True, exist_ok=True)
-    for name, n in [*((b, n_train_per_batch) for b in _TRAIN_BATCHES), (_TEST_BATCH, n_test)]:
-        batch = {
-            b"batch_label": name.encode(),
-            b"labels": rng.randint(0, 10, size=n).tolist(),
-            b"data": rng.randint(0, 256, size=(n, 3072), dtype=np.uint8),
-            b"filenames": [f"{name}_{i}.png".encode() for i in range(n)],
-        }
+
+    def as_bytes(x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x)
+        if x.dtype != np.uint8:
+            x = np.clip(np.rint(x * 255), 0, 255).astype(np.uint8)
+        return x.reshape(len(x), 3072)
+
+    parts = np.array_split(np.arange(len(y_train)), len(_TRAIN_BATCHES))
+    batches = [(name, as_bytes(np.asarray(x_train)[part]), np.asarray(y_train)[part])
+               for name, part in zip(_TRAIN_BATCHES, parts, strict=True)]
+    for name, data, labels in [*batches, (_TEST_BATCH, as_bytes(x_test), np.asarray(y_test))]:
+        batch = {b"batch_label": name.encode(), b"labels": [int(v) for v in labels], b"data": data,
+                 b"filenames": [f"{name}_{i}.png".encode() for i in range(len(labels))]}
         with open(out / name, "wb") as handle:
             pickle.dump(batch, handle, protocol=2)
     return out

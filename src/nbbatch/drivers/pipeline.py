@@ -24,7 +24,7 @@ from nbbatch.drivers.base import SubmitResult, lock_path
 from nbbatch.errors import NbbatchError
 from nbbatch.results.pipeline import best_record, outputs_location, read_pipeline_state, run_summary
 from nbbatch.spec.experiment import Experiment
-from nbbatch.spec.pipeline import Pipeline, Reference, substitute
+from nbbatch.spec.pipeline import Pipeline, Reference, referring_value, substitute
 from nbbatch.spec.project import find_project
 from nbbatch.store.known import remember
 from nbbatch.store.layout import experiment_paths
@@ -215,11 +215,11 @@ class PipelineDriver:
             for ref in refs:
                 value, runs = self._value(ref)
                 resolved[ref.text] = value
-                origins[f"{key}.{item}"] = {"reference": ref.text, "stage": ref.stage,
+                origins[_where(key, item)] = {"reference": ref.text, "stage": ref.stage,
                                             "experiment": self.pipeline.experiment_name(ref.stage),
                                             "run": runs[0] if len(runs) == 1 else runs, "value": value}
-            values[(key, item)] = substitute(stage.data[key][item], refs, resolved)
-            origins[f"{key}.{item}"]["value"] = values[(key, item)]
+            values[(key, item)] = substitute(referring_value(stage, key, item), refs, resolved)
+            origins[_where(key, item)]["value"] = values[(key, item)]
         return values, origins
 
     def _value(self, ref: Reference) -> tuple[Any, list[str]]:
@@ -334,6 +334,11 @@ def _varied(experiment: Experiment) -> set[str]:
     combos = experiment.combinations()
     varied = {k for k in combos[0] if any(c.get(k) != combos[0][k] for c in combos)}
     return varied | ({p.name for p in experiment.search.params} if experiment.search else set())
+
+
+def _where(key: str, item: str) -> str:
+    """How origins name a resolved value: ``parameters.LR``, ``inputs.DATA_DIR``, or a whole key (``frameworks``)."""
+    return f"{key}.{item}" if item else key
 
 
 def _backend_name(backend: Any) -> str:

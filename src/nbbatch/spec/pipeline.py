@@ -39,7 +39,8 @@ REFERENCE = re.compile(r"\$\{([^}]*)\}")
 STAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,49}$")
 PIPELINE_KEYS = ("pipeline", "share", "backend", "notify", "stages")
 STAGE_ONLY_KEYS = ("needs", "select", "allow_failures")  # a stage's own keys; the rest is its experiment's
-REFERENCE_KEYS = ("parameters", "inputs", "env")  # where references may stand
+REFERENCE_KEYS = ("parameters", "inputs", "env", "frameworks")  # where references may stand
+WHOLE_KEY = ""  # the "name" of a reference that stands for a whole key's value (frameworks: "${train.best.framework}")
 BEST_FIELDS = ("outputs", "parameters", "metrics", "framework", "run_id")
 MODES = ("max", "min")
 
@@ -114,7 +115,7 @@ class Pipeline:
         spec = self.stages[stage]
         data = {key: value for key, value in spec.data.items()}
         for (key, name), value in (values or {}).items():
-            data[key] = {**data[key], name: value}
+            data[key] = value if name == WHOLE_KEY else {**data[key], name: value}
         data.update(experiment=self.experiment_name(stage), share=self.share,
                      backend=spec.data.get("backend", self.backend))
         try:
@@ -125,7 +126,9 @@ class Pipeline:
 
 def substitute(value: Any, refs: tuple[Reference, ...], resolved: Mapping[str, Any]) -> Any:
     """``value`` with each reference replaced: a value that is one reference becomes what it resolved to (any type);
-    references inside a longer text are written into it."""
+    references inside a longer text are written into it; a list's items each."""
+    if isinstance(value, list):
+        return [substitute(item, refs, resolved) for item in value]
     if isinstance(value, str) and len(refs) == 1 and value.strip() == refs[0].text:
         return resolved[refs[0].text]
     return REFERENCE.sub(lambda m: str(resolved.get(m.group(0), m.group(0))), value)
@@ -217,7 +220,14 @@ def _stage(name: str, data: Any) -> Stage:
         if found and key not in REFERENCE_KEYS:
             raise SpecError(f"stage `{name}`: `{key}:` holds {found[0]}; references go in "
                             f"{', '.join(REFERENCE_KEYS)} only")
-        if found:
+        if found and key == "frameworks":  # the framework of a best run, e.g. to train it again on all the data
+            refs = tuple(_parse_reference(name, text) for text in found)
+            if any(ref.path != ("best", "framework") for ref in refs) or not (
+                    isinstance(value, str) or (isinstance(value, list) and len(value) == 1)):
+                raise SpecError(f"stage `{name}`: `frameworks:` takes one reference, ${{STAGE.best.framework}} "
+                                f"(the framework of a stage's best run), as `frameworks: \"${{train.best.framework}}\"`")
+            references[(key, WHOLE_KEY)] = refs
+        elif found:
             for item, inner in value.items():
                 if refs := _references_in(inner):
                     references[(key, str(item))] = tuple(_parse_reference(name, text) for text in refs)
@@ -363,11 +373,19 @@ def placeholder_values(pipeline: Pipeline, stage: str) -> dict[tuple[str, str], 
     values: dict[tuple[str, str], Any] = {}
     for (key, item), refs in pipeline.stages[stage].references.items():
         stand_ins = {ref.text: _stand_in(pipeline, ref, key) for ref in refs}
-        values[(key, item)] = substitute(pipeline.stages[stage].data[key][item], refs, stand_ins)
+        values[(key, item)] = substitute(referring_value(pipeline.stages[stage], key, item), refs, stand_ins)
     return values
 
 
+def referring_value(stage: Stage, key: str, item: str) -> Any:
+    """The value as the file writes it, references and all, of ``key`` (``key.item`` for a mapping's)."""
+    return stage.data[key] if item == WHOLE_KEY else stage.data[key][item]
+
+
 def _stand_in(pipeline: Pipeline, ref: Reference, key: str) -> Any:
+    if ref.path == ("best", "framework"):
+        upstream = pipeline.experiment(ref.stage, placeholder_values(pipeline, ref.stage))
+        return upstream.frameworks[0] if upstream.frameworks else "x"
     if ref.path[-1] == "outputs":
         return str(pipeline.base_dir) if key == "inputs" else "outputs"
     if ref.path == ("runs",):
