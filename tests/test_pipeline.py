@@ -144,6 +144,14 @@ def test_a_pipeline_runs_in_order_resolves_references_and_resumes_without_rerunn
     assert final["origins"]["inputs.MODEL_DIR"]["value"].endswith(f"{train['best']['run_id']}/outputs")
     first = {e: [r["ended_at"] for r in _records(project, e)] for e in ("study.prep", "study.train", "study.final")}
 
+    # one report of the whole pipeline: the stages, where each resolved value came from (linked), each stage's runs
+    reported = _cli("compare", "study", "--report", "report.html", cwd=project)
+    assert reported.returncode == 0, reported.stderr
+    page = (project / "report.html").read_text()
+    assert "Where the resolved values came from" in page and "${train.best.parameters.LR}" in page
+    assert f'href="results/study.train/{train["best"]["run_id"]}/output.ipynb"' in page
+    assert all(f'id="stage-{stage}"' in page for stage in ("prep", "train", "final", "side"))
+
     # submitted again: every stage is done, no run reruns
     replanned = _cli("plan", str(path), cwd=project)
     assert replanned.stdout.count("done (skipped)") == 4, replanned.stdout

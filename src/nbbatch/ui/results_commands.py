@@ -7,8 +7,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+from pathlib import Path
 from typing import Any
 
+from nbbatch.errors import NbbatchError
 from nbbatch.results.compare import (
     FAILING_OUTCOMES,
     check,
@@ -27,6 +30,10 @@ from nbbatch.results.compare import (
     write_report,
     write_table,
 )
+from nbbatch.results.compare.pipeline_report import write_pipeline_report
+from nbbatch.results.pipeline import read_pipeline_state, stage_rows, stage_table
+from nbbatch.store.known import open_experiment_share
+from nbbatch.store.share import Share
 
 # how a message holding run data, names or paths is printed: as it is, never read as rich markup
 _PLAIN = {"markup": False, "emoji": False, "highlight": False}
@@ -91,8 +98,19 @@ def add_compare_arguments(parser: argparse.ArgumentParser, share_option: bool = 
 
 
 def cli_compare(args: argparse.Namespace) -> int:
-    """``nbbatch compare``: print the runs table; write CSV/JSON/report as asked."""
+    """``nbbatch compare``: print the runs table; write CSV/JSON/report as asked (of a pipeline: its stages, and one
+    report of all of them)."""
     console = terminal()
+    if len(args.targets) == 1 and (pipeline := _pipeline_target(args.targets[0], getattr(args, "share", None))):
+        name, share, state = pipeline
+        console.print(stage_table(name, state, stage_rows(share, state)))
+        if args.report:
+            path = write_pipeline_report(share, name, args.report, metric=args.metric, time=args.time,
+                                         param=args.param)
+            console.print(f"wrote {path}", **_PLAIN)
+        else:
+            console.print(f"one stage's runs: nbbatch compare {name}.STAGE", **_PLAIN)
+        return 0
     frame = collect_targets(args.targets, getattr(args, "share", None), all_runs=args.all_runs)
     if frame.attrs.get("superseded"):
         console.print(f"{frame.attrs['superseded']} run(s) of earlier submissions not shown (--all shows them)",
@@ -131,6 +149,18 @@ def cli_compare(args: argparse.Namespace) -> int:
                             title=args.title, share=getattr(args, "share", None))
         console.print(f"wrote {path}", **_PLAIN)
     return 0
+
+
+def _pipeline_target(target: str, share: str | None) -> tuple[str, Share, dict[str, Any]] | None:
+    """A ``compare`` target that is a pipeline (its file, or its name in its share): its name, share and state."""
+    if Path(target).exists() and not target.endswith((".yaml", ".yml")):
+        return None  # a folder of notebooks
+    with contextlib.suppress(NbbatchError):
+        name, opened = open_experiment_share(target, share)
+        state = read_pipeline_state(opened, name)
+        if state is not None:
+            return name, opened, state
+    return None
 
 
 def add_check_arguments(parser: argparse.ArgumentParser, share_option: bool = True) -> None:

@@ -73,6 +73,15 @@ def render_report(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, m
     axes (defaults: accuracy, :func:`default_time`, the first swept parameter). Each metric the runs
     recorded with ``step=`` gets a ``<metric> by step`` figure (up to :data:`MAX_HISTORY_FIGURES`).
     """
+    return render_template("report.html.j2", **report_context(frame, report_path, metric=metric, time=time,
+                                                                param=param, title=title, share=share))
+
+
+def report_context(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, metric: str | None = None,
+                   time: str | None = None, param: str | None = None, title: str | None = None,
+                   share: str | os.PathLike[str] | Share | None = None) -> dict[str, Any]:
+    """What ``report.html.j2`` (and each stage of a pipeline's report) shows of ``frame``'s runs; see
+    :func:`render_report`."""
     report_dir = Path(report_path).resolve().parent
     figures = []
     history_builds, not_plotted = _history_builds(frame, share)
@@ -111,8 +120,7 @@ def render_report(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, m
     ]
     counts = frame["status"].value_counts(dropna=False) if len(frame) else {}
     experiments = sorted({str(e) for e in frame.get("experiment", [])})
-    return render_template(
-        "report.html.j2",
+    return dict(
         title=title or f"nbbatch report: {', '.join(experiments) or 'runs'}",
         generated=utc_now(),
         version=__version__,
