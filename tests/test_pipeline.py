@@ -144,6 +144,13 @@ def test_a_pipeline_runs_in_order_resolves_references_and_resumes_without_rerunn
     assert final["origins"]["inputs.MODEL_DIR"]["value"].endswith(f"{train['best']['run_id']}/outputs")
     first = {e: [r["ended_at"] for r in _records(project, e)] for e in ("study.prep", "study.train", "study.final")}
 
+    # the control notebook's view (text here): the stages, then each stage's runs
+    from nbbatch.widgets import print_pipeline_summary
+
+    shown = print_pipeline_summary("study")
+    assert set(shown.stages) == {"prep", "train", "final", "side"} and f"accuracy=1 {train['best']['run_id']}" in shown.text
+    assert [len(s.model.records) for s in shown.stages.values()] == [1, 3, 1, 1]
+
     # one report of the whole pipeline: the stages, where each resolved value came from (linked), each stage's runs
     reported = _cli("compare", "study", "--report", "report.html", cwd=project)
     assert reported.returncode == 0, reported.stderr

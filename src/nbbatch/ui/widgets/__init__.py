@@ -18,7 +18,8 @@ wraps them. ``ipywidgets`` (the ``widgets`` extra) is imported only when a widge
 One module per concern: :mod:`~nbbatch.ui.widgets.display` (widgets or text, shared formatting),
 :mod:`~nbbatch.ui.widgets.links` (executed notebooks), :mod:`~nbbatch.ui.widgets.cluster` (the
 backend form), :mod:`~nbbatch.ui.widgets.submission`, :mod:`~nbbatch.ui.widgets.jobs` (the jobs
-table) and :mod:`~nbbatch.ui.widgets.logs` (a run's log, cancelling).
+table), :mod:`~nbbatch.ui.widgets.pipelines` (a pipeline's stages) and :mod:`~nbbatch.ui.widgets.logs` (a run's
+log, cancelling).
 """
 
 from nbbatch.results.render import status_css
@@ -27,12 +28,14 @@ from nbbatch.ui.widgets.display import display_mode, format_duration
 from nbbatch.ui.widgets.jobs import JobsSummary, JobsSummaryModel, SummaryRefresher, print_jobs_summary
 from nbbatch.ui.widgets.links import NotebookLinks, download_files, notebook_links, open_notebook, server_urls
 from nbbatch.ui.widgets.logs import JobLog, wait_for_job
+from nbbatch.ui.widgets.pipelines import PipelineSummary, print_pipeline_summary
 from nbbatch.ui.widgets.submission import SHARED_PARAMETERS, Submission, SubmissionModel, cancel_all, cancel_job, submit_all
 
 __all__ = [
     "Cluster", "ClusterForm", "compute_html", "setup_cluster",
     "SHARED_PARAMETERS", "SubmissionModel", "Submission", "submit_all",
-    "JobsSummaryModel", "SummaryRefresher", "JobsSummary", "print_jobs_summary",
+    "JobsSummaryModel", "SummaryRefresher", "JobsSummary", "print_jobs_summary", "PipelineSummary",
+    "print_pipeline_summary",
     "JobLog", "wait_for_job", "cancel_job", "cancel_all",
     "NotebookLinks", "notebook_links", "server_urls", "open_notebook", "download_files",
     "display_mode", "format_duration", "status_css",
