@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 # A name holding one of these (in upper case) is a secret's name: AZURE_STORAGE_KEY, GITHUB_TOKEN, db_password…
 SECRET_NAME_HINTS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "CONNECTION_STRING", "SAS",
@@ -105,3 +106,17 @@ def _named_secret(entry: Any) -> bool:
     """``{name: AZURE_STORAGE_KEY, value: …}``: an entry of a variable list that names a secret."""
     return isinstance(entry, Mapping) and any(
         str(k).lower() in ("name", "key") and isinstance(v, str) and is_secret_name(v) for k, v in entry.items())
+
+
+def redacted_url(url: str) -> str:
+    """``url`` as a message may show it: its scheme, host and port, without a user, password, path, query or fragment
+    (a Slack webhook's path is its secret; a SAS URL's query is)."""
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return "(a URL that cannot be read)"
+    if not parts.scheme or not host:
+        return "(a URL that cannot be read)"
+    hidden = parts.path.strip("/") or parts.query or parts.fragment
+    return f"{parts.scheme}://{host}{f':{port}' if port else ''}{'/…' if hidden else ''}"

@@ -19,6 +19,7 @@ from typing import Any
 
 from nbbatch.backends.base import Backend, SubmitOptions
 from nbbatch.drivers.manifest import write_manifest
+from nbbatch.drivers.notify import NOT_WAITED, experiment_outcome, send_notifications
 from nbbatch.plan.runs import Plan
 from nbbatch.spec.project import Project, find_project
 from nbbatch.store.known import remember
@@ -100,7 +101,22 @@ class Driver(ABC):
         records, problems = load_records(self.share, self.experiment)
         result.records = [r for r in records if r.run_id in reported]
         result.warnings.extend(problems)
+        result.warnings.extend(self.notify(result))
         return result
+
+    def notify(self, result: SubmitResult) -> list[str]:
+        """Send the experiment's ``notify:`` messages when its runs have ended (not after a submission that started
+        nothing); the warnings say what could not be sent."""
+        notify, search = self.spec.notify, self.spec.search
+        if notify is None or not result.started:
+            return []
+        if not result.waited:
+            return [NOT_WAITED]
+        if not result.records or not all(r.final for r in result.records):  # another driver took over: it tells
+            return []
+        outcome = experiment_outcome(self.experiment, self.share.url, result.records,
+                                     search.metric if search else None, search.mode if search else "max")
+        return send_notifications(notify, outcome)
 
     def submit_options(self, **more: Any) -> SubmitOptions:
         """The experiment's resources as the backend takes them, with ``more`` of this launch."""

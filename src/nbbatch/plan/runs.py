@@ -21,6 +21,7 @@ from nbbatch.plan.notebook import inspect_notebook, validate_parameters
 from nbbatch.spec.environments import require_ready
 from nbbatch.spec.frameworks import Framework, get_framework, list_frameworks
 from nbbatch.spec.gpu_sharing import recognise, shared_gpu_env
+from nbbatch.spec.notify import notify_warnings
 from nbbatch.spec.project import find_project
 from nbbatch.spec.resources import Distribution
 
@@ -263,4 +264,5 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
             unique.append(run)
         else:
             warnings.append(f"run {run.run_id} appears twice in the sweep; it runs once")
+    warnings.extend(notify_warnings(experiment.notify))  # said here too: the runs may take hours to reach it
     return Plan(experiment, unique, warnings, makers)

@@ -20,6 +20,7 @@ import yaml
 
 from nbbatch.errors import SpecError
 from nbbatch.spec.frameworks import list_frameworks
+from nbbatch.spec.notify import NotifySpec, parse_notify
 from nbbatch.spec.resources import AUTO, DISTRIBUTIONS, Distribution, Resources, resources_problem
 from nbbatch.spec.schema import shape_error
 from nbbatch.spec.search import Search, parse_search
@@ -60,6 +61,7 @@ class Experiment:
     share: str = "results"
     env: dict[str, str] = field(default_factory=dict)  # a number or true/false given here becomes text (_env_text)
     tracking: str | None = None  # mlflow | none; None: MLFLOW_TRACKING_URI in the driver's environment decides
+    notify: NotifySpec | None = None  # whom to tell when the runs end (`notify:`); its secrets stay ${env:NAME}
     base_dir: Path = field(default_factory=Path.cwd)
     # a pipeline stage's: by `parameters.NAME`/`inputs.NAME`/`env.NAME`, the reference its value was resolved from
     origins: dict[str, Any] = field(default_factory=dict)
@@ -71,6 +73,8 @@ class Experiment:
             self.env = {name: _env_text(value) for name, value in self.env.items()}
         if self.search is not None and not isinstance(self.search, Search):  # the file's block, or a dict in Python
             self.search = parse_search(self.search, self.parameters, self.sweep)
+        if self.notify is not None and not isinstance(self.notify, NotifySpec):  # the file's block, or a dict
+            self.notify = parse_notify(self.notify)
         self.validate()
 
     def validate(self) -> None:
@@ -128,6 +132,7 @@ class Experiment:
             share=share if "://" in share else str((base / share).resolve()),
             env=dict(data.get("env") or {}),
             tracking=data.get("tracking"),
+            notify=data.get("notify"),
             base_dir=base,
         )
 
@@ -147,6 +152,10 @@ def experiment_problem(experiment: Experiment) -> SpecError | None:
     try:
         _string_keys(experiment.sweep, "sweep")  # YAML keys may be numbers, which JSON (and so the schema) cannot see
         combos = experiment.combinations()
+    except SpecError as exc:
+        return exc
+    try:
+        parse_notify(experiment.notify)  # one built in Python as a NotifySpec is checked as a file's block is
     except SpecError as exc:
         return exc
     searched = {p.name: None for p in experiment.search.params} if experiment.search else {}
