@@ -324,3 +324,28 @@ def _statuses(name: str) -> set[str]:
 
 def _body(mail: Message) -> str:
     return mail.get_payload(decode=True).decode()
+
+
+@pytest.mark.kernel
+@pytest.mark.timeout(600)
+def test_a_pipeline_notifies_once_when_it_ends_naming_its_blocked_stage(project, webhook, smtp, secrets_in_env):
+    make_notebook(project / "a.ipynb", ["import nbbatch\nassert A < 2, 'A is 2'\nnbbatch.record(score=A)"],
+                  parameters="A = 1")
+    make_notebook(project / "b.ipynb", ["print(A)"], parameters="A = 1")
+    path = project / "p.yaml"
+    path.write_text(json.dumps({
+        "pipeline": "chain", "share": "results", "notify": secrets_in_env,
+        "stages": {"first": {"notebooks": [{"path": "a.ipynb", "kernel": "python3"}], "sweep": {"grid": {"A": [1, 2]}},
+                             "select": {"metric": "score", "mode": "max"}},
+                   "then": {"notebooks": [{"path": "b.ipynb", "kernel": "python3"}],
+                            "parameters": {"A": "${first.best.parameters.A}"}}}}))
+    result = nbbatch.api.submit_pipeline(path, progress=False)
+    assert result.state == "failed" and result.stages["then"].state == "blocked"
+    assert not [w for w in result.warnings if "notify" in w], result.warnings
+    [(_, _, body)] = webhook.received  # one message for the pipeline, none per stage
+    [(_, _, mail)] = smtp.mails
+    assert body["kind"] == "pipeline" and body["name"] == "chain" and body["status"] == "failed"
+    assert any(line.startswith("stage then blocked: stage `first` failed") for line in body["lines"]), body["lines"]
+    assert mail["Subject"].startswith("nbbatch: pipeline chain failed (1/2 runs succeeded; 1 failed)")
+    assert nbbatch.api.submit_pipeline(path, progress=False).state == "failed"
+    assert len(webhook.received) == 2  # the failed run ran again, so the pipeline ended again: told again

@@ -75,7 +75,7 @@ def _write(folder: Path, data: dict) -> Path:
     (lambda d: d["stages"]["train"].update(share="elsewhere"), "`share:` belongs to the pipeline"),
     (lambda d: d.update(stagse={}), "pipeline key `stagse` is not known (did you mean `stages`?)"),
     (lambda d: d["stages"]["train"].update(sweep={"grid": {"LR": "${prep.outputs}"}}),
-     "references go in parameters, inputs, env only"),
+     "references go in parameters, inputs, env, frameworks only"),
 ])
 def test_a_wrong_pipeline_is_one_line_naming_the_fix(tmp_path, change, message):
     _notebooks(tmp_path)

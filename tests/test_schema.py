@@ -13,6 +13,7 @@ from test_spec_sweep import MALFORMED
 
 from nbbatch.errors import SpecError
 from nbbatch.spec.experiment import Experiment
+from nbbatch.spec.pipeline import is_pipeline_file, load_pipeline, placeholder_values
 from nbbatch.spec.schema import experiment_schema
 from nbbatch.ui import cli
 
@@ -26,11 +27,21 @@ def test_the_schema_is_a_valid_draft_2020_12_schema():
     jsonschema.Draft202012Validator.check_schema(experiment_schema())
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "experiments").glob("*.yaml")), ids=lambda p: p.name)
+SHIPPED = sorted((ROOT / "experiments").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", [p for p in SHIPPED if not is_pipeline_file(p)], ids=lambda p: p.name)
 def test_every_shipped_experiment_meets_the_schema(path):
     data = yaml.safe_load(path.read_text())
     assert [e.message for e in VALIDATOR.iter_errors(data)] == []
     Experiment.from_dict(data, base_dir=path.parent, default_name=path.stem)
+
+
+@pytest.mark.parametrize("path", [p for p in SHIPPED if is_pipeline_file(p)], ids=lambda p: p.name)
+def test_every_shipped_pipeline_reads_with_every_stage(path):
+    pipeline = load_pipeline(path)  # each stage's experiment is built, through the schema, with its references
+    assert [pipeline.experiment(stage, placeholder_values(pipeline, stage)).name for stage in pipeline.order()] == [
+        f"{pipeline.name}.{stage}" for stage in pipeline.stages]
 
 
 @pytest.mark.parametrize("data", [

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbbatch.drivers.base import SubmitResult, lock_path
+from nbbatch.drivers.notify import Outcome, send_notifications
 from nbbatch.errors import NbbatchError
 from nbbatch.results.pipeline import best_record, outputs_location, read_pipeline_state, run_summary
 from nbbatch.spec.experiment import Experiment
@@ -119,6 +120,7 @@ class PipelineDriver:
         self._write = threading.Lock()
         self._submissions: dict[str, StageSubmission] = {}  # by stage: what its submission gave
         self._succeeded_before: dict[str, list[str] | None] = {}  # by stage: its runs, when it last succeeded
+        self._ran = False  # whether any stage started a run (a pipeline that ran nothing notifies nobody)
 
     def submit(self) -> PipelineResult:
         """The whole pipeline, under its lock and lease; returns when every stage has ended or is blocked."""
@@ -140,7 +142,29 @@ class PipelineDriver:
                     raise
                 finally:
                     self._save()
+        if self.pipeline.notify is not None and self._ran:
+            self.result.warnings.extend(send_notifications(self.pipeline.notify, self._outcome()))
         return self.result
+
+    def _outcome(self) -> Outcome:
+        """How the pipeline ended, for its ``notify:``: every stage's runs counted, a line per stage."""
+        counts: dict[str, int] = {}
+        lines = []
+        for name, outcome in self.outcomes.items():
+            for status, count in outcome.counts.items():
+                counts[status] = counts.get(status, 0) + count
+            best = outcome.best
+            select = outcome.select
+            shown = f"; best {select['metric']} {best['metrics'][select['metric']]:.4g}: run {best['run_id']}" \
+                if best and select and select["metric"] in best["metrics"] else ""
+            lines.append(f"stage {name} {outcome.state}" + (f" ({_counts(outcome.counts)})" if outcome.counts else "")
+                         + shown
+                         + (f": {outcome.reason}" if outcome.reason and outcome.state != "succeeded" else ""))
+        starts = [o.started_at for o in self.outcomes.values() if o.started_at]
+        ends = [o.ended_at for o in self.outcomes.values() if o.ended_at]
+        return Outcome("pipeline", self.pipeline.name, self.result.state,
+                       f"{self.share.url.rstrip('/')}/{self.pipeline.name}", counts, lines,
+                       min(starts, default=None), max(ends, default=None))
 
     def _drive(self, pool: ThreadPoolExecutor) -> None:
         running: dict[Future[StageSubmission], str] = {}
@@ -259,6 +283,7 @@ class PipelineDriver:
             self._save()
             return
         self._submissions[name] = submission
+        self._ran = self._ran or bool(submission.result.started)
         records = submission.result.records
         outcome.runs = [r.run_id for r in records]
         outcome.planned = submission.planned
