@@ -253,3 +253,24 @@ def test_a_cancelled_or_killed_pipeline_resumes_where_it_stopped(project):
     assert [r["ended_at"] for r in _records(project, "study.prep")] == prep_ended  # not run again
     [final] = _records(project, "study.final")
     assert final["parameters"] == {"LR": 0.2}
+
+
+@pytest.mark.kernel
+@pytest.mark.timeout(900)
+def test_a_search_stage_hands_its_best_trial_downstream(project):
+    _notebooks(project)
+    path = _write(project, {"pipeline": "study", "share": "results", "stages": {
+        "prep": {"notebooks": [{"path": "prep.ipynb", "kernel": "python3"}]},
+        "train": {"notebooks": [{"path": "train.ipynb", "kernel": "python3"}], "inputs": {"DATA_DIR": "${prep.outputs}"},
+                  "search": {"metric": "accuracy", "mode": "max", "trials": 3, "sampler": "grid", "seed": 1,
+                             "params": {"LR": [0.1, 0.01, 0.5]}}},  # a search's metric is its `select:`
+        "final": {"notebooks": [{"path": "final.ipynb", "kernel": "python3"}],
+                  "parameters": {"LR": "${train.best.parameters.LR}"}, "inputs": {"MODEL_DIR": "${train.best.outputs}"}},
+    }})
+    result = api.submit_pipeline(path, progress=False)
+    assert result.ok, {n: (s.state, s.reason) for n, s in result.stages.items()}
+    trials = _records(project, "study.train")
+    assert len(trials) == 3 and all(r["trial"] for r in trials)
+    [final] = _records(project, "study.final")
+    assert final["parameters"]["LR"] == 0.01 and final["origins"]["parameters.LR"]["run"] == next(
+        r["run_id"] for r in trials if r["parameters"]["LR"] == 0.01)
