@@ -115,28 +115,39 @@ def _stop(tags: tuple[str, ...]) -> None:
     psutil.wait_procs(alive, timeout=5)
 
 
+STARTS = 2  # tries to start a test cluster
+
+
 def ray_cluster(prefix: str, num_gpus: int = 0, env: dict[str, str] | None = None) -> Iterator[RayCluster]:
     """A module fixture's body: the cluster started (``env`` added to the nodes' environment), this process connected
     to it, and everything stopped at the end (the temp dir kept where KEEP_RAY_TMP is set, to read its logs)."""
     import ray
 
-    temp_dir = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp" if os.path.isdir("/tmp") else None))
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    tags = (str(temp_dir), f"--address={address}", f"--gcs-address={address}")
     node_env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
     common = ["--node-ip-address=127.0.0.1", "--num-cpus=2", f"--num-gpus={num_gpus}", "--disable-usage-stats",
               f"--object-store-memory={100 * 2**20}"]
+    for attempt in range(STARTS):  # Ray gives a raylet 30 s to register: two loaded cores may take longer, once
+        temp_dir = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp" if os.path.isdir("/tmp") else None))
+        port = free_port()
+        address = f"127.0.0.1:{port}"
+        tags = (str(temp_dir), f"--address={address}", f"--gcs-address={address}")
+        try:
+            _ray_cli(["start", "--head", f"--port={port}", f"--temp-dir={temp_dir}", "--include-dashboard=false",
+                      f"--ray-client-server-port={free_port()}", f"--dashboard-port={free_port()}",
+                      f"--dashboard-agent-listen-port={free_port()}", *common], node_env)
+            _ray_cli(["start", f"--address={address}", f"--dashboard-agent-listen-port={free_port()}", *common],
+                     node_env, join=True)
+            break
+        except RuntimeError:
+            _stop(tags)
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            if attempt == STARTS - 1:
+                raise
     try:
-        _ray_cli(["start", "--head", f"--port={port}", f"--temp-dir={temp_dir}", "--include-dashboard=false",
-                  f"--ray-client-server-port={free_port()}", f"--dashboard-port={free_port()}",
-                  f"--dashboard-agent-listen-port={free_port()}", *common], node_env)
-        _ray_cli(["start", f"--address={address}", f"--dashboard-agent-listen-port={free_port()}", *common], node_env,
-                 join=True)
         if ray.is_initialized():  # connected to another test cluster (the session's): that one goes on
             ray.shutdown()
         ray.init(address=address, log_to_driver=False)
-        wait_until(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 2, timeout=60, message="both Ray nodes",
+        wait_until(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 2, timeout=180, message="both Ray nodes",
                    interval=0.5)
         yield RayCluster(address, temp_dir, tags)
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass, field
+from html import escape
 from typing import Any
 
 from rich.console import Console
@@ -54,6 +55,4 @@ class _Preformatted:
         self.text = text
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
-        from html import escape
-
         return {"text/plain": self.text, "text/html": f"<pre>{escape(self.text)}</pre>"}
