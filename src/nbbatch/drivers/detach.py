@@ -14,6 +14,7 @@ read here; validating the rest is the caller's (:func:`nbbatch.api.detach`).
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -34,6 +35,7 @@ from nbbatch.spec.yaml_loader import load_yaml
 from nbbatch.store.drivers import DetachedDriver, DriverState, driver_log_path, exit_line, last_error_line
 from nbbatch.store.lock import lock_holder, locked_error
 
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")  # as an experiment's (experiment.schema.json)
 WIDTH = 80  # the driver line of `nbbatch status` fits a terminal this wide
 
 
@@ -49,17 +51,15 @@ class DriverFile:
 
 
 def read_driver_file(path: str | os.PathLike[str]) -> DriverFile:
-    """The file's name and top-level ``backend:``; a :class:`SpecError` when it is missing or not a YAML mapping."""
+    """The file's name and top-level ``backend:``. A file that is not a YAML mapping is taken for an experiment,
+    whose own validation then says what is wrong with it, as ``submit`` does."""
     path = Path(path)
     try:
         data = load_yaml(path.read_text(), as_written=[("backend", "env")])
-    except FileNotFoundError:
-        raise SpecError(f"{path} does not exist; give the experiment or pipeline file to submit") from None
-    except (OSError, ValueError, yaml.YAMLError) as exc:  # ValueError: not UTF-8
-        raise SpecError(f"{path} cannot be read as YAML: {' '.join(str(exc).split())[:200]}") from None
+    except (OSError, ValueError, yaml.YAMLError):  # missing, not UTF-8, not YAML: the experiment's loader says so
+        data = None
     if not isinstance(data, Mapping):
-        raise SpecError(f"{path} is not a YAML mapping: an experiment file starts with `experiment:`, a pipeline "
-                        "file with `pipeline:`")
+        return DriverFile(path, path.stem, pipeline=False)
     backend = data.get("backend") or "local"
     settings = {k: v for k, v in backend.items() if k != "name"} if isinstance(backend, Mapping) else {}
     name = str(backend.get("name", "local")) if isinstance(backend, Mapping) else str(backend)
@@ -82,6 +82,9 @@ def start_detached(file: Path, name: str, backend: Backend, project: Project, su
 
     Refused, in one line, while an earlier detached driver of ``name`` lives, or while another driver holds the
     experiment's ``lock`` (its path, when the caller knows it)."""
+    if not _NAME.match(name):  # it names the driver's files; a pipeline's name is not checked before this
+        raise SpecError(f"the name `{name}` of {file} must be 1-100 letters, digits, '-', '_' or '.', starting with a "
+                        "letter or digit")
     earlier = DetachedDriver.read(project.state_dir, name)
     if earlier is not None and driver_state(earlier).running:
         raise LockedError(f"`{name}` already has a detached driver: {_where(earlier)}, started "
@@ -105,19 +108,19 @@ def started_line(driver: DetachedDriver) -> str:
 
 def driver_line(driver: DetachedDriver, state: DriverState) -> str:
     """One line (at most :data:`WIDTH` characters, but for a long log path) on how a detached driver is."""
-    log = f"; log {_short(driver.log)}"
+    log = f" (log {_short(driver.log)})"
     detail = f" {state.detail}" if state.detail else ""
     if state.running:
         doing = state.detail if state.detail.startswith("pending") else f"running{detail}"
         return f"driver: {_where(driver, host=False)} {doing} since {_when(driver.started)}{log}"
     if state.running is None:
-        return f"driver: {_where(driver)}{detail} (cannot be checked from here){log}"
+        return f"driver: {_where(driver)}{detail}, not seen from here{log}"
     if state.exit_code is None:
         return f"driver: ended{detail or ' (killed?)'}, no exit code in its log{log}"
     if state.exit_code == 0:
-        return f"driver: ended (exit code 0){log}"
-    head = f"driver: failed{detail} (exit code {state.exit_code})"
-    error = last_error_line(driver.log)
+        return f"driver: ended, exit 0{log}"
+    head = f"driver: failed{detail}, exit {state.exit_code}"
+    error = last_error_line(driver.log).removeprefix("nbbatch: error: ")
     room = WIDTH - len(head) - len(log) - 2
     if error and room > 10:
         head += ": " + (error if len(error) <= room else error[:room - 1] + "…")
