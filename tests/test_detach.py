@@ -42,8 +42,8 @@ def _nbbatch(project: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "nbbatch", *args], cwd=project, capture_output=True, text=True)
 
 
-def _statuses(project: Path, name: str) -> list[str]:
-    records = api.read_status(name, str(project / "results")).records
+def _statuses(share: Path, name: str) -> list[str]:
+    records = api.read_status(name, str(share)).records
     return sorted(r.status for r in records)
 
 
@@ -100,7 +100,7 @@ def test_a_detached_driver_outlives_its_terminal_and_runs_the_experiment_to_the_
 
     (project / "release").touch()
     wait_until(lambda: driver_state(driver).running is False, timeout=START_S, message="the driver to end")
-    assert _statuses(project, "away") == ["succeeded", "succeeded"]
+    assert _statuses(project / "results", "away") == ["succeeded", "succeeded"]
     ended = _nbbatch(project, "status", "away")
     assert ended.returncode == 0
     assert ended.stdout.splitlines()[0] == "driver: ended, exit 0 (log .nbbatch/drivers/away.log)"
@@ -171,18 +171,17 @@ def _gone_pid() -> int:
 
 # --- Slurm: the driver is a job ---------------------------------------------------------------------------------
 
-PROBE = "import os\nprint('NODE', os.environ.get('SLURMD_NODENAME'), flush=True)\n"
 
 
 @pytest.mark.slurm
 @pytest.mark.kernel
 @pytest.mark.timeout(300)
 def test_on_slurm_the_driver_is_a_job_and_the_runs_end_without_the_submitting_process(slurm_cluster, project):
-    make_notebook(project / "probe.ipynb", [PROBE], parameters="SEED = 0")
+    make_notebook(project / "nb.ipynb", [BLOCKS])
     share = project / "share"
     (project / "exp.yaml").write_text(yaml.safe_dump({
-        "experiment": "onslurm", "notebooks": [{"path": "probe.ipynb", "kernel": "python3"}],
-        "sweep": {"grid": {"SEED": [0, 1]}}, "share": str(share),
+        "experiment": "onslurm", "notebooks": [{"path": "nb.ipynb", "kernel": "python3"}],
+        "sweep": {"grid": {"A": [1, 2]}}, "share": str(share),
         "backend": {"name": "slurm", "cpus": 1, "memory": "256M", "cancel_grace_s": 5}}))
 
     submitted = _nbbatch(project, "submit", "exp.yaml", "--detach")
@@ -194,9 +193,13 @@ def test_on_slurm_the_driver_is_a_job_and_the_runs_end_without_the_submitting_pr
     job = slurm_cluster.job(driver.id)
     assert (job["JobName"], job["NumCPUs"]) == ("nbbatch-driver-onslurm", "1")
     assert job["StdOut"] == str(project / ".nbbatch" / "drivers" / "onslurm.log")
+    wait_until(lambda: (project / "started-1").exists(), timeout=START_S, message="a run's kernel to start")
+    first = _nbbatch(project, "status", "onslurm", "--no-refresh").stdout.splitlines()[0]
+    assert first.startswith(f"driver: slurm job {driver.id} running since ") and len(first) <= 80, first
 
+    (project / "release").touch()
     assert slurm_cluster.wait_job_done(driver.id, timeout=200)["JobState"] == "COMPLETED"
-    assert _statuses(project, "onslurm") == ["succeeded", "succeeded"]
+    assert _statuses(share, "onslurm") == ["succeeded", "succeeded"]
     log = Path(driver.log).read_text()
     assert "experiment onslurm: 2 succeeded" in log and log.rstrip().endswith(exit_line(0))
     status = _nbbatch(project, "status", "onslurm")

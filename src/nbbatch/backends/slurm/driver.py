@@ -57,7 +57,7 @@ def driver_job_state(slurm: Slurm, driver: DetachedDriver) -> DriverState:
         if seen is not None and seen.state in QUEUED_STATES:
             return DriverState(True, detail=f"pending ({seen.reason})" if seen.reason not in ("", "None") else "pending")
         if seen is not None and seen.state in RUNNING_STATES:
-            return DriverState(True, detail=f"on {seen.nodes}" if seen.nodes else "")
+            return DriverState(True)
         logged = logged_exit_code(driver.log)
         details = slurm.job_details(driver.id) if logged is None else {}
     except BackendError as exc:  # Slurm cannot be asked from here
