@@ -524,8 +524,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
             print(f"nbbatch: {'the terminal closed (SIGHUP)' if hung_up else 'interrupted'}; unfinished runs were "
                   "cancelled, finished results are kept" + (
-                      "; to keep a batch running after you log out, start it with `nohup nbbatch submit …` or "
-                      "inside tmux or screen" if hung_up else ""), file=sys.stderr)
+                      "; to keep a batch running after you log out, start it with `nbbatch submit --detach …` "
+                      "(or under nohup, or inside tmux or screen)" if hung_up else ""), file=sys.stderr)
         return 128 + signum
     finally:
         for number, handler in previous.items():
