@@ -108,6 +108,25 @@ def test_a_detached_driver_outlives_its_terminal_and_runs_the_experiment_to_the_
     assert "experiment away: 2 succeeded" in log and log.splitlines()[-1] == exit_line(0)
 
 
+@pytest.mark.kernel
+def test_a_pipeline_is_detached_as_it_is(project):
+    """The detached driver of a pipeline file is `nbbatch submit PIPELINE --wait` too: its stages run in order."""
+    make_notebook(project / "nb.ipynb", ["print(A)"], parameters="A = 1")
+    (project / "pipe.yaml").write_text("pipeline: chain\nstages:\n  one: {notebooks: [nb.ipynb]}\n"
+                                       "  two: {notebooks: [nb.ipynb], needs: [one], parameters: {A: 2}}\n")
+
+    submitted = _nbbatch(project, "submit", "pipe.yaml", "--detach", "--force")
+
+    assert submitted.returncode == 0, submitted.stderr
+    driver = DetachedDriver.read(project / ".nbbatch", "chain")
+    assert driver.command == f"nbbatch submit {project / 'pipe.yaml'} --wait -q --force"
+    wait_until(lambda: driver_state(driver).running is False, timeout=START_S, message="the driver to end")
+    status = _nbbatch(project, "status", "chain")
+    assert status.stdout.splitlines()[0] == "driver: ended, exit 0 (log .nbbatch/drivers/chain.log)"
+    assert "pipeline chain: succeeded" in status.stdout
+    assert _statuses(project / "results", "chain.two") == ["succeeded"]
+
+
 def test_detach_is_refused_while_another_driver_holds_the_experiment(blocking):
     """A foreground `nbbatch submit` of the experiment holds its lock: --detach names it, as a second submit is."""
     project = blocking
@@ -136,13 +155,25 @@ def test_bad_input_is_refused_as_submit_refuses_it_before_anything_starts(blocki
     assert not (blocking / ".nbbatch" / "drivers").exists() and not (blocking / "results").exists()
 
 
-def test_a_missing_file_and_an_odd_pipeline_name_are_one_line(project, capsys):
+def test_a_missing_file_is_one_line(project, capsys):
     assert main(["submit", "nowhere.yaml", "--detach"]) == 2
     assert capsys.readouterr().err == "nbbatch: error: experiment file nowhere.yaml does not exist\n"
-    (project / "pipe.yaml").write_text("pipeline: ../up\nstages: {}\n")
-    assert main(["submit", "pipe.yaml", "--detach"]) == 2
-    assert capsys.readouterr().err.startswith("nbbatch: error: the name `../up` of pipe.yaml must be 1-100 letters")
     assert not (project / ".nbbatch" / "drivers").exists()
+
+
+@pytest.mark.parametrize("spec", [
+    "pipeline: ../up\nstages: {a: {notebooks: [nb.ipynb]}}\n",
+    "pipeline: p\nstages: {a: {notebooks: [nb.ipynb], parameters: {A: '${b.best.parameters.A}'}}}\n",
+    "pipeline: p\nstages: {a: {notebooks: [nb.ipynb], parameters: {AA: 1}}}\n",
+])
+def test_a_bad_pipeline_is_refused_as_submit_refuses_it(blocking, capsys, spec):
+    (blocking / "pipe.yaml").write_text(spec)
+    assert main(["submit", "pipe.yaml"]) == 2
+    refused = capsys.readouterr().err
+
+    assert main(["submit", "pipe.yaml", "--detach"]) == 2
+    assert capsys.readouterr().err == refused and refused.startswith("nbbatch: error: ")
+    assert not (blocking / ".nbbatch" / "drivers").exists() and not (blocking / "results").exists()
 
 
 def test_a_failed_driver_is_one_line_with_its_exit_code_and_last_error(project):
@@ -205,3 +236,26 @@ def test_on_slurm_the_driver_is_a_job_and_the_runs_end_without_the_submitting_pr
     status = _nbbatch(project, "status", "onslurm")
     assert status.returncode == 0
     assert status.stdout.splitlines()[0] == "driver: ended, exit 0 (log .nbbatch/drivers/onslurm.log)"
+
+
+@pytest.mark.slurm
+@pytest.mark.kernel
+@pytest.mark.timeout(300)
+def test_on_slurm_a_detached_pipeline_is_a_driver_job_too(slurm_cluster, project):
+    make_notebook(project / "nb.ipynb", ["print(A)"], parameters="A = 1")
+    share = project / "share"
+    (project / "pipe.yaml").write_text(yaml.safe_dump({
+        "pipeline": "slurmchain", "share": str(share), "backend": {"name": "slurm", "cpus": 1, "memory": "256M"},
+        "stages": {"one": {"notebooks": [{"path": "nb.ipynb", "kernel": "python3"}]},
+                   "two": {"notebooks": [{"path": "nb.ipynb", "kernel": "python3"}], "needs": ["one"],
+                           "parameters": {"A": 2}}}}))
+
+    submitted = _nbbatch(project, "submit", "pipe.yaml", "--detach")
+
+    assert submitted.returncode == 0, submitted.stderr
+    driver = DetachedDriver.read(project / ".nbbatch", "slurmchain")
+    assert driver.how == "slurm job" and slurm_cluster.job(driver.id)["JobName"] == "nbbatch-driver-slurmchain"
+    assert slurm_cluster.wait_job_done(driver.id, timeout=240)["JobState"] == "COMPLETED"
+    assert _statuses(share, "slurmchain.one") == _statuses(share, "slurmchain.two") == ["succeeded"]
+    log = Path(driver.log).read_text()
+    assert "pipeline slurmchain: succeeded" in log and log.rstrip().endswith(exit_line(0))
