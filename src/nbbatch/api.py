@@ -1,8 +1,9 @@
 """The Python API the CLI and the Jupyter front are built on.
 
 ``submit`` plans and validates an experiment and hands it to its driver (:mod:`nbbatch.drivers`: a planned
-batch's or a search's), which runs it on the experiment's backend; ``status``, ``logs`` and ``cancel`` read and act on
-the share. ``run_notebook`` runs one notebook papermill-style.
+batch's or a search's), which runs it on the experiment's backend; ``detach`` starts that driver where it outlives
+the terminal. ``status``, ``logs`` and ``cancel`` read and act on the share. ``run_notebook`` runs one notebook
+papermill-style.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 
 from nbbatch.backends import Backend, SubmitOptions, get_backend
 from nbbatch.drivers import SearchDriver, SubmissionDriver, SubmitResult
+from nbbatch.drivers.base import lock_path
+from nbbatch.drivers.detach import driver_state, read_driver_file, start_detached
 from nbbatch.drivers.pipeline import PipelineDriver, PipelineResult, StageSubmission
 from nbbatch.errors import NbbatchError, NotebookStopped, ValidationError, did_you_mean  # noqa: F401 - NbbatchError: api.NbbatchError
 from nbbatch.plan.notebook import inspect_notebook, validate_parameters
@@ -36,7 +39,8 @@ from nbbatch.results.status import (
 from nbbatch.spec.experiment import Experiment, load_experiment
 from nbbatch.spec.pipeline import Pipeline, load_pipeline, placeholder_values
 from nbbatch.spec.project import Project, find_project
-from nbbatch.store.known import check_experiment, lookup, open_experiment_share
+from nbbatch.store.drivers import DetachedDriver, DriverState
+from nbbatch.store.known import check_experiment, lookup, open_experiment_share, remember
 from nbbatch.store.layout import experiment_paths
 from nbbatch.store.notebook_io import check_notebook_target
 from nbbatch.store.runfiles import load_records, write_cancel_markers
@@ -93,6 +97,37 @@ def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, 
     driver = SearchDriver if the_plan.experiment.search is not None else SubmissionDriver
     return driver(the_plan, backend, share, source=experiment, force=force, wait=wait, progress=progress,
                   only=only).submit()
+
+
+def detach(path: str | os.PathLike[str], *, force: bool = False, force_stages: Collection[str] = (),
+           build_envs: bool = False, only: list[str] | None = None) -> DetachedDriver:
+    """Validate an experiment or pipeline file as :func:`submit` and :func:`submit_pipeline` do, then start its
+    driver where it outlives this process and the user's logout (:mod:`nbbatch.drivers.detach`: a background
+    process, a Slurm job…) and return at once with what was started. ``force_stages``: a pipeline's stages to run
+    again. Refused while its earlier detached driver, or another driver, runs."""
+    file = read_driver_file(path)
+    flags = [*(["--force"] if force else []), *(f"--force={stage}" for stage in force_stages),
+             *(f"--only={prefix}" for prefix in only or [])]
+    if file.pipeline:  # placed by its top-level backend; its stages are checked whole first
+        pipeline = load_pipeline(path)
+        plan_pipeline(pipeline, build_envs=build_envs)
+        project = find_project(file.path.resolve().parent)
+        return start_detached(file.path, pipeline.name, get_backend(file.backend, **file.settings), project, flags,
+                              lock=lock_path(project, open_share(pipeline.share), pipeline.name))
+    the_plan, backend, share = prepare(path, build_envs=build_envs)
+    driver = SearchDriver if the_plan.experiment.search is not None else SubmissionDriver
+    driver(the_plan, backend, share, source=path, force=force, wait=True, progress=False, only=only)  # its refusals
+    spec = the_plan.experiment
+    project = find_project(spec.base_dir)
+    remember(project, spec.name, share.url, spec.backend, backend.storable_settings(spec.backend_settings))
+    return start_detached(file.path, spec.name, backend, project, flags, lock=lock_path(project, share, spec.name))
+
+
+def detached_driver(name: str) -> tuple[DetachedDriver, DriverState] | None:
+    """The detached driver of experiment or pipeline ``name`` in this project and how it is now; None when it
+    was never submitted with ``--detach``."""
+    driver = DetachedDriver.read(find_project().state_dir, name)
+    return None if driver is None else (driver, driver_state(driver))
 
 
 def submit_options(spec: Experiment, **more: Any) -> SubmitOptions:

@@ -16,6 +16,8 @@ same for all of them, in the manner of jupyter-scheduler's ``ExecutionManager``:
 * :meth:`Backend.finalize`: the one way a backend ends a run's record;
 * :meth:`Backend.refresh`: bring records up to date with the backend's own view (:meth:`~Backend.sync`)
   and fail runs whose execution is gone (:meth:`~Backend.lost_runs`);
+* :meth:`Backend.start_driver` / :meth:`~Backend.driver_state`: where ``submit --detach`` puts the driver itself
+  (a background process by default; Slurm: a CPU job) and how it is;
 * :attr:`Backend.capabilities`: what the backend can do, so front ends ask instead of branching on names.
 
 A subclass implements :meth:`~Backend.compute` and :meth:`~Backend.start`, and overrides the hooks it needs.
@@ -32,14 +34,17 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from nbbatch.backends.detached import process_state, start_process
 from nbbatch.backends.settings import NoSettings, Setting, setting_table, settings_values, validated
 from nbbatch.errors import BackendError
 from nbbatch.execute.envs import build_envs
 from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret, without_secrets
 from nbbatch.spec.resources import Resources
+from nbbatch.store.drivers import DetachedDriver, DriverState
 from nbbatch.store.layout import OUTPUT_NOTEBOOK, run_paths
 from nbbatch.store.runfiles import (
     CANCEL_REQUEST,
@@ -298,6 +303,19 @@ class Backend(ABC):
     def stream_log(self, experiment: str, share: Share, run_id: str, follow: bool = False) -> Iterator[str] | None:
         """Stream a run's log from the backend; ``None`` means: read ``log.txt`` from the share."""
         return None
+
+    # --- a detached driver (``nbbatch submit --detach``) ------------------------------------------------
+
+    def start_driver(self, name: str, args: Sequence[str], log: Path, cwd: Path, command: str) -> DetachedDriver:
+        """Start the driver of ``name`` (``python ARGS``, nbbatch's interpreter) where it outlives the user's
+        logout, its output to ``log``; return how it was started. By default a background process of this machine
+        in a session of its own (:mod:`nbbatch.backends.detached`); a batch system may run it as a job instead."""
+        return start_process(name, self.name, args, log, cwd, command)
+
+    @classmethod
+    def driver_state(cls, driver: DetachedDriver) -> DriverState:
+        """How a driver this backend started (:meth:`start_driver`) is now: running, or ended with its exit code."""
+        return process_state(driver)
 
     # --- the lifecycle every backend shares ---------------------------------------------------------
 

@@ -361,8 +361,8 @@ def _short(value: Any) -> str:
 def _check_search_submit(wait: bool | None, only: list[str] | None) -> None:
     if wait is False:
         raise NbbatchError("a search cannot be submitted without waiting (--no-wait): its driver judges every run as "
-                           "it goes and stays up until the search ends. Submit without --no-wait (in tmux or with "
-                           "nohup if the terminal may close); after a Ctrl-C, submit again to resume the search")
+                           "it goes and stays up until the search ends. Submit without --no-wait (with --detach if the "
+                           "terminal may close); after a Ctrl-C, submit again to resume the search")
     if only:
         raise NbbatchError("--only selects runs of a planned batch, but a search draws its runs as it goes: name "
                            "the notebooks or frameworks to search in the experiment file instead")

@@ -49,11 +49,7 @@ class ExperimentLock:
         except BlockingIOError:
             holder = _read_holder(fd)
             os.close(fd)
-            who = (f"process {holder.get('pid')} on {holder.get('host')} (since {holder.get('since')}, "
-                   f"command: {holder.get('command')})") if holder else "another process"
-            raise LockedError(f"experiment `{self.experiment}` is already being run by {who}. Wait for it, follow it "
-                              f"with `nbbatch status {self.experiment}`, or stop it with "
-                              f"`nbbatch cancel {self.experiment}`.") from None
+            raise locked_error(self.experiment, holder) from None
         previous = _read_holder(fd)
         if previous:
             self.recovered_from = previous
@@ -75,6 +71,34 @@ class ExperimentLock:
                 pass
             os.close(self._fd)
             self._fd = None
+
+
+def locked_error(experiment: str, holder: dict) -> LockedError:
+    """What a second driver of ``experiment`` is told while ``holder`` (the lock's holder file) drives it."""
+    who = (f"process {holder.get('pid')} on {holder.get('host')} (since {holder.get('since')}, "
+           f"command: {holder.get('command')})") if holder else "another process"
+    return LockedError(f"experiment `{experiment}` is already being run by {who}. Wait for it, follow it "
+                       f"with `nbbatch status {experiment}`, or stop it with `nbbatch cancel {experiment}`.")
+
+
+def lock_holder(path: Path) -> dict | None:
+    """Who holds the lock at ``path`` now (its holder file; {} when it names none), or None when it is free. Only
+    looks: the lock is never taken, and a stale holder file stays for the next driver to report."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # no lock file: never locked
+        return None
+    try:
+        if fcntl is None:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a driver's LOCK_EX refuses it
+        except BlockingIOError:
+            return _read_holder(fd)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
 
 
 def _read_holder(fd: int) -> dict:

@@ -28,6 +28,7 @@ from nbbatch import __version__, api
 from nbbatch.backends.cluster import add_common_arguments, run_cluster_command
 from nbbatch.backends.placement import placement_reader
 from nbbatch.containers.node import execute_on_node
+from nbbatch.drivers.detach import driver_line, started_line
 from nbbatch.errors import NbbatchError, NotebookStopped
 from nbbatch.execute.envs import build_envs, remove_env
 from nbbatch.execute.launch import RUN_ONE, read_launch
@@ -42,6 +43,8 @@ from nbbatch.spec.schema import experiment_schema, parameter_name_problem
 from nbbatch.spec.yaml_loader import load_yaml
 from nbbatch.store.fetch import FetchWarning, fetch
 from nbbatch.store.known import open_experiment_share
+from nbbatch.store.layout import run_paths
+from nbbatch.store.runfiles import run_ids
 from nbbatch.store.runjson import DONE_STATUSES, RunRecord, Status
 from nbbatch.store.share import open_share
 from nbbatch.ui.data_commands import add_data_parser
@@ -130,12 +133,17 @@ def _warning(text: str) -> Text:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     file_after_force(args)
-    if is_pipeline_file(args.experiment):
-        return submit_pipeline_command(args, _console())
     stages, force = forced_stages(args)
-    if stages:
+    pipeline = is_pipeline_file(args.experiment)
+    if stages and not pipeline:
         raise NbbatchError(f"--force {stages[0]}: {args.experiment} is an experiment, not a pipeline: `--force` "
                            "alone reruns its succeeded runs")
+    if args.detach:  # validated here, then its driver goes where the backend puts drivers: one line, at once
+        print(started_line(api.detach(args.experiment, force=force, force_stages=stages, build_envs=args.build_envs,
+                                      only=args.only)))
+        return 0
+    if pipeline:
+        return submit_pipeline_command(args, _console())
     wait = True if args.wait else False if args.no_wait else None  # None: as the backend does (slurm: no wait)
     result = api.submit(args.experiment, force=force, build_envs=args.build_envs, wait=wait,
                         progress=not args.quiet, only=args.only)
@@ -207,6 +215,9 @@ def _interval(text: str) -> float:
 
 def cmd_status(args: argparse.Namespace) -> int:
     name, share = open_experiment_share(args.experiment, args.share)  # once: every read and refresh use it
+    detached = None if args.json or args.stage else api.detached_driver(name)
+    if detached is not None:  # submitted with --detach: how its driver is, first (it may have started no run yet)
+        print(driver_line(*detached))
     if args.stage is None and (shown := pipeline_status(args, name, share, _console())) is not None:
         return shown
     name = stage_experiment(name, args.stage)
@@ -221,6 +232,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     def stuck(records: list[RunRecord]) -> list[RunRecord]:
         return abandoned_runs(share, name, records)
 
+    if detached is not None and not any(share.exists(run_paths(name, i).record) for i in run_ids(share, name)):
+        print(f"no run of `{name}` is recorded yet")
+        return 0 if detached[1].running is not False else 1
     load = StatusReads(lambda: api.read_status(name, share, all_runs=args.all),
                        None if args.no_refresh else lambda: api.refresh_runs(name, share), REFRESH_EVERY_S)
     if args.watch and not args.json:
@@ -392,6 +406,9 @@ def _add_batch_parsers(sub: argparse._SubParsersAction) -> None:
     waiting.add_argument("--wait", action="store_true", help="return when every run is final (the default, except "
                                                               "on slurm)")
     waiting.add_argument("--no-wait", action="store_true", help="return once submitted (remote backends)")
+    waiting.add_argument("--detach", action="store_true",
+                         help="validate, then start the driver where it outlives the terminal and your logout (a "
+                              "background process; on slurm a CPU job) and return at once; `nbbatch status` follows it")
     p.add_argument("--only", action="append", metavar="RUN", help="only runs whose id starts with RUN")
     p.add_argument("-q", "--quiet", action="store_true", help="no live progress table")
     p.set_defaults(func=cmd_submit)
@@ -507,8 +524,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
             print(f"nbbatch: {'the terminal closed (SIGHUP)' if hung_up else 'interrupted'}; unfinished runs were "
                   "cancelled, finished results are kept" + (
-                      "; to keep a batch running after you log out, start it with `nohup nbbatch submit …` or "
-                      "inside tmux or screen" if hung_up else ""), file=sys.stderr)
+                      "; to keep a batch running after you log out, start it with `nbbatch submit --detach …` "
+                      "(or under nohup, or inside tmux or screen)" if hung_up else ""), file=sys.stderr)
         return 128 + signum
     finally:
         for number, handler in previous.items():

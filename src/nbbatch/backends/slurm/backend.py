@@ -17,6 +17,7 @@ from nbbatch.backends.base import Backend, Capabilities, Compute, SubmitOptions
 from nbbatch.backends.settings import setting
 from nbbatch.backends.sharedfs import local_addresses, on_network_filesystem, record_age_s
 from nbbatch.backends.slurm.commands import Partition, QueuedJob, Slurm, SlurmCommandError, find_job
+from nbbatch.backends.slurm.driver import DRIVER_JOB, driver_job_state, start_driver_job
 from nbbatch.backends.slurm.jobs import (
     LOST_REASONS,
     QUEUED_STATES,
@@ -46,6 +47,7 @@ from nbbatch.execute.launch import LaunchSpec, launch_shell_command, shell_launc
 from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret
 from nbbatch.spec.project import Project
+from nbbatch.store.drivers import DetachedDriver, DriverState
 from nbbatch.store.layout import experiment_paths
 from nbbatch.store.runfiles import (
     CANCEL_REQUEST,
@@ -463,6 +465,17 @@ class SlurmBackend(Backend):
                 lost[record.run_id] = RunError("NotSubmitted", "the run has no Slurm job: its submission stopped "
                                                "before sbatch", reason="never queued; submit again", kind=ErrorKind.INFRA)
         return lost
+
+    # --- a detached driver -----------------------------------------------------------------------------------
+
+    def start_driver(self, name: str, args: Sequence[str], log: Path, cwd: Path, command: str) -> DetachedDriver:
+        """The driver itself as a one-CPU job (:mod:`nbbatch.backends.slurm.driver`): a logout changes nothing."""
+        return start_driver_job(self.slurm, self.settings, name, args, log, cwd, command)
+
+    @classmethod
+    def driver_state(cls, driver: DetachedDriver) -> DriverState:
+        """A driver job's state from Slurm; a driver started as a process (before) as every backend's."""
+        return driver_job_state(Slurm(), driver) if driver.how == DRIVER_JOB else super().driver_state(driver)
 
     # --- cancel --------------------------------------------------------------------------------------------
 
