@@ -15,7 +15,7 @@ from support.notebooks import make_notebook
 from support.waiting import wait_until
 
 from nbbatch import api
-from nbbatch.errors import SpecError
+from nbbatch.errors import NbbatchError, SpecError
 from nbbatch.spec.pipeline import pipeline_from_dict
 
 PREP = ["import json, os\nout = os.environ['NBBATCH_OUTPUT_DIR']\n"
@@ -93,6 +93,8 @@ def test_references_imply_needs_and_the_order_follows_them(tmp_path):
     assert pipeline.order() == ["prep", "train", "final", "side"]
     assert pipeline.dependents("prep") == ["train", "final"]
     assert pipeline.experiment("prep").name == "study.prep"
+    with pytest.raises(NbbatchError, match=r"is a pipeline file: run it with nbbatch.submit_pipeline\("):
+        api.submit(_write(tmp_path, _pipeline(tmp_path, [0.01])))
 
 
 @pytest.mark.kernel

@@ -37,7 +37,7 @@ from nbbatch.results.status import (
     status_view,
 )
 from nbbatch.spec.experiment import Experiment, load_experiment
-from nbbatch.spec.pipeline import Pipeline, load_pipeline, placeholder_values
+from nbbatch.spec.pipeline import Pipeline, is_pipeline_file, load_pipeline, placeholder_values
 from nbbatch.spec.project import Project, find_project
 from nbbatch.store.drivers import DetachedDriver, DriverState
 from nbbatch.store.known import check_experiment, lookup, open_experiment_share, remember
@@ -93,6 +93,8 @@ def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, 
     does by default (:attr:`~nbbatch.backends.base.Backend.waits_by_default`: all but slurm wait).
     The submission is its driver's (:mod:`nbbatch.drivers`): a search's, else a planned batch's.
     """
+    if isinstance(experiment, (str, os.PathLike)) and is_pipeline_file(experiment):
+        raise ValidationError(f"{experiment} is a pipeline file: run it with nbbatch.submit_pipeline({str(experiment)!r})")
     the_plan, backend, share = prepare(experiment, build_envs=build_envs, progress=progress is True)
     driver = SearchDriver if the_plan.experiment.search is not None else SubmissionDriver
     return driver(the_plan, backend, share, source=experiment, force=force, wait=wait, progress=progress,
