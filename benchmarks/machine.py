@@ -81,3 +81,15 @@ def median(values: list[float]) -> float:
     ordered = sorted(values)
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def scratch_project(prefix: str) -> tuple[Path, Path]:
+    """A throwaway temp folder and an empty nbbatch project in it (its frameworks/ and .nbbatch/), made the working
+    directory: where a benchmark writes its notebooks and shares. Returns (the folder, the project)."""
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    project = root / "project"
+    (project / "frameworks").mkdir(parents=True)
+    (project / ".nbbatch").mkdir()
+    os.chdir(project)
+    os.environ.pop("NBBATCH_PROJECT", None)
+    return root, project

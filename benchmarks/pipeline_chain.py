@@ -30,13 +30,12 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
 
 import yaml
-from machine import describe, load_average
+from machine import describe, load_average, scratch_project
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' Slurm cluster
 
@@ -108,13 +107,8 @@ def main() -> int:
     if "slurm" in wanted and (why := slurm_available()):
         print(f"cannot start a Slurm cluster here: {why}", file=sys.stderr)
         return 2
-    root = Path(tempfile.mkdtemp(prefix="nbbatch-chain-bench-"))
-    project = root / "project"
-    (project / "frameworks").mkdir(parents=True)
-    (project / ".nbbatch").mkdir()
+    root, project = scratch_project("nbbatch-chain-bench-")
     make_notebook(project / "step.ipynb", ["import nbbatch\nnbbatch.record(v=X)"], parameters="X = 0\nDATA_DIR = ''")
-    os.chdir(project)
-    os.environ.pop("NBBATCH_PROJECT", None)
     print(describe("Pipeline chain overhead"))
     cluster = None
     if "slurm" in wanted:

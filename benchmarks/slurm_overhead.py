@@ -23,12 +23,11 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from machine import describe, load_average
+from machine import describe, load_average, scratch_project
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' Slurm cluster
 
@@ -68,13 +67,8 @@ def main() -> int:
     if why:
         print(f"cannot start a Slurm cluster here: {why}", file=sys.stderr)
         return 2
-    root = Path(tempfile.mkdtemp(prefix="nbbatch-slurm-bench-"))
-    project = root / "project"
-    (project / "frameworks").mkdir(parents=True)
-    (project / ".nbbatch").mkdir()
+    root, project = scratch_project("nbbatch-slurm-bench-")
     make_notebook(project / "trivial.ipynb", ["pass"], parameters="SEED = 0")
-    os.chdir(project)
-    os.environ.pop("NBBATCH_PROJECT", None)
     print(describe("Slurm backend against local"))
     cluster = SlurmCluster(root / "slurm")
     began = time.perf_counter()
