@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
@@ -59,6 +60,12 @@ def read_record_or_none(share: Share, experiment: str, run_id: str) -> RunRecord
         return read_record(share, experiment, run_id)
     except ShareError:
         return None
+
+
+def warn_damaged(problem: ShareError, consequence: str) -> None:
+    """Say (a :class:`UserWarning`, one ``nbbatch: warning:`` line in the CLI) that a run's record cannot be read,
+    naming its file, and what a command that reads every record did about it: one damaged record stops no other."""
+    warnings.warn(f"{str(problem).rstrip('.')}; {consequence}", UserWarning, stacklevel=3)
 
 
 def write_record(share: Share, record: RunRecord) -> None:
@@ -127,9 +134,13 @@ def write_cancel_markers(share: Share, experiment: str, ids: list[str] | None = 
     asked = []
     content = json.dumps({"at": utc_now(), "status": request.status.value, "reason": request.reason}).encode()
     for run_id in list(ids) if ids else run_ids(share, experiment):
-        record = read_record(share, experiment, run_id)
-        if record is None or record.final:
-            continue
+        try:
+            record = read_record(share, experiment, run_id)
+        except ShareError as exc:  # damaged: it may be running, so it is asked too, and no other run is held up
+            warn_damaged(exc, f"run {run_id} was asked to stop all the same, in case it is running")
+        else:
+            if record is None or record.final:
+                continue
         share.write_bytes(run_paths(experiment, run_id).cancel, content)
         asked.append(run_id)
     if not ids:
