@@ -321,7 +321,9 @@ def test_corrupt_and_hand_edited_run_json_are_reported_with_their_path(project, 
     out, err = capsys.readouterr()
     assert f"nbbatch: warning: {truncated} is not valid JSON" in err
     assert f"nbbatch: warning: {typed} has `duration_s` = 'slow', which must be a number or null" in err
-    assert [row["run_id"] for row in json.loads(out)] == [fine.parent.name]
+    rows = json.loads(out)  # the damaged records are rows too, saying so (issue 45)
+    assert [row["run_id"] for row in rows] == [fine.parent.name, truncated.parent.name, typed.parent.name]
+    assert [row["status"] for row in rows] == ["succeeded", "unreadable", "unreadable"]
     assert cli.main(["status", "edited", "--check"]) == 1
     capsys.readouterr()
 

@@ -9,6 +9,7 @@ import pytest
 from support.records import two_runs, write_records
 
 from nbbatch.store.layout import RUN_RECORD, experiment_paths
+from nbbatch.store.runjson import RunRecord
 from nbbatch.ui.cli import main
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,3 +33,33 @@ def test_cancel_goes_on_past_a_damaged_record_and_names_its_file(project, capsys
 
     assert main(["cancel", "w", running[1].run_id]) == 0  # named alone, too
     assert f"{damaged} is not valid JSON" in capsys.readouterr().err
+
+
+def test_status_json_has_a_row_for_each_damaged_record_and_shows_a_record_under_its_folders_id(project, capsys):
+    _running, final = two_runs()
+    copied = RunRecord.from_dict({**final[0].to_dict(), "run_id": "toy-7a2b3c4d5e"})  # its folder is toy-8…
+    copied.run_id = "toy-8a2b3c4d5e"
+    write_records(project / "results", [*final, copied])
+    folder = project / "results" / "w"
+    (folder / copied.run_id / RUN_RECORD).write_text(json.dumps({**copied.to_dict(), "run_id": "toy-7a2b3c4d5e"}))
+    damaged = {folder / final[1].run_id / RUN_RECORD: "{not json", folder / "toy-9a2b3c4d5e" / RUN_RECORD: "[1, 2]"}
+    for path, text in damaged.items():
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+
+    assert main(["status", "w", "--json", "--no-refresh"]) == 0
+    out, err = capsys.readouterr()
+    rows = {row["run_id"]: row for row in json.loads(out)}
+    assert sorted(rows) == [final[0].run_id, final[1].run_id, "toy-8a2b3c4d5e", "toy-9a2b3c4d5e"]  # none left out
+    for path in damaged:
+        row = rows[path.parent.name]
+        assert row["status"] == "unreadable" and row["record"] == str(path) and str(path) in row["problem"]
+        assert str(path) in err
+    shown = rows["toy-8a2b3c4d5e"]  # under its folder's id, not the id its record names, and says so
+    assert shown["status"] == "succeeded" and "names run `toy-7a2b3c4d5e`" in shown["problem"]
+    assert "toy-7a2b3c4d5e" not in rows and "problem" not in rows[final[0].run_id]
+    assert main(["status", "w", "--check", "--no-refresh"]) == 1
+    capsys.readouterr()
+
+    assert main(["compare", "w"]) == 0  # compare shows it under its folder's id too
+    assert "toy-8a2b3c4d5e" in capsys.readouterr().out

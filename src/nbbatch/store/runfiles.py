@@ -44,14 +44,46 @@ class PlannedRun(Protocol):
     def origins(self) -> dict[str, Any]: ...
 
 
+class RecordProblem(str):
+    """What is wrong with one run's record, in words (a ``str``: every footer and warning shows it as it is), with
+    the run's id (its folder's name), the record's file, and whether the record could be read at all (``damaged``)
+    or was read but names another run (shown under its folder's id)."""
+
+    run_id: str
+    path: str
+    damaged: bool
+
+    def __new__(cls, text: str, run_id: str, path: str, damaged: bool = True) -> RecordProblem:
+        problem = super().__new__(cls, text)
+        problem.run_id, problem.path, problem.damaged = run_id, path, damaged
+        return problem
+
+
+def _parse_record(data: bytes, experiment: str, run_id: str, source: str) -> tuple[RunRecord, RecordProblem | None]:
+    """A record read from the folder of ``run_id``: a record naming another run or experiment (a copied folder, a hand
+    edit) is taken as its folder's, so that nothing written for it lands in another run's folder; the mismatch is
+    the problem returned."""
+    record = RunRecord.from_json(data, source=source)
+    if (record.run_id, record.experiment) == (run_id, experiment):
+        return record, None
+    named = f"run `{record.run_id}`" + (f" of experiment `{record.experiment}`" if record.experiment != experiment else "")
+    problem = RecordProblem(f"{source} names {named}, not its folder's run `{run_id}` (a folder copied or renamed, "
+                            f"or a hand edit?); it is shown as run `{run_id}`. Fix its `run_id` or delete it",
+                            run_id, source, damaged=False)
+    record.run_id, record.experiment = run_id, experiment
+    return record, problem
+
+
 def read_record(share: Share, experiment: str, run_id: str, rank: int | None = None) -> RunRecord | None:
-    """The run's ``run.json`` (with ``rank``: that rank's), or None when it has none yet (a corrupt one raises ShareError)."""
+    """The run's ``run.json`` (with ``rank``: that rank's), or None when it has none yet (a corrupt one raises ShareError).
+
+    A record is always its folder's run's, whatever id it names (see :func:`load_records`, which says so)."""
     path = run_paths(experiment, run_id, rank).record
     try:
         data = share.read_bytes(path)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         return None
-    return RunRecord.from_json(data, source=f"{share.url}/{path}")
+    return _parse_record(data, experiment, run_id, f"{share.url}/{path}")[0]
 
 
 def read_record_or_none(share: Share, experiment: str, run_id: str) -> RunRecord | None:
@@ -87,21 +119,28 @@ def run_ids(share: Share, experiment: str) -> list[str]:
     return share.list(experiment_paths(experiment).folder)
 
 
-def load_records(share: Share, experiment: str, strict: bool = False) -> tuple[list[RunRecord], list[str]]:
-    """Every run record of an experiment, and the problems found (corrupt records, with their paths)."""
+def load_records(share: Share, experiment: str, strict: bool = False,
+                 ids: Iterable[str] | None = None) -> tuple[list[RunRecord], list[RecordProblem]]:
+    """Every run record of an experiment (with ``ids``: of those runs), and the problems found, each naming its file:
+    records that cannot be read (left out; with ``strict``, raised), and records naming another run (kept, as their
+    folder's run)."""
     records, problems = [], []
-    for run_id in run_ids(share, experiment):
+    for run_id in run_ids(share, experiment) if ids is None else ids:
         path = run_paths(experiment, run_id).record
+        source = f"{share.url}/{path}"
         try:
             data = share.read_bytes(path)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             continue
         try:
-            records.append(RunRecord.from_json(data, source=f"{share.url}/{path}"))
+            record, mismatch = _parse_record(data, experiment, run_id, source)
         except ShareError as exc:
             if strict:
                 raise
-            problems.append(str(exc))
+            problems.append(RecordProblem(str(exc), run_id, source))
+            continue
+        records.append(record)
+        problems.extend([mismatch] if mismatch else [])
     return records, problems
 
 

@@ -34,7 +34,7 @@ from nbbatch.execute.envs import build_envs, remove_env
 from nbbatch.execute.launch import RUN_ONE, read_launch
 from nbbatch.execute.placement import placement_from_env
 from nbbatch.results.progress import StatusReads, abandoned_runs, table_title, watch_status
-from nbbatch.results.status import REFRESH_EVERY_S, StatusView, plan_table, status_rows, status_table
+from nbbatch.results.status import REFRESH_EVERY_S, StatusView, plan_table, status_json_rows, status_table
 from nbbatch.spec.environments import list_envs
 from nbbatch.spec.frameworks import get_framework, list_frameworks
 from nbbatch.spec.pipeline import is_pipeline_file
@@ -252,7 +252,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"nbbatch: warning: {len(abandoned)} run(s) of `{name}` are still queued, but no `nbbatch submit` "
               "will start them (it was killed); submit the experiment again to run them", file=sys.stderr)
     if args.json:
-        print(json.dumps(status_rows(records), indent=2, default=str))
+        print(json.dumps(status_json_rows(view), indent=2, default=str))
     elif not args.watch:
         _console().print(status_table(records, title=table_title(name, records)))
     if args.json or not args.watch:
