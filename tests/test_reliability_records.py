@@ -3,11 +3,21 @@ others, and each is named with its file."""
 
 from __future__ import annotations
 
+import getpass
 import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
+from support.notebooks import make_notebook
 from support.records import two_runs, write_records
 
+import nbbatch
+from nbbatch.api import submit
 from nbbatch.store.layout import RUN_RECORD, experiment_paths
 from nbbatch.store.runjson import RunRecord
 from nbbatch.ui.cli import main
@@ -63,3 +73,49 @@ def test_status_json_has_a_row_for_each_damaged_record_and_shows_a_record_under_
 
     assert main(["compare", "w"]) == 0  # compare shows it under its folder's id too
     assert "toy-8a2b3c4d5e" in capsys.readouterr().out
+
+
+def _wait_running(name: str, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if any(r.status == "running" and r.cells_done >= 1 for r in nbbatch.status(name)):
+                return
+        except nbbatch.NbbatchError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"no run of {name} started within {timeout:g} s")
+
+
+@pytest.mark.kernel
+def test_a_cancelled_run_says_cancelled_by_whom_and_when_not_that_its_kernel_died(project, write_experiment):
+    make_notebook(project / "nb.ipynb", ["print(A)", "import time; time.sleep(120)"])
+    exp = write_experiment("experiment: stop\nnotebooks: [nb.ipynb]\nparameters: {A: 1}\n")
+    thread = threading.Thread(target=lambda: submit(exp, progress=False))
+    thread.start()
+    _wait_running("stop")
+    assert nbbatch.cancel("stop")
+    thread.join(60)
+    [record] = nbbatch.status("stop")
+    error = record.error
+    assert record.status == "cancelled" and error.ename == "cancelled" and error.cell_index is not None
+    assert "DeadKernelError" not in error.summary() and "died" not in error.summary()
+    assert error.reason.startswith(f"cancelled by `nbbatch cancel` from {getpass.getuser()}@{socket.gethostname()}")
+    assert error.reason.endswith(" UTC") and "time.sleep" in error.cell_source
+
+    # the driver stopped by a signal: the record says which, and of which process
+    (project / "exp.yaml").write_text("experiment: term\nnotebooks: [nb.ipynb]\nparameters: {A: 2}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "nbbatch", "submit", "exp.yaml", "-q"], cwd=project,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_running("term")
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, out
+    [record] = nbbatch.status("term")
+    assert record.status == "cancelled" and record.error.ename == "cancelled"
+    assert record.error.reason.startswith(f"cancelled by SIGTERM to its driver, {getpass.getuser()}@"
+                                          f"{socket.gethostname()} (pid {proc.pid})"), record.error

@@ -404,12 +404,13 @@ class _Attempt:
         error = error or RunError(ename=reason.value, evalue="")
         if reason == Status.TIMED_OUT:
             error.kind, error.reason = ErrorKind.TIMEOUT, f"stopped by the run timeout ({self.run.timeout_s:g} s)"
-        else:
-            request = self.watchdog.request if self.watchdog.request is not None else CANCEL_REQUEST
-            if reason == Status.PRUNED:  # the kernel was killed on purpose: no error of its own to show
-                error = RunError("pruned", "", reason=request.reason)
-            error.kind = ErrorKind.PRUNED if reason == Status.PRUNED else ErrorKind.CANCELLED
-            error.reason = request.reason if reason == request.status else CANCEL_REQUEST.reason
+        else:  # the kernel was killed on purpose: its death (DeadKernelError) is not what ended the run
+            request = self.watchdog.why()
+            said = request.reason if reason == request.status else CANCEL_REQUEST.reason
+            index, source = (error.cell_index, error.cell_source) if error.cell_index is not None else _running_cell(self.nb)
+            error = (RunError("pruned", "", reason=said, kind=ErrorKind.PRUNED) if reason == Status.PRUNED else
+                     RunError("cancelled", "", cell_index=index, cell_source=source, rank=error.rank, reason=said,
+                              kind=ErrorKind.CANCELLED))  # with the cell it stopped in
         if self.nb is not None:
             _add_stop_marker(self.nb, error.reason)
         return reason, error
@@ -499,6 +500,17 @@ def _pins(run: Run) -> list[str]:
 def _gpu_telemetry(gpu_ids: list[int], stream: StreamedFile, alone: bool) -> Iterator[GpuSampler]:
     with GpuSampler(gpu_ids, sink=stream.append, alone=alone) as sampler:
         yield sampler
+
+
+def _running_cell(nb: Any) -> tuple[int | None, str | None]:
+    """The index and first lines of the cell a stopped notebook stopped in: the last one papermill started (None,
+    None: none had started)."""
+    started = [(i, c) for i, c in enumerate(nb.cells if nb is not None else [])
+               if c.get("metadata", {}).get("papermill", {}).get("start_time")]
+    if not started:
+        return None, None
+    index, cell = started[-1]
+    return index, "\n".join(str(cell.get("source", "")).splitlines()[:5]) or None
 
 
 def _error_from(exc: BaseException) -> RunError:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import getpass
 import json
+import os
+import socket
+import threading
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -161,6 +165,33 @@ class StopRequest:
 
 
 CANCEL_REQUEST = StopRequest()
+
+
+def cancel_request(by: str, at: str | None = None) -> StopRequest:
+    """A cancel that says who asked (``by``: "`nbbatch cancel` from user@host", "Ctrl-C (SIGINT) of its driver …")
+    and when, in the words the run's record keeps."""
+    when = (at or utc_now()).replace("T", " ").split(".")[0].removesuffix("+00:00")
+    return StopRequest(Status.CANCELLED, f"cancelled by {by} at {when} UTC")
+
+
+def requester() -> str:
+    """Who this process is, for a stop request: user@host (pid N)."""
+    with contextlib.suppress(KeyError, OSError):
+        return f"{getpass.getuser()}@{socket.gethostname()} (pid {os.getpid()})"
+    return f"{socket.gethostname()} (pid {os.getpid()})"
+
+
+class StopEvent(threading.Event):
+    """An executor's in-process stop (its driver is stopping: Ctrl-C, SIGTERM, a share failure), with why: a running
+    run stopped by it ends ``cancelled`` for :attr:`request`'s reason, as by a marker in the share."""
+
+    request: StopRequest = CANCEL_REQUEST
+
+    def stop(self, request: StopRequest) -> None:
+        """Stop, for ``request``'s reason (the first reason given is kept)."""
+        if not self.is_set():
+            self.request = request
+        self.set()
 
 
 def write_cancel_markers(share: Share, experiment: str, ids: list[str] | None = None,
