@@ -119,3 +119,27 @@ def test_a_cancelled_run_says_cancelled_by_whom_and_when_not_that_its_kernel_die
     assert record.status == "cancelled" and record.error.ename == "cancelled"
     assert record.error.reason.startswith(f"cancelled by SIGTERM to its driver, {getpass.getuser()}@"
                                           f"{socket.gethostname()} (pid {proc.pid})"), record.error
+
+
+def test_commands_given_a_path_or_value_they_cannot_use_say_so_in_one_line(project, capsys):
+    assert main(["schema", "-o", str(project / "missing" / "schema.json")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"nbbatch: error: cannot write the schema to {project / 'missing' / 'schema.json'}: No such file or "
+                   f"directory; its folder {project / 'missing'} does not exist: create it first "
+                   f"(mkdir -p {project / 'missing'})\n")
+    assert main(["schema", "-o", str(project)]) == 2 and "choose another path" in capsys.readouterr().err
+
+    make_notebook(project / "nb.ipynb", ["print(1)"])
+    for value in ("-1", "0", "soon"):
+        with pytest.raises(SystemExit) as stopped:
+            main(["run", "nb.ipynb", "out.ipynb", "-k", "python3", "--cell-timeout", value])
+        assert stopped.value.code == 2
+        assert capsys.readouterr().err.endswith(f"argument --cell-timeout: expected a positive number of seconds, "
+                                                f"got {value!r}\n")
+    assert not (project / "out.ipynb").exists()
+
+    for launch, said in (("missing.json", "cannot read the launch file"), ("empty.json", "is not JSON")):
+        (project / "empty.json").write_text("")
+        assert main(["run-one", launch]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("nbbatch: error: run-one: ") and said in err and err.count("\n") == 1

@@ -29,7 +29,7 @@ from nbbatch.backends.cluster import add_common_arguments, run_cluster_command
 from nbbatch.backends.placement import placement_reader
 from nbbatch.containers.node import execute_on_node
 from nbbatch.drivers.detach import driver_line, started_line
-from nbbatch.errors import NbbatchError, NotebookStopped
+from nbbatch.errors import NbbatchError, NotebookStopped, ValidationError
 from nbbatch.execute.envs import build_envs, remove_env
 from nbbatch.execute.launch import RUN_ONE, read_launch
 from nbbatch.execute.placement import placement_from_env
@@ -374,7 +374,13 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 def cmd_schema(args: argparse.Namespace) -> int:
     text = json.dumps(experiment_schema(), indent=2) + "\n"
     if args.output:
-        Path(args.output).write_text(text)
+        target = Path(args.output)
+        try:
+            target.write_text(text)
+        except OSError as exc:  # a missing folder, a folder named as the file, permissions
+            fix = (f"its folder {target.parent} does not exist: create it first (mkdir -p {target.parent})"
+                   if not target.parent.is_dir() else "choose another path")
+            raise ValidationError(f"cannot write the schema to {target}: {exc.strerror or exc}; {fix}") from exc
     else:
         sys.stdout.write(text)
     return 0
@@ -467,7 +473,7 @@ def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("output")
     p.add_argument("-k", "--kernel", help="kernel name (default: the notebook's)")
     p.add_argument("--cwd", help="working directory of the kernel (default: the notebook's folder)")
-    p.add_argument("--cell-timeout", type=float)
+    p.add_argument("--cell-timeout", type=_interval, metavar="SECONDS", help="stop a cell that runs longer")
     p.add_argument("-q", "--quiet", action="store_true", help="do not echo the notebook's output")
     _add_param_options(p)
     p.set_defaults(func=cmd_run)
