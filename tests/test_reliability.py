@@ -356,9 +356,10 @@ def test_any_hand_edited_run_json_is_a_record_or_a_reported_problem(tmp_path_fac
     path = root / "e" / "nb-0123456789" / "run.json"
     path.write_text(json.dumps(data))
     records, problems = load_records(FileShare(root), "e")
-    if problems:
+    if problems and problems[0].damaged:
         assert not records and len(problems) == 1 and str(path) in problems[0]
-    else:  # whatever passed is shown without a crash, and its texts as they are
+    else:  # whatever passed is shown without a crash, and its texts as they are, as its folder's run (issue 45)
+        assert [r.run_id for r in records] == ["nb-0123456789"] and all(str(path) in p for p in problems)
         status_rows(records)
         from rich.console import Console
 

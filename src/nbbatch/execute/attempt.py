@@ -53,7 +53,7 @@ from nbbatch.redact import is_secret, tracking_credentials
 from nbbatch.spec.frameworks import get_framework
 from nbbatch.store.jsonl import jsonl_line
 from nbbatch.store.layout import LOG_FILE, METRICS_FILE, OUTPUT_NOTEBOOK, TELEMETRY_FILE, RunPaths, run_paths
-from nbbatch.store.notebook_io import notebook_bytes
+from nbbatch.store.notebook_io import notebook_bytes, stopped_cell
 from nbbatch.store.runfiles import CANCEL_REQUEST, cancel_requested, write_record
 from nbbatch.store.runjson import (
     AttemptEntry,
@@ -407,7 +407,7 @@ class _Attempt:
         else:  # the kernel was killed on purpose: its death (DeadKernelError) is not what ended the run
             request = self.watchdog.why()
             said = request.reason if reason == request.status else CANCEL_REQUEST.reason
-            index, source = (error.cell_index, error.cell_source) if error.cell_index is not None else _running_cell(self.nb)
+            index, source = (error.cell_index, error.cell_source) if error.cell_index is not None else stopped_cell(self.nb)
             error = (RunError("pruned", "", reason=said, kind=ErrorKind.PRUNED) if reason == Status.PRUNED else
                      RunError("cancelled", "", cell_index=index, cell_source=source, rank=error.rank, reason=said,
                               kind=ErrorKind.CANCELLED))  # with the cell it stopped in
@@ -500,17 +500,6 @@ def _pins(run: Run) -> list[str]:
 def _gpu_telemetry(gpu_ids: list[int], stream: StreamedFile, alone: bool) -> Iterator[GpuSampler]:
     with GpuSampler(gpu_ids, sink=stream.append, alone=alone) as sampler:
         yield sampler
-
-
-def _running_cell(nb: Any) -> tuple[int | None, str | None]:
-    """The index and first lines of the cell a stopped notebook stopped in: the last one papermill started (None,
-    None: none had started)."""
-    started = [(i, c) for i, c in enumerate(nb.cells if nb is not None else [])
-               if c.get("metadata", {}).get("papermill", {}).get("start_time")]
-    if not started:
-        return None, None
-    index, cell = started[-1]
-    return index, "\n".join(str(cell.get("source", "")).splitlines()[:5]) or None
 
 
 def _error_from(exc: BaseException) -> RunError:
