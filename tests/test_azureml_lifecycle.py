@@ -240,6 +240,28 @@ def test_cancel_goes_on_past_jobs_that_finished_and_says_which(aml, share, azpro
     assert read_record(share, "cifar", runs[0].run_id).status == "failed"
 
 
+def test_a_damaged_record_stops_no_cancel_and_no_sync_and_is_named(aml, share, azproject):
+    runs = _runs(azproject, count=3)
+    backend = _backend(aml)
+    _queue(share, runs)
+    backend.start(runs, share, SubmitOptions())
+    names = [_job_name(share, r) for r in runs]
+    for name in names:
+        aml.set_job_status(name, "Running")
+    damaged = run_paths("cifar", runs[1].run_id).record
+    share.write_bytes(damaged, b'{"run_id": ')  # a hand edit gone wrong
+
+    backend.sync("cifar", share)  # what `status` asks first: the damaged record stops no other
+    with pytest.warns(UserWarning) as caught:
+        asked = backend.cancel("cifar", share)
+    assert asked == [r.run_id for r in runs] and sorted(aml.cancelled) == sorted(names)
+    assert [read_record(share, "cifar", r.run_id).status for r in (runs[0], runs[2])] == ["cancelled", "cancelled"]
+    assert share.read_bytes(damaged) == b'{"run_id": '  # left as it was, for the user to see
+    [warned] = [str(w.message) for w in caught]
+    assert f"{damaged} is not valid JSON" in warned and f"run {runs[1].run_id} was asked to stop" in warned
+
+
+
 def _running_job(aml, share, azproject):
     """One run queued and started on the fake service, its job Running and seen so: (run, backend, job name)."""
     run = _runs(azproject, count=1)[0]

@@ -321,7 +321,9 @@ def test_corrupt_and_hand_edited_run_json_are_reported_with_their_path(project, 
     out, err = capsys.readouterr()
     assert f"nbbatch: warning: {truncated} is not valid JSON" in err
     assert f"nbbatch: warning: {typed} has `duration_s` = 'slow', which must be a number or null" in err
-    assert [row["run_id"] for row in json.loads(out)] == [fine.parent.name]
+    rows = json.loads(out)  # the damaged records are rows too, saying so (issue 45)
+    assert [row["run_id"] for row in rows] == [fine.parent.name, truncated.parent.name, typed.parent.name]
+    assert [row["status"] for row in rows] == ["succeeded", "unreadable", "unreadable"]
     assert cli.main(["status", "edited", "--check"]) == 1
     capsys.readouterr()
 
@@ -354,9 +356,10 @@ def test_any_hand_edited_run_json_is_a_record_or_a_reported_problem(tmp_path_fac
     path = root / "e" / "nb-0123456789" / "run.json"
     path.write_text(json.dumps(data))
     records, problems = load_records(FileShare(root), "e")
-    if problems:
+    if problems and problems[0].damaged:
         assert not records and len(problems) == 1 and str(path) in problems[0]
-    else:  # whatever passed is shown without a crash, and its texts as they are
+    else:  # whatever passed is shown without a crash, and its texts as they are, as its folder's run (issue 45)
+        assert [r.run_id for r in records] == ["nb-0123456789"] and all(str(path) in p for p in problems)
         status_rows(records)
         from rich.console import Console
 

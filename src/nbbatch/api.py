@@ -43,7 +43,7 @@ from nbbatch.store.drivers import DetachedDriver, DriverState
 from nbbatch.store.known import check_experiment, lookup, open_experiment_share, remember
 from nbbatch.store.layout import experiment_paths
 from nbbatch.store.notebook_io import check_notebook_target
-from nbbatch.store.runfiles import load_records, write_cancel_markers
+from nbbatch.store.runfiles import cancel_request, load_records, requester, write_cancel_markers
 from nbbatch.store.runjson import RunRecord
 from nbbatch.store.share import Share, open_share
 
@@ -201,13 +201,14 @@ def cancel(experiment: str, runs: list[str] | None = None, share: str | Share | 
     project = find_project()
     name, the_share = open_experiment_share(experiment, share, project)
     state = read_pipeline_state(the_share, name) if not runs else None
+    request = cancel_request(f"`nbbatch cancel` from {requester()}")  # the runs' records say who and when
     if state is not None:
-        write_cancel_markers(the_share, name)
+        write_cancel_markers(the_share, name, request=request)
         return [run for stage in state["stages"].values() if stage.get("state") == "running"
                 and the_share.exists(stage["experiment"]) for run in cancel(stage["experiment"], share=the_share)]
     check_experiment(the_share, name)  # a mistyped name: refused, no marker left behind
     ids = [resolve_run_id(the_share, name, r) for r in runs] if runs else None
-    return known_backend(name, project, the_share).cancel(name, the_share, ids)
+    return known_backend(name, project, the_share).cancel(name, the_share, ids, request)
 
 
 def run_notebook(input_path: str | os.PathLike[str], output_path: str | os.PathLike[str],

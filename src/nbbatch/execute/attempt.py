@@ -53,7 +53,7 @@ from nbbatch.redact import is_secret, tracking_credentials
 from nbbatch.spec.frameworks import get_framework
 from nbbatch.store.jsonl import jsonl_line
 from nbbatch.store.layout import LOG_FILE, METRICS_FILE, OUTPUT_NOTEBOOK, TELEMETRY_FILE, RunPaths, run_paths
-from nbbatch.store.notebook_io import notebook_bytes
+from nbbatch.store.notebook_io import notebook_bytes, stopped_cell
 from nbbatch.store.runfiles import CANCEL_REQUEST, cancel_requested, write_record
 from nbbatch.store.runjson import (
     AttemptEntry,
@@ -404,12 +404,13 @@ class _Attempt:
         error = error or RunError(ename=reason.value, evalue="")
         if reason == Status.TIMED_OUT:
             error.kind, error.reason = ErrorKind.TIMEOUT, f"stopped by the run timeout ({self.run.timeout_s:g} s)"
-        else:
-            request = self.watchdog.request if self.watchdog.request is not None else CANCEL_REQUEST
-            if reason == Status.PRUNED:  # the kernel was killed on purpose: no error of its own to show
-                error = RunError("pruned", "", reason=request.reason)
-            error.kind = ErrorKind.PRUNED if reason == Status.PRUNED else ErrorKind.CANCELLED
-            error.reason = request.reason if reason == request.status else CANCEL_REQUEST.reason
+        else:  # the kernel was killed on purpose: its death (DeadKernelError) is not what ended the run
+            request = self.watchdog.why()
+            said = request.reason if reason == request.status else CANCEL_REQUEST.reason
+            index, source = (error.cell_index, error.cell_source) if error.cell_index is not None else stopped_cell(self.nb)
+            error = (RunError("pruned", "", reason=said, kind=ErrorKind.PRUNED) if reason == Status.PRUNED else
+                     RunError("cancelled", "", cell_index=index, cell_source=source, rank=error.rank, reason=said,
+                              kind=ErrorKind.CANCELLED))  # with the cell it stopped in
         if self.nb is not None:
             _add_stop_marker(self.nb, error.reason)
         return reason, error

@@ -19,7 +19,7 @@ from typing import Any
 from nbbatch.execute.kernels import kill_kernel_group
 from nbbatch.plan.runs import Run
 from nbbatch.store.layout import run_paths
-from nbbatch.store.runfiles import CANCEL_REQUEST, StopRequest, stop_request
+from nbbatch.store.runfiles import CANCEL_REQUEST, StopEvent, StopRequest, stop_request
 from nbbatch.store.runjson import Status
 from nbbatch.store.share import Share, poll_interval
 
@@ -158,6 +158,18 @@ class Watchdog:
                     kill_kernel_group(self.km)
                 except Exception:  # noqa: BLE001 - try again on the next tick; the watch must go on
                     logger.debug("killing the kernel of %s failed", self.run.run_id, exc_info=True)
+
+    def why(self) -> StopRequest:
+        """Why the run was stopped (once it was, not by its timeout): the request of the marker seen; for an
+        in-process stop, a marker's request all the same when there is one (the scheduler stops its runs for it
+        too), else the stop's own (its driver interrupted). Read after the kernel is killed: the share may be slow."""
+        if self.request is not None:
+            return self.request
+        with contextlib.suppress(Exception):  # ShareError, OSError, SDK errors: the event's own reason then
+            marked = stop_request(self.share, self.run.experiment, self.run.run_id)
+            if marked is not None:
+                return marked
+        return self.cancel_event.request if isinstance(self.cancel_event, StopEvent) else CANCEL_REQUEST
 
     def _poll_markers(self) -> None:
         wait = self._poll

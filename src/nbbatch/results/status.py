@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
 
-from nbbatch.errors import NbbatchError, ShareError, did_you_mean
+from nbbatch.errors import NbbatchError, did_you_mean
 from nbbatch.plan.runs import Run
 from nbbatch.results.fitted import ALWAYS, FitColumn, FittedTable, fit_column
 from nbbatch.store.layout import MANIFEST, experiment_paths, run_paths
-from nbbatch.store.runfiles import load_records, read_record, run_ids
+from nbbatch.store.runfiles import RecordProblem, load_records, read_record, run_ids
 from nbbatch.store.runjson import RunRecord, Status
 from nbbatch.store.share import RangeStore, Share, poll_interval
 
@@ -84,21 +84,13 @@ def search_of(share: Share, experiment: str) -> dict[str, Any] | None:
 
 
 def load_plan_records(share: Share, experiment: str, all_runs: bool = False
-                      ) -> tuple[list[RunRecord], list[str], list[str] | None]:
+                      ) -> tuple[list[RunRecord], list[RecordProblem], list[str] | None]:
     """The records of the experiment's current plan (with ``all_runs``: of every run in its folder), the
     problems found (corrupt records, with their paths), and the planned run ids (None: no plan known)."""
     planned = planned_run_ids(share, experiment)
     if all_runs or planned is None:
         return (*load_records(share, experiment), planned)
-    records, problems = [], []
-    for run_id in sorted(set(planned).intersection(run_ids(share, experiment))):  # only folders the share has
-        try:
-            record = read_record(share, experiment, run_id)
-        except ShareError as exc:
-            problems.append(str(exc))
-            continue
-        if record is not None:
-            records.append(record)
+    records, problems = load_records(share, experiment, ids=sorted(set(planned).intersection(run_ids(share, experiment))))
     return records, problems, planned
 
 
@@ -192,6 +184,21 @@ def status_rows(records: list[RunRecord]) -> list[dict[str, Any]]:
             "error": r.error.summary() if r.error else "",
             "note": (r.note or "") if not r.final else "",
         })
+    return rows
+
+
+def status_json_rows(view: StatusView) -> list[dict[str, Any]]:
+    """What ``status --json`` prints: :func:`status_rows`, a record read with a problem (it names another run) saying
+    it as its row's ``problem``, and a row of status ``unreadable`` for each record that could not be read, naming its
+    file (``record``) and why (``problem``)."""
+    said = {p.run_id: p for p in view.problems if isinstance(p, RecordProblem)}
+    rows = [{**row, "problem": str(said[row["run_id"]])} if row["run_id"] in said else row
+            for row in status_rows(view.records)]
+    for problem in said.values():
+        if problem.damaged:
+            rows.append({"run_id": problem.run_id, "framework": "", "parameters": {}, "status": "unreadable",
+                         "attempts": 0, "progress": "", "duration_s": None, "gpu_ids": [], "world_size": 1,
+                         "metrics": {}, "error": "", "note": "", "problem": str(problem), "record": problem.path})
     return rows
 
 

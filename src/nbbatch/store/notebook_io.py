@@ -48,3 +48,14 @@ def check_notebook_target(path: str | os.PathLike[str]) -> None:
             raise ValidationError(f"cannot write the output notebook {target}: its folder {folder} is not writable "
                                   "(permissions or a read-only file system); choose another output path") from exc
         raise ValidationError(f"cannot write the output notebook {target}: {exc.strerror or exc}") from exc
+
+
+def stopped_cell(nb: Any) -> tuple[int | None, str | None]:
+    """The index and first lines of the cell a stopped notebook stopped in: the last one papermill started (None,
+    None: none had started)."""
+    started = [(i, c) for i, c in enumerate(nb.cells if nb is not None else [])
+               if c.get("metadata", {}).get("papermill", {}).get("start_time")]
+    if not started:
+        return None, None
+    index, cell = started[-1]
+    return index, "\n".join(str(cell.get("source", "")).splitlines()[:5]) or None

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import getpass
 import json
+import os
+import socket
+import threading
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
@@ -43,14 +48,46 @@ class PlannedRun(Protocol):
     def origins(self) -> dict[str, Any]: ...
 
 
+class RecordProblem(str):
+    """What is wrong with one run's record, in words (a ``str``: every footer and warning shows it as it is), with
+    the run's id (its folder's name), the record's file, and whether the record could be read at all (``damaged``)
+    or was read but names another run (shown under its folder's id)."""
+
+    run_id: str
+    path: str
+    damaged: bool
+
+    def __new__(cls, text: str, run_id: str, path: str, damaged: bool = True) -> RecordProblem:
+        problem = super().__new__(cls, text)
+        problem.run_id, problem.path, problem.damaged = run_id, path, damaged
+        return problem
+
+
+def _parse_record(data: bytes, experiment: str, run_id: str, source: str) -> tuple[RunRecord, RecordProblem | None]:
+    """A record read from the folder of ``run_id``: a record naming another run or experiment (a copied folder, a hand
+    edit) is taken as its folder's, so that nothing written for it lands in another run's folder; the mismatch is
+    the problem returned."""
+    record = RunRecord.from_json(data, source=source)
+    if (record.run_id, record.experiment) == (run_id, experiment):
+        return record, None
+    named = f"run `{record.run_id}`" + (f" of experiment `{record.experiment}`" if record.experiment != experiment else "")
+    problem = RecordProblem(f"{source} names {named}, not its folder's run `{run_id}` (a folder copied or renamed, "
+                            f"or a hand edit?); it is shown as run `{run_id}`. Fix its `run_id` or delete it",
+                            run_id, source, damaged=False)
+    record.run_id, record.experiment = run_id, experiment
+    return record, problem
+
+
 def read_record(share: Share, experiment: str, run_id: str, rank: int | None = None) -> RunRecord | None:
-    """The run's ``run.json`` (with ``rank``: that rank's), or None when it has none yet (a corrupt one raises ShareError)."""
+    """The run's ``run.json`` (with ``rank``: that rank's), or None when it has none yet (a corrupt one raises ShareError).
+
+    A record is always its folder's run's, whatever id it names (see :func:`load_records`, which says so)."""
     path = run_paths(experiment, run_id, rank).record
     try:
         data = share.read_bytes(path)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         return None
-    return RunRecord.from_json(data, source=f"{share.url}/{path}")
+    return _parse_record(data, experiment, run_id, f"{share.url}/{path}")[0]
 
 
 def read_record_or_none(share: Share, experiment: str, run_id: str) -> RunRecord | None:
@@ -59,6 +96,12 @@ def read_record_or_none(share: Share, experiment: str, run_id: str) -> RunRecord
         return read_record(share, experiment, run_id)
     except ShareError:
         return None
+
+
+def warn_damaged(problem: ShareError, consequence: str) -> None:
+    """Say (a :class:`UserWarning`, one ``nbbatch: warning:`` line in the CLI) that a run's record cannot be read,
+    naming its file, and what a command that reads every record did about it: one damaged record stops no other."""
+    warnings.warn(f"{str(problem).rstrip('.')}; {consequence}", UserWarning, stacklevel=3)
 
 
 def write_record(share: Share, record: RunRecord) -> None:
@@ -80,21 +123,28 @@ def run_ids(share: Share, experiment: str) -> list[str]:
     return share.list(experiment_paths(experiment).folder)
 
 
-def load_records(share: Share, experiment: str, strict: bool = False) -> tuple[list[RunRecord], list[str]]:
-    """Every run record of an experiment, and the problems found (corrupt records, with their paths)."""
+def load_records(share: Share, experiment: str, strict: bool = False,
+                 ids: Iterable[str] | None = None) -> tuple[list[RunRecord], list[RecordProblem]]:
+    """Every run record of an experiment (with ``ids``: of those runs), and the problems found, each naming its file:
+    records that cannot be read (left out; with ``strict``, raised), and records naming another run (kept, as their
+    folder's run)."""
     records, problems = [], []
-    for run_id in run_ids(share, experiment):
+    for run_id in run_ids(share, experiment) if ids is None else ids:
         path = run_paths(experiment, run_id).record
+        source = f"{share.url}/{path}"
         try:
             data = share.read_bytes(path)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             continue
         try:
-            records.append(RunRecord.from_json(data, source=f"{share.url}/{path}"))
+            record, mismatch = _parse_record(data, experiment, run_id, source)
         except ShareError as exc:
             if strict:
                 raise
-            problems.append(str(exc))
+            problems.append(RecordProblem(str(exc), run_id, source))
+            continue
+        records.append(record)
+        problems.extend([mismatch] if mismatch else [])
     return records, problems
 
 
@@ -117,6 +167,33 @@ class StopRequest:
 CANCEL_REQUEST = StopRequest()
 
 
+def cancel_request(by: str, at: str | None = None) -> StopRequest:
+    """A cancel that says who asked (``by``: "`nbbatch cancel` from user@host", "Ctrl-C (SIGINT) of its driver …")
+    and when, in the words the run's record keeps."""
+    when = (at or utc_now()).replace("T", " ").split(".")[0].removesuffix("+00:00")
+    return StopRequest(Status.CANCELLED, f"cancelled by {by} at {when} UTC")
+
+
+def requester() -> str:
+    """Who this process is, for a stop request: user@host (pid N)."""
+    with contextlib.suppress(KeyError, OSError):
+        return f"{getpass.getuser()}@{socket.gethostname()} (pid {os.getpid()})"
+    return f"{socket.gethostname()} (pid {os.getpid()})"
+
+
+class StopEvent(threading.Event):
+    """An executor's in-process stop (its driver is stopping: Ctrl-C, SIGTERM, a share failure), with why: a running
+    run stopped by it ends ``cancelled`` for :attr:`request`'s reason, as by a marker in the share."""
+
+    request: StopRequest = CANCEL_REQUEST
+
+    def stop(self, request: StopRequest) -> None:
+        """Stop, for ``request``'s reason (the first reason given is kept)."""
+        if not self.is_set():
+            self.request = request
+        self.set()
+
+
 def write_cancel_markers(share: Share, experiment: str, ids: list[str] | None = None,
                          request: StopRequest = CANCEL_REQUEST) -> list[str]:
     """Ask unfinished runs to stop (all of the experiment's when ``ids`` is None); return the ids asked.
@@ -127,9 +204,13 @@ def write_cancel_markers(share: Share, experiment: str, ids: list[str] | None = 
     asked = []
     content = json.dumps({"at": utc_now(), "status": request.status.value, "reason": request.reason}).encode()
     for run_id in list(ids) if ids else run_ids(share, experiment):
-        record = read_record(share, experiment, run_id)
-        if record is None or record.final:
-            continue
+        try:
+            record = read_record(share, experiment, run_id)
+        except ShareError as exc:  # damaged: it may be running, so it is asked too, and no other run is held up
+            warn_damaged(exc, f"run {run_id} was asked to stop all the same, in case it is running")
+        else:
+            if record is None or record.final:
+                continue
         share.write_bytes(run_paths(experiment, run_id).cancel, content)
         asked.append(run_id)
     if not ids:

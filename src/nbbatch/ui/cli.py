@@ -29,12 +29,12 @@ from nbbatch.backends.cluster import add_common_arguments, run_cluster_command
 from nbbatch.backends.placement import placement_reader
 from nbbatch.containers.node import execute_on_node
 from nbbatch.drivers.detach import driver_line, started_line
-from nbbatch.errors import NbbatchError, NotebookStopped
+from nbbatch.errors import NbbatchError, NotebookStopped, ValidationError
 from nbbatch.execute.envs import build_envs, remove_env
 from nbbatch.execute.launch import RUN_ONE, read_launch
 from nbbatch.execute.placement import placement_from_env
 from nbbatch.results.progress import StatusReads, abandoned_runs, table_title, watch_status
-from nbbatch.results.status import REFRESH_EVERY_S, StatusView, plan_table, status_rows, status_table
+from nbbatch.results.status import REFRESH_EVERY_S, StatusView, plan_table, status_json_rows, status_table
 from nbbatch.spec.environments import list_envs
 from nbbatch.spec.frameworks import get_framework, list_frameworks
 from nbbatch.spec.pipeline import is_pipeline_file
@@ -252,7 +252,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"nbbatch: warning: {len(abandoned)} run(s) of `{name}` are still queued, but no `nbbatch submit` "
               "will start them (it was killed); submit the experiment again to run them", file=sys.stderr)
     if args.json:
-        print(json.dumps(status_rows(records), indent=2, default=str))
+        print(json.dumps(status_json_rows(view), indent=2, default=str))
     elif not args.watch:
         _console().print(status_table(records, title=table_title(name, records)))
     if args.json or not args.watch:
@@ -374,7 +374,13 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 def cmd_schema(args: argparse.Namespace) -> int:
     text = json.dumps(experiment_schema(), indent=2) + "\n"
     if args.output:
-        Path(args.output).write_text(text)
+        target = Path(args.output)
+        try:
+            target.write_text(text)
+        except OSError as exc:  # a missing folder, a folder named as the file, permissions
+            fix = (f"its folder {target.parent} does not exist: create it first (mkdir -p {target.parent})"
+                   if not target.parent.is_dir() else "choose another path")
+            raise ValidationError(f"cannot write the schema to {target}: {exc.strerror or exc}; {fix}") from exc
     else:
         sys.stdout.write(text)
     return 0
@@ -467,7 +473,7 @@ def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("output")
     p.add_argument("-k", "--kernel", help="kernel name (default: the notebook's)")
     p.add_argument("--cwd", help="working directory of the kernel (default: the notebook's folder)")
-    p.add_argument("--cell-timeout", type=float)
+    p.add_argument("--cell-timeout", type=_interval, metavar="SECONDS", help="stop a cell that runs longer")
     p.add_argument("-q", "--quiet", action="store_true", help="do not echo the notebook's output")
     _add_param_options(p)
     p.set_defaults(func=cmd_run)

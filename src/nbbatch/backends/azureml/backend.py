@@ -53,7 +53,7 @@ from nbbatch.backends.azureml.rules import (
 from nbbatch.backends.azureml.workspace import connect, error_text
 from nbbatch.backends.base import Backend, Capabilities, Compute, SubmitOptions
 from nbbatch.backends.settings import setting
-from nbbatch.errors import BackendError, NbbatchError, ValidationError
+from nbbatch.errors import BackendError, NbbatchError, ShareError, ValidationError
 from nbbatch.execute.launch import LaunchSpec, launch_shell_command
 from nbbatch.execute.placement import NodePlacement
 from nbbatch.plan.runs import Run
@@ -66,6 +66,7 @@ from nbbatch.store.runfiles import (
     CANCEL_REQUEST,
     StopRequest,
     read_record,
+    read_record_or_none,
     requested_outcome,
     write_cancel_markers,
     write_record,
@@ -313,7 +314,7 @@ class AzureMLBackend(Backend):
             state = self.job_state(share, experiment, run_id)
             if state is None:
                 continue
-            record = read_record(share, experiment, run_id)
+            record = read_record_or_none(share, experiment, run_id)  # a damaged one: status names it
             if record is not None and record.final and state.status.final:
                 continue
             before = (state.job_status, state.note)
@@ -346,13 +347,17 @@ class AzureMLBackend(Backend):
         (:meth:`sync`: a completed job's run succeeds, a failed one's fails, a finalizing one stays running until its
         job ends), it is left out of the ids returned, and a :class:`UserWarning` names it with the service's answer.
         Any other error for one job (a refusal, the service unreachable) is warned about too and stops no other
-        cancel; that run is recorded as cancelled, as its marker stops its notebook.
+        cancel; that run is recorded as cancelled, as its marker stops its notebook. A run whose record is damaged is
+        named in a warning and its job cancelled all the same; its record is left as it is.
         """
         asked: list[str] = []
         for run_id in list(run_ids) if run_ids else list_run_ids(share, experiment):
             state = self.job_state(share, experiment, run_id)
-            record = read_record(share, experiment, run_id)
-            if state is None or record is None or record.final:
+            try:
+                record, damaged = read_record(share, experiment, run_id), False
+            except ShareError:  # named by write_cancel_markers; its job is cancelled all the same
+                record, damaged = None, True
+            if state is None or (not damaged and (record is None or record.final)):
                 continue
             write_cancel_markers(share, experiment, [run_id], request)  # the executor stops too
             try:
@@ -379,7 +384,8 @@ class AzureMLBackend(Backend):
             state.status, state.note = map_job_status(state.job_status)
             state.updated_at = utc_now()
             self._write_state(share, state)
-            self.finalize(share, record, *request.outcome(f"Azure ML job {state.job_name}", "cancelled by the user"))
+            if record is not None:
+                self.finalize(share, record, *request.outcome(f"Azure ML job {state.job_name}", "cancelled by the user"))
             asked.append(run_id)
         return asked
 

@@ -24,7 +24,15 @@ from nbbatch.errors import ShareError
 from nbbatch.execute.attempts import SHARE_FAILED, kernel_launch
 from nbbatch.execute.prestart import KernelPool
 from nbbatch.plan.runs import Run
-from nbbatch.store.runfiles import CancelRequests, cancel_requests, requested_outcome, write_record
+from nbbatch.store.runfiles import (
+    CancelRequests,
+    StopEvent,
+    cancel_request,
+    cancel_requests,
+    requested_outcome,
+    requester,
+    write_record,
+)
 from nbbatch.store.runjson import ErrorKind, GpuSharing, RunError, RunRecord, Status
 from nbbatch.store.share import Share, poll_interval
 
@@ -81,7 +89,7 @@ class LocalScheduler:
         self.unmeasured: dict[str, tuple[Run, GpuLease, float]] = {}
         self.samplers: dict[str, GpuSampler] = {}
         self.opened: dict[str, float] = {}
-        self.cancel = threading.Event()
+        self.cancel = StopEvent()
         self.changed = threading.Condition()
         self.notify = options.guarded_update  # a failing display never changes a run's record
         self.share_failures: list[ShareError] = []  # the share cannot be written (full): start no more runs
@@ -100,6 +108,8 @@ class LocalScheduler:
                     if not self.step() and (self.pending or self.active):  # a pass may end the last pending runs
                         self.changed.wait(timeout=WAKE_S)
         except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):  # Ctrl-C, or SIGTERM/SIGHUP (their names): the records say which
+                self.cancel.stop(cancel_request(f"{str(exc) or 'Ctrl-C (SIGINT)'} to its driver, {requester()}"))
             self.stop("interrupted before it started" if isinstance(exc, KeyboardInterrupt)
                       else f"not started: nbbatch error: {exc}")
             raise

@@ -260,7 +260,9 @@ def _read_run(share: Share, found: _Found) -> dict[str, Any]:
         if found.record is not None:
             record = RunRecord.from_json(share.read_bytes(found.record), source=share_location(share, found.record))
             row = _row_from_record(record)
-            base = {"experiment": record.experiment or found.experiment, "run_id": record.run_id or found.run_id}
+            base = {"experiment": record.experiment or found.experiment, "run_id": found.run_id}  # its folder's
+            if record.run_id and record.run_id != found.run_id:  # a folder copied or renamed, or a hand edit
+                row["problem"] = f"{RUN_RECORD} names run {record.run_id}, not its folder's {found.run_id}"
             if found.notebook and not record.metrics:
                 # The record may predate the metrics (a run still going, or one killed): the notebook has them.
                 nb = json.loads(share.read_bytes(found.notebook))
