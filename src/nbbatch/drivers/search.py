@@ -281,7 +281,7 @@ class SearchDriver(Driver):
             step, value = point.get("step"), point.get(metric)
             if not isinstance(step, int) or isinstance(step, bool) or step <= trial.reported:
                 continue
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            if not _is_number(value):  # its end says why (_end), once
                 continue
             trial.trial.report(float(value), step)
             trial.reported, trial.last_value = step, float(value)
@@ -318,11 +318,15 @@ class SearchDriver(Driver):
             decision = {"state": "pruned", "step": trial.reported, "value": trial.last_value}
         elif record.status == Status.SUCCEEDED:
             value = record.metrics.get(metric, trial.last_value)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            if value is None:
                 study.study.tell(trial.trial, state=state.FAIL)
                 if not study.metric_seen:
                     self._unknown_metric(study, record)
-                decision = {"state": "failed", "reason": f"no value of {metric}"}
+                decision = {"state": "failed", "reason": f"its run recorded no value of {metric}"}
+            elif not _is_number(value):  # a diverged run (nan, inf), or a notebook recording text: this trial only
+                study.study.tell(trial.trial, state=state.FAIL)
+                decision = {"state": "failed", "reason": _not_a_number(metric, value)}
+                self.say(f"trial {trial.number} of {study.label}: failed ({record.run_id}): {decision['reason']}")
             else:
                 study.study.tell(trial.trial, float(value))
                 decision = {"state": "complete", "value": float(value)}
@@ -352,6 +356,19 @@ class SearchDriver(Driver):
         for trial in trials:
             if trial.thread is not None:
                 trial.thread.join(timeout=120)
+
+
+def _is_number(value: Any) -> bool:
+    """Whether ``value`` can be told to the study: a finite number (nbbatch.record keeps nan and inf as text)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _not_a_number(metric: str, value: Any) -> str:
+    """Why a recorded value of the search's metric is no trial's value, for people."""
+    text = str(value).strip().lower().lstrip("+-")
+    if isinstance(value, float) or isinstance(value, str) and text in ("nan", "inf", "infinity"):
+        return f"recorded {metric} = {value}: not a finite number"
+    return f"recorded {metric} = {value!r}: not a number"
 
 
 def _short(value: Any) -> str:
