@@ -8,6 +8,8 @@ import pytest
 from support.notebooks import make_notebook
 
 from nbbatch.api import submit
+from nbbatch.errors import SpecError
+from nbbatch.spec.search import PRUNER_SETTINGS, Search, SearchParam, parse_search
 from nbbatch.store.share import FileShare
 
 pytest.importorskip("optuna")
@@ -56,3 +58,86 @@ def test_a_trial_whose_metric_is_nan_inf_text_or_a_bool_fails_alone_and_the_sear
     on_share = json.loads((FileShare(project / "results").root / "bad" / result.records[0].run_id / "run.json")
                           .read_text())
     assert on_share["trial"]["state"] in ("complete", "failed")
+
+
+CANDIDATES = [-1, 0, 0.5, 1, 2, 2.5, 3, 25, 99.5, 100, 101, float("inf"), float("nan"), True, "3", None]
+
+
+@pytest.mark.parametrize("pruner, key", [(p, k) for p, keys in PRUNER_SETTINGS.items() for k in keys])
+def test_a_pruner_setting_is_accepted_at_plan_time_exactly_when_optuna_accepts_it(pruner, key):
+    """Every setting of every pruner, over values around each limit: planning refuses what Optuna would refuse in
+    the driver (after the lock), and what it accepts, Optuna accepts."""
+    base = {"max_resource": 1000} if pruner == "hyperband" else {}
+    for value in CANDIDATES:
+        try:
+            parse_search(_block(trials=10**6, pruner={pruner: {**base, key: value}}))
+        except SpecError as exc:
+            planned = str(exc)
+            assert planned.startswith(f"search.pruner.{pruner}.{key} must be"), planned
+        else:
+            planned = None
+        assert (planned is None) == _optuna_takes(pruner, {**PRUNER_SETTINGS[pruner], **base, key: value}), (
+            pruner, key, value, planned)
+
+
+def _optuna_takes(pruner: str, settings: dict) -> bool:
+    """Whether Optuna's own pruner takes these settings, through its first decisions (Hyperband checks late)."""
+    import optuna
+
+    # Optuna's signatures take ints for the counts and steps (a fraction runs, truncated or compared as it is; inf
+    # never ends): nbbatch refuses one rather than guess
+    if not all(isinstance(v, int) and not isinstance(v, bool) for k, v in settings.items() if k != "percentile"):
+        return False
+    names = {"startup_trials": "n_startup_trials", "warmup_steps": "n_warmup_steps"}
+    given = {names.get(k, k): v for k, v in settings.items()}
+    kind = {"median": optuna.pruners.MedianPruner, "percentile": optuna.pruners.PercentilePruner,
+            "asha": optuna.pruners.SuccessiveHalvingPruner, "hyperband": optuna.pruners.HyperbandPruner}[pruner]
+    try:
+        study = optuna.create_study(pruner=kind(**given))
+        for number in range(3):
+            trial = study.ask()
+            for step in (1, 2, 3):
+                trial.report(1.0 / (step + number), step)
+                trial.should_prune()
+            study.tell(trial, 1.0)
+    except (ValueError, TypeError, OverflowError, ZeroDivisionError):
+        return False
+    return not isinstance(settings.get("percentile"), (bool, str))  # Optuna compares what it is given
+
+
+def test_a_seed_is_accepted_at_plan_time_exactly_when_optuna_accepts_it():
+    from nbbatch.search.study import sampler_of
+
+    for sampler in ("tpe", "random", "qmc"):
+        for seed in (-1, 0, 7, 2**32 - 1, 2**32, 2**40):
+            try:
+                search = parse_search(_block(sampler=sampler, seed=seed))
+            except SpecError as exc:
+                assert "search.seed must be a whole number from 0 to 4294967295" in str(exc)
+                continue
+            for asked in (0, 5):  # a resumed study's seed moves on, and stays in numpy's range
+                sampler_of(search, asked=asked).sample_independent(*_one_draw(search))
+
+
+def test_percentile_0_and_100_are_accepted_as_optuna_accepts_them():
+    for percentile in (0, 100):
+        assert parse_search(_block(pruner={"percentile": {"percentile": percentile}})).pruner_settings[
+            "percentile"] == percentile
+
+
+def _block(**block) -> dict:
+    return {"metric": "loss", "mode": "min", "trials": 8, "params": {"LR": {"loguniform": [1.0e-4, 1.0]}}, **block}
+
+
+def _unchecked(pruner: str, given: dict):
+    """A Search with settings the spec would refuse, to ask Optuna itself."""
+    return Search("loss", "min", 100, (SearchParam("LR", "uniform", (0.0, 1.0)),), pruner=pruner,
+                  pruner_settings={**PRUNER_SETTINGS[pruner], **given})
+
+
+def _one_draw(search):
+    import optuna
+
+    study = optuna.create_study()
+    trial = study.ask()
+    return study, study._storage.get_trial(trial._trial_id), "LR", optuna.distributions.FloatDistribution(1e-4, 1.0)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from nbbatch.errors import NbbatchError
-from nbbatch.spec.search import Search
+from nbbatch.spec.search import SEED_LIMIT, Search
 
 JOURNAL_FOLDER = ".nbbatch-search"  # beside the experiment file: <folder>/<experiment>/<notebook label>.journal
 RUN_ID = "run_id"  # the trial's user attribute naming its run
@@ -52,7 +52,7 @@ def sampler_of(search: Search, asked: int = 0) -> Any:
     same seed again would draw the first trials' parameters again."""
     optuna = optuna_module()
     samplers = optuna.samplers
-    seed = None if search.seed is None else search.seed + asked
+    seed = None if search.seed is None else (search.seed + asked) % SEED_LIMIT  # numpy's range of seeds
     if search.sampler == "grid":
         return _grid_sampler(samplers.GridSampler)({p.name: list(p.args) for p in search.params}, seed=seed)
     if search.sampler == "random":
@@ -87,7 +87,7 @@ def pruner_of(search: Search) -> Any:
         return pruners.PercentilePruner(float(s["percentile"]), n_startup_trials=int(s["startup_trials"]),
                                         n_warmup_steps=int(s["warmup_steps"]), interval_steps=int(s["interval_steps"]))
     if search.pruner == "asha":
-        return pruners.SuccessiveHalvingPruner(min_resource=s["min_resource"],
+        return pruners.SuccessiveHalvingPruner(min_resource=int(s["min_resource"]),
                                                reduction_factor=int(s["reduction_factor"]),
                                                min_early_stopping_rate=int(s["min_early_stopping_rate"]))
     if search.pruner == "hyperband":
