@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from support.notebooks import make_notebook
 
 from nbbatch.api import submit
 from nbbatch.errors import SpecError
+from nbbatch.search.study import SearchError, open_study
 from nbbatch.spec.search import PRUNER_SETTINGS, Search, SearchParam, parse_search
 from nbbatch.store.share import FileShare
+from nbbatch.ui.cli import main
 
 pytest.importorskip("optuna")
 pytestmark = pytest.mark.timeout(300)
@@ -141,3 +144,71 @@ def _one_draw(search):
     study = optuna.create_study()
     trial = study.ask()
     return study, study._storage.get_trial(trial._trial_id), "LR", optuna.distributions.FloatDistribution(1e-4, 1.0)
+
+
+def _journal_with_trials(tmp_path, told: int = 3):
+    """A study's journal as a driver leaves it: ``told`` trials asked and told."""
+    search = parse_search(_block(sampler="random", seed=1))
+    path = tmp_path / "s" / "nb.journal"
+    study = open_study(search, path, "s/nb", "f")
+    for number in range(told):
+        trial = study.ask()
+        trial.suggest_float("LR", 1e-4, 1.0, log=True)
+        study.tell(trial, float(number))
+    return search, path
+
+
+@pytest.mark.parametrize("damage, left", [
+    (b'{"op_code":6,"worker_id":"x","trial_id":3,"sta', 3),  # a driver killed mid-write
+    (b'{"op_code":6,"worker_id":"x","trial_id":3,"sta\x00\x00\x00\x00\n', 3),  # a full disk's zero-filled tail
+    (b"garbage\n\xff\xfe junk\n", 3),
+])
+def test_a_journal_with_a_damaged_end_is_read_up_to_it_once_said(tmp_path, damage, left):
+    search, path = _journal_with_trials(tmp_path)
+    with path.open("ab") as journal:
+        journal.write(damage)
+    said = []
+    study = open_study(search, path, "s/nb", "f", say=said.append)
+    assert len(study.trials) == left and all(t.state.name == "COMPLETE" for t in study.trials)
+    assert len(said) == 1 and f"the search journal {path} ended in" in said[0] and "dropped" in said[0]
+    trial = study.ask()  # the study goes on, and the journal stays whole
+    trial.suggest_float("LR", 1e-4, 1.0, log=True)
+    study.tell(trial, 9.0)
+    said.clear()
+    assert len(open_study(search, path, "s/nb", "f", say=said.append).trials) == left + 1 and not said
+
+
+@pytest.mark.parametrize("damage", [b"garbage\n", b"\x00\xff\xfe\x01\n", b'{"op_code":6,"wor'])
+def test_a_journal_damaged_in_the_middle_is_refused_in_one_line_naming_the_fix(tmp_path, damage):
+    search, path = _journal_with_trials(tmp_path, told=1)
+    data = path.read_bytes().split(b"\n")
+    path.write_bytes(b"\n".join(data[:2]) + b"\n" + damage + b"\n".join(data[2:]))
+    with pytest.raises(SearchError, match=rf"the search journal {path} is damaged at line 3 .* submit with --force "
+                                          "to start the search afresh"):
+        open_study(search, path, "s/nb", "f", say=print)
+    study = open_study(search, path, "s/nb", "f", fresh=True, say=print)  # --force: afresh, the old one kept
+    assert study.trials == [] and path.with_suffix(".journal.old").exists()
+
+
+def test_a_folder_or_a_read_only_file_in_place_of_the_journal_is_one_line(tmp_path):
+    search = parse_search(_block())
+    path = tmp_path / "s" / "nb.journal"
+    path.mkdir(parents=True)
+    with pytest.raises(SearchError, match=rf"the search journal {path} is not a file: move it aside, or submit with "
+                                          "--force"):
+        open_study(search, path, "s/nb", "f")
+    path.rmdir()
+    _journal_with_trials(tmp_path)
+    path.chmod(0o444)
+    if os.access(path, os.W_OK):
+        pytest.skip("root writes a read-only file")
+    with pytest.raises(SearchError, match=r"cannot be written \(read-only\): make it writable"):
+        open_study(search, path, "s/nb", "f")
+
+
+def test_submit_with_a_folder_in_place_of_the_journal_says_so_in_one_line(project, write_experiment, capsys):
+    exp = _grid_search(project, write_experiment, "dir", ["ok"])
+    (project / ".nbbatch-search" / "dir" / "nb.journal").mkdir(parents=True)
+    assert main(["submit", str(exp)]) != 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "nb.journal is not a file: move it aside" in err, err

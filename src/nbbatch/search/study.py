@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,16 +98,19 @@ def pruner_of(search: Search) -> Any:
     return pruners.NopPruner()
 
 
-def open_study(search: Search, path: Path, name: str, fingerprint: str, fresh: bool = False) -> Any:
+def open_study(search: Search, path: Path, name: str, fingerprint: str, fresh: bool = False,
+               say: Callable[[str], None] = print) -> Any:
     """The study ``name`` in the journal at ``path`` (created, or resumed when it was started for the same search);
-    ``fresh``: an earlier journal is set aside first (``submit --force``)."""
+    ``fresh``: an earlier journal is set aside first (``submit --force``). A journal's damaged end is dropped, saying
+    so with ``say`` (:func:`repair_journal`)."""
     optuna = optuna_module()
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    if fresh and path.exists():
+    if fresh and (path.exists() or path.is_symlink()):
         path.replace(path.with_suffix(".journal.old"))
+    repair_journal(path, say)
     storage = JournalStorage(JournalFileBackend(str(path)))
     study = optuna.create_study(study_name=name, storage=storage, sampler=sampler_of(search), pruner=pruner_of(search),
                                 direction="minimize" if search.mode == "min" else "maximize", load_if_exists=True)
@@ -119,6 +124,49 @@ def open_study(search: Search, path: Path, name: str, fingerprint: str, fresh: b
                           "fixed parameters changed since): submit with --force to start this one afresh (the old "
                           "journal is kept as .journal.old), or give the experiment another name")
     return study
+
+
+def repair_journal(path: Path, say: Callable[[str], None]) -> None:
+    """Make the journal at ``path`` readable by Optuna, or raise :class:`SearchError` naming it and the fix.
+
+    A journal is appended one line per operation. A driver killed mid-write, or a full disk, leaves a half-written
+    last line: it is dropped (the operation never happened), as is any other damage after the last good line.
+    Damage before a good line is refused: an operation lost in the middle would shift what the later ones mean."""
+    if not path.exists() and not path.is_symlink():
+        return
+    fix = ("submit with --force to start the search afresh (the journal is kept as .journal.old; the runs already on "
+           "the share stay, and a trial that draws the same parameters reuses its run)")
+    if not path.is_file():
+        raise SearchError(f"the search journal {path} is not a file: move it aside, or {fix}")
+    try:
+        data = path.read_bytes()
+        writable = os.access(path, os.W_OK)
+    except OSError as exc:
+        raise SearchError(f"the search journal {path} cannot be read ({exc.strerror}): {fix}") from exc
+    if not writable:
+        raise SearchError(f"the search journal {path} cannot be written (read-only): make it writable "
+                          f"(chmod u+w), or {fix}")
+    lines = data.split(b"\n")  # the last piece is what follows the last newline: b"" when the journal is whole
+    good = [_journal_line(line) for line in lines[:-1]]
+    damaged = [number for number, ok in enumerate(good, 1) if not ok] + ([len(lines)] if lines[-1] else [])
+    if not damaged:
+        return
+    first = damaged[0]
+    if any(good[first:]):
+        raise SearchError(f"the search journal {path} is damaged at line {first} (not an Optuna journal record), "
+                          f"before records that depend on it, so its study cannot be read: {fix}")
+    keep = sum(len(line) + 1 for line in lines[:first - 1])
+    with path.open("r+b") as journal:
+        journal.truncate(keep)
+    say(f"the search journal {path} ended in {len(damaged)} damaged line(s) (a driver stopped mid-write, or a full "
+        f"disk): dropped them, keeping its first {first - 1} record(s)")
+
+
+def _journal_line(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line.decode("utf-8")), dict)
+    except (UnicodeDecodeError, ValueError):
+        return False
 
 
 def suggest(trial: Any, search: Search) -> dict[str, Any]:
