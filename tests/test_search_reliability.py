@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -12,6 +13,7 @@ from nbbatch.api import submit
 from nbbatch.errors import SpecError
 from nbbatch.search.study import SearchError, open_study
 from nbbatch.spec.search import PRUNER_SETTINGS, Search, SearchParam, parse_search
+from nbbatch.store.runfiles import read_record_or_none
 from nbbatch.store.share import FileShare
 from nbbatch.ui.cli import main
 
@@ -36,11 +38,12 @@ def _study(project, experiment: str, label: str = "nb"):
 
 
 def _grid_search(project, write_experiment, name: str, kinds: list[str], cells: list[str] | None = None,
-                 **block) -> object:
+                 block: dict | None = None, **params: list) -> object:
     """An experiment file: a grid search of the tiny notebook over KIND (what it records as loss)."""
     make_notebook(project / "nb.ipynb", cells or [KINDS], parameters="KIND = 'ok'\nLR = 0.0")
-    search = {"metric": "loss", "mode": "min", "trials": len(kinds), "sampler": "grid", "seed": 0,
-              "params": {"KIND": kinds}, **block}
+    trials = len(kinds) * math.prod(len(values) for values in params.values())
+    search = {"metric": "loss", "mode": "min", "trials": trials, "sampler": "grid", "seed": 0,
+              "params": {"KIND": kinds, **params}, **(block or {})}
     return write_experiment(json.dumps({"experiment": name, "notebooks": ["nb.ipynb"], "search": search,
                                         "resources": {"max_parallel": 2}}), name=f"{name}.yaml")
 
@@ -212,3 +215,42 @@ def test_submit_with_a_folder_in_place_of_the_journal_says_so_in_one_line(projec
     assert main(["submit", str(exp)]) != 0
     err = capsys.readouterr().err
     assert "Traceback" not in err and "nb.journal is not a file: move it aside" in err, err
+
+
+@pytest.mark.kernel
+def test_a_trial_lost_to_the_share_stays_open_and_runs_again_when_the_search_is_resubmitted(project, write_experiment,
+                                                                                             monkeypatch):
+    """The first trial's run fails outside its notebook (the share could not be written): the search goes on without
+    counting it, and `submit` again runs it under the same trial and run id."""
+    from nbbatch.backends.base import Backend
+    from nbbatch.backends.local.backend import LocalBackend
+    from nbbatch.store.runfiles import write_record
+    from nbbatch.store.runjson import ErrorKind, RunError, Status
+
+    exp = _grid_search(project, write_experiment, "full", ["ok"], LR=[0.1, 0.2, 0.3])
+    lost = []
+
+    def launch(self, runs, share, options):
+        Backend.launch(self, runs, share, options)
+        if not lost:  # the first trial: as a full share leaves it
+            record = read_record_or_none(share, "full", runs[0].run_id)
+            record.status = Status.FAILED
+            record.error = RunError("OSError", "No space left on device", reason="the share could not be written",
+                                    kind=ErrorKind.SHARE)
+            write_record(share, record)
+            lost.append(record.run_id)
+
+    monkeypatch.setattr(LocalBackend, "launch", launch)
+    first = submit(exp, progress=False)
+    assert not first.ok and len(first.records) == 3
+    study = _study(project, "full")
+    open_trials = [t for t in study.trials if t.state.name == "RUNNING"]
+    assert [t.user_attrs["run_id"] for t in open_trials] == lost
+    assert sorted(t.state.name for t in study.trials) == ["COMPLETE", "COMPLETE", "RUNNING"]
+    assert read_record_or_none(FileShare(project / "results"), "full", lost[0]).trial["state"] == "open"
+    monkeypatch.undo()
+    again = submit(exp, progress=False)
+    assert again.ok, [(r.run_id, r.status, r.error) for r in again.records]
+    study = _study(project, "full")
+    assert [t.state.name for t in study.trials] == ["COMPLETE"] * 3
+    assert study.trials[open_trials[0].number].user_attrs["run_id"] == lost[0]

@@ -213,9 +213,8 @@ class SearchDriver(Driver):
             study.running[trial.number] = trial
             record = read_record_or_none(self.share, self.experiment, run.run_id)
             stopped_with_driver = record is not None and (  # Ctrl-C, or lost with its driver or node: not its fault
-                record.status == Status.CANCELLED or record.status == Status.FAILED and record.error is not None
-                and record.error.kind == ErrorKind.INFRA or not record.final and not self.backend.in_flight(self.share,
-                                                                                                           record))
+                record.status == Status.CANCELLED or _failed_outside_the_notebook(record)
+                or not record.final and not self.backend.in_flight(self.share, record))
             if record is None or stopped_with_driver:
                 self.say(f"trial {trial.number} of {study.label}: run {run.run_id} starts again (its driver stopped)")
                 self._launch(trial)
@@ -308,6 +307,14 @@ class SearchDriver(Driver):
         if record is not None and record.status == Status.CANCELLED and self._note_cancel():
             self.say(f"trial {trial.number} of {study.label}: run {record.run_id} cancelled with the experiment")
             return  # not told: the trial runs again when the search resumes
+        if record is not None and _failed_outside_the_notebook(record):
+            self.say(f"trial {trial.number} of {study.label}: run {record.run_id} failed outside its notebook "
+                     f"({record.error.summary() if record.error else record.status}): the trial stays open, and runs "
+                     "again when the search is submitted again")
+            record.trial = {"study": study.study.study_name, "number": trial.number, "state": "open",
+                            "reason": "its run failed outside the notebook: it runs again on the next submit"}
+            write_record(self.share, record)
+            return  # not told: the trial is the notebook's to judge, not the share's or the node's
         metric = self.search.metric
         if record is None:  # the backend refused to start it
             study.study.tell(trial.trial, state=state.FAIL)
@@ -356,6 +363,15 @@ class SearchDriver(Driver):
         for trial in trials:
             if trial.thread is not None:
                 trial.thread.join(timeout=120)
+
+
+# Failures that say nothing of the trial's parameters: the share could not be written, the node, task, job or driver
+# was lost. Such a trial stays open in the study and runs again when the search resumes.
+_OUTSIDE_THE_NOTEBOOK = (ErrorKind.SHARE, ErrorKind.INFRA)
+
+
+def _failed_outside_the_notebook(record: RunRecord) -> bool:
+    return record.status == Status.FAILED and record.error is not None and record.error.kind in _OUTSIDE_THE_NOTEBOOK
 
 
 def _is_number(value: Any) -> bool:
