@@ -11,7 +11,7 @@ from support.notebooks import make_notebook
 
 from nbbatch.api import submit
 from nbbatch.errors import SpecError
-from nbbatch.search.study import SearchError, open_study
+from nbbatch.search.study import SearchError, open_study, search_fingerprint
 from nbbatch.spec.search import PRUNER_SETTINGS, Search, SearchParam, parse_search
 from nbbatch.store.runfiles import read_record_or_none
 from nbbatch.store.share import FileShare
@@ -254,3 +254,29 @@ def test_a_trial_lost_to_the_share_stays_open_and_runs_again_when_the_search_is_
     study = _study(project, "full")
     assert [t.state.name for t in study.trials] == ["COMPLETE"] * 3
     assert study.trials[open_trials[0].number].user_attrs["run_id"] == lost[0]
+
+
+@pytest.mark.kernel
+def test_raising_the_budget_of_a_finished_search_goes_on_in_the_same_study(project, write_experiment):
+    exp = _grid_search(project, write_experiment, "grow", ["ok"], LR=[0.1, 0.2, 0.3], block={"trials": 2})
+    assert submit(exp, progress=False).ok
+    numbers = [(t.number, t.user_attrs["run_id"]) for t in _study(project, "grow").trials]
+    text = json.loads(exp.read_text())
+    text["search"]["trials"] = 3
+    exp.write_text(json.dumps(text))
+    result = submit(exp, progress=False)
+    assert result.ok and len(result.records) == 3
+    trials = _study(project, "grow").trials
+    assert [(t.number, t.user_attrs["run_id"]) for t in trials[:2]] == numbers and len(trials) == 3
+    assert sorted(r.parameters["LR"] for r in result.records) == [0.1, 0.2, 0.3]  # the grid's last point, once
+
+
+def test_a_study_fingerprinted_with_its_budget_resumes_and_is_brought_up_to_date(tmp_path):
+    search = parse_search(_block())
+    path = tmp_path / "s" / "nb.journal"
+    old = search_fingerprint(search, "nb-1", with_budget=True)
+    open_study(search, path, "s/nb", old)
+    new = search_fingerprint(search, "nb-1")
+    assert open_study(search, path, "s/nb", new, earlier=[old]).user_attrs["fingerprint"] == new
+    with pytest.raises(SearchError, match="of another search"):
+        open_study(search, path, "s/nb", search_fingerprint(search, "nb-2"))

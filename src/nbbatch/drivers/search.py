@@ -194,7 +194,8 @@ class SearchDriver(Driver):
         label = template.run_id.rsplit("-", 1)[0]
         base = self.plan.experiment.base_dir
         study = open_study(self.search, journal_path(base, self.experiment, label), f"{self.experiment}/{label}",
-                           search_fingerprint(self.search, template.run_id), fresh=self.fresh, say=self.say)
+                           search_fingerprint(self.search, template.run_id), fresh=self.fresh, say=self.say,
+                           earlier=[search_fingerprint(self.search, template.run_id, with_budget=True)])
         return _Study(label, template, study)
 
     def _resume(self, study: _Study) -> None:

@@ -11,7 +11,7 @@ import hashlib
 import importlib.util
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +42,15 @@ def journal_path(base_dir: Path, experiment: str, label: str) -> Path:
     return Path(base_dir) / JOURNAL_FOLDER / experiment / f"{label}.journal"
 
 
-def search_fingerprint(search: Search, template_run_id: str) -> str:
-    """What a study was started for: the search block and the notebook with its fixed parameters (the template
-    run's id). A journal written for another fingerprint is not resumed."""
-    block = json.dumps(search.to_dict(), sort_keys=True, default=str)
-    return hashlib.sha256(f"{block}\0{template_run_id}".encode()).hexdigest()[:16]
+def search_fingerprint(search: Search, template_run_id: str, with_budget: bool = False) -> str:
+    """What a study was started for: the search block, less its budget (``trials`` may grow or shrink in the same
+    study), and the notebook with its fixed parameters (the template run's id). A journal written for another
+    fingerprint is not resumed. ``with_budget``: the fingerprint as earlier nbbatch wrote it, budget included."""
+    block = search.to_dict()
+    if not with_budget:
+        del block["trials"]
+    text = json.dumps(block, sort_keys=True, default=str)
+    return hashlib.sha256(f"{text}\0{template_run_id}".encode()).hexdigest()[:16]
 
 
 def sampler_of(search: Search, asked: int = 0) -> Any:
@@ -99,10 +103,11 @@ def pruner_of(search: Search) -> Any:
 
 
 def open_study(search: Search, path: Path, name: str, fingerprint: str, fresh: bool = False,
-               say: Callable[[str], None] = print) -> Any:
+               say: Callable[[str], None] = print, earlier: Collection[str] = ()) -> Any:
     """The study ``name`` in the journal at ``path`` (created, or resumed when it was started for the same search);
     ``fresh``: an earlier journal is set aside first (``submit --force``). A journal's damaged end is dropped, saying
-    so with ``say`` (:func:`repair_journal`)."""
+    so with ``say`` (:func:`repair_journal`). A study started under one of the ``earlier`` fingerprints (the same
+    search, as an older nbbatch fingerprinted it) is resumed, and its fingerprint brought up to date."""
     optuna = optuna_module()
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
@@ -117,12 +122,12 @@ def open_study(search: Search, path: Path, name: str, fingerprint: str, fresh: b
     if study.trials:
         study.sampler = sampler_of(search, asked=len(study.trials))
     started_for = study.user_attrs.get("fingerprint")
-    if started_for is None:
+    if started_for is None or started_for != fingerprint and started_for in earlier:
         study.set_user_attr("fingerprint", fingerprint)
     elif started_for != fingerprint:
-        raise SearchError(f"the journal {path} holds study `{name}` of another search (its search block, notebook or "
-                          "fixed parameters changed since): submit with --force to start this one afresh (the old "
-                          "journal is kept as .journal.old), or give the experiment another name")
+        raise SearchError(f"the journal {path} holds study `{name}` of another search (its search block besides "
+                          "trials, notebook or fixed parameters changed since): submit with --force to start this one "
+                          "afresh (the old journal is kept as .journal.old), or give the experiment another name")
     return study
 
 
