@@ -280,3 +280,34 @@ def test_a_study_fingerprinted_with_its_budget_resumes_and_is_brought_up_to_date
     assert open_study(search, path, "s/nb", new, earlier=[old]).user_attrs["fingerprint"] == new
     with pytest.raises(SearchError, match="of another search"):
         open_study(search, path, "s/nb", search_fingerprint(search, "nb-2"))
+
+
+@pytest.mark.kernel
+def test_a_notebook_failing_the_same_way_in_its_first_trials_stops_the_search_and_a_resubmit_runs_nothing(
+        project, write_experiment):
+    failing = "import nbbatch\nnbbatch.record(step=1, loss=LR)\n1 / 0"
+    exp = _grid_search(project, write_experiment, "broken", ["ok"], cells=[failing], LR=[0.1, 0.2, 0.3, 0.4, 0.5],
+                       block={"pruner": "none"})
+    text = json.loads(exp.read_text())
+    text["resources"]["max_parallel"] = 1
+    exp.write_text(json.dumps(text))
+    for _ in range(2):
+        with pytest.raises(SearchError, match=r"the first 3 trials of nb all failed the same way \(ZeroDivisionError "
+                                              r"in cell \d; runs .*\): its notebook fails whatever the parameters"
+                                              r".* submit with --force"):
+            submit(exp, progress=False)
+        assert [t.state.name for t in _study(project, "broken").trials] == ["FAIL"] * 3
+
+
+@pytest.mark.kernel
+def test_a_search_stopped_for_a_missing_metric_spends_no_run_when_submitted_again(project, write_experiment):
+    exp = _grid_search(project, write_experiment, "nometric", ["ok"], cells=["import nbbatch\nnbbatch.record(acc=LR)"],
+                       LR=[0.1, 0.2, 0.3, 0.4])
+    text = json.loads(exp.read_text())
+    text["resources"]["max_parallel"] = 1
+    exp.write_text(json.dumps(text))
+    for _ in range(2):
+        with pytest.raises(SearchError, match=r"search.metric `loss` was never recorded: run nb-\w+ of nb succeeded "
+                                              r"without it \(it recorded acc\)"):
+            submit(exp, progress=False)
+        assert len(_study(project, "nometric").trials) == 1
