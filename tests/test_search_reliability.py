@@ -311,3 +311,14 @@ def test_a_search_stopped_for_a_missing_metric_spends_no_run_when_submitted_agai
                                               r"without it \(it recorded acc\)"):
             submit(exp, progress=False)
         assert len(_study(project, "nometric").trials) == 1
+
+
+def test_the_reused_name_warning_counts_a_searchs_trials_not_its_first_run(tmp_path):
+    from nbbatch.drivers.manifest import write_manifest
+    from nbbatch.spec.experiment import Experiment
+
+    spec = Experiment.from_dict({"experiment": "s", "frameworks": ["pytorch"], "search": _block(trials=12)})
+    share = FileShare(tmp_path)
+    assert write_manifest(share, spec, ["pytorch-1"], source=tmp_path / "a.yaml") == []
+    warning, = write_manifest(share, spec, ["pytorch-2"], source=tmp_path / "b.yaml")
+    assert "show this submission's search (up to 12 trials per notebook)" in warning and "1 run(s)" not in warning
