@@ -47,11 +47,14 @@ def write_manifest(share: Share, spec: Experiment, run_ids: list[str], source: o
         reused = [previous.get("frameworks"), previous.get("notebooks")] != [spec.frameworks, manifest["notebooks"]]
     if not reused:
         return []
+    # a search's manifest grows as its trials start: its first write lists one run of many
+    shown = (f"search (up to {spec.search.trials} trials per notebook)" if spec.search
+             else f"{len(manifest['runs'])} run(s)")
     return [f"experiment name `{spec.name}` was last submitted to {share.url} from {_submitted_from(previous)} (at "
             f"{previous.get('updated')}); this submission from {_submitted_from(manifest)} reuses the name and "
             f"replaces its plan: "
             f"`nbbatch status {spec.name}` and `nbbatch compare {spec.name}` now show this submission's "
-            f"{len(manifest['runs'])} run(s), and the earlier runs stay on the share (shown with --all). If they "
+            f"{shown}, and the earlier runs stay on the share (shown with --all). If they "
             f"are different experiments, give one of the files its own `experiment:` name"]
 
 

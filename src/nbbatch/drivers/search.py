@@ -132,6 +132,7 @@ class SearchDriver(Driver):
             self.studies.append(self._open(template))
         try:
             for study in self.studies:
+                self._stop_if_hopeless(study)  # before any run: it would fail as the ones before it did
                 self._resume(study)
             synced = 0.0
             while self._busy():
@@ -194,7 +195,8 @@ class SearchDriver(Driver):
         label = template.run_id.rsplit("-", 1)[0]
         base = self.plan.experiment.base_dir
         study = open_study(self.search, journal_path(base, self.experiment, label), f"{self.experiment}/{label}",
-                           search_fingerprint(self.search, template.run_id), fresh=self.fresh)
+                           search_fingerprint(self.search, template.run_id), fresh=self.fresh, say=self.say,
+                           earlier=[search_fingerprint(self.search, template.run_id, with_budget=True)])
         return _Study(label, template, study)
 
     def _resume(self, study: _Study) -> None:
@@ -213,9 +215,8 @@ class SearchDriver(Driver):
             study.running[trial.number] = trial
             record = read_record_or_none(self.share, self.experiment, run.run_id)
             stopped_with_driver = record is not None and (  # Ctrl-C, or lost with its driver or node: not its fault
-                record.status == Status.CANCELLED or record.status == Status.FAILED and record.error is not None
-                and record.error.kind == ErrorKind.INFRA or not record.final and not self.backend.in_flight(self.share,
-                                                                                                           record))
+                record.status == Status.CANCELLED or _failed_outside_the_notebook(record)
+                or not record.final and not self.backend.in_flight(self.share, record))
             if record is None or stopped_with_driver:
                 self.say(f"trial {trial.number} of {study.label}: run {run.run_id} starts again (its driver stopped)")
                 self._launch(trial)
@@ -281,7 +282,7 @@ class SearchDriver(Driver):
             step, value = point.get("step"), point.get(metric)
             if not isinstance(step, int) or isinstance(step, bool) or step <= trial.reported:
                 continue
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            if not _is_number(value):  # its end says why (_end), once
                 continue
             trial.trial.report(float(value), step)
             trial.reported, trial.last_value = step, float(value)
@@ -308,6 +309,14 @@ class SearchDriver(Driver):
         if record is not None and record.status == Status.CANCELLED and self._note_cancel():
             self.say(f"trial {trial.number} of {study.label}: run {record.run_id} cancelled with the experiment")
             return  # not told: the trial runs again when the search resumes
+        if record is not None and _failed_outside_the_notebook(record):
+            self.say(f"trial {trial.number} of {study.label}: run {record.run_id} failed outside its notebook "
+                     f"({record.error.summary() if record.error else record.status}): the trial stays open, and runs "
+                     "again when the search is submitted again")
+            record.trial = {"study": study.study.study_name, "number": trial.number, "state": "open",
+                            "reason": "its run failed outside the notebook: it runs again on the next submit"}
+            write_record(self.share, record)
+            return  # not told: the trial is the notebook's to judge, not the share's or the node's
         metric = self.search.metric
         if record is None:  # the backend refused to start it
             study.study.tell(trial.trial, state=state.FAIL)
@@ -318,16 +327,22 @@ class SearchDriver(Driver):
             decision = {"state": "pruned", "step": trial.reported, "value": trial.last_value}
         elif record.status == Status.SUCCEEDED:
             value = record.metrics.get(metric, trial.last_value)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            if value is None:
+                trial.trial.set_user_attr(FAILURE, METRIC_MISSING)
                 study.study.tell(trial.trial, state=state.FAIL)
                 if not study.metric_seen:
-                    self._unknown_metric(study, record)
-                decision = {"state": "failed", "reason": f"no value of {metric}"}
+                    self._unknown_metric(study, record.run_id)
+                decision = {"state": "failed", "reason": f"its run recorded no value of {metric}"}
+            elif not _is_number(value):  # a diverged run (nan, inf), or a notebook recording text: this trial only
+                study.study.tell(trial.trial, state=state.FAIL)
+                decision = {"state": "failed", "reason": _not_a_number(metric, value)}
+                self.say(f"trial {trial.number} of {study.label}: failed ({record.run_id}): {decision['reason']}")
             else:
                 study.study.tell(trial.trial, float(value))
                 decision = {"state": "complete", "value": float(value)}
                 self.say(f"trial {trial.number} of {study.label}: {metric} {float(value):.6g} ({record.run_id})")
         else:
+            trial.trial.set_user_attr(FAILURE, _failure(record))
             study.study.tell(trial.trial, state=state.FAIL)
             decision = {"state": "failed", "reason": f"its run {record.status}"}
             self.say(f"trial {trial.number} of {study.label}: run {record.run_id} {record.status}"
@@ -335,10 +350,30 @@ class SearchDriver(Driver):
         if record is not None:
             record.trial = {"study": study.study.study_name, "number": trial.number, **decision}
             write_record(self.share, record)
+        self._stop_if_hopeless(study)
 
-    def _unknown_metric(self, study: _Study, record: RunRecord) -> None:
-        recorded = sorted(k for k, v in record.metrics.items() if isinstance(v, (int, float)))
-        raise SearchError(f"search.metric `{self.search.metric}` was never recorded: run {record.run_id} of "
+    def _stop_if_hopeless(self, study: _Study) -> None:
+        """Stop the search (also before a resumed one runs anything) when no trial of ``study`` ever succeeded and
+        its notebook fails whatever the parameters: a trial found the metric missing, or the first
+        :data:`SAME_FAILURES` trials failed the same way (the same exception in the same cell)."""
+        told = [t for t in study.study.get_trials(deepcopy=False) if t.state.is_finished()]
+        if any(t.state.name != "FAIL" for t in told):
+            return
+        failures = [t.user_attrs.get(FAILURE) for t in told]
+        if METRIC_MISSING in failures and not study.metric_seen:
+            self._unknown_metric(study, told[failures.index(METRIC_MISSING)].user_attrs.get(RUN_ID, "?"))
+        first = failures[:SAME_FAILURES]
+        if len(first) == SAME_FAILURES and first[0] is not None and first.count(first[0]) == SAME_FAILURES:
+            runs = ", ".join(str(t.user_attrs.get(RUN_ID)) for t in told[:SAME_FAILURES])
+            raise SearchError(f"the first {SAME_FAILURES} trials of {study.label} all failed the same way ("
+                              f"{first[0]}; runs {runs}): its notebook fails whatever the parameters, so the search "
+                              "was stopped. Fix the notebook (or what it needs, such as a missing file) and submit "
+                              "with --force: the search starts afresh")
+
+    def _unknown_metric(self, study: _Study, run_id: str) -> None:
+        record = read_record_or_none(self.share, self.experiment, run_id)
+        recorded = sorted(k for k, v in (record.metrics if record else {}).items() if _is_number(v))
+        raise SearchError(f"search.metric `{self.search.metric}` was never recorded: run {run_id} of "
                           f"{study.label} succeeded without it (it recorded {', '.join(recorded) or 'no metrics'}). "
                           f"The notebook must call nbbatch.record(step=..., {self.search.metric}=...); or name one of "
                           "those in search.metric. The search was stopped")
@@ -352,6 +387,41 @@ class SearchDriver(Driver):
         for trial in trials:
             if trial.thread is not None:
                 trial.thread.join(timeout=120)
+
+
+FAILURE = "failure"  # a failed trial's user attribute: how its run failed (see _failure)
+METRIC_MISSING = "the metric was never recorded"
+SAME_FAILURES = 3  # the first trials failing the same way that stop a search no trial of which succeeded
+
+
+def _failure(record: RunRecord) -> str:
+    """How a run failed, to tell a notebook that fails whatever the parameters: its exception and cell."""
+    error = record.error
+    if error is None:
+        return f"its run {record.status}"
+    return f"{error.ename} in cell {error.cell_index}" if error.cell_index is not None else f"{error.ename} ({error.kind})"
+
+
+# Failures that say nothing of the trial's parameters: the share could not be written, the node, task, job or driver
+# was lost. Such a trial stays open in the study and runs again when the search resumes.
+_OUTSIDE_THE_NOTEBOOK = (ErrorKind.SHARE, ErrorKind.INFRA)
+
+
+def _failed_outside_the_notebook(record: RunRecord) -> bool:
+    return record.status == Status.FAILED and record.error is not None and record.error.kind in _OUTSIDE_THE_NOTEBOOK
+
+
+def _is_number(value: Any) -> bool:
+    """Whether ``value`` can be told to the study: a finite number (nbbatch.record keeps nan and inf as text)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _not_a_number(metric: str, value: Any) -> str:
+    """Why a recorded value of the search's metric is no trial's value, for people."""
+    text = str(value).strip().lower().lstrip("+-")
+    if isinstance(value, float) or isinstance(value, str) and text in ("nan", "inf", "infinity"):
+        return f"recorded {metric} = {value}: not a finite number"
+    return f"recorded {metric} = {value!r}: not a number"
 
 
 def _short(value: Any) -> str:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 from nbbatch.errors import NbbatchError
-from nbbatch.spec.search import Search
+from nbbatch.spec.search import SEED_LIMIT, Search
 
 JOURNAL_FOLDER = ".nbbatch-search"  # beside the experiment file: <folder>/<experiment>/<notebook label>.journal
 RUN_ID = "run_id"  # the trial's user attribute naming its run
@@ -40,11 +42,15 @@ def journal_path(base_dir: Path, experiment: str, label: str) -> Path:
     return Path(base_dir) / JOURNAL_FOLDER / experiment / f"{label}.journal"
 
 
-def search_fingerprint(search: Search, template_run_id: str) -> str:
-    """What a study was started for: the search block and the notebook with its fixed parameters (the template
-    run's id). A journal written for another fingerprint is not resumed."""
-    block = json.dumps(search.to_dict(), sort_keys=True, default=str)
-    return hashlib.sha256(f"{block}\0{template_run_id}".encode()).hexdigest()[:16]
+def search_fingerprint(search: Search, template_run_id: str, with_budget: bool = False) -> str:
+    """What a study was started for: the search block, less its budget (``trials`` may grow or shrink in the same
+    study), and the notebook with its fixed parameters (the template run's id). A journal written for another
+    fingerprint is not resumed. ``with_budget``: the fingerprint as earlier nbbatch wrote it, budget included."""
+    block = search.to_dict()
+    if not with_budget:
+        del block["trials"]
+    text = json.dumps(block, sort_keys=True, default=str)
+    return hashlib.sha256(f"{text}\0{template_run_id}".encode()).hexdigest()[:16]
 
 
 def sampler_of(search: Search, asked: int = 0) -> Any:
@@ -52,7 +58,7 @@ def sampler_of(search: Search, asked: int = 0) -> Any:
     same seed again would draw the first trials' parameters again."""
     optuna = optuna_module()
     samplers = optuna.samplers
-    seed = None if search.seed is None else search.seed + asked
+    seed = None if search.seed is None else (search.seed + asked) % SEED_LIMIT  # numpy's range of seeds
     if search.sampler == "grid":
         return _grid_sampler(samplers.GridSampler)({p.name: list(p.args) for p in search.params}, seed=seed)
     if search.sampler == "random":
@@ -87,7 +93,7 @@ def pruner_of(search: Search) -> Any:
         return pruners.PercentilePruner(float(s["percentile"]), n_startup_trials=int(s["startup_trials"]),
                                         n_warmup_steps=int(s["warmup_steps"]), interval_steps=int(s["interval_steps"]))
     if search.pruner == "asha":
-        return pruners.SuccessiveHalvingPruner(min_resource=s["min_resource"],
+        return pruners.SuccessiveHalvingPruner(min_resource=int(s["min_resource"]),
                                                reduction_factor=int(s["reduction_factor"]),
                                                min_early_stopping_rate=int(s["min_early_stopping_rate"]))
     if search.pruner == "hyperband":
@@ -96,29 +102,76 @@ def pruner_of(search: Search) -> Any:
     return pruners.NopPruner()
 
 
-def open_study(search: Search, path: Path, name: str, fingerprint: str, fresh: bool = False) -> Any:
+def open_study(search: Search, path: Path, name: str, fingerprint: str, fresh: bool = False,
+               say: Callable[[str], None] = print, earlier: Collection[str] = ()) -> Any:
     """The study ``name`` in the journal at ``path`` (created, or resumed when it was started for the same search);
-    ``fresh``: an earlier journal is set aside first (``submit --force``)."""
+    ``fresh``: an earlier journal is set aside first (``submit --force``). A journal's damaged end is dropped, saying
+    so with ``say`` (:func:`repair_journal`). A study started under one of the ``earlier`` fingerprints (the same
+    search, as an older nbbatch fingerprinted it) is resumed, and its fingerprint brought up to date."""
     optuna = optuna_module()
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    if fresh and path.exists():
+    if fresh and (path.exists() or path.is_symlink()):
         path.replace(path.with_suffix(".journal.old"))
+    repair_journal(path, say)
     storage = JournalStorage(JournalFileBackend(str(path)))
     study = optuna.create_study(study_name=name, storage=storage, sampler=sampler_of(search), pruner=pruner_of(search),
                                 direction="minimize" if search.mode == "min" else "maximize", load_if_exists=True)
     if study.trials:
         study.sampler = sampler_of(search, asked=len(study.trials))
     started_for = study.user_attrs.get("fingerprint")
-    if started_for is None:
+    if started_for is None or started_for != fingerprint and started_for in earlier:
         study.set_user_attr("fingerprint", fingerprint)
     elif started_for != fingerprint:
-        raise SearchError(f"the journal {path} holds study `{name}` of another search (its search block, notebook or "
-                          "fixed parameters changed since): submit with --force to start this one afresh (the old "
-                          "journal is kept as .journal.old), or give the experiment another name")
+        raise SearchError(f"the journal {path} holds study `{name}` of another search (its search block besides "
+                          "trials, notebook or fixed parameters changed since): submit with --force to start this one "
+                          "afresh (the old journal is kept as .journal.old), or give the experiment another name")
     return study
+
+
+def repair_journal(path: Path, say: Callable[[str], None]) -> None:
+    """Make the journal at ``path`` readable by Optuna, or raise :class:`SearchError` naming it and the fix.
+
+    A journal is appended one line per operation. A driver killed mid-write, or a full disk, leaves a half-written
+    last line: it is dropped (the operation never happened), as is any other damage after the last good line.
+    Damage before a good line is refused: an operation lost in the middle would shift what the later ones mean."""
+    if not path.exists() and not path.is_symlink():
+        return
+    fix = ("submit with --force to start the search afresh (the journal is kept as .journal.old; the runs already on "
+           "the share stay, and a trial that draws the same parameters reuses its run)")
+    if not path.is_file():
+        raise SearchError(f"the search journal {path} is not a file: move it aside, or {fix}")
+    try:
+        data = path.read_bytes()
+        writable = os.access(path, os.W_OK)
+    except OSError as exc:
+        raise SearchError(f"the search journal {path} cannot be read ({exc.strerror}): {fix}") from exc
+    if not writable:
+        raise SearchError(f"the search journal {path} cannot be written (read-only): make it writable "
+                          f"(chmod u+w), or {fix}")
+    lines = data.split(b"\n")  # the last piece is what follows the last newline: b"" when the journal is whole
+    good = [_journal_line(line) for line in lines[:-1]]
+    damaged = [number for number, ok in enumerate(good, 1) if not ok] + ([len(lines)] if lines[-1] else [])
+    if not damaged:
+        return
+    first = damaged[0]
+    if any(good[first:]):
+        raise SearchError(f"the search journal {path} is damaged at line {first} (not an Optuna journal record), "
+                          f"before records that depend on it, so its study cannot be read: {fix}")
+    keep = sum(len(line) + 1 for line in lines[:first - 1])
+    with path.open("r+b") as journal:
+        journal.truncate(keep)
+    say(f"the search journal {path} ended in {len(damaged)} damaged line(s) (a driver stopped mid-write, or a full "
+        f"disk): dropped them, keeping its first {first - 1} record(s)")
+
+
+def _journal_line(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line.decode("utf-8")), dict)
+    except (UnicodeDecodeError, ValueError):
+        return False
 
 
 def suggest(trial: Any, search: Search) -> dict[str, Any]:

@@ -29,6 +29,11 @@ PRUNER_SETTINGS: dict[str, dict[str, Any]] = {
     "asha": {"min_resource": 1, "reduction_factor": 3, "min_early_stopping_rate": 0},
     "hyperband": {"min_resource": 1, "max_resource": None, "reduction_factor": 3},
 }
+# The least value of each whole-number setting: what Optuna's pruners accept (they raise ValueError in the driver,
+# after the lock is taken, on anything less). `percentile` is any number from 0 to 100, both included.
+LEAST_SETTING = {"startup_trials": 0, "warmup_steps": 0, "interval_steps": 1, "min_resource": 1, "max_resource": 1,
+                 "reduction_factor": 2, "min_early_stopping_rate": 0}
+SEED_LIMIT = 2**32  # a sampler's seed seeds numpy's RandomState: 0 ≤ seed < 2**32
 
 
 @dataclass(frozen=True)
@@ -132,12 +137,13 @@ def _param(name: str, spec: Any) -> SearchParam:
     if kind == "choice":
         if not isinstance(args, list) or not args:
             raise SpecError(f"{where}: choice takes a non-empty list of values")
-        if any(not isinstance(v, (str, int, float, bool)) and v is not None for v in args):
-            raise SpecError(f"{where}: choice values must be numbers, strings, booleans or null (got {args!r})")
+        if any(not isinstance(v, (str, int, float, bool)) and v is not None
+               or isinstance(v, float) and not math.isfinite(v) for v in args):
+            raise SpecError(f"{where}: choice values must be finite numbers, strings, booleans or null (got {args!r})")
         return SearchParam(name, kind, tuple(args))
     if (not isinstance(args, list) or len(args) != 2
-            or not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args)):
-        raise SpecError(f"{where}: `{kind}` takes two numbers [low, high] (got {args!r})")
+            or not all(isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a) for a in args)):
+        raise SpecError(f"{where}: `{kind}` takes two finite numbers [low, high] (got {args!r})")
     low, high = args
     if kind == "randint":
         if low != int(low) or high != int(high) or high <= low:
@@ -153,8 +159,8 @@ def _sampler(data: Any, seed: Any) -> tuple[str, int | None]:
     if not isinstance(data, str) or data not in SAMPLERS:
         raise SpecError(f"search.sampler: unknown sampler `{data}`{did_you_mean(str(data), SAMPLERS)}; use one of "
                         f"{', '.join(SAMPLERS)}")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise SpecError(f"search.seed must be an integer (got {seed!r})")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < SEED_LIMIT):
+        raise SpecError(f"search.seed must be a whole number from 0 to {SEED_LIMIT - 1} (got {seed!r})")
     return data, seed
 
 
@@ -177,18 +183,24 @@ def _pruner(data: Any) -> tuple[str, dict[str, Any]]:
         if key not in defaults:
             raise SpecError(f"search.pruner.{name}: unknown setting `{key}`{did_you_mean(str(key), list(defaults))}; "
                             f"{name} takes {', '.join(defaults) or 'no settings'}")
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-            raise SpecError(f"search.pruner.{name}.{key} must be a number ≥ 0 (got {value!r})")
+        _check_setting(name, key, value)
     settings = {**defaults, **given}
     if name == "hyperband" and settings["max_resource"] is None:
         raise SpecError("search.pruner.hyperband needs max_resource: the last step a run reaches (e.g. its EPOCHS), "
                         "so the brackets can be laid out before any run")
-    for key in ("reduction_factor",):
-        if key in settings and settings[key] < 2:
-            raise SpecError(f"search.pruner.{name}.reduction_factor must be at least 2 (got {settings[key]})")
-    if name == "percentile" and not 0 < settings["percentile"] < 100:
-        raise SpecError(f"search.pruner.percentile.percentile must be between 0 and 100 (got {settings['percentile']})")
     return name, settings
+
+
+def _check_setting(pruner: str, key: str, value: Any) -> None:
+    """A pruner's setting as Optuna will take it: a whole number from its least value, or a percentile."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if key == "percentile":
+        if not number or not 0 <= value <= 100:
+            raise SpecError(f"search.pruner.percentile.percentile must be a number from 0 to 100, both included "
+                            f"(got {value!r})")
+        return
+    if not number or not math.isfinite(value) or value != int(value) or value < LEAST_SETTING[key]:
+        raise SpecError(f"search.pruner.{pruner}.{key} must be a whole number ≥ {LEAST_SETTING[key]} (got {value!r})")
 
 
 def brackets(search: Search) -> int:
@@ -227,8 +239,9 @@ def _check_fit(search: Search) -> None:
         if search.trials > search.grid_size:
             raise SpecError(f"search.trials is {search.trials}, but the grid has {search.grid_size} points: set "
                             f"trials: {search.grid_size} (a grid runs each point once)")
-    if search.pruner == "hyperband" and search.pruner_settings["max_resource"] <= search.pruner_settings["min_resource"]:
-        raise SpecError("search.pruner.hyperband: max_resource must be above min_resource")
+    if search.pruner == "hyperband" and search.pruner_settings["max_resource"] < search.pruner_settings["min_resource"]:
+        raise SpecError("search.pruner.hyperband.max_resource must be a whole number ≥ min_resource "
+                        f"({search.pruner_settings['min_resource']}): the last step a run reaches")
     least = smallest_budget(search)
     if search.trials < least:
         raise SpecError(f"search.trials is {search.trials}, below what pruner {search.pruner} needs to ever stop a run "
