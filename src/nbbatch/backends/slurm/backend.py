@@ -318,7 +318,7 @@ class SlurmBackend(Backend):
             self._submit_group(group, shape, first, folder, folder_rel, share, project, python, throttle)
 
     def _submit_group(self, group: Sequence[Run], shape: JobShape, first: int, folder: Path, folder_rel: str,
-                      share: Share, project: str, python: str, throttle: int | None, script_name: str = "") -> None:
+                      share: Share, project: str, python: str, throttle: int | None, again: int = 0) -> None:
         gang = shape.nodes > 1 or bool(group[0].distribution)
         array = not gang
         task = f"$(( SLURM_ARRAY_TASK_ID + {first} ))" if array else str(first)
@@ -327,13 +327,15 @@ class SlurmBackend(Backend):
             launch = job_launch(run, str(share.local_path("")), project, bool(shape.gpus), images, CONTAINER_ENGINE)
             (folder / "specs" / f"{first + offset}.json").write_text(launch.to_json())
         command = launch_shell_command(shell_launcher(python), spec_path(folder, task))
-        script = folder / (script_name or f"batch-{first}.sh")
+        script = folder / (f"batch-{first}-again-{again}.sh" if again else f"batch-{first}.sh")
         script.write_text(batch_script(group[0].experiment, command, project, self.settings.env or {}, gang))
         output = "slurm-%A_%a.out" if array else "slurm-%j.out"
         args = [*job_options(self.settings, shape, job_name(group[0].experiment)),
                 f"--output={folder / output}"]
         if array:
             args.append(array_option(len(group), throttle))
+        if again and throttle:  # a job of its own beside the submission's array: it starts only when no job of the
+            args.append("--dependency=singleton")  # experiment runs (at most K at once holds across both)
         try:
             job_id = self.slurm.submit(args, str(script))
         except SlurmCommandError as exc:
@@ -346,7 +348,7 @@ class SlurmBackend(Backend):
             task_id = f"{job_id}_{offset}" if array else job_id
             out = f"{folder_rel}/slurm-{job_id}_{offset}.out" if array else f"{folder_rel}/slurm-{job_id}.out"
             SlurmJob(task_id, folder_rel, out, utc_now(), spec=f"{folder_rel}/specs/{first + offset}.json",
-                     python=python, project=project).write(
+                     python=python, project=project, resubmits=again, max_parallel=throttle).write(
                 share, run.experiment, run.run_id)
 
     # --- state ---------------------------------------------------------------------------------------------
@@ -443,15 +445,13 @@ class SlurmBackend(Backend):
         project = job.project or self.settings.project or str(run.project_root())  # as first submitted
         try:
             self._submit_group([run], JobShape.of(run), int(index), folder, job.submission, share, project,
-                               job.python or self.settings.python or sys.executable, None,
-                               script_name=f"batch-{index}-again-{job.resubmits + 1}.sh")
+                               job.python or self.settings.python or sys.executable,
+                               job.max_parallel or self.settings.max_parallel, again=job.resubmits + 1)
         except (OSError, ContainerError):  # no podman or image where status runs: the run ends as lost
             return False
         again = SlurmJob.read(share, run.experiment, run.run_id)
         if again is None or again.job_id == job.job_id:
             return False
-        again.resubmits = job.resubmits + 1
-        again.write(share, run.experiment, run.run_id)
         record.note = f"submitted again as job {again.job_id} after: {error.evalue}"
         record.status = Status.QUEUED
         write_record(share, record)
