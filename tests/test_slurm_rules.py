@@ -10,7 +10,8 @@ import pytest
 
 from nbbatch.backends.base import SubmitOptions
 from nbbatch.backends.slurm import SlurmBackend, SlurmJob
-from nbbatch.backends.slurm.commands import QueuedJob
+from nbbatch.backends.slurm.commands import Partition, QueuedJob
+from nbbatch.errors import BackendError
 from nbbatch.plan.runs import Run
 from nbbatch.store.runfiles import new_record, read_record, write_record
 from nbbatch.store.share import FileShare
@@ -25,7 +26,27 @@ class SlurmDouble:
     queued: dict[str, QueuedJob] = field(default_factory=dict)  # what squeue lists
     details: dict[str, dict[str, str]] = field(default_factory=dict)  # scontrol show job, by job id
     config: dict[str, str] = field(default_factory=dict)  # scontrol show config
+    node_memory: dict[str, list[int]] = field(default_factory=lambda: {"debug": [8000, 8000]})  # sinfo's %m
+    cluster_default_memory: bool = False  # DefMemPerCPU or DefMemPerNode set
+    refusal: str | None = None  # what sbatch --test-only says
     submitted: list[list[str]] = field(default_factory=list)
+    tested: list[list[str]] = field(default_factory=list)
+
+    def missing_tools(self) -> list[str]:
+        return []
+
+    def partitions(self) -> list[Partition]:
+        return [Partition("debug", True, True, "infinite", 2, "gpu:2")]
+
+    def default_memory(self, partition: str | None) -> bool:
+        return self.cluster_default_memory
+
+    def node_memory_mb(self) -> dict[str, list[int]]:
+        return dict(self.node_memory)
+
+    def test_only(self, args) -> str | None:
+        self.tested.append(list(args))
+        return self.refusal
 
     def submit(self, args, script: str) -> str:
         self.submitted.append(list(args))
@@ -86,3 +107,40 @@ def test_a_lost_run_without_a_limit_is_submitted_again_at_once(project, tmp_path
     backend, slurm, share, runs = _submitted(project, tmp_path, 1, None)
     backend.sync("exp", share)
     assert len(slurm.submitted) == 2 and not any(a.startswith("--dependency") for a in slurm.submitted[1])
+
+
+def _memory(args: list[str]) -> list[str]:
+    return [a for a in args if a.startswith("--mem")]
+
+
+def test_without_a_memory_setting_a_run_asks_what_the_partitions_nodes_have(project, tmp_path):
+    """Nodes of 8000 MB, no DefMemPerCPU: 8G would be refused, so a run asks 8000M (not the whole node by leaving
+    --mem out); nodes of 64 GB: 8G."""
+    _backend, slurm, _share, _runs = _submitted(project, tmp_path, 1, None)
+    assert _memory(slurm.submitted[0]) == ["--mem=8000M"]
+    backend = SlurmBackend()
+    backend.slurm = big = SlurmDouble(node_memory={"debug": [65536]})
+    backend.start(_runs_of(project), FileShare(tmp_path / "big"), SubmitOptions())
+    assert _memory(big.submitted[0]) == ["--mem=8G"]
+
+
+def test_where_the_cluster_gives_jobs_memory_a_run_asks_none(project, tmp_path):
+    backend = SlurmBackend()
+    backend.slurm = slurm = SlurmDouble(cluster_default_memory=True)
+    backend.check(_runs_of(project))
+    backend.start(_runs_of(project), FileShare(tmp_path / "share"), SubmitOptions())
+    assert not _memory(slurm.tested[0]) and not _memory(slurm.submitted[0])
+
+
+def test_a_memory_slurm_refuses_is_compared_with_the_nodes_and_the_setting_named(project, tmp_path):
+    backend = SlurmBackend(memory="8G")
+    backend.slurm = SlurmDouble(refusal="sbatch: error: Memory specification can not be satisfied")
+    with pytest.raises(BackendError, match=r"Slurm says: sbatch: error: Memory specification can not be satisfied\. "
+                                           r"The backend setting `memory: 8G` asks 8192 MB per node, but the nodes of "
+                                           r"partition `debug` have at most 8000 MB \(sinfo\): set `memory` to at most "
+                                           r"8000M"):
+        backend.check(_runs_of(project))
+
+
+def _runs_of(project: Path) -> list[Run]:
+    return _runs(project, 1)

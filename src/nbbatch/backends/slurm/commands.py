@@ -123,14 +123,35 @@ class Slurm:
         out = self.run("sinfo", "-h", "-N", "-o", "%N|%o").stdout
         return dict(line.split("|", 1) for line in out.splitlines() if "|" in line)
 
+    def show_config(self) -> dict[str, str]:
+        """``scontrol show config``'s settings (``KEY = VALUE``); {} when it cannot be asked."""
+        done = self.run("scontrol", "show", "config", check=False)
+        pairs = (line.partition("=") for line in done.stdout.splitlines())
+        return {key.strip(): value.strip() for key, sep, value in pairs if sep and key.strip()}
+
     def accounting(self) -> bool:
         """Whether the cluster keeps job accounting (then ``sacct`` knows finished jobs)."""
-        done = self.run("scontrol", "show", "config", check=False)
-        for line in done.stdout.splitlines():
-            key, _, value = line.partition("=")
-            if key.strip() == "AccountingStorageType":
-                return value.strip() not in ("", "accounting_storage/none")
-        return False
+        return self.show_config().get("AccountingStorageType", "") not in ("", "accounting_storage/none")
+
+    def default_memory(self, partition: str | None) -> bool:
+        """Whether a job without ``--mem`` gets a set amount of memory (DefMemPerCPU, DefMemPerNode or DefMemPerGPU of
+        the cluster or of ``partition``), not the whole node."""
+        settings = self.show_config()
+        if partition:
+            shown = self.run("scontrol", "show", "partition", "-o", partition, check=False).stdout
+            settings |= dict(token.partition("=")[::2] for token in shown.split() if "=" in token)
+        return any(settings.get(key, "UNLIMITED") not in ("", "0", "UNLIMITED", "(null)")
+                   for key in ("DefMemPerCPU", "DefMemPerNode", "DefMemPerGPU"))
+
+    def node_memory_mb(self) -> dict[str, list[int]]:
+        """Each partition's nodes' memory (sinfo's RealMemory, MB)."""
+        out = self.run("sinfo", "-h", "-N", "-o", "%N|%m|%P").stdout
+        found: dict[str, list[int]] = {}
+        for line in out.splitlines():
+            _node, memory, partition = (line.split("|") + ["", ""])[:3]
+            if memory.isdigit():
+                found.setdefault(partition.rstrip("*"), []).append(int(memory))
+        return found
 
     # --- jobs ----------------------------------------------------------------------------------------------
 
