@@ -10,7 +10,7 @@ import pytest
 
 from nbbatch.backends.base import SubmitOptions
 from nbbatch.backends.slurm import SlurmBackend, SlurmJob
-from nbbatch.backends.slurm.commands import Partition, QueuedJob
+from nbbatch.backends.slurm.commands import Partition, QueuedJob, Slurm
 from nbbatch.errors import BackendError
 from nbbatch.plan.runs import Run
 from nbbatch.store.runfiles import new_record, read_record, write_record
@@ -29,6 +29,7 @@ class SlurmDouble:
     node_memory: dict[str, list[int]] = field(default_factory=lambda: {"debug": [8000, 8000]})  # sinfo's %m
     cluster_default_memory: bool = False  # DefMemPerCPU or DefMemPerNode set
     refusal: str | None = None  # what sbatch --test-only says
+    completed: dict[str, tuple[str, str]] = field(default_factory=dict)  # the job-completion log: state, exit code
     submitted: list[list[str]] = field(default_factory=list)
     tested: list[list[str]] = field(default_factory=list)
 
@@ -43,6 +44,9 @@ class SlurmDouble:
 
     def node_memory_mb(self) -> dict[str, list[int]]:
         return dict(self.node_memory)
+
+    def completion_log_states(self, job_ids) -> dict[str, tuple[str, str]]:
+        return {j: self.completed[j] for j in job_ids if j in self.completed}
 
     def test_only(self, args) -> str | None:
         self.tested.append(list(args))
@@ -144,3 +148,37 @@ def test_a_memory_slurm_refuses_is_compared_with_the_nodes_and_the_setting_named
 
 def _runs_of(project: Path) -> list[Run]:
     return _runs(project, 1)
+
+
+def test_a_pending_run_scancelled_by_hand_ends_cancelled_and_is_never_submitted_again(project, tmp_path):
+    """squeue and scontrol no longer know the pending task, there is no accounting: the job-completion log says
+    CANCELLED, so the run is cancelled (by Slurm, outside nbbatch), not lost, and not resubmitted (retries: 1)."""
+    backend, slurm, share, runs = _submitted(project, tmp_path, 2, 1)
+    slurm.queued = {"101_0": QueuedJob("101_0", "RUNNING", "None")}
+    slurm.completed = {"101_1": ("CANCELLED", "0:0")}
+    backend.sync("exp", share)
+    record = read_record(share, "exp", runs[1].run_id)
+    assert record.status == "cancelled" and record.error.reason == "cancelled in Slurm (scancel)", record.error
+    assert len(slurm.submitted) == 1 and SlurmJob.read(share, "exp", runs[1].run_id).resubmits == 0
+
+
+def test_the_job_completion_log_is_read_for_jobs_and_array_tasks(tmp_path, monkeypatch):
+    """jobcomp/filetxt's lines (Slurm 22.05): a job by JobId, an array task by ArrayJobId and ArrayTaskId, and tasks
+    that never left their array (cancelled together while pending) by the array's JobId on a line without them; the
+    last line of a job wins; no log, or another plug-in: nothing."""
+    log = tmp_path / "jobcomp.txt"
+    log.write_text(
+        "JobId=84 UserId=root(0) Name=nbbatch-e JobState=CANCELLED Partition=debug DerivedExitCode=0:0 ExitCode=0:0\n"
+        "JobId=85 UserId=root(0) Name=nbbatch-e JobState=CANCELLED ArrayJobId=84 ArrayTaskId=1 ExitCode=0:15\n"
+        "JobId=86 UserId=root(0) Name=nbbatch-e JobState=COMPLETED ArrayJobId=86 ArrayTaskId=2 ExitCode=0:0\n"
+        "JobId=90 UserId=root(0) Name=x JobState=FAILED ExitCode=1:0\n"
+        "JobId=90 UserId=root(0) Name=x JobState=TIMEOUT ExitCode=0:1\n")
+    config = {"JobCompType": "jobcomp/filetxt", "JobCompLoc": str(log)}
+    monkeypatch.setattr(Slurm, "show_config", lambda self: dict(config))
+    found = Slurm().completion_log_states(["84_1", "84_4", "86_2", "86_0", "90", "85_0", "91"])
+    assert found == {"84_1": ("CANCELLED", "0:15"), "84_4": ("CANCELLED", "0:0"), "86_2": ("COMPLETED", "0:0"),
+                     "90": ("TIMEOUT", "0:1")}
+    config["JobCompType"] = "jobcomp/none"
+    assert Slurm().completion_log_states(["90"]) == {}
+    config.update(JobCompType="jobcomp/filetxt", JobCompLoc=str(tmp_path / "elsewhere.txt"))
+    assert Slurm().completion_log_states(["90"]) == {}

@@ -447,6 +447,8 @@ class SlurmBackend(Backend):
             state, exit_code = details.get("JobState", ""), details.get("ExitCode", "")
         if not state and self.slurm.accounting():
             state, exit_code = self.slurm.accounted_states([job.job_id]).get(job.job_id, ("", ""))
+        if not state:  # forgotten by slurmctld (MinJobAge), no accounting: the job-completion log, where there is one
+            state, exit_code = self.slurm.completion_log_states([job.job_id]).get(job.job_id, ("", ""))
         tail = _tail(share, job.output)
         if state in ("", "NODE_FAIL", "BOOT_FAIL", "PREEMPTED"):
             why = (f"Slurm reports {state} for job {job.job_id}" if state else

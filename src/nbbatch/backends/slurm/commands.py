@@ -20,6 +20,7 @@ TOOLS = ("sbatch", "squeue", "scancel", "sinfo")  # what the backend cannot work
 # squeue's columns: job id, array job id and task id (an array task is named by them: its %i may be the array's own
 # id, as for the last task, or one cancelled while pending), state, reason, nodes
 QUEUE_FORMAT = "%i|%F|%K|%T|%r|%N"
+COMPLETION_LOG_TAIL = 64 * 1024 * 1024  # bytes of the job-completion log read: a run's job ended after it was queued
 
 
 # What Slurm's client tools print when this machine cannot reach a cluster at all, and what to do about it.
@@ -210,6 +211,32 @@ class Slurm:
             job_id, state, exit_code = (line.split("|") + ["", ""])[:3]
             states[job_id] = (state.split()[0] if state else "", exit_code)  # "CANCELLED by 0" -> CANCELLED
         return states
+
+    def completion_log_states(self, job_ids: Iterable[str]) -> dict[str, tuple[str, str]]:
+        """From the job-completion log (``JobCompType=jobcomp/filetxt``, the file ``JobCompLoc``, where this machine can
+        read it): each job's final state and exit code, by id; the last source after squeue, scontrol and sacct. An
+        array task is found by its ``ArrayJobId``/``ArrayTaskId``, else (tasks that never left the array: cancelled
+        while pending) under the array's own ``JobId`` on a line without them; a job's last line wins."""
+        wanted = set(job_ids)
+        config = self.show_config()
+        if not wanted or config.get("JobCompType") != "jobcomp/filetxt" or not config.get("JobCompLoc"):
+            return {}
+        try:
+            with open(config["JobCompLoc"], "rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - COMPLETION_LOG_TAIL))
+                lines = log.read().decode(errors="replace").splitlines()
+        except OSError:  # not on this machine, or not readable here
+            return {}
+        own: dict[str, tuple[str, str]] = {}  # by the ids a line names: "90", "84_1", and "84_*" for an array's rest
+        for line in lines:
+            fields = dict(token.partition("=")[::2] for token in line.split() if "=" in token)
+            ended = (fields.get("JobState", ""), fields.get("ExitCode", ""))
+            if "ArrayTaskId" in fields:
+                own[f"{fields.get('ArrayJobId')}_{fields['ArrayTaskId']}"] = ended
+            else:
+                own[fields.get("JobId", "")] = own[f"{fields.get('JobId')}_*"] = ended
+        found = {j: own.get(j) or own.get(f"{j.split('_', 1)[0]}_*") if "_" in j else own.get(j) for j in wanted}
+        return {j: ended for j, ended in found.items() if ended is not None}
 
     def cancel(self, job_ids: Sequence[str], signal: str | None = None) -> str | None:
         """``scancel`` these jobs (or array tasks); None, or what Slurm said when it refused some."""
