@@ -479,7 +479,7 @@ class SlurmBackend(Backend):
         try:
             self._submit_group([run], JobShape.of(run), int(index), folder, job.submission, share, project,
                                job.python or self.settings.python or sys.executable,
-                               job.max_parallel or self.settings.max_parallel, again=job.resubmits + 1)
+                               job.max_parallel or self.parallel_limit(SubmitOptions()), again=job.resubmits + 1)
         except (OSError, ContainerError):  # no podman or image where status runs: the run ends as lost
             return False
         again = SlurmJob.read(share, run.experiment, run.run_id)
