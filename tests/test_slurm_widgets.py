@@ -52,7 +52,7 @@ def test_the_form_has_slurms_labelled_settings_and_edits_reach_the_experiment(tm
     form = widgets.ClusterForm(cluster)
     assert set(form.fields) == set(FORM_LABELS)
     assert {key: field.description for key, field in form.fields.items()} == FORM_LABELS
-    assert form.fields["partition"].value == "debug" and form.fields["memory"].value == "8G"
+    assert form.fields["partition"].value == "debug" and form.fields["memory"].value == ""  # fitted to the cluster
     assert type(form.fields["cpus"]).__name__ == "BoundedIntText" and form.fields["cpus"].min == 1
     edits = {"partition": "gpu", "account": "lab", "qos": "high", "constraint": "a100", "time_limit": "90",
              "cpus": 4, "memory": "16G", "gpu_type": "a100", "max_parallel": "3"}

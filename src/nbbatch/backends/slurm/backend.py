@@ -60,7 +60,8 @@ from nbbatch.store.runfiles import (
 from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status, utc_now
 from nbbatch.store.share import Share, poll_interval
 
-_MEMORY = re.compile(r"^\d+[KMGT]?$", re.IGNORECASE)
+_MEMORY = re.compile(r"^(\d+)([KMGT]?)$", re.IGNORECASE)
+DEFAULT_MEMORY_MB = 8192  # a run's --mem where neither `memory` nor the cluster (DefMemPerCPU…) says, if nodes have it
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 OUTPUT_TAIL = 1500  # characters of Slurm's output file quoted in a lost or failed run's error
 EARLIER_JOBS_S = 60.0  # how long a forced submission waits for the runs' earlier jobs to end
@@ -93,7 +94,7 @@ class SlurmSettings:
     time_limit: str | int | None = field(default=None, metadata=setting(label="time limit"))  # minutes or D-HH:MM:SS
     max_parallel: int | None = field(default=None, metadata=setting(minimum=1, label="max parallel"))  # array's %K
     cpus: int = field(default=2, metadata=setting(minimum=1, label="CPUs per run"))  # per node of a distributed run
-    memory: str = field(default="8G", metadata=setting(label="memory per run"))  # --mem, per node
+    memory: str | None = field(default=None, metadata=setting(label="memory per run"))  # --mem, per node; None: fitted
     gpu_type: str | None = field(default=None, metadata=setting(label="GPU type"))  # --gpus-per-node=TYPE:N
     extra_sbatch: list[str] | None = None  # more sbatch options, as written on its command line
     container: bool = False  # each run in its framework's image (podman on the node; the image on every node)
@@ -108,10 +109,10 @@ class SlurmSettings:
     poll_s: float | None = field(default=None, metadata=setting(minimum=0))  # how often waiting reads the records
 
     def __post_init__(self) -> None:
-        for name in ("partition", "account", "qos", "constraint", "gpu_type", "time_limit"):  # a form's empty field
+        for name in ("partition", "account", "qos", "constraint", "gpu_type", "time_limit", "memory"):  # empty form fields
             if getattr(self, name) == "":
                 object.__setattr__(self, name, None)
-        if not _MEMORY.match(str(self.memory)):
+        if self.memory is not None and not _MEMORY.match(str(self.memory)):
             raise ValidationError(f"backend setting `memory: {self.memory}` is not a Slurm memory size: write a "
                                   "number with K, M, G or T (e.g. 16G), the memory each run's job asks for")
         for option in self.extra_sbatch or ():
@@ -142,6 +143,7 @@ class SlurmBackend(Backend):
         self.slurm = Slurm()
         self._active: tuple[float, str, set[str]] = (0.0, "", set())  # when, experiment, its active job ids
         self._synced_at = float("-inf")  # when sync last asked Slurm
+        self._memory_fit: tuple[str | None] | None = None  # the --mem of a run without `memory`, once worked out
         if self.settings.container:  # the runs' kernels are the images', not venvs on the shared project
             self.capabilities = dataclasses.replace(self.capabilities, local_kernels=False)
         self._node_images = NodeImages(self.name, CONTAINER_ENGINE, self.settings.cpu_image, self.settings.base_image,
@@ -194,16 +196,45 @@ class SlurmBackend(Backend):
         partition = partitions.get(wanted or "") or next((p for p in partitions.values() if p.default), None)
         self._check_time_limits(shapes, partition)
         for shape, run in shapes.items():
-            refusal = self.slurm.test_only(job_options(self.settings, shape, "nbbatch-check"))
+            refusal = self.slurm.test_only(job_options(self.settings, shape, "nbbatch-check", self._fitted_memory()))
             if refusal is not None:
                 offered = sorted({g for p in partitions.values() for g in p.gres.split(",") if g})
                 gres = f" (GPUs there: {', '.join(offered) or 'none'})" if shape.gpus else ""
-                options = " ".join(job_options(self.settings, shape, job_name(run.experiment)))
+                options = " ".join(job_options(self.settings, shape, job_name(run.experiment), self._fitted_memory()))
                 raise BackendError(
                     f"Slurm would refuse the job of run {run.run_id} ({_shape_words(shape)}; options "
-                    f"{options}). Slurm says: {refusal}{gres}. Fix the "
+                    f"{options}). Slurm says: {refusal}{gres}.{self._memory_too_big(partition)} Fix the "
                     "backend settings (partition, account, qos, constraint, gpu_type, memory, cpus, time_limit, "
                     "extra_sbatch) or the experiment's resources. Nothing was queued.")
+
+    def _fitted_memory(self) -> str | None:
+        """The ``--mem`` of a run when the ``memory`` setting is unset: none where the cluster (or the partition) gives
+        jobs a default (DefMemPerCPU, DefMemPerNode, DefMemPerGPU), else 8G or, where the partition's smallest node
+        has less, all of that node's memory (a job without --mem would take a whole node on such a cluster)."""
+        if self.settings.memory:
+            return None
+        if self._memory_fit is None:
+            partition = self.settings.partition or next((p.name for p in self.slurm.partitions() if p.default), None)
+            if self.slurm.default_memory(partition):
+                self._memory_fit = (None,)
+            else:
+                sizes = self.slurm.node_memory_mb().get(partition or "", [])
+                smallest = min(sizes, default=DEFAULT_MEMORY_MB)
+                self._memory_fit = ("8G" if smallest >= DEFAULT_MEMORY_MB else f"{smallest}M",)
+        return self._memory_fit[0]
+
+    def _memory_too_big(self, partition: Partition | None) -> str:
+        """After Slurm refused a job: whether the ``memory`` setting is more than any node of the partition has."""
+        found = _MEMORY.match(str(self.settings.memory or ""))
+        sizes = self.slurm.node_memory_mb().get(partition.name, []) if partition is not None else []
+        if found is None or not sizes:
+            return ""
+        asked = int(found[1]) * {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024 * 1024}[found[2].upper()]
+        if asked <= max(sizes):
+            return ""
+        return (f" The backend setting `memory: {self.settings.memory}` asks {asked:g} MB per node, but the nodes of "
+                f"partition `{partition.name}` have at most {max(sizes)} MB (sinfo): set `memory` to at most "
+                f"{max(sizes)}M, or leave it out to take the cluster's default.")
 
     def _check_time_limits(self, shapes: dict[JobShape, Run], partition: Partition | None) -> None:
         """A job whose --time is above its partition's limit pends forever (Slurm accepts it unless the cluster sets
@@ -318,7 +349,7 @@ class SlurmBackend(Backend):
             self._submit_group(group, shape, first, folder, folder_rel, share, project, python, throttle)
 
     def _submit_group(self, group: Sequence[Run], shape: JobShape, first: int, folder: Path, folder_rel: str,
-                      share: Share, project: str, python: str, throttle: int | None, script_name: str = "") -> None:
+                      share: Share, project: str, python: str, throttle: int | None, again: int = 0) -> None:
         gang = shape.nodes > 1 or bool(group[0].distribution)
         array = not gang
         task = f"$(( SLURM_ARRAY_TASK_ID + {first} ))" if array else str(first)
@@ -327,13 +358,15 @@ class SlurmBackend(Backend):
             launch = job_launch(run, str(share.local_path("")), project, bool(shape.gpus), images, CONTAINER_ENGINE)
             (folder / "specs" / f"{first + offset}.json").write_text(launch.to_json())
         command = launch_shell_command(shell_launcher(python), spec_path(folder, task))
-        script = folder / (script_name or f"batch-{first}.sh")
+        script = folder / (f"batch-{first}-again-{again}.sh" if again else f"batch-{first}.sh")
         script.write_text(batch_script(group[0].experiment, command, project, self.settings.env or {}, gang))
         output = "slurm-%A_%a.out" if array else "slurm-%j.out"
-        args = [*job_options(self.settings, shape, job_name(group[0].experiment)),
+        args = [*job_options(self.settings, shape, job_name(group[0].experiment), self._fitted_memory()),
                 f"--output={folder / output}"]
         if array:
             args.append(array_option(len(group), throttle))
+        if again and throttle:  # a job of its own beside the submission's array: it starts only when no job of the
+            args.append("--dependency=singleton")  # experiment runs (at most K at once holds across both)
         try:
             job_id = self.slurm.submit(args, str(script))
         except SlurmCommandError as exc:
@@ -346,7 +379,7 @@ class SlurmBackend(Backend):
             task_id = f"{job_id}_{offset}" if array else job_id
             out = f"{folder_rel}/slurm-{job_id}_{offset}.out" if array else f"{folder_rel}/slurm-{job_id}.out"
             SlurmJob(task_id, folder_rel, out, utc_now(), spec=f"{folder_rel}/specs/{first + offset}.json",
-                     python=python, project=project).write(
+                     python=python, project=project, resubmits=again, max_parallel=throttle).write(
                 share, run.experiment, run.run_id)
 
     # --- state ---------------------------------------------------------------------------------------------
@@ -414,6 +447,8 @@ class SlurmBackend(Backend):
             state, exit_code = details.get("JobState", ""), details.get("ExitCode", "")
         if not state and self.slurm.accounting():
             state, exit_code = self.slurm.accounted_states([job.job_id]).get(job.job_id, ("", ""))
+        if not state:  # forgotten by slurmctld (MinJobAge), no accounting: the job-completion log, where there is one
+            state, exit_code = self.slurm.completion_log_states([job.job_id]).get(job.job_id, ("", ""))
         tail = _tail(share, job.output)
         if state in ("", "NODE_FAIL", "BOOT_FAIL", "PREEMPTED"):
             why = (f"Slurm reports {state} for job {job.job_id}" if state else
@@ -443,15 +478,13 @@ class SlurmBackend(Backend):
         project = job.project or self.settings.project or str(run.project_root())  # as first submitted
         try:
             self._submit_group([run], JobShape.of(run), int(index), folder, job.submission, share, project,
-                               job.python or self.settings.python or sys.executable, None,
-                               script_name=f"batch-{index}-again-{job.resubmits + 1}.sh")
+                               job.python or self.settings.python or sys.executable,
+                               job.max_parallel or self.parallel_limit(SubmitOptions()), again=job.resubmits + 1)
         except (OSError, ContainerError):  # no podman or image where status runs: the run ends as lost
             return False
         again = SlurmJob.read(share, run.experiment, run.run_id)
         if again is None or again.job_id == job.job_id:
             return False
-        again.resubmits = job.resubmits + 1
-        again.write(share, run.experiment, run.run_id)
         record.note = f"submitted again as job {again.job_id} after: {error.evalue}"
         record.status = Status.QUEUED
         write_record(share, record)
@@ -470,7 +503,7 @@ class SlurmBackend(Backend):
 
     def start_driver(self, name: str, args: Sequence[str], log: Path, cwd: Path, command: str) -> DetachedDriver:
         """The driver itself as a one-CPU job (:mod:`nbbatch.backends.slurm.driver`): a logout changes nothing."""
-        return start_driver_job(self.slurm, self.settings, name, args, log, cwd, command)
+        return start_driver_job(self.slurm, self.settings, name, args, log, cwd, command, self._fitted_memory())
 
     @classmethod
     def driver_state(cls, driver: DetachedDriver) -> DriverState:

@@ -20,6 +20,7 @@ TOOLS = ("sbatch", "squeue", "scancel", "sinfo")  # what the backend cannot work
 # squeue's columns: job id, array job id and task id (an array task is named by them: its %i may be the array's own
 # id, as for the last task, or one cancelled while pending), state, reason, nodes
 QUEUE_FORMAT = "%i|%F|%K|%T|%r|%N"
+COMPLETION_LOG_TAIL = 64 * 1024 * 1024  # bytes of the job-completion log read: a run's job ended after it was queued
 
 
 # What Slurm's client tools print when this machine cannot reach a cluster at all, and what to do about it.
@@ -123,14 +124,35 @@ class Slurm:
         out = self.run("sinfo", "-h", "-N", "-o", "%N|%o").stdout
         return dict(line.split("|", 1) for line in out.splitlines() if "|" in line)
 
+    def show_config(self) -> dict[str, str]:
+        """``scontrol show config``'s settings (``KEY = VALUE``); {} when it cannot be asked."""
+        done = self.run("scontrol", "show", "config", check=False)
+        pairs = (line.partition("=") for line in done.stdout.splitlines())
+        return {key.strip(): value.strip() for key, sep, value in pairs if sep and key.strip()}
+
     def accounting(self) -> bool:
         """Whether the cluster keeps job accounting (then ``sacct`` knows finished jobs)."""
-        done = self.run("scontrol", "show", "config", check=False)
-        for line in done.stdout.splitlines():
-            key, _, value = line.partition("=")
-            if key.strip() == "AccountingStorageType":
-                return value.strip() not in ("", "accounting_storage/none")
-        return False
+        return self.show_config().get("AccountingStorageType", "") not in ("", "accounting_storage/none")
+
+    def default_memory(self, partition: str | None) -> bool:
+        """Whether a job without ``--mem`` gets a set amount of memory (DefMemPerCPU, DefMemPerNode or DefMemPerGPU of
+        the cluster or of ``partition``), not the whole node."""
+        settings = self.show_config()
+        if partition:
+            shown = self.run("scontrol", "show", "partition", "-o", partition, check=False).stdout
+            settings |= dict(token.partition("=")[::2] for token in shown.split() if "=" in token)
+        return any(settings.get(key, "UNLIMITED") not in ("", "0", "UNLIMITED", "(null)")
+                   for key in ("DefMemPerCPU", "DefMemPerNode", "DefMemPerGPU"))
+
+    def node_memory_mb(self) -> dict[str, list[int]]:
+        """Each partition's nodes' memory (sinfo's RealMemory, MB)."""
+        out = self.run("sinfo", "-h", "-N", "-o", "%N|%m|%P").stdout
+        found: dict[str, list[int]] = {}
+        for line in out.splitlines():
+            _node, memory, partition = (line.split("|") + ["", ""])[:3]
+            if memory.isdigit():
+                found.setdefault(partition.rstrip("*"), []).append(int(memory))
+        return found
 
     # --- jobs ----------------------------------------------------------------------------------------------
 
@@ -189,6 +211,32 @@ class Slurm:
             job_id, state, exit_code = (line.split("|") + ["", ""])[:3]
             states[job_id] = (state.split()[0] if state else "", exit_code)  # "CANCELLED by 0" -> CANCELLED
         return states
+
+    def completion_log_states(self, job_ids: Iterable[str]) -> dict[str, tuple[str, str]]:
+        """From the job-completion log (``JobCompType=jobcomp/filetxt``, the file ``JobCompLoc``, where this machine can
+        read it): each job's final state and exit code, by id; the last source after squeue, scontrol and sacct. An
+        array task is found by its ``ArrayJobId``/``ArrayTaskId``, else (tasks that never left the array: cancelled
+        while pending) under the array's own ``JobId`` on a line without them; a job's last line wins."""
+        wanted = set(job_ids)
+        config = self.show_config()
+        if not wanted or config.get("JobCompType") != "jobcomp/filetxt" or not config.get("JobCompLoc"):
+            return {}
+        try:
+            with open(config["JobCompLoc"], "rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - COMPLETION_LOG_TAIL))
+                lines = log.read().decode(errors="replace").splitlines()
+        except OSError:  # not on this machine, or not readable here
+            return {}
+        own: dict[str, tuple[str, str]] = {}  # by the ids a line names: "90", "84_1", and "84_*" for an array's rest
+        for line in lines:
+            fields = dict(token.partition("=")[::2] for token in line.split() if "=" in token)
+            ended = (fields.get("JobState", ""), fields.get("ExitCode", ""))
+            if "ArrayTaskId" in fields:
+                own[f"{fields.get('ArrayJobId')}_{fields['ArrayTaskId']}"] = ended
+            else:
+                own[fields.get("JobId", "")] = own[f"{fields.get('JobId')}_*"] = ended
+        found = {j: own.get(j) or own.get(f"{j.split('_', 1)[0]}_*") if "_" in j else own.get(j) for j in wanted}
+        return {j: ended for j, ended in found.items() if ended is not None}
 
     def cancel(self, job_ids: Sequence[str], signal: str | None = None) -> str | None:
         """``scancel`` these jobs (or array tasks); None, or what Slurm said when it refused some."""

@@ -33,8 +33,9 @@ def driver_job_name(name: str) -> str:
 
 
 def start_driver_job(slurm: Slurm, settings: SlurmSettings, name: str, args: Sequence[str], log: Path, cwd: Path,
-                     command: str) -> DetachedDriver:
-    """Queue the driver of ``name`` (``python ARGS``) as a one-CPU job whose output file is ``log``."""
+                     command: str, memory: str | None) -> DetachedDriver:
+    """Queue the driver of ``name`` (``python ARGS``) as a one-CPU job whose output file is ``log``, with ``memory``
+    (None: the cluster's default)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     script = log.with_suffix(".sh")
     lines = ["#!/bin/bash", f"# nbbatch: the detached driver of {name} (see docs/detach.md)", "set -u"]
@@ -42,7 +43,7 @@ def start_driver_job(slurm: Slurm, settings: SlurmSettings, name: str, args: Seq
     lines += [f"cd {shlex.quote(str(cwd))}", f"exec {shlex.join([settings.python or sys.executable, *args])}"]
     script.write_text("\n".join(lines) + "\n")
     options = [f"--job-name={driver_job_name(name)}", "--nodes=1", "--ntasks=1", "--cpus-per-task=1",
-               f"--mem={str(settings.memory).upper()}", f"--output={log}", f"--chdir={cwd}"]
+               *([f"--mem={memory.upper()}"] if memory else []), f"--output={log}", f"--chdir={cwd}"]
     options += [f"--{flag}={getattr(settings, flag)}" for flag in ("partition", "account", "qos")
                 if getattr(settings, flag)]
     job_id = slurm.submit(options, str(script))

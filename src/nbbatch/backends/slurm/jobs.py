@@ -48,6 +48,7 @@ class SlurmJob:
     python: str = ""  # nbbatch's Python and the project on the nodes: a resubmission from another machine keeps them
     project: str = ""
     resubmits: int = 0  # times the run was submitted again after its node or job was lost
+    max_parallel: int | None = None  # its submission's limit (the array's %K): a resubmission keeps to it too
 
     @classmethod
     def read(cls, share: Share, experiment: str, run_id: str) -> SlurmJob | None:
@@ -57,7 +58,8 @@ class SlurmJob:
             data = json.loads(share.read_bytes(path))
             return cls(**{k: data[k] for k in ("job_id", "submission", "output", "submitted_at", "spec", "python", "project")
                           if k in data},
-                       resubmits=int(data.get("resubmits", 0)))
+                       resubmits=int(data.get("resubmits", 0)),
+                       max_parallel=limit if isinstance(limit := data.get("max_parallel"), int) else None)
         except (FileNotFoundError, OSError, ValueError, TypeError, KeyError):
             return None
 

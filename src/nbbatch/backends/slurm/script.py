@@ -37,12 +37,17 @@ class JobShape:
         return cls(nodes, run.gpus, time_limit_minutes(run))
 
 
-def job_options(settings: SlurmSettings, shape: JobShape, name: str) -> list[str]:
+def job_options(settings: SlurmSettings, shape: JobShape, name: str, fitted_memory: str | None = None) -> list[str]:
     """``sbatch``'s options for a job of ``shape`` (without ``--array`` and ``--output``): the shape's, then the
-    backend's settings (the user's own ``time_limit`` replaces the one nbbatch works out), then ``extra_sbatch``."""
+    backend's settings (the user's own ``time_limit`` replaces the one nbbatch works out), then ``extra_sbatch``.
+
+    ``fitted_memory``: the ``--mem`` of a job whose ``memory`` setting is unset (None: the cluster's default)."""
     # --no-requeue: after a node failure nbbatch submits the run again itself (a requeue waits minutes)
     args = [f"--job-name={name}", f"--nodes={shape.nodes}", "--ntasks-per-node=1", "--no-requeue",
-            f"--cpus-per-task={settings.cpus}", f"--mem={str(settings.memory).upper()}"]  # --mem always: else a node
+            f"--cpus-per-task={settings.cpus}"]
+    memory = settings.memory or fitted_memory
+    if memory:
+        args.append(f"--mem={str(memory).upper()}")
     if shape.gpus:
         gpus = f"{settings.gpu_type}:{shape.gpus}" if settings.gpu_type else str(shape.gpus)
         args.append(f"--gpus-per-node={gpus}")
