@@ -4,6 +4,7 @@ memory stays bounded, and a cell timeout is recorded with the cell it stopped.""
 from __future__ import annotations
 
 import gc
+import io
 import logging
 import threading
 import time
@@ -147,3 +148,20 @@ def test_consecutive_printed_text_of_a_stream_is_one_output_also_under_max_outpu
     everything = "".join(f"capped {i}\n" for i in range(6000))
     assert capped[0].text == everything[:40_000] + ELIDED.format(limit=40_000 / 2**20)
     assert nbformat.read(tmp_path / "out.ipynb", as_version=4).cells == nb.cells
+
+
+@pytest.mark.kernel
+def test_a_kernel_printing_faster_than_the_driver_reads_loses_no_line(tmp_path):
+    """30,000 prints flushed one by one (a message each), faster than the driver reads them: the log and the notebook
+    keep every line and the cell's end. (Before: the kernel's IOPub socket dropped what the driver had not taken once
+    1,000 messages waited: 676 of 30,000 lines lost here; 300,000 prints lost 156,512 lines and their end, and the run
+    succeeded, its log saying the rest of the output did not come.)"""
+    lines = 30_000
+    make_notebook(tmp_path / "nb.ipynb", [f"for i in range({lines}):\n    print(f'line {{i}}', flush=True)\nprint('end')"],
+                  parameters=None)
+    log = io.StringIO()
+    nb = execute_notebook_file(str(tmp_path / "nb.ipynb"), str(tmp_path / "out.ipynb"), kernel_name="python3",
+                               kernel_cwd=str(tmp_path), stdout_file=log, stderr_file=log)
+    everything = "".join(f"line {i}\n" for i in range(lines)) + "end\n"
+    assert log.getvalue() == everything, f"{lines + 1 - log.getvalue().count(chr(10))} lines lost"
+    assert "".join(o.text for o in nb.cells[0].outputs) == everything
