@@ -62,6 +62,27 @@ def test_preloaded_modules_are_there_before_the_first_cell_and_bind_no_name(tmp_
     pool.close()
 
 
+def test_a_preloaded_module_changing_the_directory_environment_or_path_leaves_the_run_as_a_fresh_kernel(tmp_path):
+    """The preload imports a module that changes the working directory, sets and removes environment variables and
+    puts a folder first on sys.path: the run's first cell sees none of it (the module stays imported). (Before: such
+    a module's chdir made 5 of 6 runs fail.)"""
+    (tmp_path / "meddling.py").write_text("import os, sys\nos.chdir('/')\nos.environ['MEDDLED'] = '1'\n"
+                                          "os.environ.pop('KEEP_ME', None)\nsys.path.insert(0, '/nowhere')\n")
+    probe = ("import os, sys\nprint([os.getcwd(), os.environ.get('MEDDLED'), os.environ.get('KEEP_ME'), "
+             "sys.path[:3].count('/nowhere'), 'meddling' in sys.modules, os.getpid()])")
+    make_notebook(tmp_path / "nb.ipynb", [probe], parameters=None)
+    pool, env = KernelPool(1), dict(os.environ, PYTHONPATH=str(tmp_path), KEEP_ME="kept")
+    assert pool.prestart("run", "python3", env, str(tmp_path), ("meddling",))
+    kernel = pool.take("run", "python3", env, str(tmp_path), ("meddling",))
+    wait_until(kernel._launched.is_set, 60, "the kernel started ahead to start")
+    ahead = kernel.km.provisioner.process.pid
+    nb = execute_notebook_file(str(tmp_path / "nb.ipynb"), str(tmp_path / "out.ipynb"), kernel_name="python3",
+                               kernel_env=env, kernel_cwd=str(tmp_path), prestarted=kernel, start_timeout=120)
+    seen = eval(nb.cells[0].outputs[0].text)  # noqa: S307 - the probe's own list
+    assert seen == [str(tmp_path), None, "kept", 0, True, ahead]
+    pool.close()
+
+
 @pytest.mark.parametrize("body", ["import time\nwhile True:\n    time.sleep(1)\n", "import os\nos._exit(3)\n"],
                          ids=["hangs", "kills the kernel"])
 def test_a_preload_that_hangs_or_dies_leaves_the_run_its_own_kernel(tmp_path, body):

@@ -4,6 +4,7 @@ memory stays bounded, and a cell timeout is recorded with the cell it stopped.""
 from __future__ import annotations
 
 import gc
+import io
 import logging
 import threading
 import time
@@ -17,6 +18,7 @@ from support.notebooks import make_notebook
 
 from nbbatch.api import submit
 from nbbatch.execute import attempt as one_attempt
+from nbbatch.execute.engine import ELIDED, execute_notebook_file
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -123,3 +125,43 @@ def test_a_cell_timeout_names_the_cell_and_leaves_no_pending_task(project, caplo
     nb = nbformat.read(project / "results/celltimeout" / record.run_id / "output.ipynb", as_version=4)
     assert nb.cells[1].outputs[0].text == "started\n"
     assert not [r for r in caplog.records if "Task was destroyed" in r.getMessage()]
+
+
+@pytest.mark.kernel
+def test_consecutive_printed_text_of_a_stream_is_one_output_also_under_max_output_mb(tmp_path):
+    """3,000 prints flushed one by one (a message each): one output per stream in the notebook, in order around a
+    displayed value; a cell printing past max_output_mb keeps its head and the note in that one output. (Before: an
+    output per message; 300,000 short prints made 232,190 outputs, a 20.8 MB notebook.)"""
+    cells = ["import sys\nfor i in range(3000):\n    print(f'line {i}', flush=True)\n"
+             "for i in range(3):\n    print(f'warn {i}', file=sys.stderr, flush=True)\n"
+             "display('shown')\nprint('after', flush=True)\nprint('more', flush=True)",
+             "for i in range(6000):\n    print(f'capped {i}', flush=True)"]
+    make_notebook(tmp_path / "nb.ipynb", cells, parameters=None)
+    nb = execute_notebook_file(str(tmp_path / "nb.ipynb"), str(tmp_path / "out.ipynb"), kernel_name="python3",
+                               kernel_cwd=str(tmp_path), max_output_bytes=40_000)
+    printed, capped = nb.cells[0].outputs, nb.cells[1].outputs
+    assert [(o.output_type, o.get("name")) for o in printed] == [
+        ("stream", "stdout"), ("stream", "stderr"), ("display_data", None), ("stream", "stdout")]
+    assert printed[0].text == "".join(f"line {i}\n" for i in range(3000))
+    assert printed[1].text == "warn 0\nwarn 1\nwarn 2\n" and printed[3].text == "after\nmore\n"
+    assert len(capped) == 1, f"{len(capped)} outputs"
+    everything = "".join(f"capped {i}\n" for i in range(6000))
+    assert capped[0].text == everything[:40_000] + ELIDED.format(limit=40_000 / 2**20)
+    assert nbformat.read(tmp_path / "out.ipynb", as_version=4).cells == nb.cells
+
+
+@pytest.mark.kernel
+def test_a_kernel_printing_faster_than_the_driver_reads_loses_no_line(tmp_path):
+    """30,000 prints flushed one by one (a message each), faster than the driver reads them: the log and the notebook
+    keep every line and the cell's end. (Before: the kernel's IOPub socket dropped what the driver had not taken once
+    1,000 messages waited: 676 of 30,000 lines lost here; 300,000 prints lost 156,512 lines and their end, and the run
+    succeeded, its log saying the rest of the output did not come.)"""
+    lines = 30_000
+    make_notebook(tmp_path / "nb.ipynb", [f"for i in range({lines}):\n    print(f'line {{i}}', flush=True)\nprint('end')"],
+                  parameters=None)
+    log = io.StringIO()
+    nb = execute_notebook_file(str(tmp_path / "nb.ipynb"), str(tmp_path / "out.ipynb"), kernel_name="python3",
+                               kernel_cwd=str(tmp_path), stdout_file=log, stderr_file=log)
+    everything = "".join(f"line {i}\n" for i in range(lines)) + "end\n"
+    assert log.getvalue() == everything, f"{lines + 1 - log.getvalue().count(chr(10))} lines lost"
+    assert "".join(o.text for o in nb.cells[0].outputs) == everything

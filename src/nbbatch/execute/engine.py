@@ -60,6 +60,7 @@ from nbbatch.store.notebook_io import write_notebook_atomic  # noqa: E402
 Saver = Callable[[Any], None]
 PointCallback = Callable[[dict[str, Any]], None]
 _DISPLAYS = {"display_data", "update_display_data", "execute_result"}
+_MERGED_OUTPUT = 1 << 16  # characters a stream output grows to by merging the cell's next printed text into it
 
 
 class BatchExecutionManager(NotebookExecutionManager):
@@ -107,7 +108,8 @@ ELIDED = ("\n[nbbatch: this cell printed more than {limit:g} MiB; the rest of it
 
 class _BatchClient(PapermillNotebookClient):
     """Reports the kernel manager as soon as the kernel process exists (started here or before), and keeps
-    at most ``max_output_bytes`` of each cell's printed output in the notebook.
+    at most ``max_output_bytes`` of each cell's printed output in the notebook, consecutive printed text of one
+    stream merged into one output (see :func:`_add_stream`).
 
     What a cell prints beyond that still reaches ``log.txt`` (papermill logs every output as it
     comes); the notebook gets a note instead. The driver's memory is then bounded by the limit, not
@@ -190,20 +192,27 @@ class _BatchClient(PapermillNotebookClient):
         if self.clear_before_next_output:  # a delayed clear_output empties the cell first
             self._printed.pop(cell_index, None)
         out = super().output(outs, msg, display_id, cell_index)
-        if out is None or self._max_output is None or out.get("output_type") != "stream":
+        text = out.get("text") if out is not None and out.get("output_type") == "stream" else None
+        if not isinstance(text, str) or not outs or outs[-1] is not out:
             return out
-        before = self._printed.get(cell_index, 0)
-        text = out.get("text", "")
-        self._printed[cell_index] = before + len(text)
-        if before + len(text) > self._max_output and outs and outs[-1] is out:
-            outs.pop()
-            if before <= self._max_output:  # the output that crosses the limit: its head, then the note
-                name = out.get("name", "stdout")
-                if before < self._max_output:
-                    outs.append(nbformat.v4.new_output("stream", name=name, text=text[:self._max_output - before]))
-                outs.append(nbformat.v4.new_output("stream", name=name,
-                                                   text=ELIDED.format(limit=self._max_output / 2**20)))
+        outs.pop()  # kept below, merged into the cell's last output where that is the same stream
+        name = out.get("name", "stdout")
+        for kept in self._within_limit(cell_index, text):
+            _add_stream(outs, name, kept)
         return out  # whole: papermill writes it to log.txt
+
+    def _within_limit(self, cell_index: int, text: str) -> list[str]:
+        """What the notebook keeps of a cell's next printed ``text``: all of it, its head and the note, or nothing."""
+        if self._max_output is None:
+            return [text]
+        before = self._printed.get(cell_index, 0)
+        self._printed[cell_index] = before + len(text)
+        if before + len(text) <= self._max_output:
+            return [text]
+        if before > self._max_output:  # the note is there already
+            return []
+        head = text[:self._max_output - before]
+        return [*([head] if head else []), ELIDED.format(limit=self._max_output / 2**20)]
 
     def log_output_message(self, output: Any) -> None:
         # papermill's joins a stream's text into a copy first: one message of a cell that printed tens of MiB
@@ -318,6 +327,21 @@ def execute_notebook_file(input_path: str, output_path: str, parameters: dict[st
             raise
         saver(nb)
     return nb
+
+
+def _add_stream(outs: list[Any], name: str, text: str) -> None:
+    """Append printed ``text`` to a cell's outputs: to its last output when that is the same stream, else as a new one.
+
+    One output per message made 300,000 short prints a notebook of 232,190 outputs (20.8 MB, and seconds per save).
+    An output stops growing at ``_MERGED_OUTPUT`` characters, so that a merge never copies more than that (a new
+    output follows; Jupyter shows consecutive outputs of one stream as one).
+    """
+    last = outs[-1] if outs else None
+    if (last is not None and last.get("output_type") == "stream" and last.get("name") == name
+            and isinstance(last.get("text"), str) and len(last["text"]) < _MERGED_OUTPUT):
+        last["text"] += text
+    else:
+        outs.append(nbformat.v4.new_output("stream", name=name, text=text))
 
 
 def _name_the_cell(exc: CellTimeoutError, cell: Any, cell_index: int, timeout: float | None) -> None:

@@ -55,6 +55,15 @@ from nbbatch.execute.affinity import CPUS_VARIABLE, parse_cpu_list, pin_process
 IOPUB_BUFFER_BYTES = 16 << 20
 IOPUB_QUEUE = 32
 KERNEL_ARGUMENTS = ["--HistoryManager.hist_file=:memory:"]  # what nbclient gives the kernels it starts
+# An IPython kernel's IOPub socket drops what its reader has not taken once 1,000 messages wait: a cell printing
+# faster than the driver reads lost lines of log.txt and the notebook (and its end, the run then said the output
+# did not come). Told not to drop (XPUB_NODROP, ipykernel 6.10+), the kernel waits for the driver instead. Bound
+# to no name in the kernel; where the socket is not XPUB (older ipykernel), nothing changes.
+NO_DROP_ARGUMENT = (
+    "--IPKernelApp.exec_lines=(lambda zmq, thread: None if thread is None or thread.socket.type != zmq.XPUB else "
+    "thread.schedule(lambda: thread.socket.setsockopt(zmq.XPUB_NODROP, 1)) and None)"
+    "(__import__('zmq'), getattr(__import__('ipykernel.kernelapp').kernelapp.IPKernelApp.instance(), "
+    "'iopub_thread', None))")
 TRANSPORT_VARIABLE = "NBBATCH_KERNEL_TRANSPORT"
 SOCKET_PATH_MAX = 100  # bytes: a Unix socket path must fit sun_path (108 on Linux, 104 on macOS)
 _SOCKET_NAME = "k"  # the kernel binds <folder>/k-1 … k-5
@@ -291,6 +300,8 @@ class BatchKernelManager(AsyncKernelManager):
                 self.connection_file = os.path.join(self.private_folder, "kernel.json")
                 if self.transport == "ipc":
                     self.ip = os.path.join(self.private_folder, _SOCKET_NAME)
+        if self.kernel_spec is not None and self.kernel_spec.language.lower() == "python":
+            kw["extra_arguments"] = [*kw.get("extra_arguments", []), NO_DROP_ARGUMENT]
         return await super()._async_pre_start_kernel(**kw)
 
     async def _async_start_kernel(self, **kw: Any) -> None:

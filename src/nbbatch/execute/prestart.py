@@ -1,8 +1,8 @@
 """Kernels started ahead of their runs: :class:`KernelPool` starts a run's kernel before the run starts, with the
 run's own kernel, environment and working directory, so that its start-up overlaps the runs before it.
 
-Once up, such a kernel imports the run's framework (``preload``) in one silent request that binds no name and
-never touches CUDA: a kernel's GPUs are fixed when it starts, and it is used only by a run that got those GPUs.
+Once up, such a kernel imports the run's framework (``preload``) in one silent request that binds no name, puts
+back the working directory, environment variables and ``sys.path`` the imports changed, and never touches CUDA: a kernel's GPUs are fixed when it starts, and it is used only by a run that got those GPUs.
 A kernel only ever executes the one notebook it was started for.
 """
 
@@ -196,9 +196,16 @@ class PrestartedKernel:
 
 
 def _preload_code(modules: Sequence[str]) -> str:
-    """Import each module, skipping those that fail; no name is bound in the kernel's namespace."""
-    return "".join(f'try:\n    __import__("importlib").import_module({name!r})\nexcept Exception:\n    pass\n'
-                   for name in modules)
+    """Import each module, skipping those that fail, then put back the working directory, environment variables and
+    ``sys.path`` as they were (a module changing them must not change the run: a fresh kernel has them as started);
+    no name is bound in the kernel's namespace."""
+    body = "".join(f"\n    try:\n        importlib.import_module({name!r})\n    except Exception:\n        pass"
+                   for name in modules) or "\n    pass"
+    code = ("import importlib, os, sys\ncwd, env, path = os.getcwd(), dict(os.environ), list(sys.path)\ntry:" + body +
+            "\nfinally:\n    try:\n        os.chdir(cwd)\n    except OSError:\n        pass\n"
+            "    if dict(os.environ) != env:\n        os.environ.clear()\n        os.environ.update(env)\n"
+            "    sys.path[:] = path\n")
+    return f"exec({code!r}, {{}})"  # in a namespace of its own
 
 
 def _imported_expression(modules: Sequence[str]) -> str:
