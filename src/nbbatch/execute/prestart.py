@@ -2,7 +2,8 @@
 run's own kernel, environment and working directory, so that its start-up overlaps the runs before it.
 
 Once up, such a kernel imports the run's framework (``preload``) in one silent request that binds no name, puts
-back the working directory, environment variables and ``sys.path`` the imports changed, and never touches CUDA: a kernel's GPUs are fixed when it starts, and it is used only by a run that got those GPUs.
+back the working directory, environment variables and ``sys.path`` the imports changed, and never touches CUDA:
+a kernel's GPUs are fixed when it starts, and it is used only by a run that got those GPUs.
 A kernel only ever executes the one notebook it was started for.
 """
 
