@@ -13,7 +13,6 @@ from __future__ import annotations
 import http.client
 import ipaddress
 import json
-import math
 import re
 import smtplib
 import socket
@@ -29,6 +28,8 @@ from typing import Any
 from nbbatch import __version__
 from nbbatch.errors import SpecError
 from nbbatch.redact import redacted_url
+from nbbatch.results.pipeline import best_record
+from nbbatch.results.status import summary_counts
 from nbbatch.spec.notify import (
     ENV_REFERENCE,
     SMTP_URL_VAR,
@@ -38,6 +39,7 @@ from nbbatch.spec.notify import (
     smtp_server,
     smtp_url,
 )
+from nbbatch.spec.pipeline import Select
 from nbbatch.store.runjson import DONE_STATUSES, RunRecord, Status
 
 WEBHOOK_TIMEOUT_S = 10.0  # each try; a webhook that takes longer is down for our purpose
@@ -92,12 +94,10 @@ def ending_of(statuses: Iterable[str]) -> str:
 def best_line(records: Iterable[RunRecord], metric: str, mode: str = "max") -> str | None:
     """``best accuracy 0.97: run pytorch-1a2b (LR=0.01)``, over the records that recorded ``metric``; ``None``
     when none did."""
-    scored = [(float(r.metrics[metric]), r) for r in records if r.status == Status.SUCCEEDED
-              and isinstance(r.metrics.get(metric), (int, float)) and not isinstance(r.metrics[metric], bool)
-              and math.isfinite(r.metrics[metric])]
-    if not scored:
+    best = best_record(list(records), Select(metric, mode))
+    if best is None:
         return None
-    value, best = (max if mode == "max" else min)(scored, key=lambda pair: pair[0])
+    value = float(best.metrics[metric])
     shown = ", ".join(f"{k}={v}" for k, v in best.parameters.items())
     return f"best {metric} {value:.6g}: run {best.run_id}" + (f" ({shown})" if shown else "")
 
@@ -106,9 +106,7 @@ def experiment_outcome(name: str, share: str, records: list[RunRecord], metric: 
                        mode: str = "max") -> Outcome:
     """The outcome of an experiment whose ``records`` are final: its ending, counts, its failed runs and (with
     ``metric``, a search's) its best run."""
-    counts: dict[str, int] = {}
-    for record in records:
-        counts[str(record.status)] = counts.get(str(record.status), 0) + 1
+    counts = summary_counts(records)
     bad = [r for r in records if r.status not in DONE_STATUSES]
     lines = [f"run {r.run_id} {r.status}" + (f": {r.error.summary()}" if r.error else "") for r in bad[:DETAIL_LINES]]
     if len(bad) > DETAIL_LINES:

@@ -24,6 +24,7 @@ from nbbatch.drivers.base import SubmitResult, lock_path
 from nbbatch.drivers.notify import Outcome, send_notifications
 from nbbatch.errors import NbbatchError
 from nbbatch.results.pipeline import best_record, outputs_location, read_pipeline_state, run_summary
+from nbbatch.results.status import summary_counts
 from nbbatch.spec.experiment import Experiment
 from nbbatch.spec.pipeline import Pipeline, Reference, referring_value, substitute
 from nbbatch.spec.project import find_project
@@ -287,7 +288,7 @@ class PipelineDriver:
         records = submission.result.records
         outcome.runs = [r.run_id for r in records]
         outcome.planned = submission.planned
-        outcome.counts = _count(records)
+        outcome.counts = summary_counts(records)
         outcome.state, outcome.reason = _stage_state(records, self.pipeline.stages[name].allow_failures)
         select = self.pipeline.stages[name].select
         best = best_record(records, select) if select else None
@@ -342,13 +343,6 @@ def _stage_state(records: list[RunRecord], allow_failures: bool) -> tuple[str, s
             why = f"cell {error.cell_index}: {why}"
         return "failed", f"run {first.run_id} {first.status.value}: {why}"
     return "succeeded", (f"{len(failed)} run(s) failed (allowed)" if failed else None)
-
-
-def _count(records: list[RunRecord]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for record in records:
-        counts[record.status.value] = counts.get(record.status.value, 0) + 1
-    return counts
 
 
 def _counts(counts: Mapping[str, int]) -> str:

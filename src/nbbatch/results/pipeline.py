@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from nbbatch.errors import NbbatchError
+from nbbatch.results.status import summary_counts
 from nbbatch.spec.pipeline import Select
 from nbbatch.store.layout import experiment_paths, run_paths
 from nbbatch.store.runfiles import load_records
@@ -91,9 +92,7 @@ def stage_rows(share: Share, state: Mapping[str, Any]) -> list[StageRow]:
         wanted = set(stage.get("runs") or [])
         if wanted:
             records = [r for r in records if r.run_id in wanted]
-        counts: dict[str, int] = {}
-        for record in records:
-            counts[record.status.value] = counts.get(record.status.value, 0) + 1
+        counts = summary_counts(records)
         done = sum(n for s, n in counts.items() if s in ("succeeded", "pruned"))
         select = stage.get("select")
         best = best_record(records, Select(**select)) if select else None

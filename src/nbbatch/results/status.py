@@ -13,7 +13,7 @@ import math
 import numbers
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -361,10 +361,11 @@ def _columns(records: list[RunRecord], max_metrics: int, now: datetime) -> list[
     return columns
 
 
-def summary_counts(records: list[RunRecord]) -> dict[str, int]:
+def summary_counts(records: Iterable[RunRecord]) -> dict[str, int]:
+    """How many runs have each status, by the status's text."""
     counts: dict[str, int] = {}
     for r in records:
-        counts[r.status] = counts.get(r.status, 0) + 1
+        counts[r.status.value] = counts.get(r.status.value, 0) + 1
     return counts
 
 

@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from nbbatch.errors import SpecError
 from nbbatch.spec.frameworks import list_frameworks
 from nbbatch.spec.notify import NotifySpec, parse_notify
@@ -25,7 +23,7 @@ from nbbatch.spec.resources import AUTO, DISTRIBUTIONS, Distribution, Resources,
 from nbbatch.spec.schema import shape_error
 from nbbatch.spec.search import Search, parse_search
 from nbbatch.spec.sweep import expand_sweep
-from nbbatch.spec.yaml_loader import load_yaml
+from nbbatch.spec.yaml_loader import read_spec_file
 
 __all__ = ["AUTO", "DISTRIBUTIONS", "Distribution", "Experiment", "NotebookEntry", "Resources", "experiment_problem",
            "load_experiment"]
@@ -221,18 +219,5 @@ def _notebook_path(text: str, base: Path) -> Path:
 def load_experiment(path: str | os.PathLike[str]) -> Experiment:
     """Read and validate an experiment YAML file."""
     path = Path(path)
-    if not path.exists():
-        raise SpecError(f"experiment file {path} does not exist")
-    try:
-        # environment variables are text, kept as written (also the backend's, e.g. Ray's env and env_vars)
-        data = load_yaml(path.read_text(), as_written=[("env",), ("backend", "env"),
-                                                       ("backend", "runtime_env", "env_vars")])
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{path} is not valid YAML: {exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise SpecError(f"{path} is not a text file: {exc}") from exc
-    except (ValueError, RecursionError) as exc:  # e.g. an integer too long to read, nesting too deep
-        raise SpecError(f"{path} cannot be read as an experiment: {type(exc).__name__}: {str(exc)[:200]}") from exc
-    except OSError as exc:  # a folder, no permission
-        raise SpecError(f"cannot read the experiment file {path}: {exc.strerror or exc}") from exc
+    data = read_spec_file(path, "experiment")
     return Experiment.from_dict(data, base_dir=path.resolve().parent, default_name=path.stem)

@@ -28,12 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from nbbatch.errors import NbbatchError, SpecError, did_you_mean
 from nbbatch.spec.experiment import Experiment
 from nbbatch.spec.notify import NotifySpec, parse_notify
-from nbbatch.spec.yaml_loader import load_yaml
+from nbbatch.spec.yaml_loader import read_spec_file
 
 REFERENCE = re.compile(r"\$\{([^}]*)\}")
 STAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,49}$")
@@ -137,29 +135,14 @@ def substitute(value: Any, refs: tuple[Reference, ...], resolved: Mapping[str, A
 def load_pipeline(path: str | os.PathLike[str]) -> Pipeline:
     """Read and check a pipeline file: its shape, every stage's experiment, every reference and the graph."""
     path = Path(path)
-    data = read_spec_file(path)
+    data = read_spec_file(path, "pipeline")
     return pipeline_from_dict(data, base_dir=path.resolve().parent, source=path.resolve())
-
-
-def read_spec_file(path: Path) -> Any:
-    """The YAML of an experiment or pipeline file; a file that cannot be read is one :class:`SpecError`."""
-    if not path.exists():
-        raise SpecError(f"file {path} does not exist")
-    try:
-        return load_yaml(path.read_text(), as_written=[("env",), ("backend", "env"),
-                                                       ("backend", "runtime_env", "env_vars")])
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{path} is not valid YAML: {exc}") from exc
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise SpecError(f"{path} cannot be read: {type(exc).__name__}: {str(exc)[:200]}") from exc
-    except OSError as exc:
-        raise SpecError(f"cannot read {path}: {exc.strerror or exc}") from exc
 
 
 def is_pipeline_file(path: str | os.PathLike[str]) -> bool:
     """Whether a YAML file is a pipeline (it has a top-level ``pipeline:``), not an experiment."""
     try:
-        data = read_spec_file(Path(path))
+        data = read_spec_file(Path(path), "pipeline")
     except SpecError:
         return False
     return isinstance(data, Mapping) and "pipeline" in data

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import yaml
+
+from nbbatch.errors import SpecError
 
 __all__ = ["YamlLoader", "load_yaml"]
 
@@ -88,3 +91,25 @@ def _as_text(node: yaml.Node) -> yaml.Node:
     if not isinstance(node, yaml.ScalarNode) or node.tag == _NULL_TAG:
         return node
     return yaml.ScalarNode(_STR_TAG, node.value, node.start_mark, node.end_mark, node.style)
+
+
+# environment variables are text, kept as written (also the backend's, e.g. Ray's env and env_vars)
+SPEC_AS_WRITTEN = (("env",), ("backend", "env"), ("backend", "runtime_env", "env_vars"))
+
+
+def read_spec_file(path: Path, what: str) -> Any:
+    """The YAML of an experiment or pipeline file (``what``: ``experiment`` or ``pipeline``, for the messages), its
+    ``env:`` values as written; a file that does not exist or cannot be read is one :class:`~nbbatch.errors.SpecError`."""
+    if not path.exists():
+        raise SpecError(f"{what} file {path} does not exist")
+    try:
+        return load_yaml(path.read_text(), as_written=SPEC_AS_WRITTEN)
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{path} is not valid YAML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"{path} is not a text file: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # e.g. an integer too long to read, nesting too deep
+        raise SpecError(f"{path} cannot be read as a{'n' if what[0] in 'aeiou' else ''} {what}: "
+                        f"{type(exc).__name__}: {str(exc)[:200]}") from exc
+    except OSError as exc:  # a folder, no permission
+        raise SpecError(f"cannot read the {what} file {path}: {exc.strerror or exc}") from exc

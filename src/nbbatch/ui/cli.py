@@ -34,7 +34,14 @@ from nbbatch.execute.envs import build_envs, remove_env
 from nbbatch.execute.launch import RUN_ONE, read_launch
 from nbbatch.execute.placement import placement_from_env
 from nbbatch.results.progress import StatusReads, abandoned_runs, table_title, watch_status
-from nbbatch.results.status import REFRESH_EVERY_S, StatusView, plan_table, status_json_rows, status_table
+from nbbatch.results.status import (
+    REFRESH_EVERY_S,
+    StatusView,
+    plan_table,
+    status_json_rows,
+    status_table,
+    summary_counts,
+)
 from nbbatch.spec.environments import list_envs
 from nbbatch.spec.frameworks import get_framework, list_frameworks
 from nbbatch.spec.pipeline import is_pipeline_file
@@ -152,9 +159,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         console.print(_warning(warning))
     if result.skipped:
         console.print(f"skipped {len(result.skipped)} run(s) that already succeeded (use --force to rerun)")
-    counts: dict[str, int] = {}
-    for r in result.records:
-        counts[r.status] = counts.get(r.status, 0) + 1
+    counts = summary_counts(result.records)
     console.print(Text.assemble("experiment ", (result.experiment, "bold"), ": ",
                                 ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
                                 f" — results in {result.share}/{result.experiment}"))
