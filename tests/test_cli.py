@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import pytest
 from support.notebooks import make_notebook
 
 from nbbatch.spec.project import find_project
+from nbbatch.ui.cli import build_parser
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -104,6 +106,16 @@ def test_envs_list_shows_missing(tiny):
     assert "toy" in done.stdout and "missing" in done.stdout
 
 
+def test_envs_list_fits_80_columns_with_every_kernel_name_whole(tiny, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    (tiny / "frameworks" / "tensorflow").mkdir()  # the longest kernel name of the bundled frameworks
+    (tiny / "frameworks" / "tensorflow" / "framework.yaml").write_text("title: TF\nnotebook: nb.ipynb\n")
+    (tiny / "frameworks" / "tensorflow" / "requirements.txt").write_text("ipykernel\n")
+    lines = nbbatch("envs", "list", cwd=tiny, check=True).stdout.splitlines()
+    assert max(map(len, lines)) <= 80
+    assert any("nbbatch-tensorflow" in line for line in lines) and any(line.split()[:1] == ["in"] for line in lines)
+
+
 def test_the_command_does_not_build_jsonschemas_iri_grammar_and_still_validates_notebooks():
     """`rfc3987_syntax` (installed with JupyterLab) builds a grammar for a second at import; the command skips it."""
     probe = ("import sys\nfrom nbbatch.ui import cli\nimport nbformat\n"
@@ -194,3 +206,68 @@ def test_run_one_executes_the_launch_its_backend_wrote(tiny):
 def test_run_one_says_what_is_wrong_with_its_launch(tiny, launch, message):
     done = nbbatch("run-one", launch, cwd=tiny)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_plan_and_submit_take_papermills_parameter_options(tiny):
+    (tiny / "exp.yaml").write_text("experiment: e\nnotebooks: [nb.ipynb]\nparameters: {A: 1}\nsweep: {grid: {LR: [0.1, 0.2]}}\n")
+    (tiny / "more.yaml").write_text("NAME: from-file\n")
+    plan = nbbatch("plan", "exp.yaml", "--json", "-p", "A", "5", "-p", "EPOCHS", "-2", "-r", "NAME", "7",
+                   "-y", "USE: true", cwd=tiny, check=True)
+    runs = json.loads(plan.stdout)
+    assert [(r["parameters"]["A"], r["parameters"]["EPOCHS"], r["parameters"]["NAME"], r["parameters"]["USE"],
+             r["parameters"]["LR"]) for r in runs] == [(5, -2, "7", True, 0.1), (5, -2, "7", True, 0.2)]
+    plain = json.loads(nbbatch("plan", "exp.yaml", "--json", cwd=tiny, check=True).stdout)
+    assert {r["run_id"] for r in plain}.isdisjoint(r["run_id"] for r in runs)  # other parameters: other runs
+    from_file = json.loads(nbbatch("plan", "exp.yaml", "--json", "-f", "more.yaml", cwd=tiny, check=True).stdout)
+    assert {r["parameters"]["NAME"] for r in from_file} == {"from-file"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-p", "EPCHS", "3"], "did you mean `EPOCHS`"),
+    (["-p", "EPOCHS", "three"], "`EPOCHS` of nb.ipynb expects int"),
+    (["-p", "LR", "0.5"], "-p LR: `LR` is varied by sweep.grid of experiment `e`"),
+    (["-p", "class", "1"], "parameter 'class'"),
+])
+@pytest.mark.parametrize("command", ["plan", "submit"])
+def test_a_wrong_parameter_option_is_one_line_before_anything_runs(tiny, command, args, message):
+    (tiny / "exp.yaml").write_text("experiment: e\nnotebooks: [nb.ipynb]\nsweep: {grid: {LR: [0.1, 0.2]}}\n")
+    done = nbbatch(command, "exp.yaml", *args, cwd=tiny)
+    assert done.returncode == 2 and message in done.stderr.replace("\n", " "), done.stderr
+    assert "Traceback" not in done.stderr and not (tiny / "results" / "e").exists()
+
+
+def test_parameter_options_are_refused_for_a_pipeline(tiny):
+    (tiny / "study.yaml").write_text("pipeline: s\nstages:\n  one: {notebooks: [nb.ipynb]}\n")
+    done = nbbatch("submit", "study.yaml", "-p", "A", "2", cwd=tiny)
+    assert done.returncode == 2 and "study.yaml is a pipeline; set a stage's parameters in the file" in done.stderr
+
+
+@pytest.mark.kernel
+def test_submit_with_a_parameter_option_runs_with_it(tiny):
+    (tiny / "exp.yaml").write_text("experiment: e\nnotebooks: [nb.ipynb]\nparameters: {A: 1}\n")
+    done = nbbatch("submit", "exp.yaml", "-q", "-p", "A", "21", cwd=tiny, check=True)
+    assert "1 succeeded" in done.stdout
+    [record] = json.loads(nbbatch("status", "e", "--json", cwd=tiny, check=True).stdout)
+    assert record["parameters"]["A"] == 21 and record["metrics"]["value"] == 42
+
+
+def _arguments(parser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from ((f"{name} {where}", helped) for where, helped in _arguments(sub))
+        elif not isinstance(action, argparse._HelpAction):
+            yield "/".join(action.option_strings) or action.dest, action.help
+
+
+def test_every_argument_of_every_command_says_what_it_is():
+    undocumented = [where for where, helped in _arguments(build_parser())
+                    if not helped and not where.startswith("run-one")]
+    assert undocumented == []
+
+
+def test_the_top_level_help_hides_run_one_and_ends_with_examples():
+    text = build_parser().format_help()
+    assert "run-one" not in text
+    assert text.rstrip().splitlines()[-1].startswith("`nbbatch COMMAND --help`")
+    assert "examples:\n  nbbatch submit" in text and " -p EPOCHS 1 " in text

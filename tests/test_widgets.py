@@ -266,7 +266,7 @@ def test_overrides_match_the_shared_parameters_without_case(tmp_path: Path) -> N
                       base_dir=tmp_path)
     changed = widget_submission._apply_overrides(spec, {"epochs": 10, "lr": 0.5, "CUSTOM": True})
     assert changed.parameters == {"LR": 0.5, "EPOCHS": 10, "CUSTOM": True}
-    with pytest.raises(SpecError, match="`seed` is swept"):
+    with pytest.raises(SpecError, match="`SEED` is varied by sweep.grid"):
         widget_submission._apply_overrides(spec, {"seed": 3})
 
 

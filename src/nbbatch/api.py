@@ -13,10 +13,12 @@ import json
 import os
 import sys
 import warnings
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from nbbatch.backends import Backend, SubmitOptions, get_backend
 from nbbatch.drivers import SearchDriver, SubmissionDriver, SubmitResult
@@ -36,7 +38,7 @@ from nbbatch.results.status import (
     resolve_run_id,
     status_view,
 )
-from nbbatch.spec.experiment import Experiment, load_experiment
+from nbbatch.spec.experiment import Experiment, load_experiment, with_parameters
 from nbbatch.spec.pipeline import Pipeline, is_pipeline_file, load_pipeline, placeholder_values
 from nbbatch.spec.project import Project, find_project
 from nbbatch.store.drivers import DetachedDriver, DriverState
@@ -68,9 +70,10 @@ def known_backend(name: str, project: Project, share: Share | None = None) -> Ba
 
 
 def prepare(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], build_envs: bool = False,
-            progress: bool = True) -> tuple[Plan, Backend, Share]:
-    """Load, (optionally build envs,) plan and validate: everything submit does before it starts runs."""
-    spec = _as_experiment(experiment)
+            progress: bool = True, parameters: Mapping[str, Any] | None = None) -> tuple[Plan, Backend, Share]:
+    """Load, (optionally build envs,) plan and validate: everything submit does before it starts runs.
+    ``parameters`` are fixed for every run over the experiment's own (``-p NAME VALUE``)."""
+    spec = with_parameters(_as_experiment(experiment), parameters or {})
     project = find_project(spec.base_dir)
     backend = get_backend(spec.backend, **spec.backend_settings)
     backend.prepare_environments(spec.frameworks, project, build=build_envs, progress=progress)
@@ -83,10 +86,11 @@ def prepare(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], bu
 
 def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, force: bool = False,
            build_envs: bool = False, wait: bool | None = None, progress: bool | Callable[[RunRecord], None] = True,
-           only: list[str] | None = None) -> SubmitResult:
+           only: list[str] | None = None, parameters: Mapping[str, Any] | None = None) -> SubmitResult:
     """Run an experiment: plan and validate every run, skip succeeded ones (unless ``force``), run the rest.
 
-    ``experiment`` is an :class:`Experiment`, a path to a YAML file, or the YAML's dict.
+    ``experiment`` is an :class:`Experiment`, a path to a YAML file, or the YAML's dict. ``parameters`` are fixed
+    for every run over the experiment's own, as papermill's ``-p`` (a swept or searched one is refused).
     ``progress`` is True for a live terminal table, False for none, or a callback receiving each
     :class:`RunRecord` as it changes (what the Jupyter widgets use). ``only`` restricts to run ids/prefixes.
     ``wait``: return when every run is final (True) or once they are started (False); None: as the backend
@@ -95,28 +99,32 @@ def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, 
     """
     if isinstance(experiment, (str, os.PathLike)) and is_pipeline_file(experiment):
         raise ValidationError(f"{experiment} is a pipeline file: run it with nbbatch.submit_pipeline({str(experiment)!r})")
-    the_plan, backend, share = prepare(experiment, build_envs=build_envs, progress=progress is True)
+    the_plan, backend, share = prepare(experiment, build_envs=build_envs, progress=progress is True,
+                                       parameters=parameters)
     driver = SearchDriver if the_plan.experiment.search is not None else SubmissionDriver
     return driver(the_plan, backend, share, source=experiment, force=force, wait=wait, progress=progress,
                   only=only).submit()
 
 
 def detach(path: str | os.PathLike[str], *, force: bool = False, force_stages: Collection[str] = (),
-           build_envs: bool = False, only: list[str] | None = None) -> DetachedDriver:
+           build_envs: bool = False, only: list[str] | None = None,
+           parameters: Mapping[str, Any] | None = None) -> DetachedDriver:
     """Validate an experiment or pipeline file as :func:`submit` and :func:`submit_pipeline` do, then start its
     driver where it outlives this process and the user's logout (:mod:`nbbatch.drivers.detach`: a background
     process, a Slurm job…) and return at once with what was started. ``force_stages``: a pipeline's stages to run
     again. Refused while its earlier detached driver, or another driver, runs."""
     file = read_driver_file(path)
     flags = [*(["--force"] if force else []), *(f"--force={stage}" for stage in force_stages),
-             *(f"--only={prefix}" for prefix in only or [])]
+             *(f"--only={prefix}" for prefix in only or []),
+             *(["--parameters-yaml", yaml.safe_dump(dict(parameters), default_flow_style=True, width=2**31).strip()]
+               if parameters else [])]  # as YAML, the driver reads back the same types (nan, inf, None)
     if file.pipeline:  # placed by its top-level backend; its stages are checked whole first
         pipeline = load_pipeline(path)
         plan_pipeline(pipeline, build_envs=build_envs)
         project = find_project(file.path.resolve().parent)
         return start_detached(file.path, pipeline.name, get_backend(file.backend, **file.settings), project, flags,
                               lock=lock_path(project, open_share(pipeline.share), pipeline.name))
-    the_plan, backend, share = prepare(path, build_envs=build_envs)
+    the_plan, backend, share = prepare(path, build_envs=build_envs, parameters=parameters)
     driver = SearchDriver if the_plan.experiment.search is not None else SubmissionDriver
     driver(the_plan, backend, share, source=path, force=force, wait=True, progress=False, only=only)  # its refusals
     spec = the_plan.experiment

@@ -87,12 +87,12 @@ def _chosen_backend(args: argparse.Namespace) -> str | None:
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """What ``nbbatch cluster`` takes for every backend."""
-    parser.add_argument("action", choices=ACTIONS)
+    parser.add_argument("action", choices=ACTIONS, help="what to do with the cluster")
     parser.add_argument("--backend", help="the backend whose cluster (default: the experiment's, else the one "
                                           "installed backend that manages a cluster)")
     parser.add_argument("--experiment", help="take the cluster's settings from this experiment file's backend:")
-    parser.add_argument("--no-wait", action="store_true")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--no-wait", action="store_true", help="return once the backend has the request")
+    parser.add_argument("--json", action="store_true", help="the cluster's state as JSON (for scripts)")
 
 
 def managing_backend(name: str | None = None) -> type[Backend]:

@@ -9,6 +9,7 @@ malformed spec is one clear error before anything runs.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import reprlib
 from collections.abc import Mapping
@@ -22,7 +23,7 @@ from nbbatch.spec.notify import NotifySpec, parse_notify
 from nbbatch.spec.resources import AUTO, DISTRIBUTIONS, Distribution, Resources, resources_problem
 from nbbatch.spec.schema import shape_error
 from nbbatch.spec.search import Search, parse_search
-from nbbatch.spec.sweep import expand_sweep
+from nbbatch.spec.sweep import expand_sweep, swept_parameters
 from nbbatch.spec.yaml_loader import read_spec_file
 
 __all__ = ["AUTO", "DISTRIBUTIONS", "Distribution", "Experiment", "NotebookEntry", "Resources", "experiment_problem",
@@ -221,3 +222,18 @@ def load_experiment(path: str | os.PathLike[str]) -> Experiment:
     path = Path(path)
     data = read_spec_file(path, "experiment")
     return Experiment.from_dict(data, base_dir=path.resolve().parent, default_name=path.stem)
+
+
+def with_parameters(experiment: Experiment, values: Mapping[str, Any], given_as: str = "-p") -> Experiment:
+    """``experiment`` with ``values`` fixed for every run (``nbbatch submit -p NAME VALUE``, ``submit_all(lr=0.1)``),
+    over its ``parameters:``; a name its sweep or search varies is refused (``given_as`` names the flag in the error).
+    Each name is then checked against the notebooks' parameters cells as the file's own are, when it is planned."""
+    if not values:
+        return experiment
+    varied = swept_parameters(experiment.sweep)
+    varied.update((param.name, "search") for param in (experiment.search.params if experiment.search else ()))
+    for name in values:
+        if name in varied:
+            raise SpecError(f"{given_as} {name}: `{name}` is varied by {varied[name]} of experiment `{experiment.name}`; "
+                            f"change its values there, or take it out there to fix one value with {given_as}")
+    return dataclasses.replace(experiment, parameters={**experiment.parameters, **values})

@@ -127,6 +127,15 @@ def _random(spec: Any) -> Expansion:
     return samples, draw_all
 
 
+def swept_parameters(sweep: Mapping[str, Any] | None) -> dict[str, str]:
+    """Each parameter a (valid) sweep varies, with where: ``{"LR": "sweep.grid"}``."""
+    where: dict[str, str] = {}
+    for kind, spec in (sweep or {}).items():
+        names = spec.get("params", {}) if kind == "random" else spec
+        where.update((name, f"sweep.{kind}") for name in names)
+    return where
+
+
 def _count(n: int) -> str:
     """``12,000``; ``about 10^40`` for a number too long to read."""
     return f"{n:,}" if n < 10**15 else f"about 10^{len(str(n)) - 1}"

@@ -109,14 +109,16 @@ def _parameters(args: argparse.Namespace) -> dict[str, Any]:
     return params
 
 
-def _add_param_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-p", "--parameters", nargs=2, action="append", metavar=("NAME", "VALUE"),
-                        help="a parameter, typed like papermill: True, False, None, else an int or float (1e-4, "
-                             "-inf, nan) where Python reads one, else the string")
-    parser.add_argument("-r", "--parameters-raw", nargs=2, action="append", metavar=("NAME", "VALUE"),
-                        help="a parameter kept as a string")
-    parser.add_argument("-y", "--parameters-yaml", action="append", metavar="YAML", help="parameters as YAML")
-    parser.add_argument("-f", "--parameters-file", action="append", metavar="FILE", help="parameters from a YAML file")
+def _add_param_options(parser: argparse.ArgumentParser, whose: str) -> None:
+    """papermill's parameter options; ``whose`` says what they set, in their group's title."""
+    group = parser.add_argument_group(f"parameters ({whose})")
+    group.add_argument("-p", "--parameters", nargs=2, action="append", metavar=("NAME", "VALUE"),
+                       help="a parameter, typed like papermill: True, False, None, else an int or float (1e-4, "
+                            "-inf, nan) where Python reads one, else the string")
+    group.add_argument("-r", "--parameters-raw", nargs=2, action="append", metavar=("NAME", "VALUE"),
+                       help="a parameter kept as a string")
+    group.add_argument("-y", "--parameters-yaml", action="append", metavar="YAML", help="parameters as YAML")
+    group.add_argument("-f", "--parameters-file", action="append", metavar="FILE", help="parameters from a YAML file")
 
     class NegativeNumber:
         """What argparse reads as a value, not an option: every negative number int() or float() reads, as papermill
@@ -142,18 +144,19 @@ def cmd_submit(args: argparse.Namespace) -> int:
     file_after_force(args)
     stages, force = forced_stages(args)
     pipeline = is_pipeline_file(args.experiment)
+    parameters = _experiment_parameters(args, pipeline)
     if stages and not pipeline:
         raise NbbatchError(f"--force {stages[0]}: {args.experiment} is an experiment, not a pipeline: `--force` "
                            "alone reruns its succeeded runs")
     if args.detach:  # validated here, then its driver goes where the backend puts drivers: one line, at once
         print(started_line(api.detach(args.experiment, force=force, force_stages=stages, build_envs=args.build_envs,
-                                      only=args.only)))
+                                      only=args.only, parameters=parameters)))
         return 0
     if pipeline:
         return submit_pipeline_command(args, _console())
     wait = True if args.wait else False if args.no_wait else None  # None: as the backend does (slurm: no wait)
     result = api.submit(args.experiment, force=force, build_envs=args.build_envs, wait=wait,
-                        progress=not args.quiet, only=args.only)
+                        progress=not args.quiet, only=args.only, parameters=parameters)
     console = _console()
     for warning in result.warnings:
         console.print(_warning(warning))
@@ -168,13 +171,24 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+SHARE_OPTION_HELP = "the share (default: where it was submitted from this project)"
 PLAN_ROWS = 50  # runs `nbbatch plan` lists unless --all: a sweep of 10^5 runs is read as its count and first rows
 
 
+def _experiment_parameters(args: argparse.Namespace, pipeline: bool) -> dict[str, Any]:
+    """``-p``/``-r``/``-y``/``-f`` of ``submit`` and ``plan``: an experiment's, refused for a pipeline file."""
+    parameters = _parameters(args)
+    if parameters and pipeline:
+        raise NbbatchError(f"-p {next(iter(parameters))}: {args.experiment} is a pipeline; set a stage's parameters "
+                           "in the file (stages: NAME: parameters:)")
+    return parameters
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
+    parameters = _experiment_parameters(args, is_pipeline_file(args.experiment))
     if is_pipeline_file(args.experiment):
         return plan_pipeline_command(args, _console())
-    the_plan, _backend, share = api.prepare(args.experiment)
+    the_plan, _backend, share = api.prepare(args.experiment, parameters=parameters)
     runs = the_plan.runs
     if args.json:  # json.dumps(runs, indent=2) written one run at a time, not as one string (10^5 runs: 50 MB)
         for index, run in enumerate(runs):
@@ -332,13 +346,15 @@ def cmd_run_one(args: argparse.Namespace) -> int:
 
 def cmd_envs(args: argparse.Namespace) -> int:
     if args.action == "list":
-        table = Table(title="framework environments")
-        for col in ("framework", "state", "kernel", "fingerprint", "built", "path"):
+        envs = list_envs()  # their folders share one parent: said once under the table, so it fits 80 columns
+        folders = sorted({str(Path(env.path).parent) for env in envs})
+        table = Table(title="framework environments", caption=f"in {', '.join(folders)}" if folders else None)
+        for col in ("framework", "state", "kernel", "pins", "built (UTC)"):
             table.add_column(col, overflow="fold")
         style = {"ready": "green", "stale": "yellow", "missing": "red"}
-        for env in list_envs():
-            cells = [Text(str(cell)) for cell in (env.framework, env.state, env.kernel, env.fingerprint,
-                                                  env.built_at or "", env.path)]
+        for env in envs:  # the pins' fingerprint to 8 characters, as git shortens a hash; the build to the minute
+            built = (env.built_at or "").replace("T", " ")[:16]
+            cells = [Text(str(cell)) for cell in (env.framework, env.state, env.kernel, env.fingerprint[:8], built)]
             cells[1].stylize(style[env.state])
             table.add_row(*cells)
         _console().print(table)
@@ -391,8 +407,18 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+EXAMPLES = """examples:
+  nbbatch submit experiments/digits.yaml   run each notebook × parameters
+  nbbatch submit sweep.yaml -p EPOCHS 1    the same, with EPOCHS=1 in every run
+  nbbatch status digits                    one line per run, as it goes
+  nbbatch compare digits --report r.html   metrics table, plots, HTML report
+
+`nbbatch COMMAND --help` for a command's options; docs/ has the rest."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nbbatch", description="Run parameterized notebooks as a batch.")
+    parser = argparse.ArgumentParser(prog="nbbatch", description="Run parameterized notebooks as a batch.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES)
     parser.add_argument("--version", action="version", version=f"nbbatch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_batch_parsers(sub)
@@ -422,18 +448,20 @@ def _add_batch_parsers(sub: argparse._SubParsersAction) -> None:
                               "background process; on slurm a CPU job) and return at once; `nbbatch status` follows it")
     p.add_argument("--only", action="append", metavar="RUN", help="only runs whose id starts with RUN")
     p.add_argument("-q", "--quiet", action="store_true", help="no live progress table")
+    _add_param_options(p, "set in every run over the file's own; not a swept one")
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("plan", help="show the runs an experiment would start, after validation (a dry run)")
-    p.add_argument("experiment")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("experiment", help="experiment or pipeline YAML file")
+    p.add_argument("--json", action="store_true", help="every planned run as JSON (id, notebook, kernel, parameters)")
+    _add_param_options(p, "as submit -p would set it")
     p.add_argument("--all", action="store_true", help=f"list every run (default: the first {PLAN_ROWS})")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("status", help="table of runs: varying parameters, status, duration, metrics, error")
     p.add_argument("experiment", help="experiment or pipeline name (or its YAML file)")
     p.add_argument("stage", nargs="?", help="of a pipeline: this stage's runs (default: the table of its stages)")
-    p.add_argument("--share", help="the share (default: where it was submitted from this project)")
+    p.add_argument("--share", help=SHARE_OPTION_HELP)
     p.add_argument("--json", action="store_true", help="every field of every run as JSON (for scripts)")
     p.add_argument("--check", action="store_true", help="exit 1 unless every run of the current plan succeeded")
     p.add_argument("--all", action="store_true",
@@ -450,40 +478,41 @@ def _add_batch_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_status_interruptible)
 
     p = sub.add_parser("logs", help="a run's output (log.txt); -f follows it")
-    p.add_argument("experiment")
+    p.add_argument("experiment", help="experiment name (or its YAML file)")
     p.add_argument("run", help="run id or a unique prefix")
-    p.add_argument("-f", "--follow", action="store_true")
-    p.add_argument("--tail", type=int)
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing what the run writes until it ends")
+    p.add_argument("--tail", type=int, metavar="N", help="only the last N lines")
     p.add_argument("--rank", type=int, help="the log of that rank of a distributed run (default: rank 0's)")
-    p.add_argument("--share")
+    p.add_argument("--share", help=SHARE_OPTION_HELP)
     p.set_defaults(func=cmd_logs)
 
     p = sub.add_parser("cancel", help="stop runs (all unfinished ones by default)")
-    p.add_argument("experiment")
-    p.add_argument("runs", nargs="*")
-    p.add_argument("--share")
+    p.add_argument("experiment", help="experiment name (or its YAML file)")
+    p.add_argument("runs", nargs="*", metavar="RUN", help="run ids or unique prefixes (default: every unfinished run)")
+    p.add_argument("--share", help=SHARE_OPTION_HELP)
     p.set_defaults(func=cmd_cancel)
 
     p = sub.add_parser("fetch", help="copy an experiment's executed notebooks and run records to a folder")
-    p.add_argument("experiment")
-    p.add_argument("dest")
-    p.add_argument("--share")
+    p.add_argument("experiment", help="experiment name (or its YAML file)")
+    p.add_argument("dest", help="the local folder to copy into (created when absent)")
+    p.add_argument("--share", help=SHARE_OPTION_HELP)
     p.set_defaults(func=cmd_fetch)
 
 
 def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
     """One notebook (papermill-style) and one planned run (what every backend's node calls)."""
     p = sub.add_parser("run", help="run one notebook, papermill-style: nbbatch run in.ipynb out.ipynb -p lr 0.1")
-    p.add_argument("input")
-    p.add_argument("output")
+    p.add_argument("input", help="the notebook to run")
+    p.add_argument("output", help="where the executed notebook is written (also when a cell fails)")
     p.add_argument("-k", "--kernel", help="kernel name (default: the notebook's)")
     p.add_argument("--cwd", help="working directory of the kernel (default: the notebook's folder)")
-    p.add_argument("--cell-timeout", type=_interval, metavar="SECONDS", help="stop a cell that runs longer")
+    p.add_argument("--cell-timeout", type=_interval, metavar="SECONDS",
+                   help="stop a cell that runs longer than this many seconds")
     p.add_argument("-q", "--quiet", action="store_true", help="do not echo the notebook's output")
-    _add_param_options(p)
+    _add_param_options(p, "the notebook's")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser(RUN_ONE, help="execute one planned run (what every backend calls)")
+    p = sub.add_parser(RUN_ONE)  # internal (what every backend's node calls), left out of `nbbatch --help`
     p.add_argument("launch", metavar="LAUNCH",
                    help="the run's launch, as its backend wrote it: a launch file, or the launch JSON itself")
     p.set_defaults(func=cmd_run_one)
@@ -492,11 +521,11 @@ def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
 def _add_setup_parsers(sub: argparse._SubParsersAction) -> None:
     """What runs need: framework environments, a backend's managed cluster, the experiment file's schema."""
     p = sub.add_parser("envs", help="framework environments: create | list | remove")
-    p.add_argument("action", choices=["create", "list", "remove"])
-    p.add_argument("names", nargs="*")
-    p.add_argument("--all", action="store_true")
+    p.add_argument("action", choices=["create", "list", "remove"], help="build, list or remove environments")
+    p.add_argument("names", nargs="*", metavar="FRAMEWORK", help="frameworks (frameworks/ lists them)")
+    p.add_argument("--all", action="store_true", help="every framework (list: also those not built)")
     p.add_argument("--force", action="store_true", help="rebuild even if ready")
-    p.add_argument("--parallel", type=int, help="builds at once (default: CPU count)")
+    p.add_argument("--parallel", type=int, metavar="N", help="builds at once (default: CPU count)")
     variant = p.add_mutually_exclusive_group()
     variant.add_argument("--gpu", action="store_true", default=None,
                          help="install the framework's GPU builds (framework.yaml gpu_packages), as its image does")

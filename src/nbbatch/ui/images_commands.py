@@ -29,10 +29,11 @@ from nbbatch.spec.project import Project, find_project
 
 def add_images_parser(sub: Any) -> None:
     p = sub.add_parser("images", help="framework images (Docker or Podman): build | list | push | context")
-    p.add_argument("action", choices=["build", "list", "push", "context"])
+    p.add_argument("action", choices=["build", "list", "push", "context"],
+                   help="build images, list them, push them to a registry, or write a build context")
     p.add_argument("names", nargs="*", help="frameworks (default for build and list: all); context: FRAMEWORK DIR; "
                    "push: REGISTRY [FRAMEWORK ...] (default: every image built here)")
-    p.add_argument("--all", action="store_true")
+    p.add_argument("--all", action="store_true", help="every framework")
     p.add_argument("--engine", default="auto", help="auto (Docker when its daemon runs, else Podman), docker or podman")
     p.add_argument("--force", action="store_true", help="rebuild even if ready")
     p.add_argument("--cpu", action="store_true",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -10,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import nbbatch.ui.widgets.display as display
 from nbbatch import api
-from nbbatch.errors import NbbatchError, SpecError
-from nbbatch.spec.experiment import Experiment, load_experiment
+from nbbatch.errors import NbbatchError
+from nbbatch.spec.experiment import Experiment, load_experiment, with_parameters
 from nbbatch.store.runfiles import load_records
 from nbbatch.store.runjson import RunRecord
 from nbbatch.store.share import Share, open_share
@@ -260,21 +259,9 @@ def experiment_from(experiment: Any) -> Experiment:
 
 
 def _apply_overrides(experiment: Experiment, overrides: dict[str, Any]) -> Experiment:
-    if not overrides:
-        return experiment
     known = {name.upper(): name for name in (*SHARED_PARAMETERS, *experiment.parameters)}
-    swept = set()
-    for kind in experiment.sweep.values():
-        if isinstance(kind, dict):
-            swept.update(k for k in kind if k not in ("seed", "samples", "n"))
-    parameters = dict(experiment.parameters)
-    for key, value in overrides.items():
-        name = key if key in experiment.parameters else known.get(key.upper(), key)
-        if name in swept:
-            raise SpecError(f"`{key}` is swept in experiment `{experiment.name}`; change the sweep instead of "
-                            "overriding it in submit_all()")
-        parameters[name] = value
-    return dataclasses.replace(experiment, parameters=parameters)
+    named = {key if key in experiment.parameters else known.get(key.upper(), key): value for key, value in overrides.items()}
+    return with_parameters(experiment, named, given_as="submit_all()")
 
 
 def submit_all(experiment: Any, cluster: Cluster | None = None, *, force: bool = False, only: list[str] | None = None,
