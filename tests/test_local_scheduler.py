@@ -17,9 +17,11 @@ import pytest
 from nbbatch.backends.base import SubmitOptions
 from nbbatch.backends.local import scheduler as local_scheduler
 from nbbatch.backends.local.backend import LocalBackend
+from nbbatch.backends.local.cores import THREAD_VARIABLES, CorePool
 from nbbatch.backends.local.gpus import GpuInfo, GpuLease
 from nbbatch.backends.local.scheduler import LocalScheduler
-from nbbatch.errors import ShareError
+from nbbatch.errors import ShareError, ValidationError
+from nbbatch.execute.affinity import CPUS_VARIABLE
 from nbbatch.execute.attempts import SHARE_FAILED
 from nbbatch.plan.runs import Run
 from nbbatch.store.runfiles import new_record, read_record, write_cancel_markers, write_record
@@ -38,6 +40,7 @@ class Call:
     lease: GpuLease
     shared: bool
     info: GpuSharing | None
+    env: dict[str, str] = field(default_factory=dict)  # the placement's variables for the kernel
 
 
 @dataclass
@@ -61,7 +64,7 @@ class FakeExecute:
         record.status, record.gpu_ids, record.gpu_share = Status.RUNNING, list(lease.gpu_ids), info
         write_record(share, record)
         with self.lock:
-            self.calls.append(Call(run.run_id, lease, shared, info))
+            self.calls.append(Call(run.run_id, lease, shared, info, dict(gpu_env)))
             self.running += 1
             self.most = max(self.most, self.running)
         try:
@@ -79,9 +82,9 @@ class FakeExecute:
         return [c for c in self.calls if c.run_id == run_id]
 
 
-def _runs(count: int, gpus: int = 0, prefix: str = "r") -> list[Run]:
+def _runs(count: int, gpus: int = 0, prefix: str = "r", **more: Any) -> list[Run]:
     return [Run(run_id=f"{prefix}{i}", experiment=EXPERIMENT, notebook="/x/nb.ipynb", notebook_rel="nb.ipynb",
-                kernel="python3", gpus=gpus) for i in range(count)]
+                kernel="python3", gpus=gpus, **more) for i in range(count)]
 
 
 def _gpus(count: int) -> list[GpuInfo]:
@@ -94,10 +97,12 @@ def share(tmp_path: Path) -> FileShare:
 
 
 def _scheduler(share: Share, runs: list[Run], fake: FakeExecute, gpus: int = 0, options: SubmitOptions | None = None,
-               **settings: Any) -> LocalScheduler:
-    """A scheduler of queued runs (as ``submit`` leaves them) on a backend that starts no kernel ahead."""
+               cores: int = 4, **settings: Any) -> LocalScheduler:
+    """A scheduler of queued runs (as ``submit`` leaves them) on a backend that starts no kernel ahead, on a machine
+    of ``cores`` cores."""
     backend = LocalBackend(gpus=_gpus(gpus), prestart=0, **settings)
     backend._execute = fake  # type: ignore[method-assign]
+    backend.cores = CorePool(range(cores))
     for run in runs:
         write_record(share, new_record(run))
     return LocalScheduler(backend, runs, share, options or SubmitOptions())
@@ -130,6 +135,69 @@ def test_max_parallel_runs_that_many_cpu_runs_at_once(share: FileShare, where: s
     assert fake.most == 2
     assert set(_statuses(share, runs).values()) == {"succeeded"}
     assert all(not c.lease.gpu_ids and not c.shared and c.info is None for c in fake.calls), "CPU runs get no GPU"
+
+
+@pytest.fixture
+def no_thread_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver's environment sets none of the thread variables (a user's would be left alone)."""
+    for name in (*THREAD_VARIABLES, CPUS_VARIABLE):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _holding_cores(scheduler: LocalScheduler, parties: int, held: dict[str, list[int]]):
+    """Each attempt notes the cores it holds, then waits for ``parties`` attempts to run at once."""
+    barrier = threading.Barrier(parties, timeout=MEET_S)
+
+    def during(run: Run, lease: GpuLease, cancel: threading.Event) -> None:
+        held[run.run_id] = list(scheduler.backend.cores.of(run.run_id) or [])
+        barrier.wait()
+
+    return during
+
+
+@pytest.mark.usefixtures("no_thread_settings")
+def test_cpu_runs_at_once_each_get_cores_of_their_own_and_as_many_threads(share: FileShare) -> None:
+    runs, fake, held = _runs(4), FakeExecute(), {}
+    scheduler = _scheduler(share, runs, fake, cores=4, max_parallel=2)
+    fake.during = _holding_cores(scheduler, 2, held)
+    scheduler.run()
+    assert fake.most == 2 and set(_statuses(share, runs).values()) == {"succeeded"}
+    assert sorted(map(tuple, held.values())) == [(0, 1), (0, 1), (2, 3), (2, 3)], "two cores each, never shared"
+    for call in fake.calls:
+        assert call.env[CPUS_VARIABLE] == {(0, 1): "0-1", (2, 3): "2-3"}[tuple(held[call.run_id])]
+        assert [call.env[name] for name in THREAD_VARIABLES] == ["2", "2", "2"]
+    assert scheduler.backend.cores.preview(4) == [0, 1, 2, 3], "every core given back"
+
+
+@pytest.mark.usefixtures("no_thread_settings")
+@pytest.mark.parametrize("count, options, cores, expected", [
+    (1, SubmitOptions(), 4, ("0-3", "4")),  # a run alone has the machine
+    (3, SubmitOptions(max_parallel=8), 2, (None, "1")),  # more at once than cores: none pinned, one thread each
+    (1, SubmitOptions(runs_at_once=2), 4, ("0-1", "2")),  # a search's trial: its share of the trials at once
+])
+def test_a_cpu_runs_share_is_of_the_runs_that_go_at_once(share: FileShare, count: int, options: SubmitOptions,
+                                                         cores: int, expected: tuple[str | None, str]) -> None:
+    fake = FakeExecute()
+    _scheduler(share, _runs(count), fake, options=options, cores=cores).run()
+    assert {(c.env.get(CPUS_VARIABLE), c.env["OMP_NUM_THREADS"]) for c in fake.calls} == {expected}
+
+
+@pytest.mark.usefixtures("no_thread_settings")
+def test_resources_cpus_gives_each_run_that_many_cores_and_runs_wait_for_them(share: FileShare) -> None:
+    runs, fake = _runs(3, cpus=3), FakeExecute()
+    _scheduler(share, runs, fake, cores=4, max_parallel=3).run()
+    assert fake.most == 1, "3 cores each of 4: one at a time"
+    assert {(c.env[CPUS_VARIABLE], c.env["MKL_NUM_THREADS"]) for c in fake.calls} == {("0-2", "3")}
+    with pytest.raises(ValidationError, match="resources.cpus: 5 but this machine lets nbbatch use 4 core"):
+        _scheduler(share, [], fake, cores=4).backend.check(_runs(1, cpus=5))
+
+
+def test_the_users_own_thread_settings_are_left_alone(share: FileShare, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MKL_NUM_THREADS", "7")
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    fake = FakeExecute()
+    _scheduler(share, _runs(1, env={"OMP_NUM_THREADS": "3", CPUS_VARIABLE: ""}), fake, cores=4).run()
+    assert fake.calls[0].env == {"OPENBLAS_NUM_THREADS": "4"}, "env: and the shell's variables win"
 
 
 def test_runs_per_gpu_packs_the_runs_onto_the_slots_least_loaded_first(share: FileShare) -> None:

@@ -21,7 +21,7 @@ from support.waiting import wait_until
 
 from nbbatch.api import submit
 from nbbatch.errors import ValidationError
-from nbbatch.ui import cli
+from nbbatch.ui import cli, parameter_options
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -121,14 +121,14 @@ P_VALUES = ["True", "False", "None", "true", "TRUE", "none", "NULL", "null", "1"
 
 def test_dash_p_types_values_exactly_as_papermill_does():
     for value in P_VALUES:
-        ours, papermills = cli._typed(value), _resolve_type(value)
+        ours, papermills = parameter_options.typed_value(value), _resolve_type(value)
         assert type(ours) is type(papermills) and repr(ours) == repr(papermills), value
 
 
 def test_dash_p_takes_negative_numbers_nan_and_inf_as_values():
     args = cli.build_parser().parse_args(["run", "in.ipynb", "out.ipynb", "-p", "lr", "-inf", "-p", "decay", "-1e-4",
                                           "-p", "shift", "-2", "-r", "label", "-5", "-p", "x", "-NaN", "-q"])
-    params = cli._parameters(args)
+    params = parameter_options.parameters_of(args)
     assert params["lr"] == -math.inf and params["decay"] == -1e-4 and params["shift"] == -2
     assert params["label"] == "-5" and math.isnan(params["x"]) and args.quiet
 

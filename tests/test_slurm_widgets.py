@@ -87,6 +87,12 @@ def test_empty_text_fields_leave_the_settings_unset(tmp_path: Path) -> None:
     assert not [o for o in options if o.startswith(("--partition", "--time", "--gpus"))], options
 
 
+def test_resources_cpus_is_the_jobs_cpus_per_task_over_the_backends_cpus() -> None:
+    backend = get_backend("slurm", cpus=4)
+    assert "--cpus-per-task=4" in job_options(backend.settings, _shape(), "nbbatch-exp")
+    assert "--cpus-per-task=6" in job_options(backend.settings, JobShape(1, 1, None, cpus=6), "nbbatch-exp")
+
+
 @pytest.mark.slurm
 def test_the_forms_compute_shows_the_clusters_nodes_and_partitions(slurm_cluster) -> None:
     pytest.importorskip("ipywidgets")

@@ -17,7 +17,7 @@ from nbbatch.errors import NbbatchError, SpecError
 from nbbatch.spec.experiment import Experiment, load_experiment
 from nbbatch.spec.frameworks import get_framework
 from nbbatch.spec.schema import experiment_schema, parameter_name_problem
-from nbbatch.ui import cli
+from nbbatch.ui import cli, parameter_options
 
 
 @pytest.fixture
@@ -56,7 +56,7 @@ def test_run_parameters_from_yaml_and_a_file_read_exponents_as_numbers(tmp_path)
     (tmp_path / "params.yaml").write_text("LR: 1e-4\nNAME: '1e-4'\n")
     args = argparse.Namespace(parameters_file=[str(tmp_path / "params.yaml")], parameters_yaml=["WD: 5e-2"],
                               parameters=None, parameters_raw=None)
-    assert cli._parameters(args) == {"LR": 1e-4, "NAME": "1e-4", "WD": 0.05}
+    assert parameter_options.parameters_of(args) == {"LR": 1e-4, "NAME": "1e-4", "WD": 0.05}
 
 
 def test_env_values_are_the_text_written(notebook, write_experiment):
@@ -156,7 +156,7 @@ def test_a_parameters_file_that_is_not_text_is_one_error(tmp_path):
     args = argparse.Namespace(parameters_file=[str(tmp_path / "params.yaml")], parameters_yaml=None,
                               parameters=None, parameters_raw=None)
     with pytest.raises(NbbatchError, match="cannot read parameters file"):
-        cli._parameters(args)
+        parameter_options.parameters_of(args)
 
 
 def test_the_backends_variables_are_the_text_written_too(notebook, write_experiment):

@@ -123,6 +123,9 @@ class SubmitOptions:
     runs_per_gpu: int | str = 1  # or "auto": packed by memory (backends that place runs on GPU slots)
     mps: bool = False  # share each GPU through a CUDA MPS daemon the backend starts
     max_parallel: int | None = None  # None: as many as the compute allows
+    # How many runs the caller keeps going at once over its launches (a search's trials, each launched alone):
+    # what each CPU run's share of a machine's cores is worked out from. None: the batch's own runs.
+    runs_at_once: int | None = None
     wait: bool = True  # block until every run is final (detached backends may return at once)
     force: bool = False  # rerun runs that already succeeded, restart runs still in flight
     on_update: UpdateCallback | None = None  # called on every status change

@@ -250,7 +250,7 @@ class SearchDriver(Driver):
     def _launch(self, trial: _Trial) -> None:
         """Start the trial's run through the backend (in a thread: the local backend returns when the run ends)."""
         clear_run_cancels(self.share, self.experiment, [trial.run.run_id])
-        options = dataclasses.replace(self.options, wait=False, force=False, earlier=[])
+        options = dataclasses.replace(self.options, wait=False, force=False, earlier=[], runs_at_once=self.parallel)
         trial.tail.offset = 0
 
         def launch() -> None:

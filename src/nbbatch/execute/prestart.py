@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from queue import Empty
 from typing import Any, BinaryIO
 
-from nbbatch.execute.kernels import KERNEL_ARGUMENTS, BatchKernelManager, kill_kernel_group, reap_kernel
+from nbbatch.execute.affinity import CPUS_VARIABLE
+from nbbatch.execute.kernels import KERNEL_ARGUMENTS, BatchKernelManager, kill_kernel_group, pin_kernel, reap_kernel
 
 PRELOAD_TIMEOUT = 120.0  # seconds a kernel started ahead may take to import its modules
 _PRELOAD_OUTPUT_MAX = 16 << 10  # characters of what importing them printed kept for the run's log
@@ -151,7 +152,13 @@ class PrestartedKernel:
             client.stop_channels()
 
     def matches(self, kernel_name: str, env: dict[str, str], cwd: str, preload: Sequence[str] = ()) -> bool:
-        return (kernel_name, env, cwd, tuple(preload)) == (self.kernel_name, self.env, self.cwd, self.preload)
+        """Whether the kernel was started as a run with these settings would start its own. The cores it is pinned
+        to may differ (a CPU run's cores are known only once it starts): :meth:`KernelPool.take` pins it again."""
+        def unpinned(variables: dict[str, str]) -> dict[str, str]:
+            return {name: value for name, value in variables.items() if name != CPUS_VARIABLE}
+
+        return ((kernel_name, unpinned(env), cwd, tuple(preload))
+                == (self.kernel_name, unpinned(self.env), self.cwd, self.preload))
 
     def claim(self, kernel_output: BinaryIO | None, wait: float = 120.0) -> BatchKernelManager | None:
         """The started kernel's manager, its process output now going to ``kernel_output``, once it has imported
@@ -254,6 +261,8 @@ class KernelPool:
         if kernel is not None and not kernel.matches(kernel_name, env, cwd, preload):
             kernel.discard()
             return None
+        if kernel is not None and env.get(CPUS_VARIABLE) != kernel.env.get(CPUS_VARIABLE):
+            pin_kernel(kernel.km, env)  # every thread it has, so also those its preload started
         return kernel
 
     def discard(self, key: str) -> None:

@@ -88,6 +88,7 @@ class Run:
     parameters: dict[str, Any] = field(default_factory=dict)
     framework: str | None = None
     gpus: int = 0  # GPUs the run asks for (0: CPU only)
+    cpus: int | None = None  # cores the run asks for (resources.cpus; None: as the backend shares them out)
     timeout_s: float | None = None  # whole run
     cell_timeout_s: float | None = None  # each cell
     retries: int = 0  # extra attempts after a kernel death
@@ -248,6 +249,7 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
             runs.append(Run(
                 run_id=run_id(params), experiment=experiment.name, notebook=notebook_path, notebook_rel=rel,
                 kernel=kernel, parameters=params, framework=framework_name, gpus=experiment.resources.gpus,
+                cpus=experiment.resources.cpus,
                 timeout_s=experiment.timeout, cell_timeout_s=experiment.cell_timeout, retries=experiment.retries,
                 max_output_mb=experiment.max_output_mb,
                 env=env, shared_gpu_env=shared_env, gpu_memory_mb=memory_mb,

@@ -62,6 +62,7 @@ class Resources:
     """
 
     gpus: int = 0
+    cpus: int | None = None  # cores per run (per node of a distributed one); None: local: its share, Slurm: `cpus`
     runs_per_gpu: int | str = AUTO  # a number, or "auto": packed by memory (see nbbatch.backends.local.gpus)
     mps: bool = False  # the runs on a GPU share it through a CUDA MPS daemon nbbatch starts
     max_parallel: int | None = None  # None: as many as the compute allows

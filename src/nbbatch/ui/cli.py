@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -46,8 +45,7 @@ from nbbatch.spec.environments import list_envs
 from nbbatch.spec.frameworks import get_framework, list_frameworks
 from nbbatch.spec.pipeline import is_pipeline_file
 from nbbatch.spec.project import find_project
-from nbbatch.spec.schema import experiment_schema, parameter_name_problem
-from nbbatch.spec.yaml_loader import load_yaml
+from nbbatch.spec.schema import experiment_schema
 from nbbatch.store.fetch import FetchWarning, fetch
 from nbbatch.store.known import open_experiment_share
 from nbbatch.store.layout import run_paths
@@ -56,6 +54,7 @@ from nbbatch.store.runjson import DONE_STATUSES, RunRecord, Status
 from nbbatch.store.share import open_share
 from nbbatch.ui.data_commands import add_data_parser
 from nbbatch.ui.images_commands import add_images_parser
+from nbbatch.ui.parameter_options import add_parameter_options, parameters_of
 from nbbatch.ui.pipeline_commands import (
     file_after_force,
     forced_stages,
@@ -65,70 +64,6 @@ from nbbatch.ui.pipeline_commands import (
     submit_pipeline_command,
 )
 from nbbatch.ui.results_commands import add_results_parsers
-
-
-def _typed(value: str) -> Any:
-    """papermill's ``-p`` typing (papermill.cli._resolve_type), exactly: ``True``, ``False`` and ``None`` as
-    spelled, then whatever int() and then float() accept (``1_000``, ``1e-4``, ``nan``, ``-inf``), else the string."""
-    if value in ("True", "False", "None"):
-        return {"True": True, "False": False, "None": None}[value]
-    for kind in (int, float):
-        try:
-            return kind(value)
-        except ValueError:
-            pass
-    return value
-
-
-def _parameters(args: argparse.Namespace) -> dict[str, Any]:
-    params: dict[str, Any] = {}
-    for path in args.parameters_file or []:
-        try:
-            loaded = load_yaml(Path(path).read_text())
-        except (OSError, ValueError, yaml.YAMLError) as exc:  # ValueError: not UTF-8 text
-            raise NbbatchError(f"cannot read parameters file {path}: {exc}") from exc
-        if not isinstance(loaded, dict):
-            raise NbbatchError(f"parameters file {path} must be a YAML mapping of names to values")
-        params.update(loaded)
-    for text in args.parameters_yaml or []:
-        try:
-            loaded = load_yaml(text)
-        except yaml.YAMLError as exc:
-            raise NbbatchError(f"-y {text!r} is not valid YAML: {exc}") from exc
-        if not isinstance(loaded, dict):
-            raise NbbatchError(f"-y takes a YAML mapping, e.g. -y 'lr: 0.1' (got {text!r})")
-        params.update(loaded)
-    for name, value in args.parameters or []:
-        params[name] = _typed(value)
-    for name, value in args.parameters_raw or []:
-        params[name] = value
-    for name in params:  # papermill sets each as a Python variable: `class = 1` would fail in the notebook
-        problem = parameter_name_problem(name)
-        if problem is not None:
-            raise NbbatchError(f"parameter {name!r}: {problem}")
-    return params
-
-
-def _add_param_options(parser: argparse.ArgumentParser, whose: str) -> None:
-    """papermill's parameter options; ``whose`` says what they set, in their group's title."""
-    group = parser.add_argument_group(f"parameters ({whose})")
-    group.add_argument("-p", "--parameters", nargs=2, action="append", metavar=("NAME", "VALUE"),
-                       help="a parameter, typed like papermill: True, False, None, else an int or float (1e-4, "
-                            "-inf, nan) where Python reads one, else the string")
-    group.add_argument("-r", "--parameters-raw", nargs=2, action="append", metavar=("NAME", "VALUE"),
-                       help="a parameter kept as a string")
-    group.add_argument("-y", "--parameters-yaml", action="append", metavar="YAML", help="parameters as YAML")
-    group.add_argument("-f", "--parameters-file", action="append", metavar="FILE", help="parameters from a YAML file")
-
-    class NegativeNumber:
-        """What argparse reads as a value, not an option: every negative number int() or float() reads, as papermill
-        does (`-p lr -inf`, `-p lr -1e-4`); argparse's own pattern knows only the likes of -1 and -1.5."""
-
-        @staticmethod
-        def match(text: str) -> bool:
-            return text.startswith("-") and not isinstance(_typed(text), str)
-
-    parser._negative_number_matcher = NegativeNumber()  # type: ignore[assignment]  # no option of nbbatch is a number
 
 
 def _console() -> Console:
@@ -177,7 +112,7 @@ PLAN_ROWS = 50  # runs `nbbatch plan` lists unless --all: a sweep of 10^5 runs i
 
 def _experiment_parameters(args: argparse.Namespace, pipeline: bool) -> dict[str, Any]:
     """``-p``/``-r``/``-y``/``-f`` of ``submit`` and ``plan``: an experiment's, refused for a pipeline file."""
-    parameters = _parameters(args)
+    parameters = parameters_of(args)
     if parameters and pipeline:
         raise NbbatchError(f"-p {next(iter(parameters))}: {args.experiment} is a pipeline; set a stage's parameters "
                            "in the file (stages: NAME: parameters:)")
@@ -311,7 +246,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from papermill.exceptions import PapermillExecutionError
 
     try:
-        api.run_notebook(args.input, args.output, _parameters(args), kernel=args.kernel, cwd=args.cwd,
+        api.run_notebook(args.input, args.output, parameters_of(args), kernel=args.kernel, cwd=args.cwd,
                          cell_timeout=args.cell_timeout, log_output=not args.quiet)
     except PapermillExecutionError as exc:
         print(f"{Path(args.input).name} failed in cell {exc.exec_count}: {exc.ename}: {exc.evalue} "
@@ -448,13 +383,13 @@ def _add_batch_parsers(sub: argparse._SubParsersAction) -> None:
                               "background process; on slurm a CPU job) and return at once; `nbbatch status` follows it")
     p.add_argument("--only", action="append", metavar="RUN", help="only runs whose id starts with RUN")
     p.add_argument("-q", "--quiet", action="store_true", help="no live progress table")
-    _add_param_options(p, "set in every run over the file's own; not a swept one")
+    add_parameter_options(p, "set in every run over the file's own; not a swept one")
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("plan", help="show the runs an experiment would start, after validation (a dry run)")
     p.add_argument("experiment", help="experiment or pipeline YAML file")
     p.add_argument("--json", action="store_true", help="every planned run as JSON (id, notebook, kernel, parameters)")
-    _add_param_options(p, "as submit -p would set it")
+    add_parameter_options(p, "as submit -p would set it")
     p.add_argument("--all", action="store_true", help=f"list every run (default: the first {PLAN_ROWS})")
     p.set_defaults(func=cmd_plan)
 
@@ -509,7 +444,7 @@ def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cell-timeout", type=_interval, metavar="SECONDS",
                    help="stop a cell that runs longer than this many seconds")
     p.add_argument("-q", "--quiet", action="store_true", help="do not echo the notebook's output")
-    _add_param_options(p, "the notebook's")
+    add_parameter_options(p, "the notebook's")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser(RUN_ONE)  # internal (what every backend's node calls), left out of `nbbatch --help`

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from nbbatch.backends.base import Backend, Capabilities, Compute, SubmitOptions
+from nbbatch.backends.local.cores import CorePool
 from nbbatch.backends.local.gpus import GpuInfo, GpuLease, SlotPool, detect_gpus
 from nbbatch.backends.local.mps import check_mps
 from nbbatch.backends.local.scheduler import SIMULATE_NODES_ENV, nodes_here, run_batch
@@ -89,6 +90,7 @@ class LocalBackend(Backend):
         self._images: dict[str, tuple[str, str]] = {}  # framework → (image, image id)
         self._pools: dict[tuple[object, bool], SlotPool] = {}
         self._pools_lock = threading.Lock()
+        self.cores = CorePool()  # CPU runs' cores, for every batch this backend runs at once (as the GPU slots)
 
     def slot_pool(self, runs_per_gpu: int | str, mps: bool) -> SlotPool:
         """This machine's GPU slots, one pool for all the batches this backend runs at once (a search launches each
@@ -119,6 +121,10 @@ class LocalBackend(Backend):
         if self.settings.container:
             self._check_containers(runs, options)
         self._check_distributed(runs)
+        cpus = max((r.cpus or 0 for r in runs), default=0)
+        if cpus > len(self.cores.cores):
+            raise ValidationError(f"runs ask for resources.cpus: {cpus} but this machine lets nbbatch use "
+                                  f"{len(self.cores.cores)} core(s); set resources.cpus to at most that")
         need = max((r.gpus * nodes_here(r) for r in runs), default=0)
         if need > len(self.gpus):
             have = f"{len(self.gpus)} GPU(s)" if self.gpus else "no NVIDIA GPU (NVML found none)"

@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from nbbatch.backends.base import SubmitOptions
+from nbbatch.backends.local.cores import thread_environment
 from nbbatch.backends.local.gpus import GpuLease, MemoryNeeds, is_gpu_oom
 from nbbatch.backends.local.mps import MpsDaemon
 from nbbatch.errors import ShareError
@@ -78,6 +79,8 @@ class LocalScheduler:
         limit = backend.parallel_limit(options)
         self.cpu_parallel = limit or (os.cpu_count() or 1)
         self.gpu_parallel = limit or max(self.pool.capacity, 1)
+        # Each CPU run's share of the cores: of the runs at once, a search's trials across its launches
+        self.runs_at_once = options.runs_at_once or min(self.cpu_parallel, max(1, sum(map(self.pinned, runs))))
         self.pending = list(runs)
         # The CPUs a run keeps busy: a distributed CPU run, one per rank.
         self.weight = {r.run_id: r.world_size if r.distribution and not r.gpus else 1 for r in runs}
@@ -170,9 +173,19 @@ class LocalScheduler:
         GPU slots keep it waiting."""
         if not self.within_parallel_limit(run):
             return None
+        if self.pinned(run) and self.backend.cores.take(run.run_id, self.core_count(run)) is None:
+            return None  # a run that asked for more cores than are free now
         need_mb = self.needs.need_mb(run) if self.pool.auto and run.gpus else None
         return self.pool.acquire(run.gpus * nodes_here(run), need_mb,
                                  alone=run.run_id in self.out_of_memory or bool(run.distribution))
+
+    def pinned(self, run: Run) -> bool:
+        """Whether the run is given its share of the cores: a one-kernel CPU run of this machine's venvs (a
+        distributed run's ranks get theirs from its placement)."""
+        return not run.gpus and not run.distribution and not self.backend.settings.container
+
+    def core_count(self, run: Run) -> int:
+        return self.backend.cores.cores_per_run(run.cpus, self.runs_at_once)
 
     def within_parallel_limit(self, run: Run) -> bool:
         """Whether one more run of its kind (GPU or CPU) may run beside the active ones. A CPU run always may
@@ -250,6 +263,7 @@ class LocalScheduler:
         finally:
             with self.changed:  # not while a pass opens its GPUs to others (open_settled)
                 self.pool.release(lease)
+                self.backend.cores.give_back(run.run_id)
                 self.unmeasured.pop(run.run_id, None)
                 self.samplers.pop(run.run_id, None)
                 self.opened.pop(run.run_id, None)
@@ -280,9 +294,14 @@ class LocalScheduler:
         return False
 
     def placement(self, run: Run, lease: GpuLease) -> tuple[bool, dict[str, str], GpuSharing | None]:
-        """Whether the run shares its GPUs, its MPS environment, and what run.json says about both."""
+        """Whether the run shares its GPUs, its placement's environment (MPS; a CPU run's cores and threads), and
+        what run.json says about the GPUs."""
         if not lease.gpu_ids:
-            return False, {}, None
+            if not self.pinned(run):
+                return False, {}, None
+            cores = self.backend.cores.of(run.run_id)  # None: a kernel started ahead, on the cores it will likely get
+            return False, thread_environment(self.backend.cores.preview(self.core_count(run)) if cores is None
+                                             else cores, run.env), None
         shared = self.pool.shared(lease)
         info = GpuSharing(runs_per_gpu=self.options.runs_per_gpu, shared=shared, exclusive=lease.exclusive,
                           mps=self.daemon is not None)

@@ -30,11 +30,12 @@ class JobShape:
     nodes: int
     gpus: int  # per node
     time_minutes: int | None
+    cpus: int | None = None  # per node: the experiment's resources.cpus (None: the backend's `cpus`)
 
     @classmethod
     def of(cls, run: Run) -> JobShape:
         nodes = run.distribution.nodes if run.distribution else 1
-        return cls(nodes, run.gpus, time_limit_minutes(run))
+        return cls(nodes, run.gpus, time_limit_minutes(run), run.cpus)
 
 
 def job_options(settings: SlurmSettings, shape: JobShape, name: str, fitted_memory: str | None = None) -> list[str]:
@@ -44,7 +45,7 @@ def job_options(settings: SlurmSettings, shape: JobShape, name: str, fitted_memo
     ``fitted_memory``: the ``--mem`` of a job whose ``memory`` setting is unset (None: the cluster's default)."""
     # --no-requeue: after a node failure nbbatch submits the run again itself (a requeue waits minutes)
     args = [f"--job-name={name}", f"--nodes={shape.nodes}", "--ntasks-per-node=1", "--no-requeue",
-            f"--cpus-per-task={settings.cpus}"]
+            f"--cpus-per-task={shape.cpus or settings.cpus}"]
     memory = settings.memory or fitted_memory
     if memory:
         args.append(f"--mem={str(memory).upper()}")
