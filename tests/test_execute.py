@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -236,3 +237,19 @@ def test_ctrl_c_cancels_unfinished_runs_and_keeps_finished_ones(project, write_e
     assert statuses[1] == "succeeded"
     assert {statuses[a] for a in (2, 3, 4)} == {"cancelled"}
     assert kernels_of("ctrlc") == [], "no kernel is left, also none started ahead of a queued run"
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("resources, runs", [("{cpus: 1, max_parallel: 2}", 2), ("{}", 1)])
+def test_a_cpu_runs_kernel_runs_on_its_share_of_the_cores(project, write_experiment, monkeypatch, resources, runs):
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NBBATCH_CPUS"):
+        monkeypatch.delenv(name, raising=False)
+    make_notebook(project / "nb.ipynb", [
+        "import nbbatch, os\nnbbatch.record(cores=len(os.sched_getaffinity(0)), omp=os.environ['OMP_NUM_THREADS'])"],
+        parameters="A = 0")
+    exp = write_experiment(f"experiment: cores\nnotebooks: [nb.ipynb]\nsweep: {{grid: {{A: {list(range(runs))}}}}}\n"
+                           f"resources: {resources}\n")
+    result = submit(exp, progress=False)
+    assert result.ok, [r.error for r in result.records]
+    share = 1 if runs == 2 else len(os.sched_getaffinity(0))  # 1 core each asked; a run alone has them all
+    assert [(r.metrics["cores"], r.metrics["omp"]) for r in result.records] == [(share, str(share))] * runs
