@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 from support.notebooks import make_notebook
 
+from nbbatch.errors import NbbatchError
 from nbbatch.spec.project import find_project
 from nbbatch.ui.cli import build_parser
 
@@ -271,3 +273,23 @@ def test_the_top_level_help_hides_run_one_and_ends_with_examples():
     assert "run-one" not in text
     assert text.rstrip().splitlines()[-1].startswith("`nbbatch COMMAND --help`")
     assert "examples:\n  nbbatch submit" in text and " -p EPOCHS 1 " in text
+
+
+def test_building_envs_piped_says_a_line_as_each_starts_and_ends_and_one_summary(tiny, monkeypatch, capsys):
+    from nbbatch.execute import envs
+
+    def build_env(framework, project, force=False, gpu=None, on_step=None):
+        if framework.name == "bad":
+            raise NbbatchError("bad: pip failed (see .nbbatch/envs/bad.log)")
+
+    for name in ("bad", "good"):
+        (tiny / "frameworks" / name).mkdir()
+        (tiny / "frameworks" / name / "framework.yaml").write_text("title: X\nnotebook: nb.ipynb\n")
+        (tiny / "frameworks" / name / "requirements.txt").write_text("ipykernel\n")
+    monkeypatch.setattr(envs, "build_env", build_env)
+    with pytest.raises(NbbatchError, match="bad: pip failed"):
+        envs.build_envs(["good", "bad"], find_project(tiny), parallel=1)
+    out, err = capsys.readouterr()
+    lines = [re.sub(r"\d+ s$", "N s", line) for line in err.splitlines()]
+    assert out == "" and lines == [
+        "good: building its environment", "good: built in N s", "bad: building its environment", "bad: failed after N s"]

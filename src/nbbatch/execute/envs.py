@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 import nbbatch
@@ -174,26 +175,38 @@ def build_env(framework: Framework, project: Project | None = None, force: bool 
 
 def build_envs(names: Iterable[str], project: Project | None = None, force: bool = False,
                parallel: int | None = None, progress: bool = True, gpu: bool | None = None) -> list[EnvStatus]:
-    """Build several envs in parallel (with a rich progress display); raise if any failed, naming their logs."""
+    """Build several envs in parallel, saying how they go on stderr (``progress``); raise if any failed, naming
+    their logs."""
     project = project or find_project()
     frameworks = [get_framework(n, project) for n in dict.fromkeys(names)]
     todo = [fw for fw in frameworks
             if force or (state := env_status(fw, project)).state != "ready" or gpu is not None and state.gpu != gpu]
     failures: list[str] = []
     if todo:
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                      disable=not progress, transient=False) as bar:
+        console = Console(stderr=True)
+        # On a terminal a live display that leaves nothing behind (the caller prints the summary); piped (`make demo
+        # | tee`), a line as each build starts and ends, so a 10-minute build is never silent.
+        live = progress and console.is_terminal
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                      disable=not live, transient=True) as bar:
             tasks = {fw.name: bar.add_task(f"{fw.name}: queued", total=1) for fw in todo}
 
+            def say(line: str) -> None:
+                if progress and not live:
+                    console.print(line, markup=False, highlight=False)
+
             def one(fw: Framework) -> None:
-                task = tasks[fw.name]
+                task, began = tasks[fw.name], time.monotonic()
+                say(f"{fw.name}: building its environment")
                 try:
                     build_env(fw, project, force=force, gpu=gpu,
                               on_step=lambda msg: bar.update(task, description=f"{fw.name}: {msg}"))
                     bar.update(task, description=f"{fw.name}: ready", completed=1)
+                    say(f"{fw.name}: built in {time.monotonic() - began:.0f} s")
                 except NbbatchError as exc:
                     failures.append(str(exc))
                     bar.update(task, description=f"[red]{fw.name}: failed", completed=1)
+                    say(f"{fw.name}: failed after {time.monotonic() - began:.0f} s")
 
             workers = parallel or min(len(todo), max(2, os.cpu_count() or 2))
             with ThreadPoolExecutor(max_workers=workers) as pool:
