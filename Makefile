@@ -9,7 +9,7 @@ EXPERIMENT ?= experiments/digits.yaml
 TEST_WORKERS ?= 4
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
-.PHONY: setup envs submit demo study report test test-fast test-unit lint data images bench azure-smoke clean
+.PHONY: setup envs submit demo demo-quick study report test test-fast test-unit lint data images bench azure-smoke clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ submit: envs  ## the default experiment: runs locally, writes ./results/<experim
 demo: envs  ## the nine framework notebooks on digits, in parallel, then the comparison
 	$(NBBATCH) submit experiments/digits.yaml
 	$(NBBATCH) compare digits --report results/digits/report.html
+
+demo-quick: setup  ## a quick look: one framework (PyTorch) on digits, its env only, then its report
+	$(NBBATCH) envs create pytorch
+	$(NBBATCH) submit experiments/digits-quick.yaml
+	$(NBBATCH) compare digits-quick --report results/digits-quick/report.html
 
 study: envs  ## the bundled pipeline: prepare digits → sweep two frameworks → train the best again, with its report
 	$(NBBATCH) submit experiments/digits-study.yaml
