@@ -514,3 +514,51 @@ def test_another_machine_sees_how_slurm_ended_the_jobs(slurm, project, tmp_path,
     records = final_records("admin", share, 2, timeout=60)
     assert [r.status for r in records] == ["cancelled", "cancelled"], [r.error for r in records]
     assert {r.error.reason for r in records} == {"cancelled in Slurm (scancel)"}
+
+
+# --- Slurm ending jobs by itself (issue 45) -------------------------------------------------------------------
+
+TWO_CELLS = ['print("FIRST CELL DONE", flush=True)',
+             'import time\nprint("IN SECOND CELL", flush=True)\ntime.sleep(SLEEP)\nprint("NEVER")']
+
+
+def test_a_job_scancelled_mid_cell_keeps_the_cells_run_so_far(slurm, project, tmp_path):
+    """A hand `scancel` of a running job (Slurm's SIGTERM to every process of the job, the kernel too, SIGKILL after
+    KillWait): run-one saves the notebook as far as it ran, the stopped cell marked, and ends the run cancelled, saying
+    Slurm stopped it. Before, run-one died at once and output.ipynb never appeared."""
+    make_notebook(project / "two.ipynb", TWO_CELLS, parameters="SEED = 0\nSLEEP = 600.0")
+    share = tmp_path / "share"
+    api.submit(experiment("scancelled", share, "two.ipynb"), progress=False)
+    fs = FileShare(share)
+    running = wait_until(lambda: next((r for r in load_records(fs, "scancelled")[0] if "IN SECOND CELL" in
+                                       (share / "scancelled" / r.run_id / "log.txt").read_text(errors="replace")),
+                                      None) if list((share / "scancelled").glob("*/log.txt")) else None,
+                         timeout=120, message="the second cell running")
+    slurm.run("scancel", SlurmJob.read(fs, "scancelled", running.run_id).job_id)
+    [record] = final_records("scancelled", share, 1, timeout=60)
+    assert record.status == "cancelled", record.error
+    assert record.error.reason == "cancelled in Slurm (scancel)" and record.error.cell_index is not None
+    notebook = (share / "scancelled" / record.run_id / "output.ipynb").read_text()
+    assert "FIRST CELL DONE" in notebook and "IN SECOND CELL" in notebook and "NEVER" not in notebook.replace(
+        'print(\\"NEVER\\")', "")
+    assert "nbbatch stopped this run: cancelled in Slurm (scancel)" in notebook
+
+
+def test_a_pending_run_scancelled_by_hand_is_cancelled_never_submitted_again(slurm, project, tmp_path):
+    """Issue 45 item 1 on the real cluster: with retries left, a pending array task cancelled by hand ends its run
+    cancelled (Slurm says how the job ended), and is never submitted again; the other run is untouched."""
+    share = tmp_path / "share"
+    api.submit(experiment("handcancel", share, seeds=2, parameters={"SLEEP": 8.0}, retries=1,
+                          backend={"max_parallel": 1}), progress=False)
+    fs = FileShare(share)
+    running = wait_until(lambda: next((r for r in load_records(fs, "handcancel")[0] if r.status == "running"), None),
+                         timeout=120, message="one run running")
+    pending = next(r for r in load_records(fs, "handcancel")[0] if r.run_id != running.run_id)
+    job = SlurmJob.read(fs, "handcancel", pending.run_id)
+    slurm.run("scancel", job.job_id)
+    records = {r.run_id: r for r in final_records("handcancel", share, 2, timeout=120)}
+    assert records[pending.run_id].status == "cancelled", records[pending.run_id].error
+    assert records[running.run_id].status == "succeeded", records[running.run_id].error
+    again = SlurmJob.read(fs, "handcancel", pending.run_id)
+    assert (again.job_id, again.resubmits) == (job.job_id, 0)
+    assert not slurm.run("squeue", "-h", "-n", "nbbatch-handcancel").stdout.strip()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import html
 import io
 import json
@@ -406,11 +407,14 @@ class _Attempt:
             error.kind, error.reason = ErrorKind.TIMEOUT, f"stopped by the run timeout ({self.run.timeout_s:g} s)"
         else:  # the kernel was killed on purpose: its death (DeadKernelError) is not what ended the run
             request = self.watchdog.why()
-            said = request.reason if reason == request.status else CANCEL_REQUEST.reason
-            index, source = (error.cell_index, error.cell_source) if error.cell_index is not None else stopped_cell(self.nb)
-            error = (RunError("pruned", "", reason=said, kind=ErrorKind.PRUNED) if reason == Status.PRUNED else
-                     RunError("cancelled", "", cell_index=index, cell_source=source, rank=error.rank, reason=said,
-                              kind=ErrorKind.CANCELLED))  # with the cell it stopped in
+            if not self.watchdog.by_event and request.status != reason:
+                request = dataclasses.replace(CANCEL_REQUEST, status=reason)
+            reason, stop = request.outcome()  # a stop event's request decides (Slurm's time limit: timed_out)
+            if reason != Status.PRUNED:  # with the cell it stopped in
+                stop.cell_index, stop.cell_source = (error.cell_index, error.cell_source) \
+                    if error.cell_index is not None else stopped_cell(self.nb)
+                stop.rank = error.rank
+            error = stop
         if self.nb is not None:
             _add_stop_marker(self.nb, error.reason)
         return reason, error

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -25,6 +26,7 @@ from rich.text import Text
 
 import nbbatch.ui.skip_iri_grammar  # noqa: F401 - first of nbbatch's imports: before any of them imports jsonschema
 from nbbatch import __version__, api
+from nbbatch.backends import node_stop_hook
 from nbbatch.backends.cluster import add_common_arguments, run_cluster_command
 from nbbatch.backends.placement import placement_reader
 from nbbatch.containers.node import execute_on_node
@@ -33,6 +35,7 @@ from nbbatch.errors import NbbatchError, NotebookStopped, ValidationError
 from nbbatch.execute.envs import build_envs, remove_env
 from nbbatch.execute.launch import RUN_ONE, read_launch
 from nbbatch.execute.placement import placement_from_env
+from nbbatch.execute.stopsignals import SignalStop, stopped_by_signals
 from nbbatch.results.progress import StatusReads, abandoned_runs, table_title, watch_status
 from nbbatch.results.status import (
     REFRESH_EVERY_S,
@@ -319,13 +322,17 @@ def cmd_run_one(args: argparse.Namespace) -> int:
     # variables or those its backend's cluster set
     node = launch.node or (placement_from_env(run, os.environ, placement_reader(launch.backend, share))
                            if run.distribution else None)
-    context = launch.attempt_context(project.root, node, os.environ)
-    if launch.container_images:  # a cluster's node: the run in its framework's image
-        record = execute_on_node(run, share, context, launch.container_engine, launch.container_images)
-    else:
-        from nbbatch.execute.attempts import execute_run  # the notebook runtime: only the commands that run one load it
+    # SIGTERM (a cluster stopping the job, task, container or pod), SIGINT, SIGHUP: the run stops as by a cancel,
+    # keeping the notebook as far as it ran; the backend's hook says why (Slurm's: scancel or its time limit)
+    stop = SignalStop(node_stop_hook(launch.backend))
+    context = dataclasses.replace(launch.attempt_context(project.root, node, os.environ), cancel_event=stop)
+    with stopped_by_signals(stop):
+        if launch.container_images:  # a cluster's node: the run in its framework's image (its own signal handling)
+            record = execute_on_node(run, share, context, launch.container_engine, launch.container_images)
+        else:
+            from nbbatch.execute.attempts import execute_run  # the notebook runtime: only the commands that run one load
 
-        record = execute_run(run, share, context)
+            record = execute_run(run, share, context)
     print(f"{record.run_id}: {record.status}" + (f" ({record.error.summary()})" if record.error else ""))
     return 0 if record.status in DONE_STATUSES else 1
 
@@ -522,7 +529,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.names = [*args.names, *extra]  # `images build --cpu pytorch`: names after options
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    # run-one is stopped by its backend (Ray, Azure ML), which records why: it keeps the default signals.
+    # run-one handles its stop signals itself (cmd_run_one): the run's record says why it stopped
     previous = _terminate_like_ctrl_c() if args.command != RUN_ONE else {}
     try:
         return int(args.func(args) or 0)

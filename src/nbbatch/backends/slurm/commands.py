@@ -188,9 +188,10 @@ class Slurm:
         done = self.run("squeue", "-h", "-r", "-u", getpass.getuser(), "-n", name, "-o", QUEUE_FORMAT)
         return _queued_jobs(done.stdout)
 
-    def job_details(self, job_id: str) -> dict[str, str]:
-        """``scontrol show job``'s fields of one job (or array task), while slurmctld still remembers it; {} after."""
-        done = self.run("scontrol", "show", "job", "-o", job_id, check=False)
+    def job_details(self, job_id: str, timeout: float = COMMAND_TIMEOUT_S) -> dict[str, str]:
+        """``scontrol show job``'s fields of one job (or array task), while slurmctld still remembers it; {} after
+        (:class:`SlurmCommandError` when slurmctld does not answer within ``timeout``)."""
+        done = self.run("scontrol", "show", "job", "-o", job_id, check=False, timeout=timeout)
         if done.returncode != 0:
             return {}
         fields: dict[str, str] = {}
