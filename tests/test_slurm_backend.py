@@ -244,12 +244,16 @@ def test_cancel_stops_a_pending_and_a_running_run(slurm, project, tmp_path):
 
 
 def test_slurms_time_limit_ends_a_run_as_timed_out(slurm, project, tmp_path):
-    """A run whose job hits Slurm's --time (1 minute here, enforced after about 81 s) is timed_out, saying so."""
+    """A run whose job hits Slurm's --time (1 minute here, enforced after about 81 s) is timed_out, saying so, with its
+    notebook as far as it ran."""
     share = tmp_path / "share"
     api.submit(experiment("late", share, parameters={"SLEEP": 600.0}, backend={"time_limit": 1}),
                wait=False, progress=False)
     [record] = final_records("late", share, 1, timeout=240)
     assert record.status == "timed_out" and record.error.ename == "SlurmTimeLimit", record.error
+    # run-one got Slurm's SIGTERM and kept the notebook as far as it ran (issue 45 item 3)
+    assert "NODE=node" in (share / "late" / record.run_id / "output.ipynb").read_text()
+    assert record.error.reason.startswith("stopped by Slurm's time limit (SIGTERM)") and record.error.cell_index
 
 
 def test_a_lost_node_is_resubmitted_and_resumes_from_its_checkpoint(slurm, project, tmp_path):
@@ -537,7 +541,7 @@ def test_a_job_scancelled_mid_cell_keeps_the_cells_run_so_far(slurm, project, tm
     slurm.run("scancel", SlurmJob.read(fs, "scancelled", running.run_id).job_id)
     [record] = final_records("scancelled", share, 1, timeout=60)
     assert record.status == "cancelled", record.error
-    assert record.error.reason == "cancelled in Slurm (scancel)" and record.error.cell_index is not None
+    assert record.error.reason == "cancelled in Slurm (scancel)" and record.error.cell_index is not None, record.error
     notebook = (share / "scancelled" / record.run_id / "output.ipynb").read_text()
     assert "FIRST CELL DONE" in notebook and "IN SECOND CELL" in notebook and "NEVER" not in notebook.replace(
         'print(\\"NEVER\\")', "")
@@ -561,4 +565,6 @@ def test_a_pending_run_scancelled_by_hand_is_cancelled_never_submitted_again(slu
     assert records[running.run_id].status == "succeeded", records[running.run_id].error
     again = SlurmJob.read(fs, "handcancel", pending.run_id)
     assert (again.job_id, again.resubmits) == (job.job_id, 0)
-    assert not slurm.run("squeue", "-h", "-n", "nbbatch-handcancel").stdout.strip()
+    wait_until(lambda: not slurm.run("squeue", "-h", "-n", "nbbatch-handcancel").stdout.strip(), timeout=60,
+               message="the other run's job to end")
+    assert SlurmJob.read(fs, "handcancel", pending.run_id).resubmits == 0  # no later refresh submitted it again

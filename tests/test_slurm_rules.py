@@ -182,3 +182,32 @@ def test_the_job_completion_log_is_read_for_jobs_and_array_tasks(tmp_path, monke
     assert Slurm().completion_log_states(["90"]) == {}
     config.update(JobCompType="jobcomp/filetxt", JobCompLoc=str(tmp_path / "elsewhere.txt"))
     assert Slurm().completion_log_states(["90"]) == {}
+
+
+@pytest.mark.parametrize(("fields", "status", "reason"), [
+    ({"JobState": "COMPLETING", "Reason": "TimeLimit"}, "timed_out", "stopped by Slurm's time limit (SIGTERM)"),
+    ({"JobState": "TIMEOUT", "Reason": "TimeLimit"}, "timed_out", "stopped by Slurm's time limit (SIGTERM)"),
+    ({"JobState": "COMPLETING", "Reason": "None"}, "cancelled", "cancelled in Slurm (scancel)"),
+    ({"JobState": "CANCELLED", "Reason": "None"}, "cancelled", "cancelled in Slurm (scancel)"),
+    ({"JobState": "PREEMPTED", "Reason": "Preempted"}, "cancelled", "stopped by Slurm (SIGTERM: scancel, its time"),
+    (None, "cancelled", "stopped by Slurm (SIGTERM: scancel, its time"),  # slurmctld did not answer
+])
+def test_a_launcher_stopped_by_slurm_asks_slurm_why(monkeypatch, fields, status, reason):
+    """The node stop hook (issue 45 item 3): Slurm's SIGTERM is its time limit or a scancel, as scontrol says."""
+    import signal
+
+    from nbbatch.backends.slurm.commands import SlurmCommandError
+    from nbbatch.backends.slurm.jobs import slurm_stop_request
+
+    def details(self, job_id, timeout=60.0):
+        assert job_id == "7_1" and timeout <= 5
+        if fields is None:
+            raise SlurmCommandError("`scontrol show` got no answer from Slurm within 3 s")
+        return fields
+    monkeypatch.setattr(Slurm, "job_details", details)
+    environ = {"SLURM_JOB_ID": "9", "SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "1"}
+
+    request = slurm_stop_request(signal.SIGTERM, environ)
+
+    assert request.status == status and request.reason.startswith(reason) and "job 7_1" in request.evalue
+    assert slurm_stop_request(signal.SIGTERM, {}) is None  # not in a Slurm job: the signal's own words

@@ -129,7 +129,8 @@ def ended_job_outcome(state: str, exit_code: str, job: SlurmJob, output_tail: st
             "SlurmTimeLimit", f"Slurm ended job {job.job_id} at its time limit{said}",
             reason="Slurm's time limit ended the job before the run's own timeout did: raise time_limit, or lower "
                    "timeout.run and retries", kind=ErrorKind.TIMEOUT)
-    if state.startswith("CANCELLED"):
+    # scontrol names a job being killed COMPLETING, whatever ended it; a cancel leaves its reason None
+    if state.startswith("CANCELLED") or state == "COMPLETING" and why in ("None", ""):
         return Status.CANCELLED, RunError("cancelled", f"job {job.job_id} was cancelled in Slurm{said}",
                                           reason="cancelled in Slurm (scancel)", kind=ErrorKind.CANCELLED)
     if state == "OUT_OF_MEMORY":
@@ -154,8 +155,8 @@ def lost_error(job: SlurmJob, why: str) -> RunError:
 
 def slurm_stop_request(signum: int, environ: Mapping[str, str] | None = None) -> StopRequest | None:
     """Why Slurm stopped this node's job (the node stop hook: ``nbbatch run-one`` got ``signum``): ``scontrol show
-    job`` says whether its time limit or a ``scancel`` did; Slurm's own words when it says neither, None outside a
-    Slurm job."""
+    job`` says whether its time limit (reason ``TimeLimit``) or a ``scancel`` (``CANCELLED``, or ``COMPLETING`` with
+    no reason: the state of a job being killed) did; Slurm's own words when it says neither; None outside a job."""
     environ = os.environ if environ is None else environ
     array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
     job_id = f"{array}_{task}" if array and task else environ.get("SLURM_JOB_ID")
@@ -172,7 +173,8 @@ def slurm_stop_request(signum: int, environ: Mapping[str, str] | None = None) ->
     if state == "TIMEOUT" or why == "TimeLimit":
         return StopRequest(Status.TIMED_OUT, f"stopped by Slurm's time limit ({name}): raise time_limit, or lower "
                                              "timeout.run and retries", "SlurmTimeLimit", said)
-    if state.startswith("CANCELLED"):
+    # scontrol names a job being killed COMPLETING, whatever ended it; a cancel leaves its reason None
+    if state.startswith("CANCELLED") or state == "COMPLETING" and why in ("None", ""):
         return StopRequest(Status.CANCELLED, "cancelled in Slurm (scancel)", evalue=said)
     return StopRequest(Status.CANCELLED, f"stopped by Slurm ({name}: scancel, its time limit, or preemption)",
                        evalue=said)
