@@ -129,8 +129,7 @@ def ended_job_outcome(state: str, exit_code: str, job: SlurmJob, output_tail: st
             "SlurmTimeLimit", f"Slurm ended job {job.job_id} at its time limit{said}",
             reason="Slurm's time limit ended the job before the run's own timeout did: raise time_limit, or lower "
                    "timeout.run and retries", kind=ErrorKind.TIMEOUT)
-    # scontrol names a job being killed COMPLETING, whatever ended it; a cancel leaves its reason None
-    if state.startswith("CANCELLED") or state == "COMPLETING" and why in ("None", ""):
+    if state.startswith("CANCELLED"):
         return Status.CANCELLED, RunError("cancelled", f"job {job.job_id} was cancelled in Slurm{said}",
                                           reason="cancelled in Slurm (scancel)", kind=ErrorKind.CANCELLED)
     if state == "OUT_OF_MEMORY":
