@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -568,3 +569,44 @@ def test_a_pending_run_scancelled_by_hand_is_cancelled_never_submitted_again(slu
     wait_until(lambda: not slurm.run("squeue", "-h", "-n", "nbbatch-handcancel").stdout.strip(), timeout=60,
                message="the other run's job to end")
     assert SlurmJob.read(fs, "handcancel", pending.run_id).resubmits == 0  # no later refresh submitted it again
+
+
+def test_status_while_slurmctld_does_not_answer_says_so_once_and_changes_nothing(slurm, project, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """Issue 45 item 11: slurmctld unreachable (here: this process's Slurm commands pointed at a port where none
+    listens, which Slurm's commands answer as for a stopped slurmctld, "Unable to contact slurm controller", after
+    their MessageTimeout). `status` says once that Slurm could not be asked, with Slurm's own line, shows the records
+    as last known, `--check` fails, and no run is called lost or submitted again."""
+    from nbbatch.ui.cli import main
+
+    share = tmp_path / "share"
+    api.submit(experiment("noctld", share, seeds=2, parameters={"SLEEP": 600.0}, retries=1,
+                          backend={"max_parallel": 1}), progress=False)
+    fs = FileShare(share)
+    wait_until(lambda: {r.status for r in load_records(fs, "noctld")[0]} == {"running", "queued"}, timeout=120,
+               message="one run running, one queued")
+    jobs = {i: SlurmJob.read(fs, "noctld", i).job_id for i in (r.run_id for r in load_records(fs, "noctld")[0])}
+    down = tmp_path / "down.conf"
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    down.write_text(slurm.conf.read_text().replace(f"SlurmctldPort={slurm.ctld_port}",
+                                                   f"SlurmctldPort={free.getsockname()[1]}"))
+    free.close()
+    try:
+        monkeypatch.setenv("SLURM_CONF", str(down))
+        capsys.readouterr()
+        checked = main(["status", "noctld", "--share", str(share), "--check"])
+        out, err = capsys.readouterr()
+        plain = main(["status", "noctld", "--share", str(share), "--json"])
+        _, err_json = capsys.readouterr()
+        monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+        after = {r.run_id: r for r in load_records(fs, "noctld")[0]}
+    finally:
+        monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+        api.cancel("noctld", share=str(share))
+    assert checked != 0 and plain == 0
+    for said in (err, err_json):
+        assert said.count("Unable to contact slurm controller") == 1, said
+        assert "could not ask the `slurm` backend" in said and "may be behind" in said
+    assert sorted(r.status for r in after.values()) == ["queued", "running"], [r.error for r in after.values()]
+    assert {i: SlurmJob.read(fs, "noctld", i).job_id for i in after} == jobs  # nothing submitted again

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import html
 import io
 import json
@@ -55,7 +54,7 @@ from nbbatch.spec.frameworks import get_framework
 from nbbatch.store.jsonl import jsonl_line
 from nbbatch.store.layout import LOG_FILE, METRICS_FILE, OUTPUT_NOTEBOOK, TELEMETRY_FILE, RunPaths, run_paths
 from nbbatch.store.notebook_io import notebook_bytes, stopped_cell
-from nbbatch.store.runfiles import CANCEL_REQUEST, cancel_requested, write_record
+from nbbatch.store.runfiles import CANCEL_REQUEST, StopRequest, cancel_requested, write_record
 from nbbatch.store.runjson import (
     AttemptEntry,
     CheckpointSummary,
@@ -406,14 +405,13 @@ class _Attempt:
         if reason == Status.TIMED_OUT:
             error.kind, error.reason = ErrorKind.TIMEOUT, f"stopped by the run timeout ({self.run.timeout_s:g} s)"
         else:  # the kernel was killed on purpose: its death (DeadKernelError) is not what ended the run
-            request = self.watchdog.why()
+            request = self.watchdog.why()  # a stop event's request decides (Slurm's time limit: timed_out)
             if not self.watchdog.by_event and request.status != reason:
-                request = dataclasses.replace(CANCEL_REQUEST, status=reason)
-            reason, stop = request.outcome()  # a stop event's request decides (Slurm's time limit: timed_out)
+                request = StopRequest(reason, CANCEL_REQUEST.reason)
+            reason, stop = request.outcome()
             if reason != Status.PRUNED:  # with the cell it stopped in
-                stop.cell_index, stop.cell_source = (error.cell_index, error.cell_source) \
-                    if error.cell_index is not None else stopped_cell(self.nb)
-                stop.rank = error.rank
+                at = (error.cell_index, error.cell_source) if error.cell_index is not None else stopped_cell(self.nb)
+                stop.cell_index, stop.cell_source, stop.rank = *at, error.rank
             error = stop
         if self.nb is not None:
             _add_stop_marker(self.nb, error.reason)

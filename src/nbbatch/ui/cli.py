@@ -265,7 +265,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         _console().print(status_table(records, title=table_title(name, records)))
     if args.json or not args.watch:
         say_footer(view)  # the table's footer (a live table draws its own)
-    return 0 if all(r.status in DONE_STATUSES for r in records) and not view.problems or not args.check else 1
+    current = view.refresh is None or view.refresh.error is None  # the backend answered (or was not asked)
+    return 0 if all(r.status in DONE_STATUSES for r in records) and not view.problems and current or not args.check else 1
 
 
 def cmd_status_interruptible(args: argparse.Namespace) -> int:
