@@ -246,3 +246,68 @@ def test_a_second_ctrl_c_while_the_scheduler_stops_does_not_cut_it_short(tmp_pat
     assert interrupts and not scheduler.active and not scheduler.pending
     assert {r.run_id: read_record(share, "sched", r.run_id).status for r in runs} == {
         "r0": "cancelled", "r1": "cancelled", "r2": "cancelled"}
+
+
+# --- a node launcher stopped from outside (issue 45 item 3) -----------------------------------------------------
+
+TWO_CELLS = ["print('FIRST CELL DONE', flush=True)",
+             "import pathlib, time\nprint('IN SECOND CELL', flush=True)\npathlib.Path('started').touch()\n"
+             "while True:\n    time.sleep(0.05)"]
+
+
+def _signal_tree(pid: int, signum: int) -> None:
+    """``signum`` to a process and every process below it (the kernel in its own session too), as Slurm signals every
+    process of a job (and a pod's or container's stop its processes)."""
+    import psutil
+
+    parent = psutil.Process(pid)
+    for process in [parent, *parent.children(recursive=True)]:
+        try:
+            process.send_signal(signum)
+        except psutil.NoSuchProcess:
+            pass
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize(("signum", "how"), [
+    (signal.SIGTERM, "launcher"),  # kill PID: Ray's stop of a task, a container's run-one
+    (signal.SIGTERM, "every process"),  # Slurm's scancel and time limit, a pod's stop
+    (signal.SIGINT, "group"),  # Ctrl-C where run-one runs in a terminal
+    (signal.SIGHUP, "launcher"),  # its ssh session closed
+])
+def test_a_stopped_node_launcher_keeps_the_notebook_so_far_and_says_why(project, tmp_path, signum, how):
+    """`nbbatch run-one` told to stop while a cell runs: the notebook as far as it ran is on the share (the stopped
+    cell marked) and the record ends cancelled, naming the signal, never a dead kernel. Before, run-one died at once
+    (its default signals) and left no output.ipynb and a record `running` for its driver to guess about."""
+    from nbbatch.execute.launch import LaunchSpec
+
+    make_notebook(project / "two.ipynb", TWO_CELLS, parameters="A = 1")
+    share = tmp_path / "share"
+    run = Run("two-1", "stopped", str(project / "two.ipynb"), "two.ipynb", "python3", parameters={"A": 1},
+              cwd=str(project))
+    launch = tmp_path / "launch.json"
+    launch.write_text(LaunchSpec(run=run, share=str(share), project=str(project)).to_json())
+    launcher = subprocess.Popen([sys.executable, "-m", "nbbatch", "run-one", str(launch)], cwd=project,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=_as_from_a_terminal, start_new_session=True)
+    try:
+        wait_until(lambda: (project / "started").exists(), timeout=START_S, message="the second cell running")
+        if how == "group":
+            os.killpg(launcher.pid, signum)
+        elif how == "every process":
+            _signal_tree(launcher.pid, signum)
+        else:
+            launcher.send_signal(signum)
+        output, _ = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    record = read_record(FileShare(share), "stopped", "two-1")
+    assert record.status == "cancelled", (record.error, output)
+    name = signal.Signals(signum).name
+    assert record.error.kind == "cancelled" and f"cancelled by {name} to its launcher" in record.error.reason
+    assert "IN SECOND CELL" in record.error.cell_source and "DeadKernelError" not in record.error.summary()
+    notebook = (share / "stopped" / "two-1" / "output.ipynb").read_text()
+    assert "FIRST CELL DONE" in notebook and "IN SECOND CELL" in notebook
+    assert f"nbbatch stopped this run: cancelled by {name}" in notebook
+    assert kernels_of("stopped") == [], "kernels left running"

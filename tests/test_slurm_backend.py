@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -244,12 +245,16 @@ def test_cancel_stops_a_pending_and_a_running_run(slurm, project, tmp_path):
 
 
 def test_slurms_time_limit_ends_a_run_as_timed_out(slurm, project, tmp_path):
-    """A run whose job hits Slurm's --time (1 minute here, enforced after about 81 s) is timed_out, saying so."""
+    """A run whose job hits Slurm's --time (1 minute here, enforced after about 81 s) is timed_out, saying so, with its
+    notebook as far as it ran."""
     share = tmp_path / "share"
     api.submit(experiment("late", share, parameters={"SLEEP": 600.0}, backend={"time_limit": 1}),
                wait=False, progress=False)
     [record] = final_records("late", share, 1, timeout=240)
     assert record.status == "timed_out" and record.error.ename == "SlurmTimeLimit", record.error
+    # run-one got Slurm's SIGTERM and kept the notebook as far as it ran (issue 45 item 3)
+    assert "NODE=node" in (share / "late" / record.run_id / "output.ipynb").read_text()
+    assert record.error.reason.startswith("stopped by Slurm's time limit (SIGTERM)") and record.error.cell_index
 
 
 def test_a_lost_node_is_resubmitted_and_resumes_from_its_checkpoint(slurm, project, tmp_path):
@@ -514,3 +519,94 @@ def test_another_machine_sees_how_slurm_ended_the_jobs(slurm, project, tmp_path,
     records = final_records("admin", share, 2, timeout=60)
     assert [r.status for r in records] == ["cancelled", "cancelled"], [r.error for r in records]
     assert {r.error.reason for r in records} == {"cancelled in Slurm (scancel)"}
+
+
+# --- Slurm ending jobs by itself (issue 45) -------------------------------------------------------------------
+
+TWO_CELLS = ['print("FIRST CELL DONE", flush=True)',
+             'import time\nprint("IN SECOND CELL", flush=True)\ntime.sleep(SLEEP)\nprint("NEVER")']
+
+
+def test_a_job_scancelled_mid_cell_keeps_the_cells_run_so_far(slurm, project, tmp_path):
+    """A hand `scancel` of a running job (Slurm's SIGTERM to every process of the job, the kernel too, SIGKILL after
+    KillWait): run-one saves the notebook as far as it ran, the stopped cell marked, and ends the run cancelled, saying
+    Slurm stopped it. Before, run-one died at once and output.ipynb never appeared."""
+    make_notebook(project / "two.ipynb", TWO_CELLS, parameters="SEED = 0\nSLEEP = 600.0")
+    share = tmp_path / "share"
+    api.submit(experiment("scancelled", share, "two.ipynb"), progress=False)
+    fs = FileShare(share)
+    running = wait_until(lambda: next((r for r in load_records(fs, "scancelled")[0] if "IN SECOND CELL" in
+                                       (share / "scancelled" / r.run_id / "log.txt").read_text(errors="replace")),
+                                      None) if list((share / "scancelled").glob("*/log.txt")) else None,
+                         timeout=120, message="the second cell running")
+    slurm.run("scancel", SlurmJob.read(fs, "scancelled", running.run_id).job_id)
+    [record] = final_records("scancelled", share, 1, timeout=60)
+    assert record.status == "cancelled", record.error
+    assert record.error.reason == "cancelled in Slurm (scancel)" and record.error.cell_index is not None, record.error
+    notebook = (share / "scancelled" / record.run_id / "output.ipynb").read_text()
+    assert "FIRST CELL DONE" in notebook and "IN SECOND CELL" in notebook and "NEVER" not in notebook.replace(
+        'print(\\"NEVER\\")', "")
+    assert "nbbatch stopped this run: cancelled in Slurm (scancel)" in notebook
+
+
+def test_a_pending_run_scancelled_by_hand_is_cancelled_never_submitted_again(slurm, project, tmp_path):
+    """Issue 45 item 1 on the real cluster: with retries left, a pending array task cancelled by hand ends its run
+    cancelled (Slurm says how the job ended), and is never submitted again; the other run is untouched."""
+    share = tmp_path / "share"
+    api.submit(experiment("handcancel", share, seeds=2, parameters={"SLEEP": 8.0}, retries=1,
+                          backend={"max_parallel": 1}), progress=False)
+    fs = FileShare(share)
+    running = wait_until(lambda: next((r for r in load_records(fs, "handcancel")[0] if r.status == "running"), None),
+                         timeout=120, message="one run running")
+    pending = next(r for r in load_records(fs, "handcancel")[0] if r.run_id != running.run_id)
+    job = SlurmJob.read(fs, "handcancel", pending.run_id)
+    slurm.run("scancel", job.job_id)
+    records = {r.run_id: r for r in final_records("handcancel", share, 2, timeout=120)}
+    assert records[pending.run_id].status == "cancelled", records[pending.run_id].error
+    assert records[running.run_id].status == "succeeded", records[running.run_id].error
+    again = SlurmJob.read(fs, "handcancel", pending.run_id)
+    assert (again.job_id, again.resubmits) == (job.job_id, 0)
+    wait_until(lambda: not slurm.run("squeue", "-h", "-n", "nbbatch-handcancel").stdout.strip(), timeout=60,
+               message="the other run's job to end")
+    assert SlurmJob.read(fs, "handcancel", pending.run_id).resubmits == 0  # no later refresh submitted it again
+
+
+def test_status_while_slurmctld_does_not_answer_says_so_once_and_changes_nothing(slurm, project, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """Issue 45 item 11: slurmctld unreachable (here: this process's Slurm commands pointed at a port where none
+    listens, which Slurm's commands answer as for a stopped slurmctld, "Unable to contact slurm controller", after
+    their MessageTimeout). `status` says once that Slurm could not be asked, with Slurm's own line, shows the records
+    as last known, `--check` fails, and no run is called lost or submitted again."""
+    from nbbatch.ui.cli import main
+
+    share = tmp_path / "share"
+    api.submit(experiment("noctld", share, seeds=2, parameters={"SLEEP": 600.0}, retries=1,
+                          backend={"max_parallel": 1}), progress=False)
+    fs = FileShare(share)
+    wait_until(lambda: {r.status for r in load_records(fs, "noctld")[0]} == {"running", "queued"}, timeout=120,
+               message="one run running, one queued")
+    jobs = {i: SlurmJob.read(fs, "noctld", i).job_id for i in (r.run_id for r in load_records(fs, "noctld")[0])}
+    down = tmp_path / "down.conf"
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    down.write_text(slurm.conf.read_text().replace(f"SlurmctldPort={slurm.ctld_port}",
+                                                   f"SlurmctldPort={free.getsockname()[1]}"))
+    free.close()
+    try:
+        monkeypatch.setenv("SLURM_CONF", str(down))
+        capsys.readouterr()
+        checked = main(["status", "noctld", "--share", str(share), "--check"])
+        out, err = capsys.readouterr()
+        plain = main(["status", "noctld", "--share", str(share), "--json"])
+        _, err_json = capsys.readouterr()
+        monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+        after = {r.run_id: r for r in load_records(fs, "noctld")[0]}
+    finally:
+        monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+        api.cancel("noctld", share=str(share))
+    assert checked != 0 and plain == 0
+    for said in (err, err_json):
+        assert said.count("Unable to contact slurm controller") == 1, said
+        assert "could not ask the `slurm` backend" in said and "may be behind" in said
+    assert sorted(r.status for r in after.values()) == ["queued", "running"], [r.error for r in after.values()]
+    assert {i: SlurmJob.read(fs, "noctld", i).job_id for i in after} == jobs  # nothing submitted again

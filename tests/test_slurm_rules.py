@@ -182,3 +182,78 @@ def test_the_job_completion_log_is_read_for_jobs_and_array_tasks(tmp_path, monke
     assert Slurm().completion_log_states(["90"]) == {}
     config.update(JobCompType="jobcomp/filetxt", JobCompLoc=str(tmp_path / "elsewhere.txt"))
     assert Slurm().completion_log_states(["90"]) == {}
+
+
+@pytest.mark.parametrize(("fields", "status", "reason"), [
+    ({"JobState": "COMPLETING", "Reason": "TimeLimit"}, "timed_out", "stopped by Slurm's time limit (SIGTERM)"),
+    ({"JobState": "TIMEOUT", "Reason": "TimeLimit"}, "timed_out", "stopped by Slurm's time limit (SIGTERM)"),
+    ({"JobState": "COMPLETING", "Reason": "None"}, "cancelled", "cancelled in Slurm (scancel)"),
+    ({"JobState": "CANCELLED", "Reason": "None"}, "cancelled", "cancelled in Slurm (scancel)"),
+    ({"JobState": "PREEMPTED", "Reason": "Preempted"}, "cancelled", "stopped by Slurm (SIGTERM: scancel, its time"),
+    (None, "cancelled", "stopped by Slurm (SIGTERM: scancel, its time"),  # slurmctld did not answer
+])
+def test_a_launcher_stopped_by_slurm_asks_slurm_why(monkeypatch, fields, status, reason):
+    """The node stop hook (issue 45 item 3): Slurm's SIGTERM is its time limit or a scancel, as scontrol says."""
+    import signal
+
+    from nbbatch.backends.slurm.commands import SlurmCommandError
+    from nbbatch.backends.slurm.jobs import slurm_stop_request
+
+    def details(self, job_id, timeout=60.0):
+        assert job_id == "7_1" and timeout <= 5
+        if fields is None:
+            raise SlurmCommandError("`scontrol show` got no answer from Slurm within 3 s")
+        return fields
+    monkeypatch.setattr(Slurm, "job_details", details)
+    environ = {"SLURM_JOB_ID": "9", "SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "1"}
+
+    request = slurm_stop_request(signal.SIGTERM, environ)
+
+    assert request.status == status and request.reason.startswith(reason) and "job 7_1" in request.evalue
+    assert slurm_stop_request(signal.SIGTERM, {}) is None  # not in a Slurm job: the signal's own words
+
+
+def _fake_scontrol(tmp_path: Path, says: str) -> Slurm:
+    """Slurm's commands where ``scontrol`` exits 1 saying ``says`` (as a real one does with slurmctld down)."""
+    folder = tmp_path / "bin"
+    folder.mkdir(exist_ok=True)
+    tool = folder / "scontrol"
+    tool.write_text(f"#!/bin/sh\necho '{says}' >&2\nexit 1\n")
+    tool.chmod(0o755)
+    import os
+
+    return Slurm(env={"PATH": f"{folder}:{os.environ['PATH']}"})
+
+
+def test_slurm_that_does_not_answer_is_never_a_job_it_forgot(tmp_path):
+    """Issue 45 item 11: `scontrol` with slurmctld down exits 1 ("Unable to contact slurm controller"), as it does for
+    a job slurmctld forgot ("Invalid job id specified"). Only the latter is "no such job"; the former raises, so a
+    refresh says Slurm could not be asked instead of ending runs as lost (or submitting them again)."""
+    from nbbatch.backends.slurm.commands import SlurmCommandError
+
+    down = _fake_scontrol(tmp_path, "slurm_load_jobs error: Unable to contact slurm controller (connect failure)")
+    with pytest.raises(SlurmCommandError, match="Unable to contact slurm controller"):
+        down.job_details("5_1")
+    with pytest.raises(SlurmCommandError, match="Unable to contact slurm controller"):
+        down.accounting()
+    with pytest.raises(SlurmCommandError, match="Unable to contact slurm controller"):
+        down.completion_log_states(["5_1"])
+    assert _fake_scontrol(tmp_path, "slurm_load_jobs error: Invalid job id specified").job_details("5_1") == {}
+
+
+def test_a_refresh_slurm_does_not_answer_leaves_the_runs_as_they_were(project, tmp_path):
+    """squeue answered (the job is gone from it), then slurmctld went away: the refresh fails, saying so; the run is
+    not lost, not submitted again, and its record is as it was."""
+    from nbbatch.backends.slurm.commands import SlurmCommandError
+    from nbbatch.results.status import refresh_records
+
+    backend, slurm, share, runs = _submitted(project, tmp_path, 1, None)
+
+    def down(job_id: str, timeout: float = 60.0) -> dict[str, str]:
+        raise SlurmCommandError("`scontrol show` failed (exit 1): slurm_load_jobs error: Unable to contact slurm "
+                                "controller (connect failure)")
+    slurm.job_details = down
+    outcome = refresh_records(lambda: backend, "exp", share)
+    assert "Unable to contact slurm controller" in outcome.note and "may be behind" in outcome.note
+    assert len(slurm.submitted) == 1 and read_record(share, "exp", runs[0].run_id).status == "queued"
+    assert SlurmJob.read(share, "exp", runs[0].run_id).resubmits == 0

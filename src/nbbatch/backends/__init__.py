@@ -15,6 +15,7 @@ from typing import Any
 from nbbatch.backends.base import Backend, Capabilities, Compute, Setting, SubmitOptions, SubmitOutcome
 from nbbatch.errors import BackendError, did_you_mean
 from nbbatch.execute.placement import PlacementReader
+from nbbatch.execute.stopsignals import StopExplainer
 
 ENTRY_POINT_GROUP = "nbbatch.backends"
 _BUILTIN = {
@@ -30,6 +31,9 @@ _NODE_PLACEMENT = {
     "azureml": "nbbatch.backends.azureml.placement:azureml_placement",
     "slurm": "nbbatch.backends.slurm.gang:slurm_placement",
 }
+# Why a built-in backend's cluster stopped a node launcher (``(signum) -> StopRequest | None``, asked after the
+# signal; nbbatch.execute.stopsignals): Slurm's says scancel or time limit. The others' signal is named as it is.
+_NODE_STOP = {"slurm": "nbbatch.backends.slurm.jobs:slurm_stop_request"}
 _REGISTRY: dict[str, Any] = {}
 _REGISTERED: set[str] = set()  # registered by register_backend (not loaded from _BUILTIN)
 
@@ -80,10 +84,18 @@ def node_placement_hook(name: str) -> PlacementReader | None:
     return hook  # type: ignore[no-any-return]
 
 
+def node_stop_hook(name: str) -> StopExplainer | None:
+    """Why backend ``name``'s cluster sent its node launcher a stop signal (None: the signal says it all)."""
+    if name not in _NODE_STOP or name in _REGISTERED or name in _entry_points():
+        return None
+    module, _, attr = _NODE_STOP[name].partition(":")
+    return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
+
+
 def get_backend(name: str = "local", **settings: Any) -> Backend:
     """An instance of the backend called ``name``, configured with the spec's backend settings."""
     return backend_class(name)(**settings)
 
 
 __all__ = ["Backend", "Capabilities", "Compute", "Setting", "SubmitOptions", "SubmitOutcome", "backend_class",
-           "backend_names", "get_backend", "node_placement_hook", "register_backend"]
+           "backend_names", "get_backend", "node_placement_hook", "node_stop_hook", "register_backend"]

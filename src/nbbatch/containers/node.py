@@ -4,8 +4,9 @@ The slurm backend's ``container: true``: the job's launcher (``nbbatch run-one``
 container with the local backend's runner (:func:`~nbbatch.containers.runner.execute_in_container`), on this node.
 Inside, ``nbbatch run-one`` of the image watches the share's cancel markers and the run's timeout itself, as in a
 venv. Slurm stops a job (``scancel``, its time limit) with SIGTERM, but the container is no process of the job
-(the engine's monitor runs it), so SIGTERM here kills the container before the launcher exits; the driver then
-records how the job ended, from Slurm.
+(the engine's monitor runs it), so SIGTERM here stops the container (SIGTERM to its ``run-one``, which saves the
+notebook as far as it ran and ends the record) before the launcher exits; should the container's ``run-one`` not
+get that far, the driver records how the job ended, from Slurm.
 
 A distributed run's job starts one launcher per node (``srun``); each finds its place in the gang on the host (the
 share's address exchange, :mod:`nbbatch.backends.slurm.gang`) and runs the node's ranks in one container, told that

@@ -57,6 +57,7 @@ from nbbatch.store.share import Share
 HOST_NBBATCH = "/opt/nbbatch/host"  # where the driver's own nbbatch is mounted: the run uses the same code
 OUTPUT_TAIL = 3000  # characters of the container's output kept for an error
 _CONTAINER_ENDED = {"error": "a node's container ended"}  # the gang's stop marker when a container ends early
+STOP_GRACE_S = 10.0  # a stopped container's run-one saves its notebook within this (Slurm's KillWait: 30 s)
 TIMEOUT_GRACE_S = 60.0  # past the run's own timeout (which run-one enforces) the container is killed
 # Variables passed from the driver (by name: values never appear on a command line): what tunes the
 # frameworks, tracks runs, or configures nbbatch. Paths of this machine's Python and Jupyter are not passed.
@@ -271,8 +272,9 @@ def _watch(proc: subprocess.Popen[str], engine: Engine, name: str, run: Run, sha
 
 
 def stop_container(engine: Engine, name: str) -> None:
-    """Kill a container now (its processes with it); ``--rm`` then removes it."""
-    engine.query("kill", name, timeout=30)
+    """Stop a container: SIGTERM first, so its ``run-one`` saves the notebook as far as it ran and ends the record
+    (nbbatch.execute.stopsignals), SIGKILL after :data:`STOP_GRACE_S`; ``--rm`` then removes it."""
+    engine.query("stop", "--time", f"{STOP_GRACE_S:g}", name, timeout=STOP_GRACE_S + 30)
     engine.query("rm", "--force", name, timeout=30)
 
 

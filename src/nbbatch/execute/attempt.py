@@ -54,7 +54,7 @@ from nbbatch.spec.frameworks import get_framework
 from nbbatch.store.jsonl import jsonl_line
 from nbbatch.store.layout import LOG_FILE, METRICS_FILE, OUTPUT_NOTEBOOK, TELEMETRY_FILE, RunPaths, run_paths
 from nbbatch.store.notebook_io import notebook_bytes, stopped_cell
-from nbbatch.store.runfiles import CANCEL_REQUEST, cancel_requested, write_record
+from nbbatch.store.runfiles import CANCEL_REQUEST, StopRequest, cancel_requested, write_record
 from nbbatch.store.runjson import (
     AttemptEntry,
     CheckpointSummary,
@@ -405,12 +405,14 @@ class _Attempt:
         if reason == Status.TIMED_OUT:
             error.kind, error.reason = ErrorKind.TIMEOUT, f"stopped by the run timeout ({self.run.timeout_s:g} s)"
         else:  # the kernel was killed on purpose: its death (DeadKernelError) is not what ended the run
-            request = self.watchdog.why()
-            said = request.reason if reason == request.status else CANCEL_REQUEST.reason
-            index, source = (error.cell_index, error.cell_source) if error.cell_index is not None else stopped_cell(self.nb)
-            error = (RunError("pruned", "", reason=said, kind=ErrorKind.PRUNED) if reason == Status.PRUNED else
-                     RunError("cancelled", "", cell_index=index, cell_source=source, rank=error.rank, reason=said,
-                              kind=ErrorKind.CANCELLED))  # with the cell it stopped in
+            request = self.watchdog.why()  # a stop event's request decides (Slurm's time limit: timed_out)
+            if not self.watchdog.by_event and request.status != reason:
+                request = StopRequest(reason, CANCEL_REQUEST.reason)
+            reason, stop = request.outcome()
+            if reason != Status.PRUNED:  # with the cell it stopped in
+                at = (error.cell_index, error.cell_source) if error.cell_index is not None else stopped_cell(self.nb)
+                stop.cell_index, stop.cell_source, stop.rank = *at, error.rank
+            error = stop
         if self.nb is not None:
             _add_stop_marker(self.nb, error.reason)
         return reason, error

@@ -126,6 +126,7 @@ class Watchdog:
     def __init__(self, run: Run, share: Share, deadline: float | None, cancel_event: threading.Event | None):
         self.run, self.share, self.deadline, self.cancel_event = run, share, deadline, cancel_event
         self.reason: Status | None = None  # TIMED_OUT, CANCELLED or PRUNED once it has stopped the kernel
+        self.by_event = False  # the reason is ``cancel_event``'s: the run ends as its request says (why())
         self.request: StopRequest | None = None  # what the run's marker asked, once seen
         self.km: Any = None
         self.share_errors = 0  # failed marker checks so far (they are retried)
@@ -143,16 +144,22 @@ class Watchdog:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._threads[0].join(timeout=5)  # the poller may sit in a slow share request: it is a daemon
+        # A stop that came as the kernel ended still counts: the signal that stops a launcher may reach its kernel
+        # too (Slurm signals every process of the job), which then dies before the next tick here.
+        self._decide()
+
+    def _decide(self) -> None:
+        if self.reason is None:
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                self.reason = Status.TIMED_OUT
+            elif self._marker_seen.is_set():
+                self.reason = (self.request or CANCEL_REQUEST).status
+            elif self.cancel_event is not None and self.cancel_event.is_set():
+                self.reason, self.by_event = Status.CANCELLED, True
 
     def _loop(self) -> None:
         while not self._stop.wait(0.1):
-            if self.reason is None:
-                if self.deadline is not None and time.monotonic() > self.deadline:
-                    self.reason = Status.TIMED_OUT
-                elif self._marker_seen.is_set():
-                    self.reason = (self.request or CANCEL_REQUEST).status
-                elif self.cancel_event is not None and self.cancel_event.is_set():
-                    self.reason = Status.CANCELLED
+            self._decide()
             if self.reason and self.km is not None:
                 try:
                     kill_kernel_group(self.km)

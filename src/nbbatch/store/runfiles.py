@@ -155,13 +155,21 @@ class StopRequest:
 
     status: Status = Status.CANCELLED
     reason: str = "stopped by a cancel request"
+    ename: str = ""  # the error's name where the stopper has one (a cluster's time limit: "SlurmTimeLimit")
+    evalue: str = ""  # what the stopper said (a cluster's own words on the job)
 
     def outcome(self, evalue: str = "", reason: str | None = None) -> tuple[Status, RunError]:
         """The status and error of a run ended by this request (``reason``: a cancel's own words, where the
-        backend knows more, e.g. "cancelled before it started")."""
+        backend knows more, e.g. "cancelled before it started"). A stop by a cluster's time limit (an in-process
+        request, never a marker's) ends the run ``timed_out``."""
+        evalue = evalue or self.evalue
         if self.status == Status.PRUNED:
-            return Status.PRUNED, RunError("pruned", evalue, reason=self.reason, kind=ErrorKind.PRUNED)
-        return Status.CANCELLED, RunError("cancelled", evalue, reason=reason or self.reason, kind=ErrorKind.CANCELLED)
+            return Status.PRUNED, RunError(self.ename or "pruned", evalue, reason=self.reason, kind=ErrorKind.PRUNED)
+        if self.status == Status.TIMED_OUT:
+            return Status.TIMED_OUT, RunError(self.ename or "timed_out", evalue, reason=reason or self.reason,
+                                              kind=ErrorKind.TIMEOUT)
+        return Status.CANCELLED, RunError(self.ename or "cancelled", evalue, reason=reason or self.reason,
+                                          kind=ErrorKind.CANCELLED)
 
 
 CANCEL_REQUEST = StopRequest()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -24,6 +25,7 @@ from rich.text import Text
 
 import nbbatch.ui.skip_iri_grammar  # noqa: F401 - first of nbbatch's imports: before any of them imports jsonschema
 from nbbatch import __version__, api
+from nbbatch.backends import node_stop_hook
 from nbbatch.backends.cluster import add_common_arguments, run_cluster_command
 from nbbatch.backends.placement import placement_reader
 from nbbatch.containers.node import execute_on_node
@@ -32,6 +34,7 @@ from nbbatch.errors import NbbatchError, NotebookStopped, ValidationError
 from nbbatch.execute.envs import build_envs, remove_env
 from nbbatch.execute.launch import RUN_ONE, read_launch
 from nbbatch.execute.placement import placement_from_env
+from nbbatch.execute.stopsignals import SignalStop, stopped_by_signals
 from nbbatch.results.progress import StatusReads, abandoned_runs, table_title, watch_status
 from nbbatch.results.status import (
     REFRESH_EVERY_S,
@@ -211,7 +214,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         _console().print(status_table(records, title=table_title(name, records)))
     if args.json or not args.watch:
         say_footer(view)  # the table's footer (a live table draws its own)
-    return 0 if all(r.status in DONE_STATUSES for r in records) and not view.problems or not args.check else 1
+    current = view.refresh is None or view.refresh.error is None  # the backend answered (or was not asked)
+    return 0 if all(r.status in DONE_STATUSES for r in records) and not view.problems and current or not args.check else 1
 
 
 def cmd_status_interruptible(args: argparse.Namespace) -> int:
@@ -268,13 +272,17 @@ def cmd_run_one(args: argparse.Namespace) -> int:
     # variables or those its backend's cluster set
     node = launch.node or (placement_from_env(run, os.environ, placement_reader(launch.backend, share))
                            if run.distribution else None)
-    context = launch.attempt_context(project.root, node, os.environ)
-    if launch.container_images:  # a cluster's node: the run in its framework's image
-        record = execute_on_node(run, share, context, launch.container_engine, launch.container_images)
-    else:
-        from nbbatch.execute.attempts import execute_run  # the notebook runtime: only the commands that run one load it
+    # SIGTERM (a cluster stopping the job, task, container or pod), SIGINT, SIGHUP: the run stops as by a cancel,
+    # keeping the notebook as far as it ran; the backend's hook says why (Slurm's: scancel or its time limit)
+    stop = SignalStop(node_stop_hook(launch.backend))
+    context = dataclasses.replace(launch.attempt_context(project.root, node, os.environ), cancel_event=stop)
+    with stopped_by_signals(stop):
+        if launch.container_images:  # a cluster's node: the run in its framework's image (its own signal handling)
+            record = execute_on_node(run, share, context, launch.container_engine, launch.container_images)
+        else:
+            from nbbatch.execute.attempts import execute_run  # the notebook runtime: only the commands that run one load
 
-        record = execute_run(run, share, context)
+            record = execute_run(run, share, context)
     print(f"{record.run_id}: {record.status}" + (f" ({record.error.summary()})" if record.error else ""))
     return 0 if record.status in DONE_STATUSES else 1
 
@@ -486,7 +494,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.names = [*args.names, *extra]  # `images build --cpu pytorch`: names after options
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    # run-one is stopped by its backend (Ray, Azure ML), which records why: it keeps the default signals.
+    # run-one handles its stop signals itself (cmd_run_one): the run's record says why it stopped
     previous = _terminate_like_ctrl_c() if args.command != RUN_ONE else {}
     try:
         return int(args.func(args) or 0)

@@ -94,8 +94,9 @@ def execute_on_node(spec: dict[str, Any]) -> dict[str, Any]:
         run = _with_notebook_here(run, spec.get("project"), spec.get("notebook_source"), folder)
         launch_file = write_private(folder / LAUNCH_FILE, task_launch(spec, run, gpu_ids).to_json())
         cmd, cwd = run_one_command(spec, launch_file)
-        # a container run's run-one stops its container on SIGTERM; a venv run's kernel dies with it
-        dying = functools.partial(_die_with_parent, signal.SIGTERM if in_container else signal.SIGKILL)
+        # the worker gone (ray.cancel(force=True), a lost worker): run-one stops on SIGTERM as on every cluster,
+        # saving the notebook as far as it ran (a container run's stops its container); its reaper kills the kernel
+        dying = functools.partial(_die_with_parent, signal.SIGTERM)
         proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, preexec_fn=dying if sys.platform == "linux" else None)
         try:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from nbbatch.errors import BackendError
 
+UNKNOWN_JOB = "Invalid job id"  # what squeue and scontrol say of a job slurmctld does not know (any more)
 COMMAND_TIMEOUT_S = 60.0  # slurmctld answers in well under a second; a minute means it is down or overloaded
 TOOLS = ("sbatch", "squeue", "scancel", "sinfo")  # what the backend cannot work without
 # squeue's columns: job id, array job id and task id (an array task is named by them: its %i may be the array's own
@@ -47,6 +48,14 @@ class SlurmCommandError(BackendError):
     def __init__(self, message: str, stderr: str = "", returncode: int | None = None) -> None:
         super().__init__(message)
         self.stderr, self.returncode = stderr, returncode
+
+
+def failed(args: Sequence[str], done: subprocess.CompletedProcess[str]) -> SlurmCommandError:
+    """The error of a Slurm command that exited non-zero: the command and what Slurm printed (slurmctld down:
+    "Unable to contact slurm controller (connect failure)")."""
+    said = done.stderr.strip() or done.stdout.strip() or "(nothing printed)"
+    return SlurmCommandError(f"`{' '.join(args[:2])}` failed (exit {done.returncode}): {said}{_hint(said)}",
+                             stderr=said, returncode=done.returncode)
 
 
 @dataclass(frozen=True)
@@ -97,9 +106,7 @@ class Slurm:
             raise SlurmCommandError(f"`{' '.join(args[:2])}` got no answer from Slurm within {timeout:g} s: is "
                                     "slurmctld up? (`scontrol ping`)") from exc
         if check and done.returncode != 0:
-            said = (done.stderr.strip() or done.stdout.strip() or "(nothing printed)")
-            raise SlurmCommandError(f"`{' '.join(args[:2])}` failed (exit {done.returncode}): {said}{_hint(said)}",
-                                    stderr=said, returncode=done.returncode)
+            raise failed(args, done)
         return done
 
     # --- what the cluster has ------------------------------------------------------------------------------
@@ -125,8 +132,9 @@ class Slurm:
         return dict(line.split("|", 1) for line in out.splitlines() if "|" in line)
 
     def show_config(self) -> dict[str, str]:
-        """``scontrol show config``'s settings (``KEY = VALUE``); {} when it cannot be asked."""
-        done = self.run("scontrol", "show", "config", check=False)
+        """``scontrol show config``'s settings (``KEY = VALUE``); :class:`SlurmCommandError` when slurmctld cannot
+        be asked (what follows from "no accounting, no job-completion log" must never follow from no answer)."""
+        done = self.run("scontrol", "show", "config")
         pairs = (line.partition("=") for line in done.stdout.splitlines())
         return {key.strip(): value.strip() for key, sep, value in pairs if sep and key.strip()}
 
@@ -177,7 +185,7 @@ class Slurm:
             return {}
         # -t all: finished jobs too, while slurmctld remembers them (MinJobAge, 300 s by default)
         done = self.run("squeue", "-h", "-r", "-t", "all", "-o", QUEUE_FORMAT, "-j", ",".join(ids), check=False)
-        if done.returncode != 0 and "Invalid job id" not in done.stderr:  # every job gone: "Invalid job id specified"
+        if done.returncode != 0 and UNKNOWN_JOB not in done.stderr:  # every job gone: "Invalid job id specified"
             raise SlurmCommandError(f"`squeue` failed (exit {done.returncode}): {done.stderr.strip()}",
                                     stderr=done.stderr.strip(), returncode=done.returncode)
         return _queued_jobs(done.stdout)
@@ -188,11 +196,16 @@ class Slurm:
         done = self.run("squeue", "-h", "-r", "-u", getpass.getuser(), "-n", name, "-o", QUEUE_FORMAT)
         return _queued_jobs(done.stdout)
 
-    def job_details(self, job_id: str) -> dict[str, str]:
-        """``scontrol show job``'s fields of one job (or array task), while slurmctld still remembers it; {} after."""
-        done = self.run("scontrol", "show", "job", "-o", job_id, check=False)
+    def job_details(self, job_id: str, timeout: float = COMMAND_TIMEOUT_S) -> dict[str, str]:
+        """``scontrol show job``'s fields of one job (or array task), while slurmctld still remembers it; {} after
+        (:class:`SlurmCommandError` when slurmctld does not answer, within ``timeout``: a job it forgot is one
+        thing, a slurmctld that is down another)."""
+        args = ("scontrol", "show", "job", "-o", job_id)
+        done = self.run(*args, check=False, timeout=timeout)
         if done.returncode != 0:
-            return {}
+            if UNKNOWN_JOB in done.stderr:
+                return {}
+            raise failed(args, done)
         fields: dict[str, str] = {}
         for token in done.stdout.split():
             key, sep, value = token.partition("=")
@@ -205,9 +218,9 @@ class Slurm:
         ids = sorted(set(job_ids))
         if not ids:
             return {}
-        done = self.run("sacct", "-n", "-P", "-X", "-o", "JobID,State,ExitCode", "-j", ",".join(ids), check=False)
-        states = {}
-        for line in done.stdout.splitlines() if done.returncode == 0 else []:
+        done = self.run("sacct", "-n", "-P", "-X", "-o", "JobID,State,ExitCode", "-j", ",".join(ids))  # slurmdbd down:
+        states = {}  # raised, never read as "no such job"
+        for line in done.stdout.splitlines():
             job_id, state, exit_code = (line.split("|") + ["", ""])[:3]
             states[job_id] = (state.split()[0] if state else "", exit_code)  # "CANCELLED by 0" -> CANCELLED
         return states

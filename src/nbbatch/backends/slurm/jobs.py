@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
+from nbbatch.backends.slurm.commands import Slurm, SlurmCommandError
 from nbbatch.plan.runs import Run
 from nbbatch.store.layout import run_paths
+from nbbatch.store.runfiles import StopRequest
 from nbbatch.store.runjson import ErrorKind, RunError, Status
 from nbbatch.store.share import Share
 
 JOB_FILE = "slurm.json"  # in the run's folder: run_paths(experiment, run_id).file(JOB_FILE)
+STOP_QUESTION_S = 3.0  # a launcher told to stop asks Slurm why at most this long (KillWait is 30 s by default)
 STARTUP_S = 120.0  # per attempt, past the run's own timeout: the kernel's start and the notebook's writes
 JOB_MARGIN_S = 300.0  # per job: the launcher's start on the node and its last writes to the share
 
@@ -144,3 +150,30 @@ def lost_error(job: SlurmJob, why: str) -> RunError:
     """The error of a run whose job is gone (its node failed, or Slurm no longer knows it)."""
     return RunError("SlurmJobLost", why, reason="lost: its Slurm job is gone without an end (node failure, or the "
                                                 "job was purged); resubmit to rerun", kind=ErrorKind.INFRA)
+
+
+def slurm_stop_request(signum: int, environ: Mapping[str, str] | None = None) -> StopRequest | None:
+    """Why Slurm stopped this node's job (the node stop hook: ``nbbatch run-one`` got ``signum``): ``scontrol show
+    job`` says whether its time limit (reason ``TimeLimit``) or a ``scancel`` (``CANCELLED``, or ``COMPLETING`` with
+    no reason: the state of a job being killed) did; Slurm's own words when it says neither; None outside a job."""
+    environ = os.environ if environ is None else environ
+    array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    job_id = f"{array}_{task}" if array and task else environ.get("SLURM_JOB_ID")
+    if not job_id:
+        return None
+    name = signal.Signals(signum).name
+    try:
+        fields = Slurm().job_details(job_id, timeout=STOP_QUESTION_S)
+    except SlurmCommandError:  # no scontrol here, or slurmctld did not answer in time: the signal alone
+        fields = {}
+    state, why = fields.get("JobState", ""), fields.get("Reason", "")
+    said = f"job {job_id}: JobState={state or '?'} Reason={why or '?'}" if fields else \
+        f"job {job_id}: slurmctld did not say how it ended within {STOP_QUESTION_S:g} s"
+    if state == "TIMEOUT" or why == "TimeLimit":
+        return StopRequest(Status.TIMED_OUT, f"stopped by Slurm's time limit ({name}): raise time_limit, or lower "
+                                             "timeout.run and retries", "SlurmTimeLimit", said)
+    # scontrol names a job being killed COMPLETING, whatever ended it; a cancel leaves its reason None
+    if state.startswith("CANCELLED") or state == "COMPLETING" and why in ("None", ""):
+        return StopRequest(Status.CANCELLED, "cancelled in Slurm (scancel)", evalue=said)
+    return StopRequest(Status.CANCELLED, f"stopped by Slurm ({name}: scancel, its time limit, or preemption)",
+                       evalue=said)
