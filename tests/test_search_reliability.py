@@ -322,3 +322,78 @@ def test_the_reused_name_warning_counts_a_searchs_trials_not_its_first_run(tmp_p
     assert write_manifest(share, spec, ["pytorch-1"], source=tmp_path / "a.yaml") == []
     warning, = write_manifest(share, spec, ["pytorch-2"], source=tmp_path / "b.yaml")
     assert "show this submission's search (up to 12 trials per notebook)" in warning and "1 run(s)" not in warning
+
+
+def _finished_search(project, write_experiment, name: str, told: int):
+    """An experiment file of a random search whose study holds ``told`` finished trials, their runs' records and
+    metric histories on the share as a driver leaves them (no kernel runs): every fifth trial pruned at step 1, every
+    seventh failed; its budget spent. Returns the file and the study's journal."""
+    from nbbatch.api import prepare
+    from nbbatch.search.study import journal_path
+    from nbbatch.store.jsonl import jsonl_line
+    from nbbatch.store.layout import run_paths
+    from nbbatch.store.runfiles import new_record, write_record
+    from nbbatch.store.runjson import Status
+
+    make_notebook(project / "nb.ipynb", [KINDS], parameters="KIND = 'ok'\nLR = 0.0")
+    search = _block(trials=told, sampler="random", seed=1, pruner="none")
+    exp = write_experiment(json.dumps({"experiment": name, "notebooks": ["nb.ipynb"], "search": search}),
+                           name=f"{name}.yaml")
+    the_plan, _, share = prepare(exp, progress=False)
+    template = the_plan.runs[0]
+    label = template.run_id.rsplit("-", 1)[0]
+    path = journal_path(project, name, label)
+    study = open_study(the_plan.experiment.search, path, f"{name}/{label}",
+                       search_fingerprint(the_plan.experiment.search, template.run_id))
+    for number in range(told):
+        trial = study.ask()
+        lr = trial.suggest_float("LR", 1e-4, 1.0, log=True)
+        run = the_plan.trial(template, {"LR": lr})
+        trial.set_user_attr("run_id", run.run_id)
+        steps = (1,) if number % 5 == 3 else (1, 2)
+        history = b""
+        for step in steps:
+            trial.report(lr + 1.0 / step, step)
+            history += jsonl_line({"step": step, "time": None, "attempt": 1, "loss": lr + 1.0 / step})
+        share.write_bytes(run_paths(name, run.run_id).metrics, history)
+        record = new_record(run)
+        record.attempts = 1
+        if number % 5 == 3:
+            study.tell(trial, state=optuna_state("PRUNED"))
+            record.status, record.trial = Status.PRUNED, {"state": "pruned", "step": 1, "value": lr + 1.0}
+        elif number % 7 == 6:
+            trial.set_user_attr("failure", "ValueError in cell 1")
+            study.tell(trial, state=optuna_state("FAIL"))
+            record.status, record.trial = Status.FAILED, {"state": "failed", "reason": "its run failed"}
+        else:
+            study.tell(trial, lr + 0.5)
+            record.status, record.trial = Status.SUCCEEDED, {"state": "complete", "value": lr + 0.5}
+            record.metrics = {"loss": lr + 0.5}
+        record.trial = {"study": f"{name}/{label}", "number": number, **record.trial}
+        write_record(share, record)
+    return exp, path
+
+
+def optuna_state(name: str):
+    import optuna
+
+    return optuna.trial.TrialState[name]
+
+
+def test_resuming_a_search_of_many_finished_trials_writes_its_manifest_once(project, write_experiment, monkeypatch):
+    """Resuming a study of N finished trials wrote experiment.json once per trial (3,000 trials: ~3,011 writes, each
+    reading the last): the trials' runs are written once per batch of changes."""
+    exp, _ = _finished_search(project, write_experiment, "many", told=60)
+    writes = []
+    real = FileShare.write_bytes
+
+    def counting(self, path, data):
+        if path.endswith("experiment.json"):
+            writes.append(len(json.loads(data)["runs"]))
+        return real(self, path, data)
+
+    monkeypatch.setattr(FileShare, "write_bytes", counting)
+    for _ in range(2):  # a resume, and the resume of a resume
+        writes.clear()
+        submit(exp, progress=False)
+        assert writes == [60], writes

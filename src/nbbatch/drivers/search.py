@@ -98,6 +98,8 @@ class SearchDriver(Driver):
         self.fresh = force
         self.options = self.submit_options(wait=True, on_update=self.on_update())
         self.run_ids: list[str] = []  # every trial's run, in the order asked
+        self.listed: set[str] = set()  # the same, to look up
+        self.manifest_state = "unwritten"  # "unwritten", "behind" (run_ids gained runs since) or "written"
         # a trial trains on while its point waits to be judged: locally a read is cheap, and epochs may be short
         self.poll = poll_interval(share, local=0.2, remote=2.0)
         # how often the backend's own view is asked for (job states: a request per run on Azure ML)
@@ -111,10 +113,13 @@ class SearchDriver(Driver):
         if self.progress is True:
             print(f"nbbatch search: {line}", file=sys.stderr, flush=True)
 
-    def on_runs(self, run_ids: list[str]) -> None:
-        """The trials' runs so far: the manifest lists them as they start, so ``status`` and ``compare`` show them
-        (the warning of a name reused by another experiment file is given once)."""
-        self.write_manifest(run_ids, warn=len(run_ids) == 1)
+    def write_runs(self) -> None:
+        """The trials' runs so far, if some were noted since the last write: the manifest lists them as they start,
+        so ``status`` and ``compare`` show them. Written once per batch of trials (a resumed study's thousands of
+        trials are one write); the warning of a name reused by another experiment file is given at the first."""
+        if self.manifest_state != "written" and self.run_ids:
+            self.write_manifest(list(self.run_ids), warn=self.manifest_state == "unwritten")
+            self.manifest_state = "written"
 
     def run(self, halt: threading.Event) -> Collection[str]:
         """The whole search; the trials' runs are the ones started and reported."""
@@ -134,9 +139,11 @@ class SearchDriver(Driver):
             for study in self.studies:
                 self._stop_if_hopeless(study)  # before any run: it would fail as the ones before it did
                 self._resume(study)
+            self.write_runs()
             synced = 0.0
             while self._busy():
                 self._launch_more()
+                self.write_runs()
                 for study in self.studies:
                     for trial in list(study.running.values()):
                         self._watch(study, trial)
@@ -180,7 +187,7 @@ class SearchDriver(Driver):
 
     def _left(self, study: _Study) -> int:
         """How many trials the study may still ask for."""
-        return self.search.trials - len(study.study.trials)
+        return self.search.trials - len(study.study.get_trials(deepcopy=False))
 
     def _launch_more(self) -> None:
         if self._halted():
@@ -202,7 +209,7 @@ class SearchDriver(Driver):
     def _resume(self, study: _Study) -> None:
         """The trials a previous driver asked for and never told: adopted, told, or run again."""
         state = optuna_module().trial.TrialState
-        for frozen in study.study.trials:
+        for frozen in study.study.get_trials(deepcopy=False):
             if frozen.state == state.COMPLETE and frozen.value is not None:
                 study.metric_seen = True
             if frozen.state != state.RUNNING:
@@ -243,9 +250,12 @@ class SearchDriver(Driver):
         self._launch(watched)
 
     def _note_run(self, run_id: str | None) -> None:
-        if run_id and run_id not in self.run_ids:
+        """A trial's run, for the manifest's next write (:meth:`write_runs`)."""
+        if run_id and run_id not in self.listed:
             self.run_ids.append(run_id)
-            self.on_runs(list(self.run_ids))
+            self.listed.add(run_id)
+            if self.manifest_state == "written":
+                self.manifest_state = "behind"
 
     def _launch(self, trial: _Trial) -> None:
         """Start the trial's run through the backend (in a thread: the local backend returns when the run ends)."""

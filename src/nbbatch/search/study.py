@@ -119,8 +119,9 @@ def open_study(search: Search, path: Path, name: str, fingerprint: str, fresh: b
     storage = JournalStorage(JournalFileBackend(str(path)))
     study = optuna.create_study(study_name=name, storage=storage, sampler=sampler_of(search), pruner=pruner_of(search),
                                 direction="minimize" if search.mode == "min" else "maximize", load_if_exists=True)
-    if study.trials:
-        study.sampler = sampler_of(search, asked=len(study.trials))
+    asked = len(study.get_trials(deepcopy=False))
+    if asked:
+        study.sampler = sampler_of(search, asked=asked)
     started_for = study.user_attrs.get("fingerprint")
     if started_for is None or started_for != fingerprint and started_for in earlier:
         study.set_user_attr("fingerprint", fingerprint)
@@ -192,5 +193,5 @@ def trial_of(study: Any, number: int) -> Any:
     asked for."""
     from optuna.trial import Trial
 
-    frozen = study.trials[number]
+    frozen = study.get_trials(deepcopy=False)[number]
     return Trial(study, frozen._trial_id)
