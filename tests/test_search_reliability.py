@@ -397,3 +397,93 @@ def test_resuming_a_search_of_many_finished_trials_writes_its_manifest_once(proj
         writes.clear()
         submit(exp, progress=False)
         assert writes == [60], writes
+
+
+def _attempts_launch(monkeypatch, attempts: dict[int, list[float]]):
+    """The local backend's launch, as a run that ``attempts`` leave: each attempt's loss by step (1, 2, …) appended
+    to metrics.jsonl, then the run's record ends succeeded with the last attempt's last loss. No kernel runs."""
+    from nbbatch.backends.local.backend import LocalBackend
+    from nbbatch.store.jsonl import jsonl_line
+    from nbbatch.store.layout import run_paths
+    from nbbatch.store.runfiles import new_record, write_record
+    from nbbatch.store.runjson import Status
+
+    def launch(self, runs, share, options):
+        run, = runs
+        path = run_paths(run.experiment, run.run_id).metrics
+        try:
+            history = share.read_bytes(path)
+        except Exception:  # noqa: BLE001 - no history yet
+            history = b""
+        for attempt, losses in attempts.items():
+            history += b"".join(jsonl_line({"step": step, "time": None, "attempt": attempt, "loss": loss})
+                                for step, loss in enumerate(losses, 1))
+        share.write_bytes(path, history)
+        record = new_record(run)
+        record.status, record.attempts, record.metrics = Status.SUCCEEDED, max(attempts), {"loss": losses[-1]}
+        write_record(share, record)
+
+    monkeypatch.setattr(LocalBackend, "launch", launch)
+
+
+def test_a_retried_trials_steps_take_the_retrys_values_without_a_warning(project, write_experiment, monkeypatch):
+    """A run retried within one submission records its steps again: the study held the first attempt's values and
+    dropped the retry's silently. It holds the values of the attempt that ended the trial."""
+    import warnings
+
+    make_notebook(project / "nb.ipynb", [KINDS], parameters="KIND = 'ok'\nLR = 0.0")
+    exp = write_experiment(json.dumps({"experiment": "retried", "notebooks": ["nb.ipynb"],
+                                       "search": _block(trials=1, sampler="random", seed=1, pruner="none")}))
+    _attempts_launch(monkeypatch, {1: [9.0, 8.0], 2: [3.0, 2.0, 1.0]})
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        assert submit(exp, progress=False).ok
+    assert not [w for w in said if "already reported" in str(w.message)]
+    trial, = _study(project, "retried").trials
+    assert trial.state.name == "COMPLETE" and trial.value == 1.0
+    assert trial.intermediate_values == {1: 3.0, 2: 2.0, 3: 1.0}
+
+
+def test_a_trial_run_again_on_resume_reports_its_steps_again_without_a_warning_per_step(
+        project, write_experiment, monkeypatch):
+    """A trial left open (its run failed outside the notebook) runs again when the search is submitted again: Optuna
+    warned once per step the rerun reported again, and kept the first run's values. The rerun's values are the
+    study's, said by no warning."""
+    import warnings
+
+    from nbbatch.api import prepare
+    from nbbatch.search.study import journal_path
+    from nbbatch.store.jsonl import jsonl_line
+    from nbbatch.store.layout import run_paths
+    from nbbatch.store.runfiles import new_record, write_record
+    from nbbatch.store.runjson import ErrorKind, RunError, Status
+
+    make_notebook(project / "nb.ipynb", [KINDS], parameters="KIND = 'ok'\nLR = 0.0")
+    exp = write_experiment(json.dumps({"experiment": "again", "notebooks": ["nb.ipynb"],
+                                       "search": _block(trials=1, sampler="random", seed=1, pruner="none")}))
+    the_plan, _, share = prepare(exp, progress=False)
+    template, search = the_plan.runs[0], the_plan.experiment.search
+    label = template.run_id.rsplit("-", 1)[0]
+    study = open_study(search, journal_path(project, "again", label), f"again/{label}",
+                       search_fingerprint(search, template.run_id))
+    trial = study.ask()  # the first driver's trial: two steps told, then the share failed its run
+    run = the_plan.trial(template, {"LR": trial.suggest_float("LR", 1e-4, 1.0, log=True)})
+    trial.set_user_attr("run_id", run.run_id)
+    history = b""
+    for step, loss in ((1, 9.0), (2, 8.0)):
+        trial.report(loss, step)
+        history += jsonl_line({"step": step, "time": None, "attempt": 1, "loss": loss})
+    share.write_bytes(run_paths("again", run.run_id).metrics, history)
+    record = new_record(run)
+    record.status, record.attempts = Status.FAILED, 1
+    record.error = RunError("OSError", "No space left on device", reason="the share could not be written",
+                            kind=ErrorKind.SHARE)
+    write_record(share, record)
+    _attempts_launch(monkeypatch, {2: [3.0, 2.0, 1.0]})
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        assert submit(exp, progress=False).ok
+    assert not [w for w in said if "already reported" in str(w.message)], [str(w.message) for w in said]
+    trial, = _study(project, "again").trials
+    assert trial.state.name == "COMPLETE" and trial.value == 1.0
+    assert trial.intermediate_values == {1: 3.0, 2: 2.0, 3: 1.0}

@@ -38,6 +38,7 @@ from nbbatch.search.study import (
     journal_path,
     open_study,
     optuna_module,
+    report,
     search_fingerprint,
     suggest,
     trial_of,
@@ -65,6 +66,7 @@ class _Trial:
     trial: Any  # optuna.trial.Trial
     tail: JsonlTail
     reported: int = -1  # the last step reported to the study
+    attempt: int = 0  # the attempt of the run that recorded it: a later attempt's steps start again
     last_value: float | None = None
     stop_asked: bool = False
     thread: threading.Thread | None = None  # the launch (local runs: the whole run)
@@ -289,13 +291,13 @@ class SearchDriver(Driver):
         for point in trial.tail.read():
             if trial.stop_asked:  # the trial is decided: what the run records while it stops is not the study's
                 break
-            step, value = point.get("step"), point.get(metric)
-            if not isinstance(step, int) or isinstance(step, bool) or step <= trial.reported:
+            step, value, attempt = point.get("step"), point.get(metric), point.get("attempt", 0)
+            if not isinstance(step, int) or isinstance(step, bool) or not isinstance(attempt, int):
                 continue
-            if not _is_number(value):  # its end says why (_end), once
+            if (attempt, step) <= (trial.attempt, trial.reported) or not _is_number(value):  # _end says why, once
                 continue
-            trial.trial.report(float(value), step)
-            trial.reported, trial.last_value = step, float(value)
+            report(trial.trial, float(value), step)  # a step reported by an earlier attempt takes this one's value
+            trial.attempt, trial.reported, trial.last_value = attempt, step, float(value)
             study.metric_seen = True
             # asked at every point, as a training loop would: points read together (short epochs) must not
             # reach a rung with a later step's value than the other trials were judged by there

@@ -188,6 +188,22 @@ def suggest(trial: Any, search: Search) -> dict[str, Any]:
     return drawn
 
 
+def report(trial: Any, value: float, step: int) -> None:
+    """Tell the study ``trial``'s ``value`` at ``step``; a step reported before (its run attempted again: a retry, or
+    a trial run again on resume) takes the new attempt's value, so the study holds the values of the attempt that
+    ends the trial.
+
+    Optuna's ``Trial.report`` keeps a step's first value (warning once per step reported again); its storages'
+    ``set_trial_intermediate_value`` overwrites (documented on ``BaseStorage``). The trial's cached copy is what
+    ``should_prune`` judges, so it is updated as ``Trial.report`` does."""
+    held = trial._cached_frozen_trial.intermediate_values
+    if step not in held:
+        trial.report(value, step)
+    elif held[step] != value:
+        trial.storage.set_trial_intermediate_value(trial._trial_id, step, value)
+        held[step] = value
+
+
 def trial_of(study: Any, number: int) -> Any:
     """The live trial ``number`` of ``study`` (to report to and ask whether to prune), also one a previous driver
     asked for."""
