@@ -324,7 +324,7 @@ def test_the_reused_name_warning_counts_a_searchs_trials_not_its_first_run(tmp_p
     assert "show this submission's search (up to 12 trials per notebook)" in warning and "1 run(s)" not in warning
 
 
-def _finished_search(project, write_experiment, name: str, told: int):
+def _finished_search(project, write_experiment, name: str, told: int, pruner: object = "none"):
     """An experiment file of a random search whose study holds ``told`` finished trials, their runs' records and
     metric histories on the share as a driver leaves them (no kernel runs): every fifth trial pruned at step 1, every
     seventh failed; its budget spent. Returns the file and the study's journal."""
@@ -333,10 +333,10 @@ def _finished_search(project, write_experiment, name: str, told: int):
     from nbbatch.store.jsonl import jsonl_line
     from nbbatch.store.layout import run_paths
     from nbbatch.store.runfiles import new_record, write_record
-    from nbbatch.store.runjson import Status
+    from nbbatch.store.runjson import RunError, Status
 
     make_notebook(project / "nb.ipynb", [KINDS], parameters="KIND = 'ok'\nLR = 0.0")
-    search = _block(trials=told, sampler="random", seed=1, pruner="none")
+    search = _block(trials=told, sampler="random", seed=1, pruner=pruner)
     exp = write_experiment(json.dumps({"experiment": name, "notebooks": ["nb.ipynb"], "search": search}),
                            name=f"{name}.yaml")
     the_plan, _, share = prepare(exp, progress=False)
@@ -365,6 +365,7 @@ def _finished_search(project, write_experiment, name: str, told: int):
             trial.set_user_attr("failure", "ValueError in cell 1")
             study.tell(trial, state=optuna_state("FAIL"))
             record.status, record.trial = Status.FAILED, {"state": "failed", "reason": "its run failed"}
+            record.error = RunError("ValueError", "diverged", cell_index=1)
         else:
             study.tell(trial, lr + 0.5)
             record.status, record.trial = Status.SUCCEEDED, {"state": "complete", "value": lr + 0.5}
@@ -487,3 +488,56 @@ def test_a_trial_run_again_on_resume_reports_its_steps_again_without_a_warning_p
     trial, = _study(project, "again").trials
     assert trial.state.name == "COMPLETE" and trial.value == 1.0
     assert trial.intermediate_values == {1: 3.0, 2: 2.0, 3: 1.0}
+
+
+def _trials(study) -> list[tuple]:
+    return [(t.number, t.state.name, t.params, t.distributions, t.value, t.intermediate_values, t.user_attrs)
+            for t in study.trials]
+
+
+def test_a_lost_journal_is_refused_naming_the_rebuild_and_rebuilt_from_the_records_as_it_was(
+        project, write_experiment, capsys):
+    """A deleted journal whose trials' runs are on the share: submit refuses to start the search over (it would run
+    them again) and names --rebuild-search, which gives back every trial as the study held it."""
+    exp, path = _finished_search(project, write_experiment, "lost", told=24, pruner={"asha": {"min_resource": 1}})
+    before = _trials(_study(project, "lost"))
+    assert {t[1] for t in before} == {"COMPLETE", "PRUNED", "FAIL"}
+    path.unlink()
+    assert main(["submit", str(exp)]) != 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "Traceback" not in err and f"the search journal {path} is missing, but 24 run(s) on the share record " \
+        "trials of study `lost/nb`: submit with --rebuild-search to rebuild the study" in err, err
+    main(["submit", str(exp), "--rebuild-search"])  # 1: some trials failed
+    err = " ".join(capsys.readouterr().err.split())
+    assert "Traceback" not in err and f"rebuilt the search journal {path} from 24 run record(s): 24 trial(s)" in err, err
+    assert _trials(_study(project, "lost")) == before
+    assert list(path.parent.iterdir()) == [path]  # nothing left beside it: there was nothing to keep
+
+
+def test_a_rebuilt_study_goes_on_without_running_its_finished_trials_again(project, write_experiment, monkeypatch):
+    """A journal damaged beyond reading, rebuilt: the damaged file is kept beside the new one, and the search,
+    its budget raised, runs only new trials."""
+    exp, path = _finished_search(project, write_experiment, "damaged", told=12)
+    before = _trials(_study(project, "damaged"))
+    lines = path.read_bytes().split(b"\n")
+    damaged = b"\n".join(lines[:3] + [b"garbage"] + lines[3:])
+    path.write_bytes(damaged)
+    with pytest.raises(SearchError, match="submit with --rebuild-search to rebuild the study"):
+        submit(exp, progress=False)
+    text = json.loads(exp.read_text())
+    text["search"]["trials"] = 14
+    exp.write_text(json.dumps(text))
+    launched = []
+    _attempts_launch(monkeypatch, {1: [0.2, 0.1]})
+    from nbbatch.backends.local.backend import LocalBackend
+
+    fake = LocalBackend.launch
+    monkeypatch.setattr(LocalBackend, "launch", lambda self, runs, share, options: (
+        launched.extend(r.run_id for r in runs), fake(self, runs, share, options)))
+    result = submit(exp, progress=False, rebuild_search=True)
+    after = _study(project, "damaged")
+    assert _trials(after)[:12] == before and len(after.trials) == 14
+    assert launched == [t.user_attrs["run_id"] for t in after.trials[12:]]
+    assert {r.run_id for r in result.records} >= set(launched)
+    backup, = path.parent.glob("nb.journal.before-rebuild-*")
+    assert backup.read_bytes() == damaged

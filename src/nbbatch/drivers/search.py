@@ -32,9 +32,14 @@ from nbbatch.backends.base import Backend
 from nbbatch.drivers.base import Driver, Progress
 from nbbatch.errors import NbbatchError
 from nbbatch.plan.runs import Plan, Run
+from nbbatch.search.rebuild import rebuild_journal, recorded_trials
 from nbbatch.search.study import (
+    FAILURE,
+    METRIC_MISSING,
+    REBUILD_FIX,
     RUN_ID,
     SearchError,
+    failure_of,
     journal_path,
     open_study,
     optuna_module,
@@ -50,6 +55,7 @@ from nbbatch.store.runfiles import (
     StopRequest,
     cancel_requested,
     clear_run_cancels,
+    load_records,
     read_record_or_none,
     write_record,
 )
@@ -92,12 +98,15 @@ class SearchDriver(Driver):
     """
 
     def __init__(self, plan: Plan, backend: Backend, share: Share, *, source: object = None, force: bool = False,
-                 wait: bool | None = None, progress: Progress = True, only: list[str] | None = None) -> None:
+                 wait: bool | None = None, progress: Progress = True, only: list[str] | None = None,
+                 rebuild: bool = False) -> None:
         assert plan.experiment.search is not None
-        _check_search_submit(wait, only)
+        _check_search_submit(wait, only, force, rebuild)
         super().__init__(plan, backend, share, source=source, force=force, wait=True, progress=progress)
         self.search: Search = plan.experiment.search
         self.fresh = force
+        self.rebuild = rebuild  # the studies' journals are rebuilt from their runs' records first
+        self.records: list[RunRecord] | None = None
         self.options = self.submit_options(wait=True, on_update=self.on_update())
         self.run_ids: list[str] = []  # every trial's run, in the order asked
         self.listed: set[str] = set()  # the same, to look up
@@ -202,11 +211,29 @@ class SearchDriver(Driver):
 
     def _open(self, template: Run) -> _Study:
         label = template.run_id.rsplit("-", 1)[0]
-        base = self.plan.experiment.base_dir
-        study = open_study(self.search, journal_path(base, self.experiment, label), f"{self.experiment}/{label}",
-                           search_fingerprint(self.search, template.run_id), fresh=self.fresh, say=self.say,
+        path, name = journal_path(self.plan.experiment.base_dir, self.experiment, label), f"{self.experiment}/{label}"
+        fingerprint = search_fingerprint(self.search, template.run_id)
+        if self.rebuild:
+            rebuild_journal(self.search, path, name, fingerprint, self._records(), self._history, say=self.say)
+        elif not self.fresh and not path.exists() and not path.is_symlink():
+            told = recorded_trials(self._records(), name)
+            if told:  # a journal lost (deleted, or a project copied without it): starting over would redo them
+                raise SearchError(f"the search journal {path} is missing, but {len(told)} run(s) on the share "
+                                  f"record trials of study `{name}`: {REBUILD_FIX}, or with --force to start the "
+                                  "search afresh (a trial that draws the same parameters reuses its run)")
+        study = open_study(self.search, path, name, fingerprint, fresh=self.fresh, say=self.say,
                            earlier=[search_fingerprint(self.search, template.run_id, with_budget=True)])
         return _Study(label, template, study)
+
+    def _records(self) -> list[RunRecord]:
+        """The experiment's run records (read once: a lost journal is rebuilt from them)."""
+        if self.records is None:
+            self.records = load_records(self.share, self.experiment)[0]
+        return self.records
+
+    def _history(self, run_id: str) -> list[dict[str, Any]]:
+        """A run's metric points (its ``metrics.jsonl``)."""
+        return JsonlTail(self.share, run_paths(self.experiment, run_id).metrics).read()
 
     def _resume(self, study: _Study) -> None:
         """The trials a previous driver asked for and never told: adopted, told, or run again."""
@@ -354,7 +381,7 @@ class SearchDriver(Driver):
                 decision = {"state": "complete", "value": float(value)}
                 self.say(f"trial {trial.number} of {study.label}: {metric} {float(value):.6g} ({record.run_id})")
         else:
-            trial.trial.set_user_attr(FAILURE, _failure(record))
+            trial.trial.set_user_attr(FAILURE, failure_of(record))
             study.study.tell(trial.trial, state=state.FAIL)
             decision = {"state": "failed", "reason": f"its run {record.status}"}
             self.say(f"trial {trial.number} of {study.label}: run {record.run_id} {record.status}"
@@ -401,17 +428,7 @@ class SearchDriver(Driver):
                 trial.thread.join(timeout=120)
 
 
-FAILURE = "failure"  # a failed trial's user attribute: how its run failed (see _failure)
-METRIC_MISSING = "the metric was never recorded"
 SAME_FAILURES = 3  # the first trials failing the same way that stop a search no trial of which succeeded
-
-
-def _failure(record: RunRecord) -> str:
-    """How a run failed, to tell a notebook that fails whatever the parameters: its exception and cell."""
-    error = record.error
-    if error is None:
-        return f"its run {record.status}"
-    return f"{error.ename} in cell {error.cell_index}" if error.cell_index is not None else f"{error.ename} ({error.kind})"
 
 
 # Failures that say nothing of the trial's parameters: the share could not be written, the node, task, job or driver
@@ -440,7 +457,10 @@ def _short(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def _check_search_submit(wait: bool | None, only: list[str] | None) -> None:
+def _check_search_submit(wait: bool | None, only: list[str] | None, force: bool, rebuild: bool) -> None:
+    if force and rebuild:
+        raise NbbatchError("--force starts the search afresh and --rebuild-search rebuilds its study from its runs' "
+                           "records: give one of them")
     if wait is False:
         raise NbbatchError("a search cannot be submitted without waiting (--no-wait): its driver judges every run as "
                            "it goes and stays up until the search ends. Submit without --no-wait (with --detach if the "

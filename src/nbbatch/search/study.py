@@ -17,9 +17,14 @@ from typing import Any
 
 from nbbatch.errors import NbbatchError
 from nbbatch.spec.search import SEED_LIMIT, Search
+from nbbatch.store.runjson import RunRecord
 
 JOURNAL_FOLDER = ".nbbatch-search"  # beside the experiment file: <folder>/<experiment>/<notebook label>.journal
 RUN_ID = "run_id"  # the trial's user attribute naming its run
+REBUILD_FIX = ("submit with --rebuild-search to rebuild the study from its runs' records (`trial:` in run.json; the "
+               "journal is kept beside it)")
+FAILURE = "failure"  # a failed trial's user attribute: how its run failed (see failure_of)
+METRIC_MISSING = "the metric was never recorded"
 
 
 class SearchError(NbbatchError):
@@ -141,7 +146,7 @@ def repair_journal(path: Path, say: Callable[[str], None]) -> None:
     if not path.exists() and not path.is_symlink():
         return
     fix = ("submit with --force to start the search afresh (the journal is kept as .journal.old; the runs already on "
-           "the share stay, and a trial that draws the same parameters reuses its run)")
+           f"the share stay, and a trial that draws the same parameters reuses its run), or {REBUILD_FIX}")
     if not path.is_file():
         raise SearchError(f"the search journal {path} is not a file: move it aside, or {fix}")
     try:
@@ -211,3 +216,11 @@ def trial_of(study: Any, number: int) -> Any:
 
     frozen = study.get_trials(deepcopy=False)[number]
     return Trial(study, frozen._trial_id)
+
+
+def failure_of(record: RunRecord) -> str:
+    """How a run failed, to tell a notebook that fails whatever the parameters: its exception and cell."""
+    error = record.error
+    if error is None:
+        return f"its run {record.status}"
+    return f"{error.ename} in cell {error.cell_index}" if error.cell_index is not None else f"{error.ename} ({error.kind})"
