@@ -541,3 +541,51 @@ def test_a_rebuilt_study_goes_on_without_running_its_finished_trials_again(proje
     assert {r.run_id for r in result.records} >= set(launched)
     backup, = path.parent.glob("nb.journal.before-rebuild-*")
     assert backup.read_bytes() == damaged
+
+
+def test_a_rebuilt_grid_search_draws_on_from_the_points_it_had_not_visited(tmp_path):
+    from nbbatch.search.rebuild import rebuild_journal
+    from nbbatch.store.runjson import RunRecord, Status
+
+    search = parse_search(_block(trials=4, sampler="grid", params={"LR": [0.1, 0.2, 0.3, 0.4]}))
+    path = tmp_path / "g" / "nb.journal"
+    study = open_study(search, path, "g/nb", "f")
+    records = []
+    for number in range(2):
+        trial = study.ask()
+        lr = trial.suggest_categorical("LR", [0.1, 0.2, 0.3, 0.4])
+        study.tell(trial, lr)
+        records.append(RunRecord(f"nb-{number}", "g", "nb.ipynb", "python3", parameters={"LR": lr},
+                                 status=Status.SUCCEEDED, trial={"study": "g/nb", "number": number,
+                                                                 "state": "complete", "value": lr}))
+    visited = {t.params["LR"] for t in study.trials}
+    path.unlink()
+    rebuild_journal(search, path, "g/nb", "f", records, lambda run_id: [], say=print)
+    study = open_study(search, path, "g/nb", "f")
+    for _ in range(2):
+        trial = study.ask()
+        study.tell(trial, trial.suggest_categorical("LR", [0.1, 0.2, 0.3, 0.4]))
+    assert {t.params["LR"] for t in study.trials[2:]} == {0.1, 0.2, 0.3, 0.4} - visited
+
+
+def test_a_trial_asked_by_a_driver_killed_before_it_named_the_run_draws_and_runs_on_resume(
+        project, write_experiment, monkeypatch):
+    """The driver was killed between asking Optuna for a trial and naming its run (no parameters, no run id in the
+    journal): the resumed search drew the template's parameters and told a trial that names no run."""
+    from nbbatch.api import prepare
+    from nbbatch.search.study import journal_path
+
+    make_notebook(project / "nb.ipynb", [KINDS], parameters="KIND = 'ok'\nLR = 0.0")
+    exp = write_experiment(json.dumps({"experiment": "bare", "notebooks": ["nb.ipynb"],
+                                       "search": _block(trials=1, sampler="random", seed=1, pruner="none")}))
+    the_plan, _, _ = prepare(exp, progress=False)
+    template, search = the_plan.runs[0], the_plan.experiment.search
+    label = template.run_id.rsplit("-", 1)[0]
+    open_study(search, journal_path(project, "bare", label), f"bare/{label}",
+               search_fingerprint(search, template.run_id)).ask()
+    _attempts_launch(monkeypatch, {1: [0.5]})
+    result = submit(exp, progress=False)
+    trial, = _study(project, "bare").trials
+    record, = result.records
+    assert result.ok and trial.state.name == "COMPLETE" and trial.user_attrs["run_id"] == record.run_id
+    assert 1e-4 <= trial.params["LR"] == record.parameters["LR"] <= 1.0

@@ -11,7 +11,9 @@ is told to the study: its final metric, pruned, or failed. The decision is kept 
 The study's journal (:mod:`nbbatch.search.study`) outlives the driver: started again, the driver finds the trials it
 had asked for. A trial whose run is still going (on a cluster) is adopted; one whose run ended meanwhile is told;
 one whose run was stopped with its driver (local runs, Ctrl-C) runs again under the same run id, from its
-checkpoints. The budget stays the one given: no trial is asked for twice.
+checkpoints. The budget stays the one given: no trial is asked for twice. A journal lost or damaged beyond reading is
+rebuilt from the trials' run records when the user asks (``rebuild``: :mod:`nbbatch.search.rebuild`), and a missing
+one whose trials are on the share is refused rather than started over.
 
 Like every driver (:class:`~nbbatch.drivers.base.Driver`), it holds the experiment's lock and lease while it runs;
 the manifest lists the trials' runs as they start.
@@ -244,9 +246,13 @@ class SearchDriver(Driver):
             if frozen.state != state.RUNNING:
                 self._note_run(frozen.user_attrs.get(RUN_ID))
                 continue
-            run = self.plan.trial(study.template, frozen.params)
-            trial = _Trial(frozen.number, run, trial_of(study.study, frozen.number),
-                           JsonlTail(self.share, run_paths(self.experiment, run.run_id).metrics))
+            live = trial_of(study.study, frozen.number)
+            # a driver killed between asking and naming the run left some of its parameters undrawn: drawn now (those
+            # drawn stay as they were), and the run named
+            run = self.plan.trial(study.template, suggest(live, self.search))
+            if frozen.user_attrs.get(RUN_ID) != run.run_id:
+                live.set_user_attr(RUN_ID, run.run_id)
+            trial = _Trial(frozen.number, run, live, JsonlTail(self.share, run_paths(self.experiment, run.run_id).metrics))
             self._note_run(run.run_id)
             study.running[trial.number] = trial
             record = read_record_or_none(self.share, self.experiment, run.run_id)

@@ -92,7 +92,9 @@ def _replay(study: Any, search: Search, record: RunRecord | None, history: Calla
     told = record.trial or {}
     study.enqueue_trial({p.name: record.parameters[p.name] for p in search.params}, user_attrs={RUN_ID: record.run_id})
     trial = study.ask()
-    suggest(trial, search)  # the enqueued parameters, with their distributions
+    # the enqueued parameters, with their distributions; the grid sampler needs no more: it gives trial N its Nth
+    # point, and the trials keep their numbers
+    suggest(trial, search)
     _report_history(trial, search, history(record.run_id), told.get("step") if told.get("state") == "pruned" else None)
     decided = told.get("state")
     value = told.get("value")
