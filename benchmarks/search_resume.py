@@ -86,10 +86,12 @@ def main() -> None:
         exp = build(root, args.trials)
         started = time.monotonic()
         done = subprocess.run([sys.executable, "-c", COUNT_WRITES, str(exp)], cwd=root, capture_output=True,
-                              text=True, check=True)
+                              text=True)
         took = time.monotonic() - started
+    if done.returncode != 0:
+        sys.exit(f"submit failed: {done.stderr.strip()[-2000:]}")
     print(describe("search resume"))
-    print(f"| resume of {args.trials} finished trials | {took:.1f} s | {done.stdout.strip()} write(s) of "
+    print(f"| resume of {args.trials} finished trials | {took:.1f} s | {done.stdout.split()[-1]} write(s) of "
           "experiment.json |")
 
 
