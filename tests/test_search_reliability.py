@@ -589,3 +589,14 @@ def test_a_trial_asked_by_a_driver_killed_before_it_named_the_run_draws_and_runs
     record, = result.records
     assert result.ok and trial.state.name == "COMPLETE" and trial.user_attrs["run_id"] == record.run_id
     assert 1e-4 <= trial.params["LR"] == record.parameters["LR"] <= 1.0
+
+
+def test_rebuild_search_is_refused_in_one_line_where_it_means_nothing(project, write_experiment, capsys):
+    make_notebook(project / "nb.ipynb", [KINDS], parameters="KIND = 'ok'\nLR = 0.0")
+    batch = write_experiment(json.dumps({"experiment": "batch", "notebooks": ["nb.ipynb"]}), name="batch.yaml")
+    assert main(["submit", str(batch), "--rebuild-search"]) != 0
+    searched = _grid_search(project, write_experiment, "both", ["ok"])
+    assert main(["submit", str(searched), "--rebuild-search", "--force"]) != 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "Traceback" not in err and "experiment `batch` has no `search:`" in err, err
+    assert "--force starts the search afresh and --rebuild-search rebuilds its study" in err, err
