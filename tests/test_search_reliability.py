@@ -322,3 +322,281 @@ def test_the_reused_name_warning_counts_a_searchs_trials_not_its_first_run(tmp_p
     assert write_manifest(share, spec, ["pytorch-1"], source=tmp_path / "a.yaml") == []
     warning, = write_manifest(share, spec, ["pytorch-2"], source=tmp_path / "b.yaml")
     assert "show this submission's search (up to 12 trials per notebook)" in warning and "1 run(s)" not in warning
+
+
+def _finished_search(project, write_experiment, name: str, told: int, pruner: object = "none"):
+    """An experiment file of a random search whose study holds ``told`` finished trials, their runs' records and
+    metric histories on the share as a driver leaves them (no kernel runs): every fifth trial pruned at step 1, every
+    seventh failed; its budget spent. Returns the file and the study's journal."""
+    from nbbatch.api import prepare
+    from nbbatch.search.study import journal_path
+    from nbbatch.store.jsonl import jsonl_line
+    from nbbatch.store.layout import run_paths
+    from nbbatch.store.runfiles import new_record, write_record
+    from nbbatch.store.runjson import RunError, Status
+
+    make_notebook(project / "nb.ipynb", [KINDS], parameters="KIND = 'ok'\nLR = 0.0")
+    search = _block(trials=told, sampler="random", seed=1, pruner=pruner)
+    exp = write_experiment(json.dumps({"experiment": name, "notebooks": ["nb.ipynb"], "search": search}),
+                           name=f"{name}.yaml")
+    the_plan, _, share = prepare(exp, progress=False)
+    template = the_plan.runs[0]
+    label = template.run_id.rsplit("-", 1)[0]
+    path = journal_path(project, name, label)
+    study = open_study(the_plan.experiment.search, path, f"{name}/{label}",
+                       search_fingerprint(the_plan.experiment.search, template.run_id))
+    for number in range(told):
+        trial = study.ask()
+        lr = trial.suggest_float("LR", 1e-4, 1.0, log=True)
+        run = the_plan.trial(template, {"LR": lr})
+        trial.set_user_attr("run_id", run.run_id)
+        steps = (1,) if number % 5 == 3 else (1, 2)
+        history = b""
+        for step in steps:
+            trial.report(lr + 1.0 / step, step)
+            history += jsonl_line({"step": step, "time": None, "attempt": 1, "loss": lr + 1.0 / step})
+        share.write_bytes(run_paths(name, run.run_id).metrics, history)
+        record = new_record(run)
+        record.attempts = 1
+        if number % 5 == 3:
+            study.tell(trial, state=optuna_state("PRUNED"))
+            record.status, record.trial = Status.PRUNED, {"state": "pruned", "step": 1, "value": lr + 1.0}
+        elif number % 7 == 6:
+            trial.set_user_attr("failure", "ValueError in cell 1")
+            study.tell(trial, state=optuna_state("FAIL"))
+            record.status, record.trial = Status.FAILED, {"state": "failed", "reason": "its run failed"}
+            record.error = RunError("ValueError", "diverged", cell_index=1)
+        else:
+            study.tell(trial, lr + 0.5)
+            record.status, record.trial = Status.SUCCEEDED, {"state": "complete", "value": lr + 0.5}
+            record.metrics = {"loss": lr + 0.5}
+        record.trial = {"study": f"{name}/{label}", "number": number, **record.trial}
+        write_record(share, record)
+    return exp, path
+
+
+def optuna_state(name: str):
+    import optuna
+
+    return optuna.trial.TrialState[name]
+
+
+def test_resuming_a_search_of_many_finished_trials_writes_its_manifest_once(project, write_experiment, monkeypatch):
+    """Resuming a study of N finished trials wrote experiment.json once per trial (3,000 trials: ~3,011 writes, each
+    reading the last): the trials' runs are written once per batch of changes."""
+    exp, _ = _finished_search(project, write_experiment, "many", told=60)
+    writes = []
+    real = FileShare.write_bytes
+
+    def counting(self, path, data):
+        if path.endswith("experiment.json"):
+            writes.append(len(json.loads(data)["runs"]))
+        return real(self, path, data)
+
+    monkeypatch.setattr(FileShare, "write_bytes", counting)
+    for _ in range(2):  # a resume, and the resume of a resume
+        writes.clear()
+        submit(exp, progress=False)
+        assert writes == [60], writes
+
+
+def _attempts_launch(monkeypatch, attempts: dict[int, list[float]]):
+    """The local backend's launch, as a run that ``attempts`` leave: each attempt's loss by step (1, 2, …) appended
+    to metrics.jsonl, then the run's record ends succeeded with the last attempt's last loss. No kernel runs."""
+    from nbbatch.backends.local.backend import LocalBackend
+    from nbbatch.store.jsonl import jsonl_line
+    from nbbatch.store.layout import run_paths
+    from nbbatch.store.runfiles import new_record, write_record
+    from nbbatch.store.runjson import Status
+
+    def launch(self, runs, share, options):
+        run, = runs
+        path = run_paths(run.experiment, run.run_id).metrics
+        try:
+            history = share.read_bytes(path)
+        except Exception:  # noqa: BLE001 - no history yet
+            history = b""
+        for attempt, losses in attempts.items():
+            history += b"".join(jsonl_line({"step": step, "time": None, "attempt": attempt, "loss": loss})
+                                for step, loss in enumerate(losses, 1))
+        share.write_bytes(path, history)
+        record = new_record(run)
+        record.status, record.attempts, record.metrics = Status.SUCCEEDED, max(attempts), {"loss": losses[-1]}
+        write_record(share, record)
+
+    monkeypatch.setattr(LocalBackend, "launch", launch)
+
+
+def test_a_retried_trials_steps_take_the_retrys_values_without_a_warning(project, write_experiment, monkeypatch):
+    """A run retried within one submission records its steps again: the study held the first attempt's values and
+    dropped the retry's silently. It holds the values of the attempt that ended the trial."""
+    import warnings
+
+    make_notebook(project / "nb.ipynb", [KINDS], parameters="KIND = 'ok'\nLR = 0.0")
+    exp = write_experiment(json.dumps({"experiment": "retried", "notebooks": ["nb.ipynb"],
+                                       "search": _block(trials=1, sampler="random", seed=1, pruner="none")}))
+    _attempts_launch(monkeypatch, {1: [9.0, 8.0], 2: [3.0, 2.0, 1.0]})
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        assert submit(exp, progress=False).ok
+    assert not [w for w in said if "already reported" in str(w.message)]
+    trial, = _study(project, "retried").trials
+    assert trial.state.name == "COMPLETE" and trial.value == 1.0
+    assert trial.intermediate_values == {1: 3.0, 2: 2.0, 3: 1.0}
+
+
+def test_a_trial_run_again_on_resume_reports_its_steps_again_without_a_warning_per_step(
+        project, write_experiment, monkeypatch):
+    """A trial left open (its run failed outside the notebook) runs again when the search is submitted again: Optuna
+    warned once per step the rerun reported again, and kept the first run's values. The rerun's values are the
+    study's, said by no warning."""
+    import warnings
+
+    from nbbatch.api import prepare
+    from nbbatch.search.study import journal_path
+    from nbbatch.store.jsonl import jsonl_line
+    from nbbatch.store.layout import run_paths
+    from nbbatch.store.runfiles import new_record, write_record
+    from nbbatch.store.runjson import ErrorKind, RunError, Status
+
+    make_notebook(project / "nb.ipynb", [KINDS], parameters="KIND = 'ok'\nLR = 0.0")
+    exp = write_experiment(json.dumps({"experiment": "again", "notebooks": ["nb.ipynb"],
+                                       "search": _block(trials=1, sampler="random", seed=1, pruner="none")}))
+    the_plan, _, share = prepare(exp, progress=False)
+    template, search = the_plan.runs[0], the_plan.experiment.search
+    label = template.run_id.rsplit("-", 1)[0]
+    study = open_study(search, journal_path(project, "again", label), f"again/{label}",
+                       search_fingerprint(search, template.run_id))
+    trial = study.ask()  # the first driver's trial: two steps told, then the share failed its run
+    run = the_plan.trial(template, {"LR": trial.suggest_float("LR", 1e-4, 1.0, log=True)})
+    trial.set_user_attr("run_id", run.run_id)
+    history = b""
+    for step, loss in ((1, 9.0), (2, 8.0)):
+        trial.report(loss, step)
+        history += jsonl_line({"step": step, "time": None, "attempt": 1, "loss": loss})
+    share.write_bytes(run_paths("again", run.run_id).metrics, history)
+    record = new_record(run)
+    record.status, record.attempts = Status.FAILED, 1
+    record.error = RunError("OSError", "No space left on device", reason="the share could not be written",
+                            kind=ErrorKind.SHARE)
+    write_record(share, record)
+    _attempts_launch(monkeypatch, {2: [3.0, 2.0, 1.0]})
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        assert submit(exp, progress=False).ok
+    assert not [w for w in said if "already reported" in str(w.message)], [str(w.message) for w in said]
+    trial, = _study(project, "again").trials
+    assert trial.state.name == "COMPLETE" and trial.value == 1.0
+    assert trial.intermediate_values == {1: 3.0, 2: 2.0, 3: 1.0}
+
+
+def _trials(study) -> list[tuple]:
+    return [(t.number, t.state.name, t.params, t.distributions, t.value, t.intermediate_values, t.user_attrs)
+            for t in study.trials]
+
+
+def test_a_lost_journal_is_refused_naming_the_rebuild_and_rebuilt_from_the_records_as_it_was(
+        project, write_experiment, capsys):
+    """A deleted journal whose trials' runs are on the share: submit refuses to start the search over (it would run
+    them again) and names --rebuild-search, which gives back every trial as the study held it."""
+    exp, path = _finished_search(project, write_experiment, "lost", told=24, pruner={"asha": {"min_resource": 1}})
+    before = _trials(_study(project, "lost"))
+    assert {t[1] for t in before} == {"COMPLETE", "PRUNED", "FAIL"}
+    path.unlink()
+    assert main(["submit", str(exp)]) != 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "Traceback" not in err and f"the search journal {path} is missing, but 24 run(s) on the share record " \
+        "trials of study `lost/nb`: submit with --rebuild-search to rebuild the study" in err, err
+    main(["submit", str(exp), "--rebuild-search"])  # 1: some trials failed
+    err = " ".join(capsys.readouterr().err.split())
+    assert "Traceback" not in err and f"rebuilt the search journal {path} from 24 run record(s): 24 trial(s)" in err, err
+    assert _trials(_study(project, "lost")) == before
+    assert list(path.parent.iterdir()) == [path]  # nothing left beside it: there was nothing to keep
+
+
+def test_a_rebuilt_study_goes_on_without_running_its_finished_trials_again(project, write_experiment, monkeypatch):
+    """A journal damaged beyond reading, rebuilt: the damaged file is kept beside the new one, and the search,
+    its budget raised, runs only new trials."""
+    exp, path = _finished_search(project, write_experiment, "damaged", told=12)
+    before = _trials(_study(project, "damaged"))
+    lines = path.read_bytes().split(b"\n")
+    damaged = b"\n".join(lines[:3] + [b"garbage"] + lines[3:])
+    path.write_bytes(damaged)
+    with pytest.raises(SearchError, match="submit with --rebuild-search to rebuild the study"):
+        submit(exp, progress=False)
+    text = json.loads(exp.read_text())
+    text["search"]["trials"] = 14
+    exp.write_text(json.dumps(text))
+    launched = []
+    _attempts_launch(monkeypatch, {1: [0.2, 0.1]})
+    from nbbatch.backends.local.backend import LocalBackend
+
+    fake = LocalBackend.launch
+    monkeypatch.setattr(LocalBackend, "launch", lambda self, runs, share, options: (
+        launched.extend(r.run_id for r in runs), fake(self, runs, share, options)))
+    result = submit(exp, progress=False, rebuild_search=True)
+    after = _study(project, "damaged")
+    assert _trials(after)[:12] == before and len(after.trials) == 14
+    assert launched == [t.user_attrs["run_id"] for t in after.trials[12:]]
+    assert {r.run_id for r in result.records} >= set(launched)
+    backup, = path.parent.glob("nb.journal.before-rebuild-*")
+    assert backup.read_bytes() == damaged
+
+
+def test_a_rebuilt_grid_search_draws_on_from_the_points_it_had_not_visited(tmp_path):
+    from nbbatch.search.rebuild import rebuild_journal
+    from nbbatch.store.runjson import RunRecord, Status
+
+    search = parse_search(_block(trials=4, sampler="grid", params={"LR": [0.1, 0.2, 0.3, 0.4]}))
+    path = tmp_path / "g" / "nb.journal"
+    study = open_study(search, path, "g/nb", "f")
+    records = []
+    for number in range(2):
+        trial = study.ask()
+        lr = trial.suggest_categorical("LR", [0.1, 0.2, 0.3, 0.4])
+        study.tell(trial, lr)
+        records.append(RunRecord(f"nb-{number}", "g", "nb.ipynb", "python3", parameters={"LR": lr},
+                                 status=Status.SUCCEEDED, trial={"study": "g/nb", "number": number,
+                                                                 "state": "complete", "value": lr}))
+    visited = {t.params["LR"] for t in study.trials}
+    path.unlink()
+    rebuild_journal(search, path, "g/nb", "f", records, lambda run_id: [], say=print)
+    study = open_study(search, path, "g/nb", "f")
+    for _ in range(2):
+        trial = study.ask()
+        study.tell(trial, trial.suggest_categorical("LR", [0.1, 0.2, 0.3, 0.4]))
+    assert {t.params["LR"] for t in study.trials[2:]} == {0.1, 0.2, 0.3, 0.4} - visited
+
+
+def test_a_trial_asked_by_a_driver_killed_before_it_named_the_run_draws_and_runs_on_resume(
+        project, write_experiment, monkeypatch):
+    """The driver was killed between asking Optuna for a trial and naming its run (no parameters, no run id in the
+    journal): the resumed search drew the template's parameters and told a trial that names no run."""
+    from nbbatch.api import prepare
+    from nbbatch.search.study import journal_path
+
+    make_notebook(project / "nb.ipynb", [KINDS], parameters="KIND = 'ok'\nLR = 0.0")
+    exp = write_experiment(json.dumps({"experiment": "bare", "notebooks": ["nb.ipynb"],
+                                       "search": _block(trials=1, sampler="random", seed=1, pruner="none")}))
+    the_plan, _, _ = prepare(exp, progress=False)
+    template, search = the_plan.runs[0], the_plan.experiment.search
+    label = template.run_id.rsplit("-", 1)[0]
+    open_study(search, journal_path(project, "bare", label), f"bare/{label}",
+               search_fingerprint(search, template.run_id)).ask()
+    _attempts_launch(monkeypatch, {1: [0.5]})
+    result = submit(exp, progress=False)
+    trial, = _study(project, "bare").trials
+    record, = result.records
+    assert result.ok and trial.state.name == "COMPLETE" and trial.user_attrs["run_id"] == record.run_id
+    assert 1e-4 <= trial.params["LR"] == record.parameters["LR"] <= 1.0
+
+
+def test_rebuild_search_is_refused_in_one_line_where_it_means_nothing(project, write_experiment, capsys):
+    make_notebook(project / "nb.ipynb", [KINDS], parameters="KIND = 'ok'\nLR = 0.0")
+    batch = write_experiment(json.dumps({"experiment": "batch", "notebooks": ["nb.ipynb"]}), name="batch.yaml")
+    assert main(["submit", str(batch), "--rebuild-search"]) != 0
+    searched = _grid_search(project, write_experiment, "both", ["ok"])
+    assert main(["submit", str(searched), "--rebuild-search", "--force"]) != 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "Traceback" not in err and "experiment `batch` has no `search:`" in err, err
+    assert "--force starts the search afresh and --rebuild-search rebuilds its study" in err, err

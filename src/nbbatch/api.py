@@ -9,6 +9,7 @@ papermill-style.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -22,7 +23,7 @@ import yaml
 
 from nbbatch.backends import Backend, SubmitOptions, get_backend
 from nbbatch.drivers import SearchDriver, SubmissionDriver, SubmitResult
-from nbbatch.drivers.base import lock_path
+from nbbatch.drivers.base import Driver, lock_path
 from nbbatch.drivers.detach import driver_state, read_driver_file, start_detached
 from nbbatch.drivers.pipeline import PipelineDriver, PipelineResult, StageSubmission
 from nbbatch.errors import NbbatchError, NotebookStopped, ValidationError, did_you_mean  # noqa: F401 - NbbatchError: api.NbbatchError
@@ -86,7 +87,8 @@ def prepare(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], bu
 
 def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, force: bool = False,
            build_envs: bool = False, wait: bool | None = None, progress: bool | Callable[[RunRecord], None] = True,
-           only: list[str] | None = None, parameters: Mapping[str, Any] | None = None) -> SubmitResult:
+           only: list[str] | None = None, parameters: Mapping[str, Any] | None = None,
+           rebuild_search: bool = False) -> SubmitResult:
     """Run an experiment: plan and validate every run, skip succeeded ones (unless ``force``), run the rest.
 
     ``experiment`` is an :class:`Experiment`, a path to a YAML file, or the YAML's dict. ``parameters`` are fixed
@@ -96,18 +98,28 @@ def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, 
     ``wait``: return when every run is final (True) or once they are started (False); None: as the backend
     does by default (:attr:`~nbbatch.backends.base.Backend.waits_by_default`: all but slurm wait).
     The submission is its driver's (:mod:`nbbatch.drivers`): a search's, else a planned batch's.
+    ``rebuild_search``: a search's studies are first rebuilt from its runs' records (a journal lost or damaged).
     """
     if isinstance(experiment, (str, os.PathLike)) and is_pipeline_file(experiment):
         raise ValidationError(f"{experiment} is a pipeline file: run it with nbbatch.submit_pipeline({str(experiment)!r})")
     the_plan, backend, share = prepare(experiment, build_envs=build_envs, progress=progress is True,
                                        parameters=parameters)
-    driver = SearchDriver if the_plan.experiment.search is not None else SubmissionDriver
-    return driver(the_plan, backend, share, source=experiment, force=force, wait=wait, progress=progress,
-                  only=only).submit()
+    return _driver(the_plan, rebuild_search)(the_plan, backend, share, source=experiment, force=force, wait=wait,
+                                             progress=progress, only=only).submit()
+
+
+def _driver(the_plan: Plan, rebuild_search: bool) -> Callable[..., Driver]:
+    """The submission's driver: a search's (rebuilding its studies first if asked), else a planned batch's."""
+    if the_plan.experiment.search is not None:
+        return functools.partial(SearchDriver, rebuild=rebuild_search)
+    if rebuild_search:
+        raise ValidationError(f"--rebuild-search rebuilds a search's study, and experiment "
+                              f"`{the_plan.experiment.name}` has no `search:`")
+    return SubmissionDriver
 
 
 def detach(path: str | os.PathLike[str], *, force: bool = False, force_stages: Collection[str] = (),
-           build_envs: bool = False, only: list[str] | None = None,
+           build_envs: bool = False, only: list[str] | None = None, rebuild_search: bool = False,
            parameters: Mapping[str, Any] | None = None) -> DetachedDriver:
     """Validate an experiment or pipeline file as :func:`submit` and :func:`submit_pipeline` do, then start its
     driver where it outlives this process and the user's logout (:mod:`nbbatch.drivers.detach`: a background
@@ -115,7 +127,7 @@ def detach(path: str | os.PathLike[str], *, force: bool = False, force_stages: C
     again. Refused while its earlier detached driver, or another driver, runs."""
     file = read_driver_file(path)
     flags = [*(["--force"] if force else []), *(f"--force={stage}" for stage in force_stages),
-             *(f"--only={prefix}" for prefix in only or []),
+             *(f"--only={prefix}" for prefix in only or []), *(["--rebuild-search"] if rebuild_search else []),
              *(["--parameters-yaml", yaml.safe_dump(dict(parameters), default_flow_style=True, width=2**31).strip()]
                if parameters else [])]  # as YAML, the driver reads back the same types (nan, inf, None)
     if file.pipeline:  # placed by its top-level backend; its stages are checked whole first
@@ -125,8 +137,8 @@ def detach(path: str | os.PathLike[str], *, force: bool = False, force_stages: C
         return start_detached(file.path, pipeline.name, get_backend(file.backend, **file.settings), project, flags,
                               lock=lock_path(project, open_share(pipeline.share), pipeline.name))
     the_plan, backend, share = prepare(path, build_envs=build_envs, parameters=parameters)
-    driver = SearchDriver if the_plan.experiment.search is not None else SubmissionDriver
-    driver(the_plan, backend, share, source=path, force=force, wait=True, progress=False, only=only)  # its refusals
+    _driver(the_plan, rebuild_search)(the_plan, backend, share, source=path, force=force, wait=True, progress=False,
+                                      only=only)  # its refusals
     spec = the_plan.experiment
     project = find_project(spec.base_dir)
     remember(project, spec.name, share.url, spec.backend, backend.storable_settings(spec.backend_settings))

@@ -11,7 +11,9 @@ is told to the study: its final metric, pruned, or failed. The decision is kept 
 The study's journal (:mod:`nbbatch.search.study`) outlives the driver: started again, the driver finds the trials it
 had asked for. A trial whose run is still going (on a cluster) is adopted; one whose run ended meanwhile is told;
 one whose run was stopped with its driver (local runs, Ctrl-C) runs again under the same run id, from its
-checkpoints. The budget stays the one given: no trial is asked for twice.
+checkpoints. The budget stays the one given: no trial is asked for twice. A journal lost or damaged beyond reading is
+rebuilt from the trials' run records when the user asks (``rebuild``: :mod:`nbbatch.search.rebuild`), and a missing
+one whose trials are on the share is refused rather than started over.
 
 Like every driver (:class:`~nbbatch.drivers.base.Driver`), it holds the experiment's lock and lease while it runs;
 the manifest lists the trials' runs as they start.
@@ -32,12 +34,18 @@ from nbbatch.backends.base import Backend
 from nbbatch.drivers.base import Driver, Progress
 from nbbatch.errors import NbbatchError
 from nbbatch.plan.runs import Plan, Run
+from nbbatch.search.rebuild import rebuild_journal, recorded_trials
 from nbbatch.search.study import (
+    FAILURE,
+    METRIC_MISSING,
+    REBUILD_FIX,
     RUN_ID,
     SearchError,
+    failure_of,
     journal_path,
     open_study,
     optuna_module,
+    report,
     search_fingerprint,
     suggest,
     trial_of,
@@ -49,6 +57,7 @@ from nbbatch.store.runfiles import (
     StopRequest,
     cancel_requested,
     clear_run_cancels,
+    load_records,
     read_record_or_none,
     write_record,
 )
@@ -65,6 +74,7 @@ class _Trial:
     trial: Any  # optuna.trial.Trial
     tail: JsonlTail
     reported: int = -1  # the last step reported to the study
+    attempt: int = 0  # the attempt of the run that recorded it: a later attempt's steps start again
     last_value: float | None = None
     stop_asked: bool = False
     thread: threading.Thread | None = None  # the launch (local runs: the whole run)
@@ -90,14 +100,19 @@ class SearchDriver(Driver):
     """
 
     def __init__(self, plan: Plan, backend: Backend, share: Share, *, source: object = None, force: bool = False,
-                 wait: bool | None = None, progress: Progress = True, only: list[str] | None = None) -> None:
+                 wait: bool | None = None, progress: Progress = True, only: list[str] | None = None,
+                 rebuild: bool = False) -> None:
         assert plan.experiment.search is not None
-        _check_search_submit(wait, only)
+        _check_search_submit(wait, only, force, rebuild)
         super().__init__(plan, backend, share, source=source, force=force, wait=True, progress=progress)
         self.search: Search = plan.experiment.search
         self.fresh = force
+        self.rebuild = rebuild  # the studies' journals are rebuilt from their runs' records first
+        self.records: list[RunRecord] | None = None
         self.options = self.submit_options(wait=True, on_update=self.on_update())
         self.run_ids: list[str] = []  # every trial's run, in the order asked
+        self.listed: set[str] = set()  # the same, to look up
+        self.manifest_state = "unwritten"  # "unwritten", "behind" (run_ids gained runs since) or "written"
         # a trial trains on while its point waits to be judged: locally a read is cheap, and epochs may be short
         self.poll = poll_interval(share, local=0.2, remote=2.0)
         # how often the backend's own view is asked for (job states: a request per run on Azure ML)
@@ -111,10 +126,13 @@ class SearchDriver(Driver):
         if self.progress is True:
             print(f"nbbatch search: {line}", file=sys.stderr, flush=True)
 
-    def on_runs(self, run_ids: list[str]) -> None:
-        """The trials' runs so far: the manifest lists them as they start, so ``status`` and ``compare`` show them
-        (the warning of a name reused by another experiment file is given once)."""
-        self.write_manifest(run_ids, warn=len(run_ids) == 1)
+    def write_runs(self) -> None:
+        """The trials' runs so far, if some were noted since the last write: the manifest lists them as they start,
+        so ``status`` and ``compare`` show them. Written once per batch of trials (a resumed study's thousands of
+        trials are one write); the warning of a name reused by another experiment file is given at the first."""
+        if self.manifest_state != "written" and self.run_ids:
+            self.write_manifest(list(self.run_ids), warn=self.manifest_state == "unwritten")
+            self.manifest_state = "written"
 
     def run(self, halt: threading.Event) -> Collection[str]:
         """The whole search; the trials' runs are the ones started and reported."""
@@ -134,9 +152,11 @@ class SearchDriver(Driver):
             for study in self.studies:
                 self._stop_if_hopeless(study)  # before any run: it would fail as the ones before it did
                 self._resume(study)
+            self.write_runs()
             synced = 0.0
             while self._busy():
                 self._launch_more()
+                self.write_runs()
                 for study in self.studies:
                     for trial in list(study.running.values()):
                         self._watch(study, trial)
@@ -180,7 +200,7 @@ class SearchDriver(Driver):
 
     def _left(self, study: _Study) -> int:
         """How many trials the study may still ask for."""
-        return self.search.trials - len(study.study.trials)
+        return self.search.trials - len(study.study.get_trials(deepcopy=False))
 
     def _launch_more(self) -> None:
         if self._halted():
@@ -193,24 +213,46 @@ class SearchDriver(Driver):
 
     def _open(self, template: Run) -> _Study:
         label = template.run_id.rsplit("-", 1)[0]
-        base = self.plan.experiment.base_dir
-        study = open_study(self.search, journal_path(base, self.experiment, label), f"{self.experiment}/{label}",
-                           search_fingerprint(self.search, template.run_id), fresh=self.fresh, say=self.say,
+        path, name = journal_path(self.plan.experiment.base_dir, self.experiment, label), f"{self.experiment}/{label}"
+        fingerprint = search_fingerprint(self.search, template.run_id)
+        if self.rebuild:
+            rebuild_journal(self.search, path, name, fingerprint, self._records(), self._history, say=self.say)
+        elif not self.fresh and not path.exists() and not path.is_symlink():
+            told = recorded_trials(self._records(), name)
+            if told:  # a journal lost (deleted, or a project copied without it): starting over would redo them
+                raise SearchError(f"the search journal {path} is missing, but {len(told)} run(s) on the share "
+                                  f"record trials of study `{name}`: {REBUILD_FIX}, or with --force to start the "
+                                  "search afresh (a trial that draws the same parameters reuses its run)")
+        study = open_study(self.search, path, name, fingerprint, fresh=self.fresh, say=self.say,
                            earlier=[search_fingerprint(self.search, template.run_id, with_budget=True)])
         return _Study(label, template, study)
+
+    def _records(self) -> list[RunRecord]:
+        """The experiment's run records (read once: a lost journal is rebuilt from them)."""
+        if self.records is None:
+            self.records = load_records(self.share, self.experiment)[0]
+        return self.records
+
+    def _history(self, run_id: str) -> list[dict[str, Any]]:
+        """A run's metric points (its ``metrics.jsonl``)."""
+        return JsonlTail(self.share, run_paths(self.experiment, run_id).metrics).read()
 
     def _resume(self, study: _Study) -> None:
         """The trials a previous driver asked for and never told: adopted, told, or run again."""
         state = optuna_module().trial.TrialState
-        for frozen in study.study.trials:
+        for frozen in study.study.get_trials(deepcopy=False):
             if frozen.state == state.COMPLETE and frozen.value is not None:
                 study.metric_seen = True
             if frozen.state != state.RUNNING:
                 self._note_run(frozen.user_attrs.get(RUN_ID))
                 continue
-            run = self.plan.trial(study.template, frozen.params)
-            trial = _Trial(frozen.number, run, trial_of(study.study, frozen.number),
-                           JsonlTail(self.share, run_paths(self.experiment, run.run_id).metrics))
+            live = trial_of(study.study, frozen.number)
+            # a driver killed between asking and naming the run left some of its parameters undrawn: drawn now (those
+            # drawn stay as they were), and the run named
+            run = self.plan.trial(study.template, suggest(live, self.search))
+            if frozen.user_attrs.get(RUN_ID) != run.run_id:
+                live.set_user_attr(RUN_ID, run.run_id)
+            trial = _Trial(frozen.number, run, live, JsonlTail(self.share, run_paths(self.experiment, run.run_id).metrics))
             self._note_run(run.run_id)
             study.running[trial.number] = trial
             record = read_record_or_none(self.share, self.experiment, run.run_id)
@@ -243,9 +285,12 @@ class SearchDriver(Driver):
         self._launch(watched)
 
     def _note_run(self, run_id: str | None) -> None:
-        if run_id and run_id not in self.run_ids:
+        """A trial's run, for the manifest's next write (:meth:`write_runs`)."""
+        if run_id and run_id not in self.listed:
             self.run_ids.append(run_id)
-            self.on_runs(list(self.run_ids))
+            self.listed.add(run_id)
+            if self.manifest_state == "written":
+                self.manifest_state = "behind"
 
     def _launch(self, trial: _Trial) -> None:
         """Start the trial's run through the backend (in a thread: the local backend returns when the run ends)."""
@@ -279,13 +324,13 @@ class SearchDriver(Driver):
         for point in trial.tail.read():
             if trial.stop_asked:  # the trial is decided: what the run records while it stops is not the study's
                 break
-            step, value = point.get("step"), point.get(metric)
-            if not isinstance(step, int) or isinstance(step, bool) or step <= trial.reported:
+            step, value, attempt = point.get("step"), point.get(metric), point.get("attempt", 0)
+            if not isinstance(step, int) or isinstance(step, bool) or not isinstance(attempt, int):
                 continue
-            if not _is_number(value):  # its end says why (_end), once
+            if (attempt, step) <= (trial.attempt, trial.reported) or not _is_number(value):  # _end says why, once
                 continue
-            trial.trial.report(float(value), step)
-            trial.reported, trial.last_value = step, float(value)
+            report(trial.trial, float(value), step)  # a step reported by an earlier attempt takes this one's value
+            trial.attempt, trial.reported, trial.last_value = attempt, step, float(value)
             study.metric_seen = True
             # asked at every point, as a training loop would: points read together (short epochs) must not
             # reach a rung with a later step's value than the other trials were judged by there
@@ -342,7 +387,7 @@ class SearchDriver(Driver):
                 decision = {"state": "complete", "value": float(value)}
                 self.say(f"trial {trial.number} of {study.label}: {metric} {float(value):.6g} ({record.run_id})")
         else:
-            trial.trial.set_user_attr(FAILURE, _failure(record))
+            trial.trial.set_user_attr(FAILURE, failure_of(record))
             study.study.tell(trial.trial, state=state.FAIL)
             decision = {"state": "failed", "reason": f"its run {record.status}"}
             self.say(f"trial {trial.number} of {study.label}: run {record.run_id} {record.status}"
@@ -389,17 +434,7 @@ class SearchDriver(Driver):
                 trial.thread.join(timeout=120)
 
 
-FAILURE = "failure"  # a failed trial's user attribute: how its run failed (see _failure)
-METRIC_MISSING = "the metric was never recorded"
 SAME_FAILURES = 3  # the first trials failing the same way that stop a search no trial of which succeeded
-
-
-def _failure(record: RunRecord) -> str:
-    """How a run failed, to tell a notebook that fails whatever the parameters: its exception and cell."""
-    error = record.error
-    if error is None:
-        return f"its run {record.status}"
-    return f"{error.ename} in cell {error.cell_index}" if error.cell_index is not None else f"{error.ename} ({error.kind})"
 
 
 # Failures that say nothing of the trial's parameters: the share could not be written, the node, task, job or driver
@@ -428,7 +463,10 @@ def _short(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def _check_search_submit(wait: bool | None, only: list[str] | None) -> None:
+def _check_search_submit(wait: bool | None, only: list[str] | None, force: bool, rebuild: bool) -> None:
+    if force and rebuild:
+        raise NbbatchError("--force starts the search afresh and --rebuild-search rebuilds its study from its runs' "
+                           "records: give one of them")
     if wait is False:
         raise NbbatchError("a search cannot be submitted without waiting (--no-wait): its driver judges every run as "
                            "it goes and stays up until the search ends. Submit without --no-wait (with --detach if the "

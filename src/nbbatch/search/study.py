@@ -17,9 +17,14 @@ from typing import Any
 
 from nbbatch.errors import NbbatchError
 from nbbatch.spec.search import SEED_LIMIT, Search
+from nbbatch.store.runjson import RunRecord
 
 JOURNAL_FOLDER = ".nbbatch-search"  # beside the experiment file: <folder>/<experiment>/<notebook label>.journal
 RUN_ID = "run_id"  # the trial's user attribute naming its run
+REBUILD_FIX = ("submit with --rebuild-search to rebuild the study from its runs' records (`trial:` in run.json; the "
+               "journal is kept beside it)")
+FAILURE = "failure"  # a failed trial's user attribute: how its run failed (see failure_of)
+METRIC_MISSING = "the metric was never recorded"
 
 
 class SearchError(NbbatchError):
@@ -119,8 +124,9 @@ def open_study(search: Search, path: Path, name: str, fingerprint: str, fresh: b
     storage = JournalStorage(JournalFileBackend(str(path)))
     study = optuna.create_study(study_name=name, storage=storage, sampler=sampler_of(search), pruner=pruner_of(search),
                                 direction="minimize" if search.mode == "min" else "maximize", load_if_exists=True)
-    if study.trials:
-        study.sampler = sampler_of(search, asked=len(study.trials))
+    asked = len(study.get_trials(deepcopy=False))
+    if asked:
+        study.sampler = sampler_of(search, asked=asked)
     started_for = study.user_attrs.get("fingerprint")
     if started_for is None or started_for != fingerprint and started_for in earlier:
         study.set_user_attr("fingerprint", fingerprint)
@@ -140,7 +146,7 @@ def repair_journal(path: Path, say: Callable[[str], None]) -> None:
     if not path.exists() and not path.is_symlink():
         return
     fix = ("submit with --force to start the search afresh (the journal is kept as .journal.old; the runs already on "
-           "the share stay, and a trial that draws the same parameters reuses its run)")
+           f"the share stay, and a trial that draws the same parameters reuses its run), or {REBUILD_FIX}")
     if not path.is_file():
         raise SearchError(f"the search journal {path} is not a file: move it aside, or {fix}")
     try:
@@ -187,10 +193,34 @@ def suggest(trial: Any, search: Search) -> dict[str, Any]:
     return drawn
 
 
+def report(trial: Any, value: float, step: int) -> None:
+    """Tell the study ``trial``'s ``value`` at ``step``; a step reported before (its run attempted again: a retry, or
+    a trial run again on resume) takes the new attempt's value, so the study holds the values of the attempt that
+    ends the trial.
+
+    Optuna's ``Trial.report`` keeps a step's first value (warning once per step reported again); its storages'
+    ``set_trial_intermediate_value`` overwrites (documented on ``BaseStorage``). The trial's cached copy is what
+    ``should_prune`` judges, so it is updated as ``Trial.report`` does."""
+    held = trial._cached_frozen_trial.intermediate_values
+    if step not in held:
+        trial.report(value, step)
+    elif held[step] != value:
+        trial.storage.set_trial_intermediate_value(trial._trial_id, step, value)
+        held[step] = value
+
+
 def trial_of(study: Any, number: int) -> Any:
     """The live trial ``number`` of ``study`` (to report to and ask whether to prune), also one a previous driver
     asked for."""
     from optuna.trial import Trial
 
-    frozen = study.trials[number]
+    frozen = study.get_trials(deepcopy=False)[number]
     return Trial(study, frozen._trial_id)
+
+
+def failure_of(record: RunRecord) -> str:
+    """How a run failed, to tell a notebook that fails whatever the parameters: its exception and cell."""
+    error = record.error
+    if error is None:
+        return f"its run {record.status}"
+    return f"{error.ename} in cell {error.cell_index}" if error.cell_index is not None else f"{error.ename} ({error.kind})"

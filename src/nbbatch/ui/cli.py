@@ -86,15 +86,20 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if stages and not pipeline:
         raise NbbatchError(f"--force {stages[0]}: {args.experiment} is an experiment, not a pipeline: `--force` "
                            "alone reruns its succeeded runs")
+    if pipeline and args.rebuild_search:
+        raise NbbatchError(f"--rebuild-search is for an experiment file with `search:`, and {args.experiment} is a "
+                           "pipeline (a stage's search is not rebuilt: --force STAGE runs it afresh)")
     if args.detach:  # validated here, then its driver goes where the backend puts drivers: one line, at once
         print(started_line(api.detach(args.experiment, force=force, force_stages=stages, build_envs=args.build_envs,
-                                      only=args.only, parameters=parameters)))
+                                      only=args.only, parameters=parameters,
+                                      rebuild_search=args.rebuild_search)))
         return 0
     if pipeline:
         return submit_pipeline_command(args, _console())
     wait = True if args.wait else False if args.no_wait else None  # None: as the backend does (slurm: no wait)
     result = api.submit(args.experiment, force=force, build_envs=args.build_envs, wait=wait,
-                        progress=not args.quiet, only=args.only, parameters=parameters)
+                        progress=not args.quiet, only=args.only, parameters=parameters,
+                        rebuild_search=args.rebuild_search)
     console = _console()
     for warning in result.warnings:
         console.print(_warning(warning))
@@ -382,6 +387,8 @@ def _add_batch_parsers(sub: argparse._SubParsersAction) -> None:
                    help="rerun runs that already succeeded; of a pipeline: --force STAGE reruns that stage and "
                         "every stage that needs it (repeatable), --force alone every stage")
     p.add_argument("--build-envs", action="store_true", help="build missing or stale framework environments first")
+    p.add_argument("--rebuild-search", action="store_true", help="a search: rebuild its study from its runs' records "
+                                                                 "first (its journal lost or damaged; kept beside)")
     waiting = p.add_mutually_exclusive_group()
     waiting.add_argument("--wait", action="store_true", help="return when every run is final (the default, except "
                                                               "on slurm)")
