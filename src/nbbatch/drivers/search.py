@@ -45,6 +45,7 @@ from nbbatch.search.study import (
 from nbbatch.spec.search import Search
 from nbbatch.store.jsonl import JsonlTail
 from nbbatch.store.layout import run_paths
+from nbbatch.store.lease import Halt
 from nbbatch.store.runfiles import (
     StopRequest,
     cancel_requested,
@@ -116,7 +117,7 @@ class SearchDriver(Driver):
         (the warning of a name reused by another experiment file is given once)."""
         self.write_manifest(run_ids, warn=len(run_ids) == 1)
 
-    def run(self, halt: threading.Event) -> Collection[str]:
+    def run(self, halt: Halt) -> Collection[str]:
         """The whole search; the trials' runs are the ones started and reported."""
         self.options.halt = halt
         self.parallel = max(1, self.backend.parallel_limit(self.options) or self.backend.compute().slots or 1)
