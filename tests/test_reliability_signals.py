@@ -1,6 +1,5 @@
 """Signals to a real ``nbbatch submit``: a second Ctrl-C or SIGTERM while it stops, the terminal closing (SIGHUP),
-``nohup``, and ``status --watch`` of a driver that was killed (issue 34, items 5 and 6); Ctrl-C while it starts
-(issue 45, item 24).
+``nohup``, and ``status --watch`` of a driver that was killed (issue 34, items 5 and 6).
 
 Each runs real ``python -m nbbatch`` processes with notebooks that block until a release file exists, so a run is
 surely ``running`` (its kernel inside the blocking cell) when the signal comes. See docs/reliability.md.
@@ -11,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import pty
-import re
 import signal
 import subprocess
 import sys
@@ -248,37 +246,3 @@ def test_a_second_ctrl_c_while_the_scheduler_stops_does_not_cut_it_short(tmp_pat
     assert interrupts and not scheduler.active and not scheduler.pending
     assert {r.run_id: read_record(share, "sched", r.run_id).status for r in runs} == {
         "r0": "cancelled", "r1": "cancelled", "r2": "cancelled"}
-
-
-# --- issue 45, item 24: Ctrl-C while the command starts ---------------------------------------------------------
-
-REPO = Path(__file__).resolve().parents[1]
-# Points while the command line loads (Python's `-X importtime` prints each module as its import ends), from the
-# first third-party module to the last of nbbatch's layers; then the arguments are parsed.
-WHILE_IMPORTING = ("argparse", "yaml", "rich.console", "nbbatch.store.share", "nbbatch.backends", "nbbatch.drivers",
-                   "nbbatch.api")
-
-
-def _console_script() -> list[str]:
-    """What pip's `nbbatch` script runs: pyproject's [project.scripts] entry, called as the script calls it."""
-    scripts = (REPO / "pyproject.toml").read_text().partition("[project.scripts]")[2]
-    module, function = re.search(r'^nbbatch = "([\w.]+):(\w+)"', scripts, re.MULTILINE).groups()
-    return ["-c", f"import sys\nfrom {module} import {function}\nsys.exit({function}())"]
-
-
-@pytest.mark.parametrize("entry", [["-m", "nbbatch"], _console_script()], ids=["python -m nbbatch", "console script"])
-def test_ctrl_c_while_submit_starts_is_one_line_and_exit_130(project, entry):
-    for module in WHILE_IMPORTING:
-        process = subprocess.Popen([sys.executable, "-X", "importtime", *entry, "submit", "exp.yaml"], text=True,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        for line in process.stderr:
-            if line.rpartition("|")[2].strip() == module:
-                process.send_signal(signal.SIGINT)  # the import goes on meanwhile: the Ctrl-C lands a little later
-                break
-        else:
-            pytest.fail(f"{module} was never imported")
-        said = "".join(line for line in process.stderr if not line.startswith("import time:"))
-        assert process.wait(60) == 130, (module, said)
-        assert "Traceback" not in said and "KeyboardInterrupt" not in said, (module, said)
-        assert said.startswith("nbbatch: interrupted"), (module, said)
