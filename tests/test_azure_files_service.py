@@ -125,20 +125,30 @@ def test_a_name_azure_files_refuses_is_a_clear_error(server, name, shown, fix):
 
 
 def test_push_copies_the_other_files_and_names_those_azure_files_cannot_hold(server, tmp_path):
+    """Issue 45, item 22: left out and named in one warning line with the count; the rest pushed."""
     outputs = tmp_path / "outputs"
     outputs.mkdir()
-    for name in ("good.txt", "epoch-12:30.ckpt", "Model.pt", "model.pt"):
+    deep = "/".join(["d" * 250] * 9 + ["deep.txt"])  # a path over Azure's 2,048 characters
+    for name in ("good.txt", "epoch-12:30.ckpt", "Model.pt", "model.pt", "back\\slash.txt", "bell\x07.txt", deep):
+        (outputs / name).parent.mkdir(parents=True, exist_ok=True)
         (outputs / name).write_text(name)
     share = AzureFileShare(URL, retry_total=0)
-    with pytest.raises(ShareError) as err:
-        push(outputs, share, "exp/run-1/outputs")
-    message = str(err.value)
+    result = push(outputs, share, "exp/run-1/outputs")
+    [message] = result.warnings
+    assert message.startswith(f"5 file(s) of {outputs} left out: ")
     assert "`epoch-12:30.ckpt`" in message and "`epoch-12-30.ckpt`" in message
     assert "`model.pt`" in message and "only in case" in message
     assert "e.g. `model.pt`" not in message  # no rename to suggest for a case clash
-    assert "the other 2 file(s) were copied" in message
+    assert "`back\\slash.txt`" in message and "`back-slash.txt`" in message and "\\x07" in message
+    assert "characters long; Azure Files takes paths of at most 2048" in message
+    assert "the other 2 file(s) were pushed" in message
+    assert sorted(result.copied) == ["Model.pt", "good.txt"] and len(result.refused) == 5
     assert share.read_bytes("exp/run-1/outputs/good.txt") == b"good.txt"
     assert share.read_bytes("exp/run-1/outputs/Model.pt") == b"Model.pt"  # not overwritten by model.pt
+    for name in ("good.txt", "Model.pt", "model.pt"):
+        (outputs / name).unlink()  # only names Azure Files cannot hold are left
+    with pytest.raises(ShareError, match=r"none of the 4 file\(s\) of .* was pushed"):
+        push(outputs, share, "exp/run-2/outputs")
 
 
 def test_experiments_differing_only_in_case_do_not_share_a_folder(server):

@@ -13,7 +13,9 @@ from azure.storage.fileshare import ShareLeaseClient, ShareServiceClient  # noqa
 from fakes.azure_files_server import ACCOUNT, FAKE_KEY, FakeAzureFiles  # noqa: E402
 
 from nbbatch.errors import ShareError  # noqa: E402
+from nbbatch.store import lease as lease_module  # noqa: E402
 from nbbatch.store.azfiles import MAX_RANGE, AzureFileShare  # noqa: E402
+from nbbatch.store.lease import ShareLease  # noqa: E402
 
 pytestmark = pytest.mark.azure
 
@@ -309,3 +311,37 @@ def test_partial_uploads_of_a_dead_writer_are_removed_when_the_run_starts_again(
     names = server.file_names("results")
     assert not [n for n in names if n.endswith(".part")], names
     assert "nbb/exp/r1/run.json.keep" in names and "nbb/exp/r1/output.ipynb" in names
+
+
+# --- issue 45, item 13: the share or the experiment's folder gone is not a takeover ----------------------------
+
+
+def _gone(server: FakeAzureFiles, what: str) -> None:
+    with server.lock:
+        if what == "share deleted":
+            del server.shares["results"]
+            return
+        share = server.shares["results"]  # the experiment's folder renamed (the portal, or another SMB client)
+        share.dirs = {k.replace("nbb/exp", "nbb/exp-old", 1): v for k, v in share.dirs.items()}
+        share.files = {k.replace("nbb/exp/", "nbb/exp-old/", 1): v for k, v in share.files.items()}
+
+
+@pytest.mark.parametrize(("what", "said"), [("share deleted", f"the share {URL} is gone"),
+                                            ("folder renamed", f"the experiment's folder {URL}/exp is gone")])
+def test_a_share_gone_under_a_driver_is_not_a_takeover(server, monkeypatch, what, said):
+    monkeypatch.setattr(lease_module, "TAKEOVER_SETTLE_S", 0.0)
+    holder = ShareLease(_share(), "exp")
+    holder._acquire()
+    assert holder.renew() == holder.renew_every_s
+    _gone(server, what)
+    assert holder.renew() is None and holder.lost.is_set()
+    assert holder.lost.reason.startswith(said) and "took" not in holder.lost.reason
+
+
+def test_a_real_takeover_on_azure_files_still_reads_as_one(server, monkeypatch):
+    holder = ShareLease(_share(), "exp")
+    holder._acquire()
+    server.set_modified("results", "nbb/exp/.lease", time.time() - 600)
+    monkeypatch.setattr(lease_module.socket, "gethostname", lambda: "machine-b")
+    ShareLease(_share(), "exp")._acquire()
+    assert holder.renew() is None and holder.lost.reason == lease_module.TAKEN_OVER

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from typing import ClassVar
 
 import pytest
@@ -13,6 +14,7 @@ from nbbatch.drivers import SearchDriver, SubmissionDriver
 from nbbatch.errors import NbbatchError
 from nbbatch.plan.runs import Plan, Run
 from nbbatch.spec.experiment import Experiment
+from nbbatch.store import lease as lease_module
 from nbbatch.store.layout import experiment_paths, run_paths
 from nbbatch.store.share import FileShare
 
@@ -30,6 +32,19 @@ class InstantBackend(Backend):
         for run in runs:
             share.write_bytes(run_paths(run.experiment, run.run_id).notebook, b"{}")
             self.finalize(share, run, "succeeded", notify=options.guarded_update)
+
+
+class VanishingBackend(InstantBackend):
+    """The first run succeeds, then the experiment's folder is deleted or renamed under the driver."""
+
+    def __init__(self, vanish) -> None:
+        super().__init__()
+        self.vanish = vanish
+
+    def start(self, runs, share, options) -> None:
+        super().start(runs[:1], share, options)
+        self.vanish(share.local_path("e"))
+        assert options.halt.wait(10), "the driver's lease noticed"
 
 
 def _plan(project, **more) -> Plan:
@@ -62,3 +77,16 @@ def test_drivers_refuse_what_they_cannot_do_before_anything_is_locked(project):
     with pytest.raises(NbbatchError, match="draws its runs as it goes"):
         SearchDriver(searching, InstantBackend(), share, only=["r0"])
     assert not (project / "results").exists(), "nothing was written"
+
+
+@pytest.mark.parametrize("vanish", [shutil.rmtree, lambda folder: folder.rename(folder.with_name("e-old"))],
+                         ids=["deleted", "renamed"])
+def test_a_share_folder_gone_mid_run_stops_the_driver_naming_the_folder(project, monkeypatch, vanish):
+    """Issue 45, item 13: not "another driver took over"; the result's last line names the folder that is gone."""
+    monkeypatch.setattr(lease_module, "RENEW_EVERY_S", 0.05)
+    monkeypatch.setattr(lease_module, "TAKEOVER_SETTLE_S", 0.05)
+    share = FileShare(project / "results")
+    result = SubmissionDriver(_plan(project), VanishingBackend(vanish), share, progress=False).submit()
+    assert not result.ok
+    assert result.stopped.startswith("experiment `e`: this driver stopped starting runs: ")
+    assert f"{share.url}/e is gone from the share" in result.stopped and "took" not in result.stopped

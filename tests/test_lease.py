@@ -7,6 +7,7 @@ known only through its renewals, as for a real driver elsewhere on NFS or Azure 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -53,8 +54,40 @@ def test_the_holder_that_lost_its_lease_is_told_and_stops(tmp_path, monkeypatch)
     holder = theirs._holder
     (tmp_path / "share" / "exp" / ".lease").write_bytes(b'{"token": "someone else"}')  # taken over meanwhile
     assert theirs.lost.wait(5)
+    assert theirs.lost.reason == lease_module.TAKEN_OVER  # a real takeover reads as one
     theirs.__exit__(None, None, None)
     assert (tmp_path / "share" / "exp" / ".lease").read_bytes() != holder  # the new holder's lease is left alone
+
+
+@pytest.mark.parametrize("vanish", ["deleted", "renamed", "deleted and made again by a run"])
+def test_a_share_folder_gone_mid_run_is_not_a_takeover(tmp_path, monkeypatch, vanish):
+    """Issue 45, item 13: the experiment's folder deleted or renamed under a driver halts it naming the folder."""
+    monkeypatch.setattr(lease_module, "TAKEOVER_SETTLE_S", 0.05)
+    share, folder = FileShare(tmp_path / "share"), tmp_path / "share" / "exp"
+    with ShareLease(share, "exp", renew_every_s=0.05) as ours:
+        folder.joinpath("r0").mkdir()
+        if vanish == "renamed":
+            folder.rename(tmp_path / "share" / "exp-old")
+        else:
+            shutil.rmtree(folder)
+        if vanish.endswith("by a run"):
+            share.write_bytes("exp/r0/run.json", b"{}")
+        assert ours.lost.wait(5)
+    reason = ours.lost.reason
+    assert "took" not in reason and "gone" in reason, reason
+    assert f"{share.url}/exp" in reason
+    assert ("lease" in reason) == vanish.endswith("by a run")
+    assert not (folder / ".lease").exists()
+
+
+def test_the_whole_share_gone_mid_run_names_the_share(tmp_path, monkeypatch):
+    monkeypatch.setattr(lease_module, "TAKEOVER_SETTLE_S", 0.05)
+    share = FileShare(tmp_path / "share")
+    with ShareLease(share, "exp", renew_every_s=0.05) as ours:
+        (tmp_path / "share").rename(tmp_path / "unmounted")
+        assert ours.lost.wait(5)
+    assert ours.lost.reason == f"the share {share.url} is gone (deleted, renamed or unmounted)"
+    assert not (tmp_path / "share").exists(), "nothing made the share again"
 
 
 def test_a_dead_process_of_this_machine_is_taken_over_at_once(tmp_path):

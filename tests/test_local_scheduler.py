@@ -24,6 +24,7 @@ from nbbatch.errors import ShareError, ValidationError
 from nbbatch.execute.affinity import CPUS_VARIABLE
 from nbbatch.execute.attempts import SHARE_FAILED
 from nbbatch.plan.runs import Run
+from nbbatch.store.lease import Halt
 from nbbatch.store.runfiles import new_record, read_record, write_cancel_markers, write_record
 from nbbatch.store.runjson import ErrorKind, GpuSharing, RunError, RunRecord, Status
 from nbbatch.store.share import FileShare, Share
@@ -345,17 +346,22 @@ def test_a_failure_of_nbbatch_fails_that_run_only(share: FileShare) -> None:
     assert read_record(share, EXPERIMENT, "r1").status == "succeeded"
 
 
-def test_the_halt_event_starts_no_more_runs(share: FileShare) -> None:
-    runs, halt = _runs(3), threading.Event()
+@pytest.mark.parametrize("why", [None, "the experiment's folder /x/e is gone from the share (deleted or renamed)"])
+def test_the_halt_event_starts_no_more_runs(share: FileShare, why: str | None) -> None:
+    runs, halt = _runs(3), Halt()
 
     def during(run: Run, lease: GpuLease, cancel: threading.Event) -> None:
-        halt.set()  # another driver took the experiment over while r0 ran
+        if why is None:
+            halt.set()  # another driver took the experiment over while r0 ran
+        else:
+            halt.halt(why)  # the experiment's folder vanished while r0 ran (issue 45, item 13)
 
     fake = FakeExecute(during)
     _scheduler(share, runs, fake, options=SubmitOptions(halt=halt), max_parallel=1).run()
     assert [c.run_id for c in fake.calls] == ["r0"]
     assert _statuses(share, runs) == {"r0": "succeeded", "r1": "cancelled", "r2": "cancelled"}
-    assert "another driver took the experiment over" in read_record(share, EXPERIMENT, "r1").error.reason
+    reason = read_record(share, EXPERIMENT, "r1").error.reason
+    assert reason == "not started: " + (why or "another driver took the experiment over (its lease on the share)")
 
 
 @pytest.mark.parametrize(("raised", "reason"), [(KeyboardInterrupt, "interrupted before it started"),

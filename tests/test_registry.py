@@ -9,6 +9,7 @@ refusals are read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -24,7 +25,14 @@ from support.waiting import wait_until
 from nbbatch.containers.engines import Docker, Podman
 from nbbatch.containers.images import image_spec
 from nbbatch.containers.node import node_image
-from nbbatch.containers.registry import check_registry, names_registry, push_command, refusal_hint, registry_ref
+from nbbatch.containers.registry import (
+    check_registry,
+    names_registry,
+    push_command,
+    push_image,
+    refusal_hint,
+    registry_ref,
+)
 from nbbatch.errors import ContainerError, ValidationError
 from nbbatch.execute.placement import free_port
 from nbbatch.spec.frameworks import list_frameworks
@@ -96,6 +104,42 @@ def test_a_registry_lookup_reads_the_engines_answer():
                        "tcp 127.0.0.1:5000: connect: connection refused")
     with pytest.raises(ContainerError, match="connection refused"):
         engine.remote_image_exists(ref)
+
+
+class _LocalStore(Podman):
+    """Podman whose local store holds these tags; its push answers ``code`` or is cut off by a Ctrl-C."""
+
+    def holding(self, *tags: str, push: int | type[BaseException] = 0) -> _LocalStore:
+        object.__setattr__(self, "tags", set(tags))
+        object.__setattr__(self, "push", push)
+        return self
+
+    def query(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        if args[0] == "tag":
+            self.tags.add(args[2])  # type: ignore[attr-defined]
+        elif args[0] == "rmi":
+            self.tags.discard(args[1])  # type: ignore[attr-defined]
+        return subprocess.CompletedProcess(["podman", *args], 0, "", "")
+
+    def image_id(self, ref: str) -> str | None:
+        return "sha256:abc" if ref in self.tags else None  # type: ignore[attr-defined]
+
+    def transfer(self, action: str, ref: str, timeout: float = 0) -> subprocess.CompletedProcess[str]:
+        if not isinstance(self.push, int):  # type: ignore[attr-defined]
+            raise self.push()  # type: ignore[attr-defined]
+        return subprocess.CompletedProcess([action], self.push, "", "Error: denied")  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("push", [0, 125, KeyboardInterrupt], ids=["pushed", "refused", "ctrl-c"])
+def test_a_push_leaves_the_local_store_with_the_tags_it_had(push):
+    """Issue 45, item 21: the registry-named tag a push adds goes after it, pushed or not; one there before stays."""
+    spec = _chainer_spec()
+    remote = registry_ref(spec, "127.0.0.1:5000")
+    for before in ({spec.ref}, {spec.ref, remote}):
+        engine = _LocalStore("podman").holding(*before, push=push)
+        with contextlib.suppress(ContainerError, KeyboardInterrupt):
+            assert push_image(engine, spec, "127.0.0.1:5000")[0] == remote
+        assert engine.tags == before  # type: ignore[attr-defined]
 
 
 class _DockerDaemon(Docker):
@@ -204,8 +248,8 @@ def test_pushed_image_is_pulled_back_by_a_run_that_executes_in_it(chainer_image,
     pushed = _nbbatch("images", "push", image_registry.address, "chainer", "--base", BASE, "--engine", "podman")
     assert pushed.returncode == 0, pushed.stdout + pushed.stderr
     assert f"chainer: pushed {remote} in " in pushed.stdout
+    assert not _exists(remote), "the push took its registry tag away again (issue 45, item 21)"
     try:
-        _podman("rmi", remote)
         _wait_unused(chainer_image.ref)
         # the last tag: the image itself goes (--force: also a build's leftover working container, which podman lists
         # as external and which no filter names)

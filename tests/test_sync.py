@@ -160,9 +160,50 @@ def test_push_errors(tmp_path, src):
         push(src, share, "x/../../y")
     with pytest.raises(ShareError, match="hold one another"):
         push(src, FileShare(src), "inner")
-    (src / "we\\ird").write_text("x")
-    with pytest.raises(ShareError, match="backslash"):
-        push(src, share)
+
+
+# --- names a share cannot hold (issue 45, item 22) --------------------------------------------------------------
+
+
+def _deep_name(tmp_path: Path, share_root: Path) -> str:
+    """A name the source folder holds but whose path under ``share_root`` is longer than the file system takes."""
+    part = "d" * 250
+    name = "/".join([part] * ((4096 - len(os.fsencode(tmp_path / "src")) - 40) // 251) + ["deep.txt"])
+    assert len(os.fsencode(share_root / name)) >= 4096 > len(os.fsencode(tmp_path / "src" / name))
+    return name
+
+
+def test_push_to_a_folder_share_leaves_out_the_names_it_cannot_hold_and_names_them(src, tmp_path, capsys):
+    share_root = tmp_path / ("s" * 200) / ("s" * 200)
+    unusable = {"we\\ird.txt": b"backslash", "tab\there.txt": b"control", _deep_name(tmp_path, share_root): b"long"}
+    _make_tree(src, unusable)
+    assert main(["data", "push", "-q", str(src), str(share_root)]) == 0
+    out, err = capsys.readouterr()
+    warnings = [line for line in err.splitlines() if line.startswith("nbbatch: warning:")]
+    assert len(warnings) == 1 and "3 file(s)" in warnings[0] and "the other 4 file(s) were pushed" in warnings[0]
+    assert "`we\\ird.txt`" in warnings[0] and "e.g. `we-ird.txt`" in warnings[0] and "\\t" in warnings[0]
+    assert "deep.txt" in warnings[0] and "bytes long" in warnings[0]
+    assert "pushed 4 file(s)" in out
+    assert _contents(share_root) == FILES  # the rest were pushed, and only they
+
+
+def test_push_of_nothing_a_share_can_hold_fails_saying_so(tmp_path):
+    src = _make_tree(tmp_path / "src", {"a\\b": b"1", "c\x01d": b"2"})
+    with pytest.raises(ShareError, match=r"none of the 2 file\(s\) of .* was pushed: .*`a\\b`"):
+        push(src, FileShare(tmp_path / "share"))
+    assert main(["data", "push", "-q", str(src), str(tmp_path / "share")]) == 2
+
+
+def test_a_name_the_file_system_refuses_only_when_written_is_left_out_too(src, tmp_path, monkeypatch):
+    """An SMB or NFS mount may take a name nbbatch cannot check ahead and refuse it on write."""
+    share = FileShare(tmp_path / ("s" * 200) / ("s" * 200))
+    deep = _deep_name(tmp_path, share.root)
+    _make_tree(src, {deep: b"long"})
+    monkeypatch.setattr(FileShare, "refused_names", lambda self, paths: {})
+    result = push(src, share)
+    assert list(result.refused) == [deep] and "refused the name" in result.refused[deep]
+    assert sorted(result.copied) == sorted(FILES) and len(result.warnings) == 1
+    assert deep not in json.loads(share.read_bytes(MANIFEST))["files"]
 
 
 # --- pull ------------------------------------------------------------------------------------------------

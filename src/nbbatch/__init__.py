@@ -11,11 +11,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from nbbatch.metrics import record
-
 __version__ = "0.1.0"
 
 _LAZY = {
+    "record": "nbbatch.metrics",  # lazy too: `nbbatch` starts running its command as soon as Python has started
     "Experiment": "nbbatch.spec.experiment",
     "load_experiment": "nbbatch.spec.experiment",
     "Run": "nbbatch.plan.runs",
@@ -34,7 +33,7 @@ _LAZY = {
     "NbbatchError": "nbbatch.errors",
 }
 
-__all__ = ["record", "__version__", *_LAZY]
+__all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -41,13 +41,13 @@ class Registry:
 
 @contextlib.contextmanager
 def pushed_elsewhere(image: ImageSpec, registry: str) -> Iterator[str]:
-    """``image`` pushed to ``registry`` with the CLI, and its registry tag removed here (the image keeps its local tag,
-    which other tests use), so a run with ``registry:`` must pull it; its registry ref. The tag goes again after."""
+    """``image`` pushed to ``registry`` with the CLI, which leaves no registry tag here (the image keeps its local tag,
+    which other tests use), so a run with ``registry:`` must pull it; its registry ref. The pulled tag goes after."""
     remote = registry_ref(image, registry)
     pushed = nbbatch_cli("images", "push", registry, image.framework.name, "--base", BASE, "--engine", "podman",
                          *(["--cpu"] if image.framework.gpu and not image.gpu else []))
     assert pushed.returncode == 0, pushed.stdout + pushed.stderr
-    podman("rmi", remote)
+    assert podman("image", "exists", remote, check=False).returncode == 1, "the push left its registry tag here"
     try:
         yield remote
     finally:

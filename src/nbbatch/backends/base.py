@@ -46,6 +46,7 @@ from nbbatch.redact import is_secret, without_secrets
 from nbbatch.spec.resources import Resources
 from nbbatch.store.drivers import DetachedDriver, DriverState
 from nbbatch.store.layout import OUTPUT_NOTEBOOK, run_paths
+from nbbatch.store.lease import Halt
 from nbbatch.store.runfiles import (
     CANCEL_REQUEST,
     StopRequest,
@@ -129,7 +130,7 @@ class SubmitOptions:
     wait: bool = True  # block until every run is final (detached backends may return at once)
     force: bool = False  # rerun runs that already succeeded, restart runs still in flight
     on_update: UpdateCallback | None = None  # called on every status change
-    halt: threading.Event | None = None  # set when this driver must start no more runs (its lease was taken over)
+    halt: Halt | None = None  # set when this driver must start no more runs (its lease was lost: its reason says why)
     earlier: list[RunRecord] = field(default_factory=list)  # the experiment's records before this launch (what ran before)
     _guarded: UpdateCallback | None = field(default=None, init=False, repr=False, compare=False)
 

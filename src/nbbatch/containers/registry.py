@@ -101,19 +101,25 @@ def _refused(action: str, ref: str, engine: Engine, output: str) -> ContainerErr
 
 
 def push_image(engine: Engine, spec: ImageSpec, registry: str) -> tuple[str, float]:
-    """Tag ``spec``'s local image for ``registry`` and push it; ``(ref, seconds the push took)``."""
+    """Push ``spec``'s local image to ``registry``; ``(ref, seconds the push took)``.
+
+    The engines push a tag that names the registry: one is added for the push and removed after it, pushed or not
+    (the image keeps its own tag), so the local store ends with the tags it had. A registry tag that was there
+    before stays."""
     ref = registry_ref(spec, registry)
     tagged_before = engine.image_id(ref) is not None
     tagged = engine.query("tag", spec.ref, ref)
     if tagged.returncode != 0:
         raise ContainerError(f"{engine.name} could not tag {spec.ref} as {ref}: {engine_message(tagged.stderr)}")
-    started = time.monotonic()
-    done = engine.transfer("push", ref)
-    if done.returncode != 0:
-        if not tagged_before:  # drop the tag we added (the image keeps its own)
-            engine.query("rmi", ref)
-        raise _refused("push", ref, engine, done.stderr or done.stdout)
-    return ref, time.monotonic() - started
+    try:
+        started = time.monotonic()
+        done = engine.transfer("push", ref)
+        if done.returncode != 0:
+            raise _refused("push", ref, engine, done.stderr or done.stdout)
+        return ref, time.monotonic() - started
+    finally:  # also after a Ctrl-C
+        if not tagged_before:
+            engine.query("rmi", ref)  # only the tag: the image has spec.ref too
 
 
 def pull_image(engine: Engine, ref: str) -> str:

@@ -10,7 +10,6 @@ records of the runs it names become the :class:`SubmitResult`.
 
 from __future__ import annotations
 
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from nbbatch.plan.runs import Plan
 from nbbatch.spec.project import Project, find_project
 from nbbatch.store.known import remember
 from nbbatch.store.layout import experiment_paths
-from nbbatch.store.lease import ShareLease
+from nbbatch.store.lease import Halt, ShareLease
 from nbbatch.store.lock import ExperimentLock
 from nbbatch.store.runfiles import clear_cancel, load_records
 from nbbatch.store.runjson import DONE_STATUSES, RunRecord
@@ -45,11 +44,12 @@ class SubmitResult:
     records: list[RunRecord] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     waited: bool = True  # whether submit waited for every run to be final
+    stopped: str = ""  # why this driver stopped starting runs (its lease was lost), said last; empty when it did not
 
     @property
     def ok(self) -> bool:
-        """Whether every run of the experiment has succeeded (or, in a search, was pruned)."""
-        return bool(self.records) and all(r.status in DONE_STATUSES for r in self.records)
+        """Whether every run of the experiment has succeeded (or, in a search, was pruned), its driver to the end."""
+        return not self.stopped and bool(self.records) and all(r.status in DONE_STATUSES for r in self.records)
 
 
 class Driver(ABC):
@@ -77,10 +77,11 @@ class Driver(ABC):
         return self.backend.waits_by_default
 
     @abstractmethod
-    def run(self, halt: threading.Event) -> Collection[str]:
+    def run(self, halt: Halt) -> Collection[str]:
         """Start the runs (writing the manifest with :meth:`write_manifest`) and wait for them as :attr:`wait` says;
         fill :attr:`result`'s ``started`` and ``skipped``. Return the run ids whose records the result reports.
-        ``halt`` is set when another driver took the lease over: start no more runs."""
+        ``halt`` is set when the lease was lost (another driver took it over, or the experiment's folder is gone):
+        start no more runs."""
 
     def submit(self) -> SubmitResult:
         """The whole submission: lock and lease, :meth:`run`, and the records of its runs."""
@@ -98,6 +99,9 @@ class Driver(ABC):
             clear_cancel(self.share, self.experiment)
             self.backend.refresh(self.experiment, self.share)
             reported = set(self.run(lease.lost))
+        if lease.lost.is_set():
+            result.stopped = (f"experiment `{self.experiment}`: this driver stopped starting runs: {lease.lost.reason}; "
+                              "the runs it had started went on")
         records, problems = load_records(self.share, self.experiment)
         result.records = [r for r in records if r.run_id in reported]
         result.warnings.extend(problems)

@@ -53,6 +53,7 @@ from nbbatch.search.study import (
 from nbbatch.spec.search import Search
 from nbbatch.store.jsonl import JsonlTail
 from nbbatch.store.layout import run_paths
+from nbbatch.store.lease import Halt
 from nbbatch.store.runfiles import (
     StopRequest,
     cancel_requested,
@@ -134,7 +135,7 @@ class SearchDriver(Driver):
             self.write_manifest(list(self.run_ids), warn=self.manifest_state == "unwritten")
             self.manifest_state = "written"
 
-    def run(self, halt: threading.Event) -> Collection[str]:
+    def run(self, halt: Halt) -> Collection[str]:
         """The whole search; the trials' runs are the ones started and reported."""
         self.options.halt = halt
         self.parallel = max(1, self.backend.parallel_limit(self.options) or self.backend.compute().slots or 1)

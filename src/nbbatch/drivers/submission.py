@@ -8,7 +8,6 @@ the runs it found in flight.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Collection
 
 from nbbatch.backends.base import Backend
@@ -16,6 +15,7 @@ from nbbatch.drivers.base import Driver, Progress
 from nbbatch.errors import NbbatchError
 from nbbatch.plan.runs import Plan
 from nbbatch.results.progress import live_progress
+from nbbatch.store.lease import Halt
 from nbbatch.store.share import Share
 
 
@@ -31,7 +31,7 @@ class SubmissionDriver(Driver):
             if not self.runs:
                 raise NbbatchError(f"--only {', '.join(only)} matches none of the {len(plan.runs)} planned runs")
 
-    def run(self, halt: threading.Event) -> Collection[str]:
+    def run(self, halt: Halt) -> Collection[str]:
         """Triage, manifest, launch, and wait for runs found in flight; every selected run is reported."""
         backend, share, result = self.backend, self.share, self.result
         outcome = backend.triage(self.runs, share, force=self.force)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from nbbatch.artifacts import CHECKPOINT_DIR_ENV, OUTPUT_DIR_ENV
-from nbbatch.errors import NbbatchError
+from nbbatch.errors import NbbatchError, ShareError
 from nbbatch.plan.inputs import is_share_url
 from nbbatch.plan.runs import Run
 from nbbatch.spec.project import Project, find_project
@@ -107,7 +107,7 @@ class RunFolders:
         with self._lock:
             seen = _snapshot(self.checkpoints)
             if seen != self._pushed:
-                push(self.checkpoints, self.share, self.paths.checkpoints, delete=True)
+                _push_whole(self.checkpoints, self.share, self.paths.checkpoints)
                 self._pushed = seen
 
     # --- after an attempt ----------------------------------------------------------------------------
@@ -116,13 +116,20 @@ class RunFolders:
         """Bring the outputs (and checkpoints) to the share when it is remote; the outputs' listing for run.json."""
         if self.remote:
             self._push_checkpoints()
-            push(self.outputs, self.share, self.paths.outputs, delete=True)
+            _push_whole(self.outputs, self.share, self.paths.outputs)
         return tree_listing(self.outputs)
 
     def close(self) -> None:
         self.stop()
         if self.remote:
             shutil.rmtree(self.outputs.parent, ignore_errors=True)
+
+
+def _push_whole(folder: Path, share: Share, prefix: str) -> None:
+    """Push a run's folder; a file the share cannot hold by name fails the attempt, naming it (the others are copied)."""
+    pushed = push(folder, share, prefix, delete=True)
+    if pushed.refused:
+        raise ShareError(pushed.warnings[-1])
 
 
 def run_folders(run: Run, share: Share) -> tuple[Path, Path, bool]:

@@ -3,7 +3,7 @@
 The rules are Microsoft's "Naming and referencing shares, directories, files, and metadata"
 (learn.microsoft.com/rest/api/storageservices/naming-and-referencing-shares--directories--files--and-metadata):
 names are case-preserving but case-insensitive (``Cifar/x`` and ``cifar/x`` are one file); a name part
-is at most 255 characters; ``" \\ / : | < > * ?`` and the control characters 0x00-0x1F are refused (the
+is at most 255 characters, a path at most 2,048; ``" \\ / : | < > * ?`` and the control characters 0x00-0x1F are refused (the
 service answers 400 ``InvalidResourceName``); the service trims a trailing dot unless asked not to
 (``x-ms-allow-trailing-dot``, which SMB clients cannot read back), and refuses the device names of
 Windows (``CON``, ``LPT1``…). nbbatch refuses all of these itself, naming the file, the rule and a name
@@ -19,6 +19,7 @@ from nbbatch.errors import ShareError
 
 FORBIDDEN = '"\\:|<>*?'  # and "/", which separates the parts of a path
 MAX_PART = 255
+MAX_PATH = 2048
 RESERVED = frozenset({"CON", "PRN", "AUX", "NUL", "CLOCK$", *(f"COM{i}" for i in range(1, 10)),
                       *(f"LPT{i}" for i in range(1, 10))})
 _BAD_CHARS = re.compile(r'["\\:|<>*?\x00-\x1f]')
@@ -47,6 +48,8 @@ def name_problem(path: str) -> str | None:
     for part in str(path).split("/"):
         if part not in ("", ".", "..") and (why := _part_problem(part)):  # `.`/`..`: path steps, not names
             return why
+    if len(str(path)) > MAX_PATH:
+        return f"it is {len(str(path))} characters long; Azure Files takes paths of at most {MAX_PATH}"
     return None
 
 

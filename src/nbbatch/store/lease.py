@@ -11,6 +11,10 @@ the share), or when it names no holder (empty or unparsable: a crash between its
 write) and is older than :data:`UNNAMED_HOLDER_STALE_S`. Limits (docs/reliability.md): clocks of the
 machines and of the share must agree within a minute; a holder cut off from the share for longer
 than the stale time loses its lease, notices on its next renewal (:attr:`ShareLease.lost`) and starts no more runs.
+
+A renewal that finds the lease file gone, with no other holder in its place, is not a takeover: the experiment's
+folder (or the whole share) was deleted, renamed or unmounted under the driver. It also starts no more runs, and
+:attr:`Halt.reason` names the folder that is gone.
 """
 
 from __future__ import annotations
@@ -35,6 +39,21 @@ RENEW_EVERY_S = 20.0
 STALE_AFTER_S = 120.0
 RETRY_FAILED_RENEWAL_S = 2.0  # after a renewal failed (the share throttled past its retries): try again this soon
 UNNAMED_HOLDER_STALE_S = 10.0  # a lease without a holder's name: left by a crash between its creation and its write
+TAKEOVER_SETTLE_S = 1.0  # a breaker creates its lease right after removing ours: look again this much later
+TAKEN_OVER = "another driver took the experiment over (its lease on the share)"
+
+
+class Halt(threading.Event):
+    """Set when a driver must start no more runs; :attr:`reason` says why (for records and the last line)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reason = TAKEN_OVER
+
+    def halt(self, reason: str) -> None:
+        """Set it, saying why."""
+        self.reason = reason
+        self.set()
 
 
 class ShareLease:
@@ -44,13 +63,14 @@ class ShareLease:
     :attr:`supported` says so.
     """
 
-    def __init__(self, share: Share, experiment: str, *, renew_every_s: float = RENEW_EVERY_S,
+    def __init__(self, share: Share, experiment: str, *, renew_every_s: float | None = None,
                  stale_after_s: float = STALE_AFTER_S, command: str = ""):
         self.share, self.experiment = share, experiment
         self.path = experiment_paths(experiment).lease
-        self.renew_every_s, self.stale_after_s = renew_every_s, stale_after_s
+        self.renew_every_s = RENEW_EVERY_S if renew_every_s is None else renew_every_s
+        self.stale_after_s = stale_after_s
         self.recovered_from: dict[str, Any] | None = None  # the stale holder taken over
-        self.lost = threading.Event()  # set when another driver took the lease over
+        self.lost = Halt()  # set when another driver took the lease over, or the experiment's folder is gone
         self._holder = json.dumps({"token": uuid.uuid4().hex, "pid": os.getpid(), "host": socket.gethostname(),
                                    "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                    "command": command}).encode()
@@ -115,14 +135,42 @@ class ShareLease:
         store: Any = self.share
         try:
             if not store.lease_renew(self.path, self._holder):
-                self.lost.set()
-                logger.error("the lease of experiment %s was taken over by another driver: this one starts "
-                             "no more runs", self.experiment)
+                self.lost.halt(self._why_lost())
+                logger.error("experiment %s: %s; this driver starts no more runs", self.experiment, self.lost.reason)
                 return None
         except (ShareError, OSError) as error:  # tried again soon; stale only after stale_after_s without a renewal
             logger.warning("could not renew the lease of %s: %s", self.experiment, error)
             return min(self.renew_every_s, RETRY_FAILED_RENEWAL_S)
         return self.renew_every_s
+
+
+    def _why_lost(self) -> str:
+        """Why our lease is no longer ours: another holder in its place (a takeover), or no lease file at all (its
+        folder, or the share, was deleted, renamed or unmounted)."""
+        store: Any = self.share
+        for settle in (0.0, TAKEOVER_SETTLE_S):
+            time.sleep(settle)
+            try:
+                if store.lease_read(self.path) is not None:
+                    return TAKEN_OVER
+            except (ShareError, OSError):
+                break
+        return share_gone_reason(self.share, self.experiment)
+
+
+def share_gone_reason(share: Share, experiment: str) -> str:
+    """What is gone when an experiment's lease file vanished without a new holder: the share, the experiment's folder
+    or the lease file alone (its folder deleted or renamed, then made again by a run writing its record)."""
+    try:
+        share_there, folder_there = share.exists(""), share.exists(experiment)
+    except (ShareError, OSError):
+        share_there = folder_there = False
+    if not share_there:
+        return f"the share {share.url} is gone (deleted, renamed or unmounted)"
+    if not folder_there:
+        return f"the experiment's folder {share.url}/{experiment} is gone from the share (deleted or renamed)"
+    return (f"the experiment's lease {share.url}/{experiment_paths(experiment).lease} is gone: its folder was deleted or "
+            "renamed (and made again by a run writing its record), or the file was deleted")
 
 
 def _parse(data: bytes) -> dict[str, Any]:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import errno
 import importlib
 import os
+import re
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -154,6 +155,27 @@ class FileShare:
             path.unlink(missing_ok=True)
         return len(stale)
 
+    def refused_names(self, paths: Iterable[str]) -> dict[str, str]:
+        """``{path: why}`` for the ``/``-separated paths this folder cannot hold as the same name: a backslash or a
+        control character (a separator, or refused, where the folder is read over SMB or from Windows), or a name
+        or path longer than its file system takes."""
+        existing = next(p for p in (self.root, *self.root.parents) if p.exists())
+        name_max, path_max = _pathconf(existing, "PC_NAME_MAX", 255), _pathconf(existing, "PC_PATH_MAX", 4096)
+        refused = {}
+        for path in paths:
+            if bad := sorted(set(_UNPORTABLE.findall(path))):
+                shown = " ".join(repr(c)[1:-1] if c < " " else c for c in bad)
+                refused[path] = f"it holds {shown}, which a folder share does not take in names (read over SMB or " \
+                                "from Windows it is a separator, or refused)"
+            elif longest := max((p for p in path.split("/") if len(os.fsencode(p)) > name_max), default=None,
+                                key=lambda p: len(os.fsencode(p))):
+                refused[path] = f"a part of it is {len(os.fsencode(longest))} bytes long; the share's file system " \
+                                f"takes at most {name_max}"
+            elif len(os.fsencode(self.root / path)) >= path_max:
+                refused[path] = f"its path on the share would be {len(os.fsencode(self.root / path))} bytes long; " \
+                                f"the share's file system takes less than {path_max}"
+        return refused
+
     # --- optional capabilities (see :class:`RangeStore`, :class:`LeaseStore`) ------------------------
     def write_range(self, path: str, data: bytes, offset: int) -> None:
         target = self._abs(path)
@@ -230,6 +252,16 @@ class FileShare:
                 self._abs(path).unlink()
 
 
+_UNPORTABLE = re.compile(r"[\\\x00-\x1f]")  # a backslash or a control character
+
+
+def _pathconf(path: Path, name: str, default: int) -> int:
+    try:
+        return os.pathconf(path, name)
+    except (OSError, ValueError):
+        return default
+
+
 def poll_interval(share: Share, local: float = 0.5, remote: float = 2.0) -> float:
     """How long to wait between two reads of ``share`` while watching it: ``local`` seconds on a folder of this
     machine (a read is a cheap stat), ``remote`` seconds on a remote share (each read is a request, often billed)."""
@@ -239,8 +271,11 @@ def poll_interval(share: Share, local: float = 0.5, remote: float = 2.0) -> floa
 def file_in_the_way(folder: Path) -> Path | None:
     """The file at ``folder`` or above it that stops ``folder`` from being made (None: no file is in the way)."""
     for candidate in (folder, *folder.parents):
-        if candidate.exists() or candidate.is_symlink():
-            return None if candidate.is_dir() else candidate
+        try:
+            if candidate.exists() or candidate.is_symlink():
+                return None if candidate.is_dir() else candidate
+        except OSError:  # a name too long to look at (ENAMETOOLONG): look at its parent
+            continue
     return None
 
 

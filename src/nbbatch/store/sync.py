@@ -23,6 +23,7 @@ pull's checksum check catches the mix.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -72,7 +73,8 @@ class SyncResult:
     bytes_copied: int = 0
     files: list[FileEntry] = field(default_factory=list)  # push: the source's files; pull: the share's
     unreadable: list[str] = field(default_factory=list)  # pull: share paths left out, not readable (skip_unreadable)
-    warnings: list[str] = field(default_factory=list)  # pull: what was left out, and why (one line each)
+    refused: dict[str, str] = field(default_factory=dict)  # push: names the share cannot hold, left out -> why
+    warnings: list[str] = field(default_factory=list)  # what was left out, and why (one line each)
 
 
 # --- names --------------------------------------------------------------------------------------------
@@ -143,7 +145,7 @@ def tree_listing(folder: Path) -> list[FileEntry]:
     Left out: hidden temporary ``.*.part*`` files (writes in progress) and sync manifests. A symlink to a
     file counts as that file, wherever it points (the content is copied under the link's name, like
     ``cp -L``); a symlink to a folder is not entered (no cycles, no unexpected trees), nor are dangling
-    links, FIFOs and sockets. A name holding a backslash is kept as it is; :func:`push` refuses it.
+    links, FIFOs and sockets. A name holding a backslash is kept as it is; :func:`push` leaves it out, naming it.
     """
     folder = Path(folder)
     entries = []
@@ -283,7 +285,11 @@ def push(source: Path, share: Share, prefix: str = "", *, delete: bool = False,
     and listed. ``progress(name, done_bytes, total_bytes)`` is called once with name ``""`` and 0 done
     before the first upload, then after each uploaded file (bytes of uploads only). ``result.files`` is the
     source's tree as uploaded. Raises :class:`ShareError` for a missing source, a source that is a file, a
-    prefix with ``..``, an unusable file name, or a share that fails.
+    prefix with ``..``, a share that fails, or a source none of whose files the share can hold by name.
+
+    A file whose name the share cannot hold (a backslash, a control character, a name or path too long, a name
+    Azure Files refuses, one that differs from another only in case there) is left out: ``result.refused`` names
+    each with why, and one line of ``result.warnings`` says how many, which, and a name that works.
     """
     source = Path(source).expanduser()
     if not source.exists():
@@ -293,11 +299,8 @@ def push(source: Path, share: Share, prefix: str = "", *, delete: bool = False,
     prefix = _clean_prefix(prefix)
     _check_overlap(source, share, prefix, "push")
     listing = tree_listing(source)
-    for entry in listing:
-        if _bad_name(entry.name):
-            raise ShareError(f"cannot push {source / entry.name}: its name holds a backslash or another character "
-                             "shares take as a separator; rename it")
     refused = _share_refuses(share, prefix, [e.name for e in listing])  # copied none of them; told at the end
+    refused.update({e.name: SEPARATOR_IN_NAME for e in listing if _bad_name(e.name)})
     old = _read_manifest(share, prefix) or {}
     on_share = _OnShare(share, prefix)
     todo = [e for e in listing if e.name not in refused and not (old.get(e.name) == e and e.name in on_share)]
@@ -328,7 +331,13 @@ def push(source: Path, share: Share, prefix: str = "", *, delete: bool = False,
                 raise ShareError(f"cannot read {source / entry.name}: {exc.strerror or exc} "
                                  "(did it change during the push? push again)") from exc
             sent = FileEntry(entry.name, len(data), hashlib.sha256(data).hexdigest())
-            share.write_bytes(_join(prefix, entry.name), data)
+            try:
+                share.write_bytes(_join(prefix, entry.name), data)
+            except ShareError as exc:
+                if (why := _name_refused_by(exc)) is None:
+                    raise
+                refused[entry.name] = why  # a file system that tells only when asked (an SMB or NFS mount)
+                continue
             del data
             manifest[entry.name] = files[entry.name] = sent  # only now that the file is written
             dirty = True
@@ -357,12 +366,28 @@ def push(source: Path, share: Share, prefix: str = "", *, delete: bool = False,
         raise
     result.files = sorted(files.values(), key=lambda e: e.name)
     if refused:
+        result.refused = dict(sorted(refused.items()))
         reasons = "; ".join(f"`{name}`: {why}" + (f" (e.g. `{suggest(name)}`)" if suggest(name) != name else "")
-                            for name, why in sorted(refused.items()))  # a case clash has no name to suggest
-        raise ShareError(f"{len(refused)} file(s) of {source} were not copied to {_where(share, prefix)}, which cannot "
-                         f"hold their names: {reasons}. Rename them; the other {len(listing) - len(refused)} file(s) "
-                         "were copied")
+                            for name, why in result.refused.items())  # a case clash has no name to suggest
+        if len(refused) == len(listing):
+            raise ShareError(f"none of the {len(listing)} file(s) of {source} was pushed: {_where(share, prefix)} "
+                             f"cannot hold their names: {reasons}. Rename them and push again")
+        result.warnings.append(f"{len(refused)} file(s) of {source} left out: {_where(share, prefix)} cannot hold their "
+                               f"names: {reasons}. Rename them and push again; the other "
+                               f"{len(listing) - len(refused)} file(s) were pushed")
     return result
+
+
+SEPARATOR_IN_NAME = "it holds a backslash (or starts like a drive, `C:`), which shares take as a separator"
+_NAME_ERRNOS = (errno.ENAMETOOLONG, errno.EILSEQ, errno.EINVAL)  # what a file system answers for a name it cannot hold
+
+
+def _name_refused_by(exc: ShareError) -> str | None:
+    """Why the share refused a file's name, when ``exc`` (a write's error) is about its name; None otherwise."""
+    cause = exc.__cause__
+    if isinstance(cause, OSError) and cause.errno in _NAME_ERRNOS:
+        return f"the share's file system refused the name ({cause.strerror})"
+    return None
 
 
 def _share_refuses(share: Share, prefix: str, names: list[str]) -> dict[str, str]:

@@ -109,6 +109,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     console.print(Text.assemble("experiment ", (result.experiment, "bold"), ": ",
                                 ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
                                 f" — results in {result.share}/{result.experiment}"))
+    if result.stopped:  # the lease was lost: the last line says why no more runs started
+        console.print(_warning(result.stopped))
+        return 1
     if not result.waited:  # the runs go on; one that already failed (its job refused) fails the command
         return 1 if any(r.status == Status.FAILED for r in result.records) else 0
     return 0 if result.ok else 1

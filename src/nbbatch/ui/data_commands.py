@@ -50,6 +50,8 @@ def cmd_data_push(args: argparse.Namespace) -> int:
             result = push(Path(args.src), share, "", delete=args.delete, progress=progress)
     finally:
         _close(share)
+    for warning in result.warnings:  # files the share cannot hold by name: left out, the rest pushed
+        print(f"nbbatch: warning: {warning}", file=sys.stderr)
     print(f"pushed {_counts(result, args.delete)}, to {share.url}")
     return 0
 

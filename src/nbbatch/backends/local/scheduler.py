@@ -153,14 +153,14 @@ class LocalScheduler:
         return started
 
     def stop_starts(self) -> CancelRequests:
-        """End the pending runs when no more may start (the share failed, another driver took the experiment
-        over, everything is cancelled); the cancel requests standing now."""
+        """End the pending runs when no more may start (the share failed, the lease was lost: another driver took
+        the experiment over or its folder is gone, everything is cancelled); the cancel requests standing now."""
         if self.share_failures and self.pending:
             self.end_pending(Status.CANCELLED, RunError("ShareError", str(self.share_failures[0]),
                                                         reason="not started: " + SHARE_FAILED, kind=ErrorKind.SHARE))
             self.kernels.close()
         if self.pending and self.options.halt is not None and self.options.halt.is_set():
-            self.cancel_pending("not started: another driver took the experiment over (its lease on the share)")
+            self.cancel_pending("not started: " + self.options.halt.reason)
         standing = self.requests.current()
         if self.cancel.is_set() or standing.everything:
             self.cancel.set()
