@@ -196,7 +196,8 @@ def test_compare_cli_table_exports_and_report(made: dict[str, Path], tmp_path: P
     assert "4 runs" in out and "accuracy" in out and "pytorch" in out
     assert len(compare.read_table(tmp_path / "t.csv")) == 4
     html = (tmp_path / "r.html").read_text()
-    assert html.count("data:image/png;base64,") == 2  # no telemetry series in this share
+    # accuracy by framework (the leaders), vs. time, vs. LR; no telemetry series in this share
+    assert html.count("data:image/png;base64,") == 3
     grouped = _parse(results_commands.add_compare_arguments, ["sweep", "--share", str(made["share"]), "--group-by",
                                                      "framework", "--json", str(tmp_path / "g.json")])
     assert results_commands.cli_compare(grouped) == 0

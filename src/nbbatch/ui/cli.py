@@ -38,6 +38,7 @@ from nbbatch.results.status import (
     REFRESH_EVERY_S,
     StatusView,
     plan_table,
+    search_of,
     status_json_rows,
     status_table,
     summary_counts,
@@ -256,10 +257,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     if abandoned:  # a watch would wait forever: say why it stops
         print(f"nbbatch: warning: {len(abandoned)} run(s) of `{name}` are still queued, but no `nbbatch submit` "
               "will start them (it was killed); submit the experiment again to run them", file=sys.stderr)
+    search = search_of(share, name)  # a search's runs: best first, as `compare` shows them
     if args.json:
-        print(json.dumps(status_json_rows(view), indent=2, default=str))
+        print(json.dumps(status_json_rows(view, search), indent=2, default=str))
     elif not args.watch:
-        _console().print(status_table(records, title=table_title(name, records)))
+        _console().print(status_table(records, title=table_title(name, records), search=search))
     if args.json or not args.watch:
         say_footer(view)  # the table's footer (a live table draws its own)
     return 0 if all(r.status in DONE_STATUSES for r in records) and not view.problems or not args.check else 1
