@@ -224,3 +224,17 @@ def test_misspelt_experiment_same_did_you_mean(share: Path) -> None:
     assert "did you mean `grid`" in str(by_compare.value)
     assert str(by_status.value) == str(by_compare.value)
 
+
+
+def test_a_pipeline_reports_each_stage_as_a_report_does(share: Path, tmp_path: Path) -> None:
+    """Each stage of a pipeline's report is the same body: its leaders, its best run's parameters rounded."""
+    from nbbatch.results.compare.pipeline_report import render_pipeline_report
+    from nbbatch.store.layout import experiment_paths
+
+    opened = open_share(share)
+    stages = {"train": {"experiment": "demo", "state": "succeeded", "runs": []},
+              "tune": {"experiment": "search", "state": "succeeded", "runs": []}}
+    opened.write_bytes(experiment_paths("study").pipeline_state,
+                       json.dumps({"pipeline": "study", "state": "succeeded", "stages": stages}).encode())
+    html = render_pipeline_report(opened, "study", tmp_path / "r.html")
+    assert html.count('<table class="leaders">') == 1 and "ALPHA=0.001305" in html

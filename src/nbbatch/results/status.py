@@ -315,7 +315,7 @@ def plan_table(runs: Sequence[Run], title: Any = None, max_rows: int | None = No
     if any(r.gpus for r in runs):
         columns.append(fit_column("GPUs", [str(r.gpus) for r in runs], 40, numeric=True))
     alike = {k: v for k, v in (runs[0].parameters if runs else {}).items() if k not in varying}
-    caption = "every run: " + ", ".join(f"{k}={v}" for k, v in alike.items()) if alike else None
+    caption = "every run: " + parameters_text(alike) if alike else None
     return FittedTable(columns, title=title, caption=caption)
 
 

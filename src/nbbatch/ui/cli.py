@@ -243,9 +243,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0 if detached[1].running is not False else 1
     load = StatusReads(lambda: api.read_status(name, share, all_runs=args.all),
                        None if args.no_refresh else lambda: api.refresh_runs(name, share), REFRESH_EVERY_S)
+    search = search_of(share, name)  # a search's runs: best first, as `compare` shows them
     if args.watch and not args.json:
         view = watch_status(load, name, interval=args.interval, console=_console(), stuck=stuck,
-                            say_footer=say_footer)
+                            say_footer=say_footer, search=search)
     else:
         view = load()
         while args.watch and not all(r.final for r in view.records) and not stuck(view.records):
@@ -257,7 +258,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     if abandoned:  # a watch would wait forever: say why it stops
         print(f"nbbatch: warning: {len(abandoned)} run(s) of `{name}` are still queued, but no `nbbatch submit` "
               "will start them (it was killed); submit the experiment again to run them", file=sys.stderr)
-    search = search_of(share, name)  # a search's runs: best first, as `compare` shows them
     if args.json:
         print(json.dumps(status_json_rows(view, search), indent=2, default=str))
     elif not args.watch:
