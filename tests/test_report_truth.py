@@ -114,6 +114,18 @@ def test_grid_with_many_combinations_shows_a_labelled_median_and_its_spread(tmp_
     assert "median" in ax.get_title()
 
 
+def test_a_parameter_only_some_runs_have_splits_their_series_and_shows_in_the_table(tmp_path: Path) -> None:
+    """A run given FAIL=True (the others have no FAIL) is no point on the others' line: it is its own series."""
+    records = [_record("part", i, {"LR": lr}, {"accuracy": 0.7 + i / 100}) for i, lr in enumerate((0.003, 0.03, 0.3))]
+    records.append(_record("part", 3, {"LR": 0.1, "FAIL": True}, {"accuracy": 0.2}))
+    _write(tmp_path, records)
+    frame = compare.collect(tmp_path, "part")
+    assert compare.swept_parameters(frame) == ["param.LR", "param.FAIL"]  # the one every run has is the x axis
+    assert "param.FAIL" in compare.display_columns(frame)  # as status shows it
+    lines = {line.get_label(): list(line.get_xdata()) for line in _lines(compare.plot_metric_vs_param(frame))}
+    assert lines == {"FAIL=(unset)": [0.003, 0.03, 0.3], "FAIL=True": [0.1]}
+
+
 # -- 2: a search --------------------------------------------------------------------------------------------------
 def test_search_metric_vs_parameter_is_a_scatter_coloured_by_trial(share: Path) -> None:
     frame = compare.collect(share, "search")
@@ -178,6 +190,12 @@ def test_report_captions_do_not_repeat_titles_and_demo_leads_with_accuracy_by_fr
     assert names == ["lightning", "pytorch", "jax-flax", "keras-tf", "gluon", "tensorflow", "keras-jax", "chainer",
                      "mxnet"]
     assert titles[0] == "accuracy by framework"
+
+
+def test_leaders_are_runs_that_succeeded(share: Path) -> None:
+    frame = compare.collect(share, "demo")
+    frame.loc[frame["framework"] == "lightning", "status"] = "failed"  # its 0.98 is where it stopped
+    assert [row["name"] for row in compare.leaders(frame)][:2] == ["pytorch", "jax-flax"]
 
 
 # -- 4: compare and status agree -------------------------------------------------------------------------------------

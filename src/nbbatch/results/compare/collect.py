@@ -355,13 +355,16 @@ def _missing(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
+def varies(values: pd.Series) -> bool:
+    """Whether a column has more than one value among the runs, a run without it counting as one more value (as
+    ``status`` counts a parameter only some runs have): what makes a parameter swept in every table and plot."""
+    return values.map(lambda v: json.dumps(None if _missing(v) else v, sort_keys=True, default=str)).nunique() > 1
+
+
 def in_plan_order(frame: pd.DataFrame, share_url: str | None) -> pd.DataFrame:
     """The runs in the order ``status`` shows them (:func:`nbbatch.results.status.ordered_records`): by experiment,
     framework, then each parameter that varies (by name; numbers by value), then run id. ``attrs["order"]`` says it."""
-    def varies(column: str) -> bool:
-        return frame[column].map(lambda v: json.dumps(v, sort_keys=True, default=str)).nunique() > 1
-
-    swept = sorted(c for c in frame.columns if str(c).startswith(PARAM) and varies(c))
+    swept = sorted(c for c in frame.columns if str(c).startswith(PARAM) and varies(frame[c]))
     keys = [["" if _missing(v) else str(v) for v in frame[c]] for c in ("experiment", "framework")]
     keys += [[order_value(None if _missing(v) else v) for v in frame[c]] for c in swept]
     keys.append([str(v) for v in frame["run_id"]])

@@ -8,7 +8,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from nbbatch.execute.telemetry import read_series
-from nbbatch.results.compare.collect import METRIC, PARAM, _pandas, read_run_files
+from nbbatch.results.compare.collect import METRIC, PARAM, _pandas, read_run_files, varies
 from nbbatch.results.compare.query import _numeric_columns, resolve_column
 from nbbatch.results.compare.steps import default_best_mode, read_histories
 from nbbatch.results.history import metric_series
@@ -48,9 +48,15 @@ def default_time(frame: pd.DataFrame) -> str:
 
 
 def swept_parameters(frame: pd.DataFrame) -> list[str]:
-    """``param.*`` columns with more than one value among the runs, numeric ones first."""
-    swept = [c for c in frame.columns if str(c).startswith(PARAM) and frame[c].astype(str).nunique() > 1]
-    return sorted(swept, key=lambda c: (_numeric(frame, c).notna().sum() != frame[c].notna().sum(), c))
+    """``param.*`` columns with more than one value among the runs (:func:`~nbbatch.results.compare.collect.varies`):
+    those every run has first, numeric ones (not booleans) first, then by name."""
+    def numeric(column: str) -> bool:
+        present = frame[column].dropna()
+        return not present.map(lambda v: isinstance(v, bool)).any() and \
+            _numeric(frame, column).notna().sum() == len(present)
+
+    swept = [c for c in frame.columns if str(c).startswith(PARAM) and varies(frame[c])]
+    return sorted(swept, key=lambda c: (bool(frame[c].isna().any()), not numeric(c), c))
 
 
 def _label(column: str) -> str:
@@ -162,12 +168,15 @@ def plot_metric_vs_param(frame: pd.DataFrame, metric: str | None = None, param: 
         return None
     numeric_x = _numeric(data, param)
     categorical = numeric_x.isna().any()
-    data = data.assign(_x=data[param].astype(str) if categorical else numeric_x)
+    data = data.assign(_x=data[param].map(lambda v: str(v) if _pandas().notna(v) else "(unset)")
+                       if categorical else numeric_x)
     others = [c for c in swept_parameters(data) if c != param]
     several = _group_key(data).nunique() > 1
     series: dict[tuple[Any, ...], list[Hashable]] = {}
     for index, row in data.iterrows():
-        key = ((_group_key(data)[index],) if several else ()) + tuple(row[c] for c in others)
+        # a run without one of the other parameters (set only for some runs) is a series of its own
+        key = ((_group_key(data)[index],) if several else ()) + \
+            tuple(None if not _pandas().notna(row[c]) else row[c] for c in others)
         series.setdefault(key, []).append(index)
     fig = _figure(width=7.6)
     ax = fig.add_subplot()
@@ -181,7 +190,8 @@ def plot_metric_vs_param(frame: pd.DataFrame, metric: str | None = None, param: 
         for key, style in zip(keys, line_styles(len(keys)), strict=True):
             group = data.loc[series[key]]
             label = ", ".join([*([str(key[0])] if several else []),
-                               *(f"{_label(c)}={format_metric(v)}" for c, v in zip(others, key[several:], strict=True))])
+                               *(f"{_label(c)}={'(unset)' if v is None else format_metric(v)}"
+                                 for c, v in zip(others, key[several:], strict=True))])
             _draw_series(ax, group, label or None, style)
         ax.set_title(f"{_label(metric)} vs. {_label(param)}")
     if not categorical:
@@ -230,7 +240,7 @@ def plot_trials(frame: pd.DataFrame, metric: str | None = None, param: str | Non
     data = frame.assign(_y=_numeric(frame, metric), _trial=_numeric(frame, "trial")).dropna(subset=["_y", "_trial"])
     if data.empty:
         return None
-    fig = _figure(width=max(6.4, 3.0 * len(params) + 1.2), height=3.8)
+    fig = _figure(width=max(6.4, 3.4 * len(params) + 1.2), height=4.0)
     axes = fig.subplots(1, len(params), sharey=True, squeeze=False)[0]
     pruned = data["status"].astype(str) == "pruned"
     low, high = float(data["_trial"].min()), float(data["_trial"].max())
@@ -275,13 +285,15 @@ def plot_metric_by_framework(frame: pd.DataFrame, metric: str | None = None) -> 
 
 
 def leaders(frame: pd.DataFrame, metric: str | None = None) -> list[dict[str, Any]]:
-    """Per framework (or notebook) its best run by ``metric`` (default :func:`default_metric`; the lowest for a
-    loss or an error), best first: ``name``, ``metric``, ``value``, ``run_id``, ``time`` (:func:`default_time`)."""
+    """Per framework (or notebook) its best run that succeeded, by ``metric`` (default :func:`default_metric`; the
+    lowest for a loss or an error), best first: ``name``, ``metric``, ``value``, ``run_id``, ``time``
+    (:func:`default_time`), ``runs`` (how many it was the best of)."""
     metric = resolve_column(frame, metric) if metric else default_metric(frame)
     if metric is None:
         return []
     time = default_time(frame)
     data = frame.assign(_y=_numeric(frame, metric), _t=_numeric(frame, time)).dropna(subset=["_y"])
+    data = data[data["status"].astype(str) == "succeeded"]  # a failed run's metric is where it stopped
     lowest = default_best_mode(metric) == "min"
     rows = []
     for name, group in _groups(data):

@@ -94,8 +94,8 @@ def report_context(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, 
     history_builds, not_plotted = _history_builds(frame, share)
     search = frame.attrs.get("search")
     by_param = ("Metric vs. swept parameter", lambda: plot_metric_vs_param(frame, metric, param))
-    search_builds = [("best by trial", lambda: plot_best_by_trial(frame, search)), by_param,
-                     ("parameters", lambda: plot_parallel_coordinates(frame, search)),
+    search_builds = [("best by trial", lambda: plot_best_by_trial(frame, search)),
+                     ("parameters", lambda: plot_parallel_coordinates(frame, search)), by_param,
                      ("curves", lambda: plot_trial_curves(frame, load_histories(frame, share), search))
                      ] if search else [by_param]
     for caption, build in (
@@ -149,10 +149,14 @@ def report_context(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, 
     )
 
 
-def _embedded(fig: Any, caption: str) -> dict[str, str]:
-    """A figure as the template shows it: its title (the alt text) and its PNG, base64."""
+WIDE_FIGURE_IN = 8.0  # a figure wider than this (panels side by side) gets a row of its own, at its own size
+
+
+def _embedded(fig: Any, caption: str) -> dict[str, Any]:
+    """A figure as the template shows it: its title (the alt text), its PNG (base64) and whether it is wide."""
     titles = [ax.get_title(loc) for ax in fig.axes for loc in ("center", "left")]
-    return {"title": next((t for t in titles if t), caption), "png": base64.b64encode(figure_png(fig)).decode("ascii")}
+    return {"title": next((t for t in titles if t), caption), "png": base64.b64encode(figure_png(fig)).decode("ascii"),
+            "wide": fig.get_figwidth() > WIDE_FIGURE_IN}
 
 
 def _leaders(frame: pd.DataFrame, metric: str | None, report_dir: Path) -> list[dict[str, Any]]:

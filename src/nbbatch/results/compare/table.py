@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.text import Text
 
-from nbbatch.results.compare.collect import LEADING_COLUMNS, METRIC, PARAM, _pandas
+from nbbatch.results.compare.collect import LEADING_COLUMNS, METRIC, PARAM, _pandas, varies
 from nbbatch.results.compare.query import resolve_column
 from nbbatch.results.compare.steps import STEP
 from nbbatch.results.fitted import ALWAYS, FittedTable, fit_column
@@ -27,7 +27,7 @@ def display_columns(frame: pd.DataFrame) -> list[str]:
     if "experiment" in frame and frame["experiment"].nunique(dropna=False) > 1:
         shown.append("experiment")
     shown += [c for c in ("run_id", "trial", "framework", "status") if c in frame]
-    shown += [c for c in frame.columns if str(c).startswith(PARAM) and frame[c].astype(str).nunique() > 1]
+    shown += [c for c in frame.columns if str(c).startswith(PARAM) and varies(frame[c])]
     for column in frame.columns:
         # a metric named like a column that names the run (`nbbatch.record(framework="PyTorch")`) only relabels
         # it: left out here, still in the frame for --columns, --where, CSV and JSON
