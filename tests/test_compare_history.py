@@ -44,6 +44,10 @@ HISTORIES: dict[str, list[tuple[int, int, dict[str, float]]]] = {
 }
 
 
+# how the runs are named in the plots: by what tells them apart (framework, then the swept parameters)
+LABELS = {"pytorch-lr0.1": "pytorch, LR=0.1", "keras-lr0.01": "keras, LR=0.01", "jax-lr0.001": "jax, LR=0.001"}
+
+
 def _point(step: int, attempt: int, metrics: dict[str, float]) -> bytes:
     point = {"step": step, "time": f"2026-11-26T09:40:{step:02d}.000+00:00", "attempt": attempt, **metrics}
     return (json.dumps(point) + "\n").encode()
@@ -119,8 +123,8 @@ class _Figures(HTMLParser):
 def _figures(html: str) -> list[str]:
     parser = _Figures()
     parser.feed(html)
-    assert parser.captions == parser.images  # one caption per embedded image
-    return [c.strip() for c in parser.captions]
+    assert not parser.captions  # the title is in each image (its alt text): no caption repeats it
+    return [alt.strip() for alt in parser.images]
 
 
 def _compare(*argv: str) -> int:
@@ -137,7 +141,7 @@ def test_collect_names_the_history_and_telemetry_files(share: Path) -> None:
     assert "metrics_file" in compare.LOCATION_COLUMNS
     assert compare.collect(share, "old")["metrics_file"].isna().all()
     series = compare.load_telemetry(compare.collect(share, EXPERIMENT))
-    assert sorted(series) == sorted(HISTORIES) and all(len(s) == 5 for s in series.values())
+    assert sorted(series) == sorted(LABELS.values()) and all(len(s) == 5 for s in series.values())
 
 
 def test_report_has_a_figure_per_history_metric_and_gpu_utilisation(share: Path, tmp_path: Path) -> None:
@@ -152,16 +156,16 @@ def test_report_has_a_figure_per_history_metric_and_gpu_utilisation(share: Path,
 
 def test_metric_by_step_plot_draws_each_run_with_its_latest_attempt(share: Path) -> None:
     histories = compare.load_histories(compare.collect(share, EXPERIMENT))
-    assert sorted(histories) == sorted(HISTORIES)
+    assert sorted(histories) == sorted(LABELS.values())
     fig = compare.plot_metric_by_step(histories, "accuracy")
     assert fig is not None
     ax = fig.axes[0]
     assert ax.get_title() == "accuracy by step" and ax.get_xlabel() == "step"
     lines = {line.get_label(): line for line in ax.get_lines()}
-    assert sorted(lines) == sorted(HISTORIES)
-    assert list(lines["keras-lr0.01"].get_ydata()) == [0.2, 0.4, 0.6, 0.65, 0.7, 0.8]  # attempt 2 from step 2 on
-    assert list(lines["jax-lr0.001"].get_xdata()) == [0, 2, 4]
-    assert list(lines["pytorch-lr0.1"].get_xdata()) == [0, 1, 2, 3, 4, 5]  # the half-written step 6 is not there
+    assert sorted(lines) == sorted(LABELS.values())
+    assert list(lines[LABELS["keras-lr0.01"]].get_ydata()) == [0.2, 0.4, 0.6, 0.65, 0.7, 0.8]  # attempt 2 from step 2
+    assert list(lines[LABELS["jax-lr0.001"]].get_xdata()) == [0, 2, 4]
+    assert list(lines[LABELS["pytorch-lr0.1"]].get_xdata()) == [0, 1, 2, 3, 4, 5]  # the half-written step 6 is not
     assert compare.plot_metric_by_step(histories, "lr_final") is None
 
 

@@ -76,7 +76,7 @@ def test_report_plots_render_and_links_resolve(browser, share: Path, tmp_path: P
     images = page.eval_on_selector_all(
         "img", "els => els.map(e => ({w: e.naturalWidth, h: e.naturalHeight, src: e.src.slice(0, 22), "
                "complete: e.complete, alt: e.alt}))")
-    assert len(images) == 3, images  # accuracy vs. time, accuracy vs. LR, GPU telemetry
+    assert len(images) == 4, images  # accuracy by framework, accuracy vs. time, accuracy vs. LR, GPU telemetry
     for image in images:
         assert image["complete"] and image["w"] > 0 and image["h"] > 0, image
         assert image["src"] == "data:image/png;base64,"  # embedded: the file can be mailed

@@ -29,7 +29,7 @@ from nbbatch import __version__
 from nbbatch.errors import SpecError
 from nbbatch.redact import redacted_url
 from nbbatch.results.pipeline import best_record
-from nbbatch.results.status import summary_counts
+from nbbatch.results.status import parameters_text, summary_counts
 from nbbatch.spec.notify import (
     ENV_REFERENCE,
     SMTP_URL_VAR,
@@ -98,7 +98,7 @@ def best_line(records: Iterable[RunRecord], metric: str, mode: str = "max") -> s
     if best is None:
         return None
     value = float(best.metrics[metric])
-    shown = ", ".join(f"{k}={v}" for k, v in best.parameters.items())
+    shown = parameters_text(best.parameters)
     return f"best {metric} {value:.6g}: run {best.run_id}" + (f" ({shown})" if shown else "")
 
 

@@ -34,6 +34,7 @@ from nbbatch.backends.base import Backend
 from nbbatch.drivers.base import Driver, Progress
 from nbbatch.errors import NbbatchError
 from nbbatch.plan.runs import Plan, Run
+from nbbatch.results.status import parameters_text
 from nbbatch.search.rebuild import rebuild_journal, recorded_trials
 from nbbatch.search.study import (
     FAILURE,
@@ -274,7 +275,7 @@ class SearchDriver(Driver):
         watched = _Trial(trial.number, run, trial, JsonlTail(self.share, run_paths(self.experiment, run.run_id).metrics))
         study.running[watched.number] = watched
         self._note_run(run.run_id)
-        shown = ", ".join(f"{k}={_short(v)}" for k, v in params.items())
+        shown = parameters_text(params)
         record = read_record_or_none(self.share, self.experiment, run.run_id)
         if record is not None and record.final and record.status != Status.CANCELLED:
             self.say(f"trial {trial.number} of {study.label}: {shown} ran before as {run.run_id} ({record.status})")
@@ -458,10 +459,6 @@ def _not_a_number(metric: str, value: Any) -> str:
     if isinstance(value, float) or isinstance(value, str) and text in ("nan", "inf", "infinity"):
         return f"recorded {metric} = {value}: not a finite number"
     return f"recorded {metric} = {value!r}: not a number"
-
-
-def _short(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _check_search_submit(wait: bool | None, only: list[str] | None, force: bool, rebuild: bool) -> None:

@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from nbbatch.errors import NbbatchError
-from nbbatch.results.status import summary_counts
+from nbbatch.results.status import format_metric, summary_counts
 from nbbatch.spec.pipeline import Select
 from nbbatch.store.layout import experiment_paths, run_paths
 from nbbatch.store.runfiles import load_records
@@ -98,9 +98,9 @@ def stage_rows(share: Share, state: Mapping[str, Any]) -> list[StageRow]:
         best = best_record(records, Select(**select)) if select else None
         shown = ""
         if best is not None:
-            varied = ", ".join(f"{k}={_short(v)}" for k, v in best.parameters.items()
+            varied = ", ".join(f"{k}={format_metric(v)}" for k, v in best.parameters.items()
                                if k in (stage.get("varies") or ()))
-            shown = f"{select['metric']}={_short(best.metrics[select['metric']])} {best.run_id}" + \
+            shown = f"{select['metric']}={format_metric(best.metrics[select['metric']])} {best.run_id}" + \
                 (f" ({varied})" if varied else "")
         rows.append(StageRow(name, stage.get("state", "pending"), done, len(records) or len(wanted), shown,
                              stage.get("reason") or _waits(stage, state), counts))
@@ -112,12 +112,6 @@ def _waits(stage: Mapping[str, Any], state: Mapping[str, Any]) -> str:
         return ""
     waiting = [n for n in stage.get("needs") or () if state["stages"].get(n, {}).get("state") != "succeeded"]
     return f"waits for {', '.join(waiting)}" if waiting else ""
-
-
-def _short(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
 
 
 def stage_table(name: str, state: Mapping[str, Any], rows: list[StageRow]) -> Table:

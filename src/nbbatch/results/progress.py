@@ -11,7 +11,8 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -96,20 +97,21 @@ _SHOWN_FIRST = (Status.RUNNING, Status.FAILED, Status.TIMED_OUT, Status.CANCELLE
                 Status.PRUNED)
 
 
-def _screenful(records: list[RunRecord], experiment: str, console: Console) -> list[object]:
+def _screenful(records: list[RunRecord], experiment: str, console: Console,
+               search: Mapping[str, Any] | None = None) -> list[object]:
     """The live table of ``records``, with at most a screenful of rows: a large sweep (10^4 runs and more) would
     otherwise be laid out whole four times a second. The title counts every run; the runs left out are counted
     under the table (``nbbatch status`` lists them all)."""
     room = max(10, console.size.height - 8)
     title = table_title(experiment, records)
     if len(records) <= room:
-        return [status_table(records, title=title)]
+        return [status_table(records, title=title, search=search)]
     rank = {status: index for index, status in enumerate(_SHOWN_FIRST)}
     order = sorted(range(len(records)), key=lambda i: rank.get(records[i].status, len(rank)))
     shown = sorted(order[:room])
     left = summary_counts([records[i] for i in order[room:]])
     note = ", ".join(f"{n} {s}" for s, n in sorted(left.items()))
-    return [status_table([records[i] for i in shown], title=title),
+    return [status_table([records[i] for i in shown], title=title, search=search),
             Text(f"… and {len(records) - room} more run(s) not shown ({note}); `nbbatch status` lists them all",
                  style="dim")]
 
@@ -181,7 +183,8 @@ def footer_lines(view: StatusView) -> list[Text]:
 def watch_status(load: Callable[[], StatusView], experiment: str, interval: float = 2.0,
                  console: Console | None = None,
                  stuck: Callable[[list[RunRecord]], object] = lambda records: False,
-                 say_footer: Callable[[StatusView], None] = lambda view: None) -> StatusView:
+                 say_footer: Callable[[StatusView], None] = lambda view: None,
+                 search: Mapping[str, Any] | None = None) -> StatusView:
     """Show the runs table until every run is final, or ``stuck`` (e.g. :func:`abandoned_runs`) says that nothing will
     move any more (``nbbatch status --watch``); return the last view.
 
@@ -190,7 +193,7 @@ def watch_status(load: Callable[[], StatusView], experiment: str, interval: floa
     Elsewhere (a pipe, a CI log) it is printed when a run's status, attempt or cell count changed (metrics that
     tick every step would flood a log), and always for the final state; each view then goes to ``say_footer``,
     which says the footer lines it has not said yet. Ctrl-C raises :class:`KeyboardInterrupt` with the table left
-    as it was.
+    as it was. A search's runs (given its ``search:`` block) are best first, as ``status`` and ``compare`` show them.
     """
     console = console or Console()
     view = load()
@@ -199,7 +202,7 @@ def watch_status(load: Callable[[], StatusView], experiment: str, interval: floa
         return all(r.final for r in view.records) or bool(stuck(view.records))
 
     def frame() -> Group:
-        return Group(*_screenful(view.records, experiment, console), *footer_lines(view))
+        return Group(*_screenful(view.records, experiment, console, search), *footer_lines(view))
     if console.is_terminal:
         with _drawn(Live(frame(), console=console, refresh_per_second=1,
                          transient=False)) as live:  # 1/s: elapsed times tick between reads
@@ -213,7 +216,7 @@ def watch_status(load: Callable[[], StatusView], experiment: str, interval: floa
         if _changes(view.records) != printed:
             printed = _changes(view.records)
             title = f"{time.strftime('%H:%M:%S')} {table_title(experiment, view.records)}"  # a log says when
-            console.print(status_table(view.records, title=title))
+            console.print(status_table(view.records, title=title, search=search))
         say_footer(view)
         if ended():
             return view

@@ -13,7 +13,7 @@ import math
 import numbers
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -24,7 +24,7 @@ from rich.text import Text
 from nbbatch.errors import NbbatchError, did_you_mean
 from nbbatch.plan.runs import Run
 from nbbatch.results.fitted import ALWAYS, FitColumn, FittedTable, fit_column
-from nbbatch.store.layout import MANIFEST, experiment_paths, run_paths
+from nbbatch.store.layout import MANIFEST, OUTPUT_NOTEBOOK, RUN_RECORD, experiment_paths, run_paths
 from nbbatch.store.runfiles import RecordProblem, load_records, read_record, run_ids
 from nbbatch.store.runjson import RunRecord, Status
 from nbbatch.store.share import RangeStore, Share, poll_interval
@@ -143,9 +143,24 @@ def status_view(share: Share, experiment: str, all_runs: bool = False) -> Status
                                f"a run record in {share.url} yet (it may still be starting, or it was stopped "
                                f"before they were queued); `nbbatch status {experiment} --all` shows the runs of "
                                "earlier submissions")
-        raise NbbatchError(f"experiment `{experiment}` has no runs in {share.url}; submit it with "
-                           f"`nbbatch submit <experiment.yaml>` or pass --share where its results are")
+        raise NbbatchError(no_runs_message(share, experiment))
     return StatusView(experiment, records, problems)
+
+
+_NOT_EXPERIMENTS = {".ipynb_checkpoints", "__pycache__", ".git"}
+
+
+def no_runs_message(share: Share, experiment: str) -> str:
+    """What ``status`` and ``compare`` say of an experiment without runs: the same line, with the closest name
+    (did you mean) and the experiments the share holds."""
+    known = [n for n in share.list("") if n not in _NOT_EXPERIMENTS and not n.endswith(".ipynb") and share.list(n)]
+    where = f"experiment `{experiment}` has no runs in {share.url}"
+    if share.exists(experiment):
+        where += f" (the folder `{experiment}` holds no {RUN_RECORD}, {OUTPUT_NOTEBOOK} or executed .ipynb)"
+    listing = f"; experiments there: {', '.join(known[:20])}{'…' if len(known) > 20 else ''}" if known else \
+        "; that share holds no experiments yet"
+    return (f"{where}{did_you_mean(experiment, known)}{listing}. Submit it first (`nbbatch submit`) or pass the "
+            "share with --share.")
 
 
 def refresh_records(backend: Callable[[], Backend], experiment: str, share: Share) -> RefreshOutcome:
@@ -172,10 +187,53 @@ def format_metric(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-def status_rows(records: list[RunRecord]) -> list[dict[str, Any]]:
-    """One plain dict per run (what the tables, the widgets and ``--json`` show)."""
+def parameters_text(parameters: Mapping[str, Any]) -> str:
+    """``ALPHA=0.001305, DEPTH=4``: parameters as every view prints a run's (floats to 4 significant digits)."""
+    return ", ".join(f"{name}={format_metric(value)}" for name, value in parameters.items())
+
+
+def order_value(value: Any) -> tuple[int, Any]:
+    """How a parameter's value sorts in every table: numbers by value, before anything else (by its JSON text)."""
+    if _is_number(value) and not (isinstance(value, float) and math.isnan(value)):
+        return (0, float(value))
+    return (1, json.dumps(value, sort_keys=True, default=str))
+
+
+def search_rank(status: Any, value: Any, mode: str) -> tuple[bool, bool, float]:
+    """Where a search's run goes in every table: the runs that succeeded first, best first by the searched metric
+    (``mode`` min or max), then the others (a pruned run at the value it was stopped at) the same way."""
+    number = float(value) if _is_number(value) and not math.isnan(float(value)) else None
+    return (str(status) != Status.SUCCEEDED, number is None,
+            0.0 if number is None else number if mode == "min" else -number)
+
+
+def order_caption(by: Sequence[str] = (), search: Mapping[str, Any] | None = None) -> str | None:
+    """The line under a runs table that says its row order (``rows by framework, C, PENALTY``; of a search
+    ``rows by loss, lowest first``); None when nothing orders the rows."""
+    if search:
+        return f"rows by {search['metric']}, {'lowest' if search.get('mode', 'min') == 'min' else 'highest'} first"
+    return f"rows by {', '.join(by)}" if by else None
+
+
+def ordered_records(records: Sequence[RunRecord], search: Mapping[str, Any] | None = None
+                    ) -> tuple[list[RunRecord], str | None]:
+    """The records in the order every table shows runs (``compare``'s too), and the caption that says it: by
+    framework (when they differ), then by each parameter that varies (by name); a search's by :func:`search_rank`."""
+    if search:
+        mode = search.get("mode", "min")
+        return (sorted(records, key=lambda r: search_rank(r.status, r.metrics.get(search["metric"]), mode)),
+                order_caption(search=search))
+    varying = sorted(varying_parameters(records))
+    several = len({_label(r) for r in records}) > 1
+    ordered = sorted(records, key=lambda r: (_label(r), [order_value(r.parameters.get(k)) for k in varying],
+                                             r.run_id))
+    return ordered, order_caption([*(["framework"] if several else []), *varying])
+
+
+def status_rows(records: list[RunRecord], search: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One plain dict per run (what the tables, the widgets and ``--json`` show), in :func:`ordered_records`'s order."""
     rows = []
-    for r in sorted(records, key=lambda rec: (rec.framework or "", rec.run_id)):
+    for r in ordered_records(records, search)[0]:
         progress = f"{r.cells_done}/{r.cells_total}" if r.cells_total and r.status == Status.RUNNING else ""
         rows.append({
             "run_id": r.run_id, "framework": r.framework or r.notebook, "parameters": r.parameters,
@@ -187,13 +245,13 @@ def status_rows(records: list[RunRecord]) -> list[dict[str, Any]]:
     return rows
 
 
-def status_json_rows(view: StatusView) -> list[dict[str, Any]]:
+def status_json_rows(view: StatusView, search: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """What ``status --json`` prints: :func:`status_rows`, a record read with a problem (it names another run) saying
     it as its row's ``problem``, and a row of status ``unreadable`` for each record that could not be read, naming its
     file (``record``) and why (``problem``)."""
     said = {p.run_id: p for p in view.problems if isinstance(p, RecordProblem)}
     rows = [{**row, "problem": str(said[row["run_id"]])} if row["run_id"] in said else row
-            for row in status_rows(view.records)]
+            for row in status_rows(view.records, search)]
     for problem in said.values():
         if problem.damaged:
             rows.append({"run_id": problem.run_id, "framework": "", "parameters": {}, "status": "unreadable",
@@ -220,7 +278,7 @@ def shown_metrics(records: list[RunRecord], limit: int = 4) -> list[str]:
 
 
 def status_table(records: list[RunRecord], title: Any = None, max_metrics: int = 4,
-                 now: datetime | None = None) -> FittedTable:
+                 now: datetime | None = None, search: Mapping[str, Any] | None = None) -> FittedTable:
     """The runs table: one row per run, one or two lines each, at any terminal width.
 
     Columns: the run id (never cut: people copy it), the framework (only where the run id does not
@@ -229,10 +287,12 @@ def status_table(records: list[RunRecord], title: Any = None, max_metrics: int =
     drawn unless ``now`` is given), GPUs (only when a run had one), one column per shown metric, and
     the error, which gets the width left (two lines at most, then ``…``; the whole error is in
     ``nbbatch logs`` and ``run.json``). When the width runs out, the least useful columns are left
-    out and named under the table (see :mod:`nbbatch.results.fitted`).
+    out and named under the table (see :mod:`nbbatch.results.fitted`). The rows are in :func:`ordered_records`'s
+    order (``compare``'s; a search's, given its ``search:`` block, best first), said under the table.
     """
-    records = list(records)
-    return FittedTable(lambda: _columns(records, max_metrics, now or datetime.now(timezone.utc)), title=title)
+    records, caption = ordered_records(records, search)
+    return FittedTable(lambda: _columns(records, max_metrics, now or datetime.now(timezone.utc)), title=title,
+                       caption=caption)
 
 
 def plan_table(runs: Sequence[Run], title: Any = None, max_rows: int | None = None) -> FittedTable:
@@ -255,7 +315,7 @@ def plan_table(runs: Sequence[Run], title: Any = None, max_rows: int | None = No
     if any(r.gpus for r in runs):
         columns.append(fit_column("GPUs", [str(r.gpus) for r in runs], 40, numeric=True))
     alike = {k: v for k, v in (runs[0].parameters if runs else {}).items() if k not in varying}
-    caption = "every run: " + ", ".join(f"{k}={v}" for k, v in alike.items()) if alike else None
+    caption = "every run: " + parameters_text(alike) if alike else None
     return FittedTable(columns, title=title, caption=caption)
 
 
@@ -291,12 +351,6 @@ def _elapsed(record: RunRecord, now: datetime) -> float | None:
     return max(0.0, (now - started).total_seconds())
 
 
-def _sort_value(value: Any) -> tuple[int, Any]:
-    if _is_number(value) and not (isinstance(value, float) and math.isnan(value)):
-        return (0, float(value))
-    return (1, json.dumps(value, sort_keys=True, default=str))
-
-
 def _label(record: RunRecord) -> str:
     return record.framework or record.notebook
 
@@ -309,8 +363,6 @@ def _slug(text: str) -> str:
 def _columns(records: list[RunRecord], max_metrics: int, now: datetime) -> list[FitColumn]:
     """Every column worth showing for ``records``, in display order, with its widths and priority."""
     varying = varying_parameters(records)
-    records = sorted(records, key=lambda r: (_label(r), [_sort_value(r.parameters.get(k)) for k in varying],
-                                             r.run_id))
     columns: list[FitColumn] = []
 
     def add(header: str, texts: list[str], keep: int, cap: int = 20, **kind: bool) -> FitColumn:

@@ -40,6 +40,7 @@ from nbbatch.results.status import (
     REFRESH_EVERY_S,
     StatusView,
     plan_table,
+    search_of,
     status_json_rows,
     status_table,
     summary_counts,
@@ -202,9 +203,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0 if detached[1].running is not False else 1
     load = StatusReads(lambda: api.read_status(name, share, all_runs=args.all),
                        None if args.no_refresh else lambda: api.refresh_runs(name, share), REFRESH_EVERY_S)
+    search = search_of(share, name)  # a search's runs: best first, as `compare` shows them
     if args.watch and not args.json:
         view = watch_status(load, name, interval=args.interval, console=_console(), stuck=stuck,
-                            say_footer=say_footer)
+                            say_footer=say_footer, search=search)
     else:
         view = load()
         while args.watch and not all(r.final for r in view.records) and not stuck(view.records):
@@ -217,9 +219,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"nbbatch: warning: {len(abandoned)} run(s) of `{name}` are still queued, but no `nbbatch submit` "
               "will start them (it was killed); submit the experiment again to run them", file=sys.stderr)
     if args.json:
-        print(json.dumps(status_json_rows(view), indent=2, default=str))
+        print(json.dumps(status_json_rows(view, search), indent=2, default=str))
     elif not args.watch:
-        _console().print(status_table(records, title=table_title(name, records)))
+        _console().print(status_table(records, title=table_title(name, records), search=search))
     if args.json or not args.watch:
         say_footer(view)  # the table's footer (a live table draws its own)
     current = view.refresh is None or view.refresh.error is None  # the backend answered (or was not asked)

@@ -7,6 +7,7 @@ searched, or a lone executed ``.ipynb``; each becomes one row (the columns: :mod
 from __future__ import annotations
 
 import json
+import math
 import os
 import posixpath
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
@@ -14,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nbbatch.errors import NbbatchError, did_you_mean
+from nbbatch.errors import NbbatchError
 from nbbatch.metrics import metrics_from_notebook
-from nbbatch.results.status import planned_run_ids, search_of
+from nbbatch.results.status import no_runs_message, order_caption, order_value, planned_run_ids, search_of
 from nbbatch.spec.project import find_project
 from nbbatch.store.known import open_experiment_share
 from nbbatch.store.layout import LOG_FILE, METRICS_FILE, OLD_TELEMETRY_FILE, OUTPUT_NOTEBOOK, RUN_RECORD, TELEMETRY_FILE
@@ -332,7 +333,7 @@ def collect(share_or_path: str | os.PathLike[str] | Share,
         name = experiment.strip("/")
         runs = _find(share, name, name, root_name) if name else []
         if not runs:
-            raise NbbatchError(_no_runs_message(share, name))
+            raise NbbatchError(no_runs_message(share, name))
         found.extend(runs)
     superseded = 0
     if not all_runs:
@@ -345,24 +346,36 @@ def collect(share_or_path: str | os.PathLike[str] | Share,
     return frame
 
 
-def _no_runs_message(share: Share, experiment: str) -> str:
-    known = [n for n in share.list("") if n not in _SKIP_FOLDERS and not n.endswith(".ipynb") and share.list(n)]
-    where = f"experiment `{experiment}` has no runs in {share.url}"
-    if share.exists(experiment):
-        where += f" (the folder `{experiment}` holds no {RUN_RECORD}, {OUTPUT_NOTEBOOK} or executed .ipynb)"
-    hint = did_you_mean(experiment, known)
-    listing = f"; experiments there: {', '.join(known[:20])}{'…' if len(known) > 20 else ''}" if known else \
-        "; that share holds no experiments yet"
-    return f"{where}{hint}{listing}. Submit it first (`nbbatch submit`) or pass the share with --share."
-
-
 def _frame(pd: Any, rows: list[dict[str, Any]], share: Share) -> pd.DataFrame:
     columns = _order_columns(c for row in rows for c in row)
-    frame = pd.DataFrame(rows, columns=columns)
-    frame = frame.sort_values(["experiment", "framework", "run_id"], na_position="last", kind="stable")
-    frame = frame.reset_index(drop=True)
-    frame.attrs["share"] = share.url
-    return frame
+    return in_plan_order(pd.DataFrame(rows, columns=columns), share.url)
+
+
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def varies(values: pd.Series) -> bool:
+    """Whether a column has more than one value among the runs, a run without it counting as one more value (as
+    ``status`` counts a parameter only some runs have): what makes a parameter swept in every table and plot."""
+    return values.map(lambda v: json.dumps(None if _missing(v) else v, sort_keys=True, default=str)).nunique() > 1
+
+
+def in_plan_order(frame: pd.DataFrame, share_url: str | None) -> pd.DataFrame:
+    """The runs in the order ``status`` shows them (:func:`nbbatch.results.status.ordered_records`): by experiment,
+    framework, then each parameter that varies (by name; numbers by value), then run id. ``attrs["order"]`` says it."""
+    swept = sorted(c for c in frame.columns if str(c).startswith(PARAM) and varies(frame[c]))
+    keys = [["" if _missing(v) else str(v) for v in frame[c]] for c in ("experiment", "framework")]
+    keys += [[order_value(None if _missing(v) else v) for v in frame[c]] for c in swept]
+    keys.append([str(v) for v in frame["run_id"]])
+    order = sorted(range(len(frame)), key=lambda i: [k[i] for k in keys])
+    ordered = frame.iloc[order].reset_index(drop=True)
+    ordered.attrs["share"] = share_url
+    several = [c for c in ("experiment", "framework") if ordered[c].astype(str).nunique() > 1]
+    caption = order_caption([*several, *(c.removeprefix(PARAM) for c in swept)])
+    if caption:
+        ordered.attrs["order"] = caption
+    return ordered
 
 
 def collect_targets(targets: Sequence[str], share: str | os.PathLike[str] | Share | None = None,

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from nbbatch.artifacts import atomic_path
 from nbbatch.errors import NbbatchError, did_you_mean
 from nbbatch.results.compare.collect import LOCATION_COLUMNS, METRIC, PARAM, TELEMETRY, _pandas
+from nbbatch.results.status import order_caption, search_rank
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -112,11 +113,12 @@ def sort_search(frame: pd.DataFrame, search: Mapping[str, Any]) -> pd.DataFrame:
     column = f"{METRIC}{search['metric']}"
     if column not in frame or "status" not in frame:
         return frame
-    ranked = frame.assign(_unfinished=frame["status"].astype(str) != "succeeded",
-                          _value=_pandas().to_numeric(frame[column], errors="coerce"))
-    ranked = ranked.sort_values(["_unfinished", "_value"], ascending=[True, search.get("mode", "min") == "min"],
-                                na_position="last", kind="stable")
-    return ranked.drop(columns=["_unfinished", "_value"]).reset_index(drop=True)
+    values = _pandas().to_numeric(frame[column], errors="coerce")
+    mode = search.get("mode", "min")
+    ranks = [search_rank(status, value, mode) for status, value in zip(frame["status"], values, strict=True)]
+    ranked = frame.iloc[sorted(range(len(frame)), key=ranks.__getitem__)].reset_index(drop=True)  # stable
+    ranked.attrs["order"] = order_caption(search=search)
+    return ranked
 
 
 def sort_runs(frame: pd.DataFrame, keys: str | Sequence[str]) -> pd.DataFrame:
@@ -133,7 +135,10 @@ def sort_runs(frame: pd.DataFrame, keys: str | Sequence[str]) -> pd.DataFrame:
         descending = name.startswith("-") or order.strip().lower() == "desc"
         columns.append(resolve_column(frame, name.lstrip("-+").strip()))
         ascending.append(not descending)
-    return frame.sort_values(columns, ascending=ascending, na_position="last", kind="stable").reset_index(drop=True)
+    ordered = frame.sort_values(columns, ascending=ascending, na_position="last", kind="stable").reset_index(drop=True)
+    ordered.attrs["order"] = order_caption([f"{c.removeprefix(METRIC).removeprefix(PARAM)}{'' if up else ' (descending)'}"
+                                            for c, up in zip(columns, ascending, strict=True)])
+    return ordered
 
 
 def _numeric_columns(frame: pd.DataFrame, prefixes: tuple[str, ...]) -> list[str]:

@@ -13,9 +13,12 @@ from urllib.parse import quote
 from nbbatch import __version__
 from nbbatch.results.compare.plots import (
     figure_png,
+    group_title,
+    leaders,
     load_histories,
     load_telemetry,
     plot_gpu_telemetry,
+    plot_metric_by_framework,
     plot_metric_by_step,
     plot_metric_vs_param,
     plot_metric_vs_time,
@@ -30,6 +33,7 @@ from nbbatch.results.compare.steps import with_step_columns
 from nbbatch.results.compare.table import _cell_text, column_header, display_columns
 from nbbatch.results.history import history_metrics
 from nbbatch.results.render import render_template
+from nbbatch.results.status import format_duration, format_metric
 from nbbatch.store.runjson import utc_now
 from nbbatch.store.share import FILE_MODE, Share, write_file_atomic
 
@@ -41,11 +45,13 @@ MAX_HISTORY_FIGURES = 16  # one figure per history metric, up to this many; the 
 
 def _history_builds(frame: pd.DataFrame, share: str | os.PathLike[str] | Share | None
                     ) -> tuple[list[tuple[str, Any]], list[str]]:
-    """A ``<metric> by step`` figure builder per history metric, and the metrics left out for the cap."""
+    """A ``<metric> by step`` figure builder per history metric, and the metrics left out for the cap. A search's
+    metric has its own figure (every trial's curve, the pruned ones marked): not this one too."""
     histories = load_histories(frame, share)
+    searched = (frame.attrs.get("search") or {}).get("metric")
     names: list[str] = []
     for points in histories.values():
-        names += [n for n in history_metrics(points) if n not in names]
+        names += [n for n in history_metrics(points) if n not in names and n != searched]
     # a metric with fewer than two points in every run draws no curve: it takes no place in the cap
     drawable = [n for n in names if any(sum(n in p for p in points) >= 2 for points in histories.values())]
     builds = [(f"{n} by step", lambda n=n: plot_metric_by_step(histories, n)) for n in drawable[:MAX_HISTORY_FIGURES]]
@@ -84,24 +90,23 @@ def report_context(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, 
     :func:`render_report`."""
     report_dir = Path(report_path).resolve().parent
     figures = []
+    by_framework = plot_metric_by_framework(frame, metric)
     history_builds, not_plotted = _history_builds(frame, share)
     search = frame.attrs.get("search")
+    by_param = ("Metric vs. swept parameter", lambda: plot_metric_vs_param(frame, metric, param))
     search_builds = [("best by trial", lambda: plot_best_by_trial(frame, search)),
-                     ("parameters", lambda: plot_parallel_coordinates(frame, search)),
+                     ("parameters", lambda: plot_parallel_coordinates(frame, search)), by_param,
                      ("curves", lambda: plot_trial_curves(frame, load_histories(frame, share), search))
-                     ] if search else []
+                     ] if search else [by_param]
     for caption, build in (
         *search_builds,
         ("Accuracy vs. training time", lambda: plot_metric_vs_time(frame, metric, time)),
-        ("Metric vs. swept parameter", lambda: plot_metric_vs_param(frame, metric, param)),
         *history_builds,
         ("GPU utilisation over time", lambda: plot_gpu_telemetry(load_telemetry(frame, share))),
     ):
         fig = build()
         if fig is not None:
-            title_text = fig.axes[0].get_title() or caption
-            figures.append({"title": title_text,
-                            "png": base64.b64encode(figure_png(fig)).decode("ascii")})
+            figures.append(_embedded(fig, caption))
     columns = with_step_columns(frame, display_columns(frame))  # step.<name>: where a history value is from
     rows = []
     for _, row in frame.iterrows():
@@ -118,6 +123,7 @@ def report_context(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, 
          "href": _href(row.get("output"), report_dir), "status": _cell_text(row.get("status"))}
         for _, row in frame.iterrows() if row.get("status") not in ("succeeded", "pruned") and _cell_text(row.get("error"))
     ]
+    best = best_trial(frame, search) if search else None
     counts = frame["status"].value_counts(dropna=False) if len(frame) else {}
     experiments = sorted({str(e) for e in frame.get("experiment", [])})
     return dict(
@@ -130,12 +136,34 @@ def report_context(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, 
         figures=figures,
         not_plotted=not_plotted,
         search=search,
-        best=best_trial(frame, search) if search else None,
+        best=best,
+        best_parameters=[f"{k}={format_metric(v)}" for k, v in best["parameters"].items()] if best else [],
+        leaders=_leaders(frame, metric, report_dir) if by_framework is not None else [],
+        leaders_by=group_title(frame) if by_framework is not None else None,
+        leaders_figure=_embedded(by_framework, "by framework") if by_framework is not None else None,
+        order=frame.attrs.get("order"),
         selection=frame.attrs.get("history"),
         headers=[column_header(c, frame.columns) for c in columns],
         rows=rows,
         failures=failures,
     )
+
+
+WIDE_FIGURE_IN = 8.0  # a figure wider than this (panels side by side) gets a row of its own, at its own size
+
+
+def _embedded(fig: Any, caption: str) -> dict[str, Any]:
+    """A figure as the template shows it: its title (the alt text), its PNG (base64) and whether it is wide."""
+    titles = [ax.get_title(loc) for ax in fig.axes for loc in ("center", "left")]
+    return {"title": next((t for t in titles if t), caption), "png": base64.b64encode(figure_png(fig)).decode("ascii"),
+            "wide": fig.get_figwidth() > WIDE_FIGURE_IN}
+
+
+def _leaders(frame: pd.DataFrame, metric: str | None, report_dir: Path) -> list[dict[str, Any]]:
+    """The best run of each framework, best first, as the report's first table shows them."""
+    hrefs = {row["run_id"]: _href(row.get("output"), report_dir) for _, row in frame.iterrows()}
+    return [{**row, "value": format_metric(row["value"]), "time": format_duration(row["time"]),
+             "href": hrefs.get(row["run_id"])} for row in leaders(frame, metric)]
 
 
 def write_report(frame: pd.DataFrame, path: str | os.PathLike[str], **options: Any) -> Path:

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from nbbatch.results.compare.collect import METRIC, PARAM
-from nbbatch.results.compare.plots import _figure, _numeric, _run_label
+from nbbatch.results.compare.plots import _figure, _numeric, run_labels
 from nbbatch.results.history import metric_series
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -131,8 +131,9 @@ def plot_trial_curves(frame: pd.DataFrame, histories: Mapping[str, Sequence[Mapp
     metric = search["metric"]
     trials = _trials(frame, metric)
     curves = []
-    for _, row in trials.iterrows():
-        steps, values = metric_series(list(histories.get(_run_label(frame, row), [])), metric)
+    labels = run_labels(frame)
+    for index, row in trials.iterrows():
+        steps, values = metric_series(list(histories.get(labels[index], [])), metric)
         at = row.get("pruned_at")
         if steps and at is not None and not math.isnan(at) and int(at) in steps:  # what it ran after the decision
             cut = steps.index(int(at)) + 1

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.text import Text
 
-from nbbatch.results.compare.collect import LEADING_COLUMNS, METRIC, PARAM, _pandas
+from nbbatch.results.compare.collect import LEADING_COLUMNS, METRIC, PARAM, _pandas, varies
 from nbbatch.results.compare.query import resolve_column
 from nbbatch.results.compare.steps import STEP
 from nbbatch.results.fitted import ALWAYS, FittedTable, fit_column
@@ -27,7 +27,7 @@ def display_columns(frame: pd.DataFrame) -> list[str]:
     if "experiment" in frame and frame["experiment"].nunique(dropna=False) > 1:
         shown.append("experiment")
     shown += [c for c in ("run_id", "trial", "framework", "status") if c in frame]
-    shown += [c for c in frame.columns if str(c).startswith(PARAM) and frame[c].astype(str).nunique() > 1]
+    shown += [c for c in frame.columns if str(c).startswith(PARAM) and varies(frame[c])]
     for column in frame.columns:
         # a metric named like a column that names the run (`nbbatch.record(framework="PyTorch")`) only relabels
         # it: left out here, still in the frame for --columns, --where, CSV and JSON
@@ -44,15 +44,20 @@ def display_columns(frame: pd.DataFrame) -> list[str]:
 
 
 def column_header(column: str, columns: Iterable[Any]) -> str:
-    """A column's header: a metric without its ``metric.`` prefix, unless its name is also a column of the runs.
+    """A column's header: a parameter or a metric without its ``param.``/``metric.`` prefix (``C``, ``accuracy``,
+    as ``status`` heads them), unless that name is also another column's (of the runs, or a parameter and a metric
+    of one name).
 
     A notebook may record a metric named like a run column (``nbbatch.record(framework="PyTorch")``);
     asked for with ``--columns``, its header stays ``metric.framework``, so no table has two ``framework`` columns.
     """
-    if column.startswith(METRIC):
-        name = column.removeprefix(METRIC)
-        if name not in {str(c) for c in columns}:
-            return name
+    for prefix in (PARAM, METRIC):
+        if column.startswith(prefix):
+            name = column.removeprefix(prefix)
+            others = [str(c) for c in columns if str(c) != column]
+            if name not in others and not any(c.startswith((PARAM, METRIC)) and c.split(".", 1)[1] == name
+                                               for c in others):
+                return name
     return column
 
 
@@ -102,7 +107,8 @@ def runs_table(frame: pd.DataFrame, columns: Sequence[str] | None = None, title:
         fitted.append(fit_column(column_header(column, frame.columns), texts, keep, cap=24, numeric=numeric,
                                  flexible=column == "error"))
     more = f"{len(frame) - max_rows} more runs not shown" if max_rows is not None and len(frame) > max_rows else None
-    return FittedTable(fitted, title=title, caption=more)
+    caption = "; ".join(line for line in (frame.attrs.get("order"), more) if line)  # the row order, said as status does
+    return FittedTable(fitted, title=title, caption=caption or None)
 
 
 def _keep(column: str, numeric: bool, index: int) -> int:
