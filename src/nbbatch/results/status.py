@@ -13,7 +13,7 @@ import math
 import numbers
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -297,16 +297,20 @@ def status_table(records: list[RunRecord], title: Any = None, max_metrics: int =
                        title=title, caption=caption)
 
 
-def plan_table(runs: Sequence[Run], title: Any = None, max_rows: int | None = None) -> FittedTable:
+def plan_table(runs: Sequence[Run], title: Any = None, max_rows: int | None = None,
+               skipped: Collection[str] = ()) -> FittedTable:
     """The runs ``nbbatch plan`` would start, laid out like :func:`status_table` (the run id never cut).
 
-    Columns: the run id, one per parameter that varies across the runs, the kernel, the notebook and the
-    GPUs (when a run asks for one); the parameters every run gets alike are named once, under the table.
+    Columns: the run id, ``submit`` (``skip`` for the runs in ``skipped``, those a submission leaves alone; only when
+    there are some), one per parameter that varies across the runs, the kernel, the notebook and the GPUs (when a run
+    asks for one); the parameters every run gets alike are named once, under the table.
     """
     runs = list(runs)
     varying = varying_parameters(runs)
     runs = runs[:max_rows]  # the first runs as rows; the columns and the caption are of all of them
     columns = [fit_column("run", [r.run_id for r in runs], ALWAYS)]
+    if skipped:
+        columns.append(fit_column("submit", ["skip" if r.run_id in skipped else "run" for r in runs], ALWAYS))
     for index, name in enumerate(varying):
         values = [r.parameters.get(name) for r in runs]
         columns.append(fit_column(name, [format_metric(v) if name in r.parameters else "" for v, r in

@@ -39,7 +39,6 @@ from nbbatch.results.progress import StatusReads, abandoned_runs, table_title, w
 from nbbatch.results.status import (
     REFRESH_EVERY_S,
     StatusView,
-    plan_table,
     search_of,
     status_json_rows,
     status_table,
@@ -67,6 +66,7 @@ from nbbatch.ui.pipeline_commands import (
     stage_experiment,
     submit_pipeline_command,
 )
+from nbbatch.ui.plan_command import PLAN_ROWS, print_plan
 from nbbatch.ui.results_commands import add_results_parsers
 
 
@@ -119,7 +119,6 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 SHARE_OPTION_HELP = "the share (default: where it was submitted from this project)"
-PLAN_ROWS = 50  # runs `nbbatch plan` lists unless --all: a sweep of 10^5 runs is read as its count and first rows
 
 
 def _experiment_parameters(args: argparse.Namespace, pipeline: bool) -> dict[str, Any]:
@@ -136,23 +135,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if is_pipeline_file(args.experiment):
         return plan_pipeline_command(args, _console())
     the_plan, _backend, share = api.prepare(args.experiment, parameters=parameters)
-    runs = the_plan.runs
-    if args.json:  # json.dumps(runs, indent=2) written one run at a time, not as one string (10^5 runs: 50 MB)
-        for index, run in enumerate(runs):
-            sys.stdout.write(("[\n  " if index == 0 else ",\n  ") + json.dumps(run.to_dict(), indent=2).replace("\n", "\n  "))
-        print("\n]" if runs else "[]")
-        return 0
     console = _console()  # the table fits the width as `status` does; run data is Text, never read as markup
-    shown = len(runs) if args.all else PLAN_ROWS
-    search = the_plan.experiment.search
-    what = f"a search of {len(runs)} notebook(s)" if search else f"{len(runs):,} run(s)"
-    console.print(plan_table(runs, title=f"{the_plan.experiment.name}: {what} → {share.url}", max_rows=shown))
-    if search:  # the rows are the studies' notebooks and fixed parameters; each trial is a run of its own
-        console.print(Text(f"search: {search.describe()}. Each trial is a run of its own, its id made from the "
-                           "parameters it draws; the ids above are the notebooks' without them"))
-    if shown < len(runs):
-        console.print(Text(f"… and {len(runs) - shown:,} more run(s): `nbbatch plan --all` lists every one, "
-                           "`--json` gives them as data"))
+    print_plan(the_plan, share, console, as_json=args.json, all_rows=args.all)
+    if args.json:
+        return 0
+    runs = the_plan.runs
     for name, location in the_plan.experiment.inputs.items():
         console.print(Text(f"input {name} ← {location}"), soft_wrap=True)
     for notebook, framework in dict.fromkeys((r.notebook_rel, r.recognised_as) for r in runs if r.recognised_as):
@@ -408,7 +395,8 @@ def _add_batch_parsers(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("plan", help="show the runs an experiment would start, after validation (a dry run)")
     p.add_argument("experiment", help="experiment or pipeline YAML file")
-    p.add_argument("--json", action="store_true", help="every planned run as JSON (id, notebook, kernel, parameters)")
+    p.add_argument("--json", action="store_true", help="every planned run as JSON (id, notebook, kernel, parameters, and `skip`: "
+                                                            "whether submit will skip it as already succeeded)")
     add_parameter_options(p, "as submit -p would set it")
     p.add_argument("--all", action="store_true", help=f"list every run (default: the first {PLAN_ROWS})")
     p.set_defaults(func=cmd_plan)
