@@ -150,10 +150,15 @@ def status_view(share: Share, experiment: str, all_runs: bool = False) -> Status
 _NOT_EXPERIMENTS = {".ipynb_checkpoints", "__pycache__", ".git"}
 
 
+def experiment_names(share: Share) -> list[str]:
+    """The experiments (and pipelines) a share holds: its top-level folders with something in them (sorted)."""
+    return [n for n in share.list("") if n not in _NOT_EXPERIMENTS and not n.endswith(".ipynb") and share.list(n)]
+
+
 def no_runs_message(share: Share, experiment: str) -> str:
     """What ``status`` and ``compare`` say of an experiment without runs: the same line, with the closest name
     (did you mean) and the experiments the share holds."""
-    known = [n for n in share.list("") if n not in _NOT_EXPERIMENTS and not n.endswith(".ipynb") and share.list(n)]
+    known = experiment_names(share)
     where = f"experiment `{experiment}` has no runs in {share.url}"
     if share.exists(experiment):
         where += f" (the folder `{experiment}` holds no {RUN_RECORD}, {OUTPUT_NOTEBOOK} or executed .ipynb)"

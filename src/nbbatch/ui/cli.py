@@ -68,6 +68,7 @@ from nbbatch.ui.pipeline_commands import (
 )
 from nbbatch.ui.plan_command import PLAN_ROWS, print_plan
 from nbbatch.ui.results_commands import add_results_parsers
+from nbbatch.ui.status_list import status_of_all
 
 
 def _console() -> Console:
@@ -167,6 +168,8 @@ def _interval(text: str) -> float:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.experiment is None:
+        return status_of_all(args, _console())
     name, share = open_experiment_share(args.experiment, args.share)  # once: every read and refresh use it
     detached = None if args.json or args.stage else api.detached_driver(name)
     if detached is not None:  # submitted with --detach: how its driver is, first (it may have started no run yet)
@@ -402,7 +405,8 @@ def _add_batch_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("status", help="table of runs: varying parameters, status, duration, metrics, error")
-    p.add_argument("experiment", help="experiment or pipeline name (or its YAML file)")
+    p.add_argument("experiment", nargs="?", help="experiment or pipeline name (or its YAML file); none: list the "
+                                                  "experiments of the share (here: the project's; elsewhere: yours)")
     p.add_argument("stage", nargs="?", help="of a pipeline: this stage's runs (default: the table of its stages)")
     p.add_argument("--share", help=SHARE_OPTION_HELP)
     p.add_argument("--json", action="store_true", help="every field of every run as JSON (for scripts)")
