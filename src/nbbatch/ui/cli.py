@@ -505,6 +505,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NbbatchError as exc:
         print(f"nbbatch: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:  # `nbbatch status --json | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the flush at exit does not fail again
+        return 128 + getattr(signal, "SIGPIPE", 13)
     except KeyboardInterrupt as exc:
         signum = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
         hung_up = signum == getattr(signal, "SIGHUP", None)
