@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_core.paths import jupyter_data_dir
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -112,14 +111,21 @@ def registered_user_kernel(framework: Framework, project: Project | None = None)
 
 
 def register_user_kernel(framework: Framework, project: Project | None = None) -> Path:
-    """Copy ``framework``'s built kernelspec into the user's Jupyter data dir (as ``ipykernel install --user``),
-    so a plain ``jupyter lab`` lists it; replaces an earlier registration of the same name. Returns its folder."""
+    """Copy ``framework``'s built kernelspec into the user's Jupyter data dir, so a plain ``jupyter lab`` lists it;
+    replaces an earlier registration of the same name. Returns its folder.
+
+    What ``ipykernel install --user`` does through jupyter_client's ``install_kernel_spec(user=True)`` (replace the
+    folder with a copy), done here with jupyter_core alone: jupyter_client takes a second to import, and the
+    command line starts without it."""
     project = project or find_project()
     source = kernel_dir(framework, project)
     if not (source / "kernel.json").exists():
         raise NbbatchError(f"the environment for framework `{framework.name}` is not built, so it has no kernel "
                            f"to register; build it with `nbbatch envs create {framework.name}`")
-    return Path(KernelSpecManager().install_kernel_spec(str(source), framework.kernel_name, user=True))
+    target = user_kernel_dir(framework)
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(source, target)
+    return target
 
 
 def unregister_user_kernel(framework: Framework, project: Project | None = None) -> Path | None:
