@@ -7,8 +7,9 @@ environment is not built, of a tiny notebook in the ``python3`` kernel. It start
 127.0.0.1 with a token and Jupyter config/data/runtime/settings folders inside the temporary
 folder, runs every cell from the browser and checks that the widgets render: the cluster form, the
 progress bar, the log, and a jobs table that lists every run and reaches ``succeeded`` without a
-page reload. A second notebook with the same calls checks the table's cancel buttons. Screenshots
-are kept in ``test-artifacts/``. Playwright only drives the system's Chromium; it never downloads one.
+page reload; no form label is cut and no jobs table is wider than the notebook. A second notebook
+with the same calls checks the table's cancel buttons. Screenshots are kept in ``test-artifacts/``.
+Playwright only drives the system's Chromium; it never downloads one.
 """
 
 from __future__ import annotations
@@ -192,7 +193,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory):
         notebook = REPO / "notebooks" / f"{FRAMEWORK_NOTEBOOK}"
         (root / "notebooks").mkdir()
         shutil.copy(notebook, root / "notebooks" / notebook.name)
-        parameters.update(FRAMEWORKS=[framework], EPOCHS=1)
+        parameters.update(FRAMEWORKS=[framework], EPOCHS=1, MAX_SAMPLES=300)  # the widgets, not the accuracy
     else:
         warnings.warn(f"the {FRAMEWORK} environment is not built: the browser test runs a tiny notebook instead",
                       stacklevel=1)
@@ -257,6 +258,13 @@ def _browser_page(lab: dict[str, Any], notebook: str) -> Iterator[Any]:
             browser.close()
 
 
+# how far each jobs table reaches past its own scrolling box (px), and past the notebook's visible area (cut there)
+TABLE_OVERFLOW = """tables => tables.map(t => {
+    const box = t.parentElement, notebook = t.closest('.jp-Notebook').getBoundingClientRect();
+    return [box.scrollWidth - box.clientWidth, Math.ceil(box.getBoundingClientRect().right - notebook.right)];
+})"""
+
+
 def _run_all(page: Any) -> None:
     # not awaited: the command's promise resolves only when every cell has run
     page.evaluate("() => { void window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
@@ -311,6 +319,20 @@ def test_control_notebook_widgets_render_and_refresh(lab: dict[str, Any]) -> Non
         page.wait_for_function(KERNEL_IDLE, timeout=WAIT_MS)
         assert page.locator(".jp-Notebook .jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']",
                             has_text="Traceback").count() == 0
+        cut = form.locator(".widget-label").evaluate_all(
+            "labels => labels.filter(l => l.scrollWidth > l.clientWidth).map(l => l.textContent)")
+        # the file browser open: at 1280 px a jobs table may scroll inside its box but never reaches past the
+        # notebook's edge (where JupyterLab cuts it); at 1400 px (where a user saw its last column cut) it fits
+        narrow = page.locator(".nbbatch-jobs-table").evaluate_all(TABLE_OVERFLOW)
+        page.set_viewport_size({"width": 1400, "height": 900})
+        page.wait_for_timeout(500)
+        wide = page.locator(".nbbatch-jobs-table").evaluate_all(TABLE_OVERFLOW)
+        page.locator(".nbbatch-jobs-summary").first.evaluate("e => e.scrollIntoView({block: 'center'})")
+        page.screenshot(path=str(ARTIFACTS / "jupyterlab-1400px.png"))
+        assert not cut, f"the form cuts these labels: {cut}"
+        assert narrow and all(past <= 0 for _scrolled, past in narrow), f"a jobs table is cut at 1280 px: {narrow}"
+        assert wide and all(max(o) <= 0 for o in wide), f"a jobs table does not fit at 1400 px: {wide}"
+        page.set_viewport_size({"width": 1280, "height": 900})
         form.screenshot(path=str(ARTIFACTS / "jupyterlab-cluster-form.png"))
         page.evaluate("() => window.jupyterapp.commands.execute('application:toggle-left-area')")
         page.set_viewport_size({"width": 1200, "height": 1000})

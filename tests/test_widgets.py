@@ -36,6 +36,7 @@ from nbbatch.ui.widgets import (
     SummaryRefresher,
     format_duration,
 )
+from nbbatch.ui.widgets import cluster as widget_cluster
 from nbbatch.ui.widgets import display as widget_display
 from nbbatch.ui.widgets import links as widget_links
 from nbbatch.ui.widgets import submission as widget_submission
@@ -383,6 +384,62 @@ def test_local_form_follows_runs_per_gpu_and_concurrency() -> None:
     form.fields["max_parallel"].value = 1
     assert cluster.max_parallel == 1
     assert "runs at once: <b>1</b>" in form.state.value
+
+
+def _label_fits(field) -> bool:
+    """Whether ``field``'s label shows in full: its characters (each narrower than a ``ch``) within its label width."""
+    width = field.style.description_width
+    return width.endswith("ch") and len(field.description) < float(width[:-2])
+
+
+def test_local_form_labels_show_in_full_and_runs_per_gpu_says_auto() -> None:
+    """The labels are not cut ("runs per GPU (0: a…"), and the field shows `auto`, the experiments' default, rather
+    than a number whose meaning a cut label hid."""
+    pytest.importorskip("ipywidgets")
+    form = widgets.ClusterForm(Cluster("local"))
+    assert all(_label_fits(field) for field in form.fields.values()), \
+        {k: (f.description, f.style.description_width) for k, f in form.fields.items()}
+    per_gpu = form.fields["runs_per_gpu"]
+    assert per_gpu.description == "runs per GPU" and per_gpu.value == "auto" and 1 in per_gpu.options
+    form.start()
+    assert form.cluster.runs_per_gpu == "auto"
+    per_gpu.value = 2
+    assert form.cluster.runs_per_gpu == 2
+    assert widgets.ClusterForm(Cluster("local", runs_per_gpu=12)).fields["runs_per_gpu"].value == 12  # kept, added
+    assert widgets.ClusterForm(Cluster("local", runs_per_gpu=0)).fields["runs_per_gpu"].value == "auto"
+
+
+def test_setup_cluster_takes_runs_per_gpu_0_as_auto(project: Path) -> None:
+    assert widgets.setup_cluster("local", runs_per_gpu=0).runs_per_gpu == "auto"
+    assert widgets.setup_cluster("local", runs_per_gpu="auto").runs_per_gpu == "auto"
+
+
+def test_control_notebook_passes_runs_per_gpu_as_the_form_shows_it() -> None:
+    """The control notebook's RUNS_PER_GPU is the experiments' default (auto), a value the form shows as it is."""
+    from nbbatch.spec.resources import Resources
+
+    nb = nbformat.read(Path(__file__).resolve().parents[1] / "notebooks" / "ExploringBatchAI.ipynb", as_version=4)
+    namespace: dict[str, object] = {}
+    exec(next(c.source for c in nb.cells if "parameters" in c.metadata.get("tags", [])), namespace)
+    assert namespace["RUNS_PER_GPU"] == Resources().runs_per_gpu == "auto"
+    assert namespace["RUNS_PER_GPU"] in widget_cluster.RUNS_PER_GPU_CHOICES
+
+
+def test_backend_form_labels_show_in_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every backend's labelled settings, and a plain setting with a long name, fit their form's label width."""
+    pytest.importorskip("ipywidgets")
+    from nbbatch import backends
+
+    monkeypatch.setitem(backends._REGISTRY, "ray", FakeRay)
+    form = widgets.ClusterForm(Cluster("ray", {"num_cpus": 2.0, "object_store_memory_bytes": 10}))
+    assert all(_label_fits(field) for field in form.fields.values())
+    for name in ("slurm", "azureml"):
+        if widget_cluster._backend_class(name) is None:
+            continue
+        fields = widget_cluster.form_settings(name)
+        labels = [setting.label for setting in fields.values()]
+        width = widget_cluster._label_style(labels)["description_width"]
+        assert all(len(label) < float(width[:-2]) for label in labels), (name, labels, width)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Framework environments: one virtual environment and one Jupyter kernel per framework.
 
 ``<envs>/<name>/`` is a venv built from ``frameworks/<name>/`` pins; its kernel ``nbbatch-<name>``
-lives in the project's own Jupyter data dir (never the user's home) and carries the framework's
-variables. A marker file holds the pins fingerprint: an env is ``ready``, ``stale`` or ``missing``.
+lives in the project's own Jupyter data dir (never the user's home unless asked: :func:`register_user_kernel`,
+as ``ipykernel install --user`` does) and carries the framework's variables. A marker file holds the pins
+fingerprint: an env is ``ready``, ``stale`` or ``missing``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from jupyter_core.paths import jupyter_data_dir
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -91,6 +93,49 @@ def _write_kernel(framework: Framework, project: Project, python: Path, gpu: boo
     return folder
 
 
+def user_kernel_dir(framework: Framework) -> Path:
+    """Where :func:`register_user_kernel` puts ``framework``'s kernel: the user's Jupyter data dir
+    (``JUPYTER_DATA_DIR``, else ``~/.local/share/jupyter``), where a plain ``jupyter lab`` finds it."""
+    return Path(jupyter_data_dir()) / "kernels" / framework.kernel_name
+
+
+def registered_user_kernel(framework: Framework, project: Project | None = None) -> Path | None:
+    """The user's kernelspec of ``framework`` when it starts this project's env (another project's is not ours)."""
+    project = project or find_project()
+    folder = user_kernel_dir(framework)
+    try:
+        argv = json.loads((folder / "kernel.json").read_text()).get("argv") or [""]
+    except (OSError, ValueError, AttributeError):
+        return None
+    return folder if Path(argv[0]) == env_python(env_path(framework, project)) else None
+
+
+def register_user_kernel(framework: Framework, project: Project | None = None) -> Path:
+    """Copy ``framework``'s built kernelspec into the user's Jupyter data dir, so a plain ``jupyter lab`` lists it;
+    replaces an earlier registration of the same name. Returns its folder.
+
+    What ``ipykernel install --user`` does through jupyter_client's ``install_kernel_spec(user=True)`` (replace the
+    folder with a copy), done here with jupyter_core alone: jupyter_client takes a second to import, and the
+    command line starts without it."""
+    project = project or find_project()
+    source = kernel_dir(framework, project)
+    if not (source / "kernel.json").exists():
+        raise NbbatchError(f"the environment for framework `{framework.name}` is not built, so it has no kernel "
+                           f"to register; build it with `nbbatch envs create {framework.name}`")
+    target = user_kernel_dir(framework)
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(source, target)
+    return target
+
+
+def unregister_user_kernel(framework: Framework, project: Project | None = None) -> Path | None:
+    """Remove the user's kernelspec of ``framework`` if it starts this project's env; return what was removed."""
+    folder = registered_user_kernel(framework, project)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+    return folder
+
+
 def _package_versions(python: Path) -> dict[str, str]:
     code = (
         "import json, importlib.metadata as m;"
@@ -159,6 +204,8 @@ def build_env(framework: Framework, project: Project | None = None, force: bool 
             step("registering the kernel")
             _link_nbbatch(python, log)
             _write_kernel(framework, project, python, gpu)
+            if registered_user_kernel(framework, project):  # the user's copy follows the rebuilt kernel
+                register_user_kernel(framework, project)
             marker = {
                 "framework": framework.name,
                 "fingerprint": framework.fingerprint(gpu=gpu),
@@ -227,8 +274,9 @@ def env_packages(framework: Framework, project: Project | None = None) -> dict[s
 
 
 def remove_env(framework: Framework, project: Project | None = None) -> None:
-    """Delete a framework's env and its kernel."""
+    """Delete a framework's env and its kernel (also the user's copy of the kernel, when it starts this env)."""
     project = project or find_project()
+    unregister_user_kernel(framework, project)
     shutil.rmtree(env_path(framework, project), ignore_errors=True)
     shutil.rmtree(kernel_dir(framework, project), ignore_errors=True)
     (project.envs_dir / f"{framework.name}.log").unlink(missing_ok=True)

@@ -31,7 +31,7 @@ from nbbatch.backends.placement import placement_reader
 from nbbatch.containers.node import execute_on_node
 from nbbatch.drivers.detach import driver_line, started_line
 from nbbatch.errors import NbbatchError, NotebookStopped, ValidationError
-from nbbatch.execute.envs import build_envs, remove_env
+from nbbatch.execute.envs import build_envs, register_user_kernel, registered_user_kernel, remove_env
 from nbbatch.execute.launch import RUN_ONE, read_launch
 from nbbatch.execute.placement import placement_from_env
 from nbbatch.execute.stopsignals import SignalStop, stopped_by_signals
@@ -311,11 +311,29 @@ def cmd_envs(args: argparse.Namespace) -> int:
         statuses = build_envs(names, force=args.force, parallel=args.parallel, gpu=args.gpu)
         for env in statuses:
             print(f"{env.framework}: {env.state} (kernel {env.kernel})")
+        _user_kernels([env.framework for env in statuses if env.state == "ready"], register=args.user)
         return 0
     for name in names:
-        remove_env(get_framework(name))
-        print(f"removed the environment and kernel of {name}")
+        framework = get_framework(name)
+        registered = registered_user_kernel(framework)
+        remove_env(framework)
+        print(f"removed the environment and kernel of {name}" + (f" (and its copy in {registered})" if registered else ""))
     return 0
+
+
+def _user_kernels(names: list[str], register: bool) -> None:
+    """Register the kernels of ``names`` for the user (``--user``), else say once how a plain ``jupyter lab`` sees them."""
+    frameworks = [get_framework(name) for name in names]
+    if register:
+        for framework in frameworks:
+            print(f"{framework.name}: kernel {framework.kernel_name} registered for your user in "
+                  f"{register_user_kernel(framework)}")
+        return
+    hidden = [f.name for f in frameworks if registered_user_kernel(f) is None]
+    if hidden:
+        print(f"a plain `jupyter lab` does not list these kernels: start it as "
+              f"`JUPYTER_PATH={find_project().jupyter_dir} jupyter lab`, or register them for your user with "
+              f"`nbbatch envs create {' '.join(hidden)} --user`")
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
@@ -473,6 +491,9 @@ def _add_setup_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--all", action="store_true", help="every framework (list: also those not built)")
     p.add_argument("--force", action="store_true", help="rebuild even if ready")
     p.add_argument("--parallel", type=int, metavar="N", help="builds at once (default: CPU count)")
+    p.add_argument("--user", action="store_true",
+                   help="create: also register the kernels in your Jupyter data dir, so a plain `jupyter lab` lists "
+                        "them (as `ipykernel install --user`); `envs remove` unregisters them")
     variant = p.add_mutually_exclusive_group()
     variant.add_argument("--gpu", action="store_true", default=None,
                          help="install the framework's GPU builds (framework.yaml gpu_packages), as its image does")

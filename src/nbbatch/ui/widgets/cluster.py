@@ -128,8 +128,11 @@ class Cluster:
 
 
 def _knob(key: str, value: Any) -> int | str:
-    """A form field's value as the cluster takes it: runs per GPU 0 is ``auto``."""
-    return AUTO if key == "runs_per_gpu" and int(value) == 0 else int(value)
+    """A form field's value as the cluster takes it: runs per GPU ``auto`` (or 0) is ``auto``."""
+    return AUTO if key == "runs_per_gpu" and value in (AUTO, 0, "0") else int(value)
+
+
+RUNS_PER_GPU_CHOICES: tuple[int | str, ...] = (AUTO, 1, 2, 3, 4, 6, 8)  # the form's dropdown (a value given is added)
 
 
 def _shown_setting(key: str, value: Any) -> bool:
@@ -220,6 +223,7 @@ def setup_cluster(backend: str = "local", **settings: Any) -> Cluster:
     if backend not in backend_names():
         backend_class(backend)  # raises: unknown backend (did you mean…)
     runs_per_gpu = settings.pop("runs_per_gpu", None)
+    runs_per_gpu = None if runs_per_gpu is None else _knob("runs_per_gpu", runs_per_gpu)  # 0 is auto, as in the form
     max_parallel = settings.pop("max_parallel", None)
     if capabilities(backend).managed_cluster:
         for key, setting in form_settings(backend).items():
@@ -239,28 +243,41 @@ def setup_cluster(backend: str = "local", **settings: Any) -> Cluster:
     return cluster
 
 
-_STYLE = {"description_width": "140px"}
+def _label_style(labels: list[str]) -> dict[str, str]:
+    """A form's label width: its longest label in full (a cut label hides what the field means); ``ch`` is a digit's
+    width, wider than the average letter of JupyterLab's fonts."""
+    return {"description_width": f"{max([14, *map(len, labels)]) + 2}ch"}
 
 
-def _field(w: Any, label: str, value: Any, setting: Setting | None) -> Any:
+def _field(w: Any, label: str, value: Any, setting: Setting | None, style: dict[str, str]) -> Any:
     """The input for one setting: a dropdown of its choices, a combobox of its suggestions, else one of its type."""
+    return _sized(_input(w, label, value, setting, style), style)
+
+
+def _sized(field: Any, style: dict[str, str]) -> Any:
+    """``field`` as wide as its label plus room for its value (ipywidgets' fixed 300 px would squeeze the input)."""
+    field.layout.width = f"calc({style['description_width']} + 24ch)"
+    return field
+
+
+def _input(w: Any, label: str, value: Any, setting: Setting | None, style: dict[str, str]) -> Any:
     if setting is not None and setting.choices:
         options = list(dict.fromkeys([*setting.choices, value]))
-        return w.Dropdown(value=value, options=options, description=label, style=_STYLE)
+        return w.Dropdown(value=value, options=options, description=label, style=style)
     if setting is not None and setting.suggestions:
         return w.Combobox(value=str(value), options=[str(s) for s in setting.suggestions], description=label,
-                          ensure_option=False, style=_STYLE)
+                          ensure_option=False, style=style)
     if setting is not None and str in setting.kinds and not isinstance(value, bool):  # text takes every form
-        return w.Text(value="" if value is None else str(value), description=label, style=_STYLE)  # (Slurm's 90 or 1:30:00)
+        return w.Text(value="" if value is None else str(value), description=label, style=style)  # (Slurm's 90 or 1:30:00)
     if isinstance(value, bool):
-        return w.Checkbox(value=value, description=label, style=_STYLE)
+        return w.Checkbox(value=value, description=label, style=style)
     if isinstance(value, int) and setting is not None and setting.minimum is not None:
-        return w.BoundedIntText(value=value, min=int(setting.minimum), max=1000, description=label, style=_STYLE)
+        return w.BoundedIntText(value=value, min=int(setting.minimum), max=1000, description=label, style=style)
     if isinstance(value, int):
-        return w.IntText(value=value, description=label, style=_STYLE)
+        return w.IntText(value=value, description=label, style=style)
     if isinstance(value, float):
-        return w.FloatText(value=value, description=label, style=_STYLE)
-    return w.Text(value="" if value is None else str(value), description=label, style=_STYLE)
+        return w.FloatText(value=value, description=label, style=style)
+    return w.Text(value="" if value is None else str(value), description=label, style=style)
 
 
 class ClusterForm:
@@ -280,12 +297,16 @@ class ClusterForm:
         self.fields: dict[str, Any] = {}
         self.knobs: set[str] = set()  # fields that set the cluster's runs_per_gpu and max_parallel
         controls: list[Any] = []
-        if self.capabilities.gpu_slots:
-            per_gpu = cluster.runs_per_gpu if isinstance(cluster.runs_per_gpu, int) else 0
-            self.fields["runs_per_gpu"] = w.BoundedIntText(value=per_gpu, min=0, max=64,
-                                                           description="runs per GPU (0: auto, by memory)", style=_STYLE)
-            self.fields["max_parallel"] = w.BoundedIntText(value=cluster.max_parallel or (os.cpu_count() or 1), min=1,
-                                                           max=1024, description="max parallel runs", style=_STYLE)
+        if self.capabilities.gpu_slots:  # auto: as many runs as fit in a GPU's memory (the experiments' default)
+            per_gpu = AUTO if cluster.runs_per_gpu in (None, 0, AUTO) else int(cluster.runs_per_gpu)
+            style = _label_style(["runs per GPU", "max parallel runs"])
+            choices = list(dict.fromkeys([*RUNS_PER_GPU_CHOICES, per_gpu]))
+            self.fields["runs_per_gpu"] = _sized(w.Dropdown(value=per_gpu, options=choices, description="runs per GPU",
+                                                            style=style), style)
+            self.fields["runs_per_gpu"].tooltip = "auto: runs share a GPU as far as its memory goes; N: N runs on each"
+            parallel = cluster.max_parallel or (os.cpu_count() or 1)
+            self.fields["max_parallel"] = _sized(w.BoundedIntText(value=parallel, min=1, max=1024, style=style,
+                                                                  description="max parallel runs"), style)
             self.knobs = set(self.fields)
             controls = list(self.fields.values())
         else:
@@ -304,9 +325,10 @@ class ClusterForm:
                 keys = list(shown)
                 self.apply_button = w.Button(description="Connect", icon="plug", button_style="primary")
                 self.apply_button.on_click(lambda _b: self._in_thread(self._refresh))
+            labels = {key: labelled[key].label if key in labelled else key for key in keys}
+            style = _label_style(list(labels.values()))
             for key in keys:
-                setting = labelled.get(key)
-                self.fields[key] = _field(w, setting.label if setting else key, cluster.settings[key], setting)
+                self.fields[key] = _field(w, labels[key], cluster.settings[key], labelled.get(key), style)
             controls = [*self.fields.values(), self.apply_button]
         for key, widget in self.fields.items():
             widget.observe(lambda change, key=key: self._changed(key, change["new"]), names="value")

@@ -216,10 +216,12 @@ class JobsSummaryModel:
             record = by_id[row["run_id"]]
             params = row["parameters"]
             names = varying or list(params)[:4]
-            row["parameters_shown"] = ", ".join(f"{k}={format_metric(params[k])}" for k in names if k in params)
+            row["parameters_items"] = [(k, format_metric(params[k])) for k in names if k in params]
+            row["parameters_shown"] = ", ".join(f"{k}={v}" for k, v in row["parameters_items"])
             row["parameters_all"] = ", ".join(f"{k}={format_metric(v)}" for k, v in params.items())
             metrics = row["metrics"]
-            row["metrics_shown"] = ", ".join(f"{k}={format_metric(metrics[k])}" for k in _shown_metrics(metrics))
+            row["metrics_items"] = [(k, format_metric(metrics[k])) for k in _shown_metrics(metrics)]
+            row["metrics_shown"] = ", ".join(f"{k}={v}" for k, v in row["metrics_items"])
             duration = row["duration_s"]
             if record.status == "running" and duration is None:
                 started = display.parse_time(record.started_at)
@@ -235,8 +237,9 @@ class JobsSummaryModel:
         for run_id in missing:
             rows.append({"run_id": run_id, "framework": "", "parameters": {}, "status": "queued", "attempts": 0,
                          "progress": "", "duration_s": None, "gpu_ids": [], "metrics": {}, "error": "",
-                         "parameters_shown": "", "parameters_all": "", "metrics_shown": "", "duration_text": "",
-                         "gpu_text": "", "links": NotebookLinks(None), "gpu_now_text": ""})
+                         "parameters_shown": "", "parameters_items": [], "parameters_all": "", "metrics_shown": "",
+                         "metrics_items": [], "duration_text": "", "gpu_text": "", "links": NotebookLinks(None),
+                         "gpu_now_text": ""})
         metric = self.chosen_metric()
         display.add_curves(rows, metric, lambda run_id: self.series(run_id, metric) if metric else ([], []))
         return rows
