@@ -239,7 +239,8 @@ def status_rows(records: list[RunRecord], search: Mapping[str, Any] | None = Non
             "run_id": r.run_id, "framework": r.framework or r.notebook, "parameters": r.parameters,
             "status": r.status, "attempts": r.attempts, "progress": progress,
             "duration_s": r.duration_s, "gpu_ids": r.gpu_ids, "world_size": r.world_size, "metrics": r.metrics,
-            "error": r.error.summary() if r.error else "",
+            "error": r.error_summary(),
+            "traceback": (r.error.traceback or "") if r.error else "",  # a cell error's, as papermill shows it
             "note": (r.note or "") if not r.final else "",
         })
     return rows
@@ -401,14 +402,14 @@ def _columns(records: list[RunRecord], max_metrics: int, now: datetime) -> list[
         add(name, [format_metric(v) for v in values], 70 if index == 0 else 60 - index,
             numeric=all(v is None or _is_number(v) for v in values))
     # a run's error, or while it is not final the backend's note on it (waiting for nodes, cancel requested)
-    errors = [" ".join(r.error.summary().splitlines()) if r.error else (r.note or "") if not r.final else ""
+    errors = [" ".join(r.error_summary().splitlines()) if r.error else (r.note or "") if not r.final else ""
               for r in records]
     if any(errors):
         noted = any(r.note and not r.error and not r.final for r in records)
         header = ("error / note" if any(r.error for r in records) else "note") if noted else "error"
         error = add(header, errors, 90, flexible=True)
         # where the error does not fit one line, the exception matters more than the cell it came from
-        error.short = [Text(text.removeprefix(f"cell {r.error.cell_index}: ") if r.error else text)
+        error.short = [Text(" ".join(r.error_summary(with_cell=False).splitlines()) if r.error else text)
                        for text, r in zip(errors, records, strict=True)]
     return columns
 

@@ -233,7 +233,7 @@ def _row_from_record(record: RunRecord) -> dict[str, Any]:
         "ended_at": record.ended_at,
         "host": record.host,
         "attempts": record.attempts,
-        "error": record.error.summary() if record.error else None,
+        "error": record.error_summary() or None,
         "source": RUN_RECORD,
         **({"trial": record.trial.get("number")} if record.trial else {}),  # a search's trial number
         **({"pruned_at": record.trial.get("step")} if record.trial and record.trial.get("state") == "pruned" else {}),
