@@ -24,15 +24,14 @@ from nbbatch.ui.cli import main
 
 pytestmark = pytest.mark.timeout(180)
 
-_FAILING = ["# Training\nA markdown cell: cells are counted as the notebook has them", "print('before', A)",
-            "x = 1\nraise ValueError(f'bad value {x}')", "print('never')"]
+_MARKDOWN = ["# Training", "Markdown cells count: cells are numbered as the notebook has them"]
+_FAILING = ["print('before', A)", "x = 1\nraise ValueError(f'bad value {x}')", "print('never')"]
 
 
 def _notebook_with_markdown(path):
     make_notebook(path, [])
     nb = nbformat.read(path, as_version=4)
-    nb.cells.extend([nbformat.v4.new_markdown_cell(_FAILING[0]),
-                     *(nbformat.v4.new_code_cell(source) for source in _FAILING[1:])])
+    nb.cells.extend([*map(nbformat.v4.new_markdown_cell, _MARKDOWN), *map(nbformat.v4.new_code_cell, _FAILING)])
     nbformat.write(nb, path)
 
 
@@ -106,14 +105,14 @@ def test_a_cancel_says_by_whom_when_and_how_far_in_one_line(utc, tmp_path):
 @pytest.mark.kernel
 def test_a_failed_run_shows_its_traceback_and_its_cell_as_the_notebook_numbers_it(project, write_experiment, capsys):
     _notebook_with_markdown(project / "nb.ipynb")
-    exp = write_experiment("experiment: tb\nnotebooks: [nb.ipynb]\nparameters: {A: 2}\n")
+    exp = write_experiment("experiment: tb\nnotebooks: [nb.ipynb]\n")  # no parameters: none injected
     (record,) = submit(exp, progress=False).records
-    expected = 'cell 4 ("x = 1"): ValueError: bad value 1'  # parameters, markdown, print, then the failing cell
+    expected = 'cell 5 ("x = 1"): ValueError: bad value 1'  # parameters, 2 markdown, print, then the failing cell
     assert record.status == "failed" and record.error_summary() == expected
     traceback = record.error.traceback
     assert "\x1b[" not in traceback and "raise ValueError(f'bad value {x}')" in traceback
     assert traceback.rstrip().endswith("ValueError: bad value 1")
-    assert (record.cells_done, record.cells_total) == (4, 5)
+    assert (record.cells_done, record.cells_total) == (5, 6)
 
     log = (project / "results/tb" / record.run_id / "log.txt").read_text()
     assert log.rstrip().endswith(f"{traceback}\n=== failed after {record.duration_s:.2f} s: {expected}")
@@ -123,9 +122,9 @@ def test_a_failed_run_shows_its_traceback_and_its_cell_as_the_notebook_numbers_i
     (row,) = json.loads(capsys.readouterr().out)
     assert row["error"] == expected and row["traceback"] == traceback
     on_disk = json.loads((project / "results/tb" / record.run_id / "run.json").read_text())
-    assert on_disk["error"]["traceback"] == traceback and on_disk["error"]["cell_index"] == 4
+    assert on_disk["error"]["traceback"] == traceback and on_disk["error"]["cell_index"] == 5
 
-    # `nbbatch run` numbers the cell the same way, and shows the traceback as papermill does
+    # `nbbatch run` numbers the cell the same way (its parameters injected), and shows the traceback as papermill does
     assert main(["run", "nb.ipynb", str(project / "out.ipynb"), "-p", "A", "2", "-q"]) == 1
     err = capsys.readouterr().err
     assert "raise ValueError(f'bad value {x}')" in err and "\x1b[" not in err
