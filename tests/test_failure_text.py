@@ -163,7 +163,7 @@ def test_a_cancelled_run_says_who_when_and_how_far_not_that_its_kernel_died(proj
     rows = json.loads(capsys.readouterr().out)
     assert sorted(row["error"] for row in rows) == sorted([ran.error_summary(), queued.error_summary()])
     assert main(["status", "stop", "--no-refresh"]) == 0
-    table = capsys.readouterr().out
-    assert "cancelled by `nbbatch cancel`" in table and "DeadKernelError" not in table
+    table = capsys.readouterr().out  # at 80 columns: how far first, beside the status
+    assert "after 2 of 4 cells, by `nbbatch cancel` at" in table and "DeadKernelError" not in table
     log = (project / "results/stop" / ran.run_id / "log.txt").read_text()
     assert log.rstrip().splitlines()[-1].endswith(ran.error_summary())

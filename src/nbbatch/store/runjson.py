@@ -149,16 +149,16 @@ class RunError:
         """The error in one line: ``cell 3 ("model.fit(X, y)"): ValueError: bad (reason)``, or for a cancel
         ``cancelled by `nbbatch cancel` at 14:02 (after 3 of 9 cells)``. ``cells`` (done, of how many), ``started``
         and ``ended_at`` are the record's (:meth:`RunRecord.error_summary` passes them); ``with_cell=False`` leaves
-        the cell out (a narrow column)."""
+        the cell out, and says a cancel how far first (a narrow column, beside the status)."""
         where = f"rank {self.rank}: " if self.rank is not None else ""
         if self.kind == ErrorKind.CANCELLED:
-            return where + self._cancel_text(cells, started, ended_at, now)
+            return where + self._cancel_text(cells, started, ended_at, now, narrow=not with_cell)
         cell = cell_label(self.cell_index, self.cell_source) if with_cell else ""
         text = f"{where}{cell + ': ' if cell else ''}{self.ename}: {self.evalue}".strip()
         return f"{text} ({self.reason})" if self.reason else text
 
     def _cancel_text(self, cells: tuple[int, int] | None, started: bool, ended_at: str | None,
-                     now: datetime | None) -> str:
+                     now: datetime | None, narrow: bool = False) -> str:
         at = self.stopped_at or ended_at
         if self.stopped_by:
             text = f"cancelled by {self.stopped_by}" + (f" at {local_clock(at, now)}" if at else "")
@@ -170,6 +170,8 @@ class RunError:
             f"after {done} of {cells[1]} cells" if cells is not None and cells[1] else ""
         if not how_far or how_far in text:
             return text
+        if narrow:  # what a cut keeps first: how far, then who and when (the status column says "cancelled")
+            return f"{how_far}, {text.removeprefix('cancelled').lstrip(': ')}"
         return f"{text[:-1]}, {how_far})" if text.endswith(")") else f"{text} ({how_far})"
 
 
