@@ -42,6 +42,7 @@ def _isolated_home(tmp_path_factory, monkeypatch):
         (cache / sub).mkdir(parents=True, exist_ok=True)
         monkeypatch.setenv(var, str(cache / sub))
     monkeypatch.setenv(TEST_SESSION_VAR, str(tmp_path_factory.getbasetemp()))  # see support.processes.kernels_of
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))  # each test's own per-user index
 
 
 @pytest.hookimpl(wrapper=True)

@@ -293,3 +293,14 @@ def test_building_envs_piped_says_a_line_as_each_starts_and_ends_and_one_summary
     lines = [re.sub(r"\d+ s$", "N s", line) for line in err.splitlines()]
     assert out == "" and lines == [
         "good: building its environment", "good: built in N s", "bad: building its environment", "bad: failed after N s"]
+
+
+def test_output_piped_into_a_reader_that_stops_early_is_no_traceback(tiny):
+    (tiny / "exp.yaml").write_text("experiment: e\nnotebooks: [nb.ipynb]\nsweep: {random: {samples: 3000, seed: 1, "
+                                   "params: {LR: {uniform: [0, 1]}}}}\n")  # megabytes of JSON: more than a pipe holds
+    reader = subprocess.Popen([sys.executable, "-m", "nbbatch", "plan", "exp.yaml", "--json"], cwd=tiny,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    reader.stdout.read(10)
+    reader.stdout.close()  # as `| head -c 10` does
+    err = reader.stderr.read().decode()
+    assert reader.wait() in (0, 141) and "Traceback" not in err and "BrokenPipe" not in err, err

@@ -446,6 +446,22 @@ def test_a_retried_trials_steps_take_the_retrys_values_without_a_warning(project
     assert trial.intermediate_values == {1: 3.0, 2: 2.0, 3: 1.0}
 
 
+def _one_trial_search(project, write_experiment, name):
+    """A one-trial random search of the KINDS notebook, planned, and its study opened as its driver opens it:
+    (the experiment file, its plan, its share, the study)."""
+    from nbbatch.api import prepare
+    from nbbatch.search.study import journal_path
+
+    make_notebook(project / "nb.ipynb", [KINDS], parameters="KIND = 'ok'\nLR = 0.0")
+    exp = write_experiment(json.dumps({"experiment": name, "notebooks": ["nb.ipynb"],
+                                       "search": _block(trials=1, sampler="random", seed=1, pruner="none")}))
+    the_plan, _, share = prepare(exp, progress=False)
+    template, search = the_plan.runs[0], the_plan.experiment.search
+    label = template.run_id.rsplit("-", 1)[0]
+    return exp, the_plan, share, open_study(search, journal_path(project, name, label), f"{name}/{label}",
+                                            search_fingerprint(search, template.run_id))
+
+
 def test_a_trial_run_again_on_resume_reports_its_steps_again_without_a_warning_per_step(
         project, write_experiment, monkeypatch):
     """A trial left open (its run failed outside the notebook) runs again when the search is submitted again: Optuna
@@ -453,21 +469,13 @@ def test_a_trial_run_again_on_resume_reports_its_steps_again_without_a_warning_p
     study's, said by no warning."""
     import warnings
 
-    from nbbatch.api import prepare
-    from nbbatch.search.study import journal_path
     from nbbatch.store.jsonl import jsonl_line
     from nbbatch.store.layout import run_paths
     from nbbatch.store.runfiles import new_record, write_record
     from nbbatch.store.runjson import ErrorKind, RunError, Status
 
-    make_notebook(project / "nb.ipynb", [KINDS], parameters="KIND = 'ok'\nLR = 0.0")
-    exp = write_experiment(json.dumps({"experiment": "again", "notebooks": ["nb.ipynb"],
-                                       "search": _block(trials=1, sampler="random", seed=1, pruner="none")}))
-    the_plan, _, share = prepare(exp, progress=False)
-    template, search = the_plan.runs[0], the_plan.experiment.search
-    label = template.run_id.rsplit("-", 1)[0]
-    study = open_study(search, journal_path(project, "again", label), f"again/{label}",
-                       search_fingerprint(search, template.run_id))
+    exp, the_plan, share, study = _one_trial_search(project, write_experiment, "again")
+    template = the_plan.runs[0]
     trial = study.ask()  # the first driver's trial: two steps told, then the share failed its run
     run = the_plan.trial(template, {"LR": trial.suggest_float("LR", 1e-4, 1.0, log=True)})
     trial.set_user_attr("run_id", run.run_id)
@@ -573,17 +581,8 @@ def test_a_trial_asked_by_a_driver_killed_before_it_named_the_run_draws_and_runs
         project, write_experiment, monkeypatch):
     """The driver was killed between asking Optuna for a trial and naming its run (no parameters, no run id in the
     journal): the resumed search drew the template's parameters and told a trial that names no run."""
-    from nbbatch.api import prepare
-    from nbbatch.search.study import journal_path
-
-    make_notebook(project / "nb.ipynb", [KINDS], parameters="KIND = 'ok'\nLR = 0.0")
-    exp = write_experiment(json.dumps({"experiment": "bare", "notebooks": ["nb.ipynb"],
-                                       "search": _block(trials=1, sampler="random", seed=1, pruner="none")}))
-    the_plan, _, _ = prepare(exp, progress=False)
-    template, search = the_plan.runs[0], the_plan.experiment.search
-    label = template.run_id.rsplit("-", 1)[0]
-    open_study(search, journal_path(project, "bare", label), f"bare/{label}",
-               search_fingerprint(search, template.run_id)).ask()
+    exp, *_, study = _one_trial_search(project, write_experiment, "bare")
+    study.ask()
     _attempts_launch(monkeypatch, {1: [0.5]})
     result = submit(exp, progress=False)
     trial, = _study(project, "bare").trials

@@ -335,3 +335,44 @@ def test_a_cancelled_run_is_one_line_saying_who_when_and_how_far():
     text = "\n".join(narrow)
     assert all(n <= 2 for n in run_lines(narrow, ids).values()), text
     assert "after 3 of 9 cells," in text and "before it started, by" in text, text
+
+
+def search_trials() -> list[RunRecord]:
+    """A search of loss over ALPHA and DEPTH: 6 trials that also record accuracy, train_seconds and images_per_second;
+    two pruned by the pruner, one still running."""
+    records = []
+    for number in range(6):
+        digest = hashlib.sha256(f"trial{number}".encode()).hexdigest()[:10]
+        record = RunRecord(run_id=f"sklearn-{digest}", experiment="tune", notebook="sklearn.ipynb",
+                           kernel="nbbatch-sklearn", framework="sklearn",
+                           parameters={**CONSTANT, "ALPHA": 0.001304907355036239 * (number + 1), "DEPTH": 2 + number},
+                           status="succeeded", attempts=1, duration_s=61.5 + number,
+                           metrics={"accuracy": 0.9 - number / 100, "train_seconds": 50.25 + number,
+                                    "images_per_second": 12345.6 / (number + 1), "loss": 0.25 + number / 10},
+                           trial={"study": "tune/sklearn", "number": number, "state": "complete"})
+        if number in (3, 4):
+            record.status = "pruned"
+            record.trial = {"study": "tune/sklearn", "number": number, "state": "pruned", "step": 4, "value": 0.9}
+            record.error = RunError("pruned", "", reason=f"stopped at step 4 by the search's median pruner: loss "
+                                    f"0.{number} is not among the lowest it keeps at this step", kind="pruned")
+        if number == 5:
+            record.status, record.duration_s, record.started_at = "running", None, "2024-05-01T10:00:00+00:00"
+        records.append(record)
+    return records
+
+
+def test_a_search_at_80_columns_shows_its_metric_and_trial_first_and_pruned_is_no_error():
+    records = search_trials()
+    lines = render(status_table(records, title="tune", search={"metric": "loss", "mode": "min"}), 80)
+    text = "\n".join(lines)
+    assert all(len(line) <= 80 for line in lines), text
+    rule = next(i for i, line in enumerate(lines) if line.startswith("───"))
+    header = lines[1:rule]
+    columns = " ".join(header).split()
+    assert columns[:4] == ["run", "status", "trial", "loss"], text  # what the search is about, first
+    assert not re.search(r"hidden at this width:.*\bloss\b", text), text
+    assert "pruned at step 4" in text and "error" not in columns, text
+    assert "median pruner" not in text  # the pruner's reason is no error to show; `status --json` has it as a note
+    rows = {row["run_id"]: row for row in status_rows(records, {"metric": "loss", "mode": "min"})}
+    pruned = rows[records[3].run_id]
+    assert pruned["error"] == "" and "median pruner" in pruned["note"]

@@ -45,12 +45,13 @@ from nbbatch.plan.runs import Run
 from nbbatch.redact import is_secret, without_secrets
 from nbbatch.spec.resources import Resources
 from nbbatch.store.drivers import DetachedDriver, DriverState
-from nbbatch.store.layout import OUTPUT_NOTEBOOK, run_paths
+from nbbatch.store.layout import run_paths
 from nbbatch.store.lease import Halt
 from nbbatch.store.runfiles import (
     CANCEL_REQUEST,
     StopRequest,
     clear_run_cancels,
+    done_before,
     finalize_record,
     load_records,
     new_record,
@@ -336,11 +337,9 @@ class Backend(ABC):
         for run in runs:
             # a corrupt record stops here, naming its path
             record = read_record(share, run.experiment, run.run_id) if run.run_id in folders else None
-            done = record is not None and record.status in DONE_STATUSES and not force
-            if done and record.status == Status.SUCCEEDED and not share.exists(run_paths(run.experiment, run.run_id).notebook):
-                outcome.notes.append(f"run {run.run_id} succeeded before but its {OUTPUT_NOTEBOOK} is gone from "
-                                     f"{share.url}: running it again")
-                done = False
+            done, note = done_before(share, run.experiment, run.run_id, record) if not force else (False, None)
+            if note:
+                outcome.notes.append(note)
             if done:
                 outcome.skipped.append(run.run_id)
             elif record is not None and not record.final and not force and self.in_flight(share, record):

@@ -21,7 +21,6 @@ import shutil
 import signal
 import socket
 import sys
-import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -30,11 +29,10 @@ from nbbatch.containers.registry import names_registry, pull_image
 from nbbatch.containers.runner import end_unfinished, execute_in_container
 from nbbatch.errors import ContainerError
 from nbbatch.execute.context import AttemptContext
+from nbbatch.execute.stopsignals import STOP_SIGNALS, handling_stop_signals
 from nbbatch.plan.runs import Run
 from nbbatch.store.runjson import ContainerInfo, ErrorKind, RunError, RunRecord, Status
 from nbbatch.store.share import Share
-
-STOP_SIGNALS = tuple(name for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
 
 
 class LauncherStopped(BaseException):
@@ -96,20 +94,10 @@ def execute_on_node(run: Run, share: Share, context: AttemptContext, engine_name
 def _stopped_by_signals() -> Iterator[None]:
     """While inside: the first stop signal raises :class:`LauncherStopped` in this (the main) thread, later ones are
     ignored, so stopping the container is not cut short."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
     def handler(signum: int, frame: Any) -> None:
-        for name in STOP_SIGNALS:
-            signal.signal(getattr(signal, name), signal.SIG_IGN)
+        for number in STOP_SIGNALS:
+            signal.signal(number, signal.SIG_IGN)
         raise LauncherStopped(signum)
 
-    previous = {number: signal.signal(number, handler)
-                for number in (getattr(signal, name) for name in STOP_SIGNALS)
-                if signal.getsignal(number) is not signal.SIG_IGN}
-    try:
+    with handling_stop_signals(handler):
         yield
-    finally:
-        for number, old in previous.items():
-            signal.signal(number, old)

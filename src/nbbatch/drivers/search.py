@@ -48,6 +48,7 @@ from nbbatch.search.study import (
     optuna_module,
     report,
     search_fingerprint,
+    study_label,
     suggest,
     trial_of,
 )
@@ -214,7 +215,7 @@ class SearchDriver(Driver):
     # --- a study and its trials --------------------------------------------------------------------------
 
     def _open(self, template: Run) -> _Study:
-        label = template.run_id.rsplit("-", 1)[0]
+        label = study_label(template.run_id)
         path, name = journal_path(self.plan.experiment.base_dir, self.experiment, label), f"{self.experiment}/{label}"
         fingerprint = search_fingerprint(self.search, template.run_id)
         if self.rebuild:

@@ -67,13 +67,17 @@ def stopped_by_signals(event: SignalStop) -> Iterator[None]:
     """While inside: every stop signal stops ``event`` (later ones change nothing, so nothing cuts the save short;
     the cluster's SIGKILL ends it all the same). Outside the main thread, or for a signal ignored when nbbatch
     started (``nohup``), nothing changes."""
+    with handling_stop_signals(lambda signum, frame: event.stop_for_signal(signum)):
+        yield
+
+
+@contextlib.contextmanager
+def handling_stop_signals(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """While inside: ``handler`` is called for SIGTERM, SIGINT and SIGHUP, in the main thread only, and not for a
+    signal ignored when nbbatch started (``nohup``); the handlers before are put back after."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def handler(signum: int, frame: Any) -> None:
-        event.stop_for_signal(signum)
-
     previous = {number: signal.signal(number, handler) for number in STOP_SIGNALS
                 if signal.getsignal(number) is not signal.SIG_IGN}
     try:

@@ -13,7 +13,7 @@ import math
 import numbers
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -150,10 +150,15 @@ def status_view(share: Share, experiment: str, all_runs: bool = False) -> Status
 _NOT_EXPERIMENTS = {".ipynb_checkpoints", "__pycache__", ".git"}
 
 
+def experiment_names(share: Share) -> list[str]:
+    """The experiments (and pipelines) a share holds: its top-level folders with something in them (sorted)."""
+    return [n for n in share.list("") if n not in _NOT_EXPERIMENTS and not n.endswith(".ipynb") and share.list(n)]
+
+
 def no_runs_message(share: Share, experiment: str) -> str:
     """What ``status`` and ``compare`` say of an experiment without runs: the same line, with the closest name
     (did you mean) and the experiments the share holds."""
-    known = [n for n in share.list("") if n not in _NOT_EXPERIMENTS and not n.endswith(".ipynb") and share.list(n)]
+    known = experiment_names(share)
     where = f"experiment `{experiment}` has no runs in {share.url}"
     if share.exists(experiment):
         where += f" (the folder `{experiment}` holds no {RUN_RECORD}, {OUTPUT_NOTEBOOK} or executed .ipynb)"
@@ -239,9 +244,9 @@ def status_rows(records: list[RunRecord], search: Mapping[str, Any] | None = Non
             "run_id": r.run_id, "framework": r.framework or r.notebook, "parameters": r.parameters,
             "status": r.status, "attempts": r.attempts, "progress": progress,
             "duration_s": r.duration_s, "gpu_ids": r.gpu_ids, "world_size": r.world_size, "metrics": r.metrics,
-            "error": r.error_summary(),
+            "error": r.error_summary() if r.error and not _pruned(r) else "",
             "traceback": (r.error.traceback or "") if r.error else "",  # a cell error's, as papermill shows it
-            "note": (r.note or "") if not r.final else "",
+            "note": _pruned_reason(r) if _pruned(r) else (r.note or "") if not r.final else "",
         })
     return rows
 
@@ -287,25 +292,31 @@ def status_table(records: list[RunRecord], title: Any = None, max_metrics: int =
     when a run was retried), duration (elapsed, with ``…``, while running; taken when the table is
     drawn unless ``now`` is given), GPUs (only when a run had one), one column per shown metric, and
     the error, which gets the width left (two lines at most, then ``…``; the whole error is in
-    ``nbbatch logs`` and ``run.json``). When the width runs out, the least useful columns are left
+    ``nbbatch logs`` and ``run.json``). A search's table (``search`` given) starts with the run id, its status, the
+    trial number and the searched metric, shown at any width; a pruned run's status says the step it was stopped at
+    (``pruned at step 4``): being pruned is no error. When the width runs out, the least useful columns are left
     out and named under the table (see :mod:`nbbatch.results.fitted`). The rows are in :func:`ordered_records`'s
     order (``compare``'s; a search's, given its ``search:`` block, best first), said under the table.
     """
     records, caption = ordered_records(records, search)
-    return FittedTable(lambda: _columns(records, max_metrics, now or datetime.now(timezone.utc)), title=title,
-                       caption=caption)
+    return FittedTable(lambda: _columns(records, max_metrics, now or datetime.now(timezone.utc), search),
+                       title=title, caption=caption)
 
 
-def plan_table(runs: Sequence[Run], title: Any = None, max_rows: int | None = None) -> FittedTable:
+def plan_table(runs: Sequence[Run], title: Any = None, max_rows: int | None = None,
+               skipped: Collection[str] = ()) -> FittedTable:
     """The runs ``nbbatch plan`` would start, laid out like :func:`status_table` (the run id never cut).
 
-    Columns: the run id, one per parameter that varies across the runs, the kernel, the notebook and the
-    GPUs (when a run asks for one); the parameters every run gets alike are named once, under the table.
+    Columns: the run id, ``submit`` (``skip`` for the runs in ``skipped``, those a submission leaves alone; only when
+    there are some), one per parameter that varies across the runs, the kernel, the notebook and the GPUs (when a run
+    asks for one); the parameters every run gets alike are named once, under the table.
     """
     runs = list(runs)
     varying = varying_parameters(runs)
     runs = runs[:max_rows]  # the first runs as rows; the columns and the caption are of all of them
     columns = [fit_column("run", [r.run_id for r in runs], ALWAYS)]
+    if skipped:
+        columns.append(fit_column("submit", ["skip" if r.run_id in skipped else "run" for r in runs], ALWAYS))
     for index, name in enumerate(varying):
         values = [r.parameters.get(name) for r in runs]
         columns.append(fit_column(name, [format_metric(v) if name in r.parameters else "" for v, r in
@@ -361,27 +372,55 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "run"
 
 
-def _columns(records: list[RunRecord], max_metrics: int, now: datetime) -> list[FitColumn]:
+def _pruned(record: RunRecord) -> bool:
+    return record.status == Status.PRUNED
+
+
+def _pruned_reason(record: RunRecord) -> str:
+    """Why the search's pruner stopped a run, as its record says (what ``status --json`` gives as its note)."""
+    return (record.error.reason or record.error.evalue or "") if record.error else ""
+
+
+def _status_text(record: RunRecord) -> str:
+    """The status cell: ``running 5/12`` (cells done of all), ``pruned at step 4``, else the status."""
+    if record.cells_total and record.status == Status.RUNNING:
+        return f"{record.status} {record.cells_done}/{record.cells_total}"
+    step = (record.trial or {}).get("step") if _pruned(record) else None
+    return f"{record.status} at step {step}" if step is not None else str(record.status)
+
+
+def _columns(records: list[RunRecord], max_metrics: int, now: datetime,
+             search: Mapping[str, Any] | None = None) -> list[FitColumn]:
     """Every column worth showing for ``records``, in display order, with its widths and priority."""
     varying = varying_parameters(records)
     columns: list[FitColumn] = []
+    searched = search["metric"] if search else None
 
     def add(header: str, texts: list[str], keep: int, cap: int = 20, **kind: bool) -> FitColumn:
         columns.append(fit_column(header, texts, keep, cap, **kind))
         return columns[-1]
 
     add("run", [r.run_id for r in records], ALWAYS)
+    first = len(columns)  # a search's status, trial and metric go here, whatever comes between
     if any(not r.run_id.startswith(_slug(Path(_label(r)).stem) + "-") for r in records):
         add("framework", [_label(r) for r in records], 50, cap=16)
     for index, name in enumerate(varying):
         values = [r.parameters.get(name) for r in records]
         add(name, [format_metric(v) if name in r.parameters else "" for v, r in zip(values, records, strict=True)],
             80 - index, numeric=all(_is_number(v) for v in values))
-    status = add("status", [str(r.status) + (f" {r.cells_done}/{r.cells_total}"
-                                              if r.cells_total and r.status == Status.RUNNING else "")
-                            for r in records], ALWAYS)
+    status = add("status", [_status_text(r) for r in records], ALWAYS)
     for cell, record in zip(status.cells, records, strict=True):
         cell.stylize(STATUS_STYLE.get(record.status, ""))
+    if searched:  # what a search is about comes first and is never left out: its trials and the metric it optimises
+        columns.insert(first, columns.pop())
+        trials = [(r.trial or {}).get("number") for r in records]
+        if any(t is not None for t in trials):
+            columns.insert(first + 1, fit_column("trial", ["" if t is None else str(t) for t in trials], ALWAYS,
+                                                 numeric=True))
+        values = [r.metrics.get(searched) for r in records]
+        columns.insert(first + 1 + any(t is not None for t in trials),
+                       fit_column(searched, [format_metric(v) for v in values], ALWAYS,
+                                  numeric=all(v is None or _is_number(v) for v in values)))
     if any(r.attempts > 1 for r in records):  # only retries make the attempt count worth a column
         add("try", [str(r.attempts) for r in records], 45, numeric=True)
     times = []
@@ -397,20 +436,22 @@ def _columns(records: list[RunRecord], max_metrics: int, now: datetime) -> list[
         add("ranks", [str(r.world_size) for r in records], 44, numeric=True)
     if any(r.gpu_ids for r in records):
         add("GPU", [",".join(map(str, r.gpu_ids)) or "cpu" for r in records], 40, cap=8)
-    for index, name in enumerate(shown_metrics(records, max_metrics)):
+    for index, name in enumerate(n for n in shown_metrics(records, max_metrics + bool(searched)) if n != searched):
         values = [r.metrics.get(name) for r in records]
         add(name, [format_metric(v) for v in values], 70 if index == 0 else 60 - index,
             numeric=all(v is None or _is_number(v) for v in values))
     # a run's error, or while it is not final the backend's note on it (waiting for nodes, cancel requested)
-    errors = [" ".join(r.error_summary().splitlines()) if r.error else (r.note or "") if not r.final else ""
-              for r in records]
+    # (a pruned run's reason is no error: its status cell says the step, `status --json` the reason)
+    failed = [r.error if r.error and not _pruned(r) else None for r in records]
+    errors = [" ".join(r.error_summary().splitlines()) if e else (r.note or "") if not r.final else ""
+              for e, r in zip(failed, records, strict=True)]
     if any(errors):
-        noted = any(r.note and not r.error and not r.final for r in records)
-        header = ("error / note" if any(r.error for r in records) else "note") if noted else "error"
+        noted = any(r.note and not e and not r.final for e, r in zip(failed, records, strict=True))
+        header = ("error / note" if any(failed) else "note") if noted else "error"
         error = add(header, errors, 90, flexible=True)
         # where the error does not fit one line, the exception matters more than the cell it came from
-        error.short = [Text(" ".join(r.error_summary(with_cell=False).splitlines()) if r.error else text)
-                       for text, r in zip(errors, records, strict=True)]
+        error.short = [Text(" ".join(r.error_summary(with_cell=False).splitlines()) if e else text)
+                       for text, e, r in zip(errors, failed, records, strict=True)]
     return columns
 
 

@@ -42,6 +42,12 @@ def optuna_module() -> Any:
     return optuna
 
 
+def study_label(template_run_id: str) -> str:
+    """A study's label in its experiment: its template run's id less the hash (``nb`` of ``nb-1a2b3c4d5e``); the study
+    is ``<experiment>/<label>``, and its trials' records say so."""
+    return template_run_id.rsplit("-", 1)[0]
+
+
 def journal_path(base_dir: Path, experiment: str, label: str) -> Path:
     """Where the study of ``label`` (a framework or notebook) of ``experiment`` keeps its journal."""
     return Path(base_dir) / JOURNAL_FOLDER / experiment / f"{label}.journal"

@@ -1,4 +1,5 @@
-"""The experiments this project has submitted: name → share and backend (``.nbbatch/experiments.json``).
+"""The experiments this project has submitted: name → share and backend (``.nbbatch/experiments.json``), and the
+experiments the user submitted from any project (a per-user index: :func:`user_experiments`).
 
 ``status``, ``logs``, ``cancel``, ``compare``, ``diff`` and the widgets find an experiment's share here by its
 name alone (:func:`open_experiment_share`, the one answer to "where are experiment X's results").
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -31,16 +33,73 @@ except ImportError:  # pragma: no cover - Windows
 
 REGISTRY_FILE = "experiments.json"
 LOCK_WAIT_S = 30.0  # the lock is held for one read and one write: waiting longer means something is stuck
+USER_INDEX_LIMIT = 200  # the user's latest experiments kept in the per-user index: it stays a few kB
+
+_log = logging.getLogger(__name__)
 
 
 def remember(project: Project, name: str, share_url: str, backend: str, settings: dict[str, Any]) -> None:
-    """Record where experiment ``name`` ran (under the registry's lock, written atomically)."""
+    """Record where experiment ``name`` ran (under the registry's lock, written atomically), in the project and in the
+    user's index (:func:`user_experiments`)."""
     path = project.state_dir / REGISTRY_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(path):
         known = _read(path)  # never rewritten when it cannot be read: it holds the other experiments' shares
         known[name] = {"share": share_url, "backend": backend, "backend_settings": settings, "updated": utc_now()}
         write_file_atomic(path, json.dumps(known, indent=2, default=str).encode())  # 0600: the owner's only
+    _index_for_user(project, name, share_url)
+
+
+def user_index_path() -> Path:
+    """The per-user index of the experiments the user submitted, from any project: ``$XDG_STATE_HOME/nbbatch/
+    experiments.json`` (default ``~/.local/state``). What ``nbbatch status`` lists from outside a project."""
+    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "nbbatch" / REGISTRY_FILE
+
+
+def user_experiments() -> list[dict[str, str]]:
+    """The user's experiments, latest submitted first: each ``name``, ``project`` (its folder), ``share`` (its URL)
+    and ``updated``. Empty when there is no index, or it is damaged (the next submission sets it aside)."""
+    try:
+        return _user_entries(user_index_path())
+    except (OSError, ValueError):
+        return []
+
+
+def _user_entries(path: Path) -> list[dict[str, str]]:
+    """The index's well-formed entries (an entry damaged by hand is left out); ValueError when the file is damaged."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return []
+    entries = data.get("experiments") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        raise ValueError("not a JSON object with a list of experiments")
+    keys = ("name", "project", "share", "updated")
+    return [{k: e[k] for k in keys} for e in entries
+            if isinstance(e, dict) and all(isinstance(e.get(k), str) for k in keys)]
+
+
+def _index_for_user(project: Project, name: str, share_url: str) -> None:
+    """Put experiment ``name`` first in the user's index (under its lock, written atomically, at most
+    :data:`USER_INDEX_LIMIT` entries). It is a convenience: a failure is logged, never raised; a damaged index is
+    kept beside as ``experiments.json.damaged`` and started anew."""
+    path = user_index_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _locked(path):
+            try:
+                entries = _user_entries(path)
+            except (OSError, ValueError) as exc:
+                _log.warning("the index of your experiments %s cannot be read (%s): kept as %s.damaged, started anew",
+                             path, exc, path.name)
+                path.replace(path.with_name(path.name + ".damaged"))
+                entries = []
+            root = str(project.root)
+            entries = [{"name": name, "project": root, "share": share_url, "updated": utc_now()},
+                       *(e for e in entries if (e["name"], e["project"]) != (name, root))]
+            write_file_atomic(path, json.dumps({"experiments": entries[:USER_INDEX_LIMIT]}, indent=1).encode())
+    except (OSError, NbbatchError) as exc:  # a read-only home, a lock held: the submission goes on without it
+        _log.warning("could not add `%s` to the index of your experiments %s: %s", name, path, exc)
 
 
 def lookup(project: Project, name: str) -> dict[str, Any]:
@@ -49,6 +108,16 @@ def lookup(project: Project, name: str) -> dict[str, Any]:
     if not isinstance(entry, dict):
         raise _damaged(project.state_dir / REGISTRY_FILE, f"the entry of `{name}` is not a mapping")
     return entry
+
+
+def project_experiments(project: Project) -> dict[str, str]:
+    """Each experiment the project submitted → its share's URL (empty when the registry is missing or damaged)."""
+    try:
+        known = _read(project.state_dir / REGISTRY_FILE)
+    except NbbatchError:
+        return {}
+    return {name: entry["share"] for name, entry in known.items()
+            if isinstance(entry, dict) and isinstance(entry.get("share"), str)}
 
 
 def _read(path: Path) -> dict[str, Any]:

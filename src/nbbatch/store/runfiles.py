@@ -15,8 +15,8 @@ from datetime import datetime
 from typing import Any, Protocol
 
 from nbbatch.errors import ShareError
-from nbbatch.store.layout import experiment_paths, run_paths
-from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status, utc_now
+from nbbatch.store.layout import OUTPUT_NOTEBOOK, experiment_paths, run_paths
+from nbbatch.store.runjson import DONE_STATUSES, ErrorKind, RunError, RunRecord, Status, utc_now
 from nbbatch.store.share import Share
 
 
@@ -121,6 +121,26 @@ def new_record(run: PlannedRun, backend: str = "local") -> RunRecord:
 def run_ids(share: Share, experiment: str) -> list[str]:
     """The names of the run folders of an experiment (sorted)."""
     return share.list(experiment_paths(experiment).folder)
+
+
+def done_before(share: Share, experiment: str, run_id: str, record: RunRecord | None) -> tuple[bool, str | None]:
+    """Whether a submission (not forced) leaves run ``run_id`` alone, by its ``record`` (None: it has none): the
+    rule ``submit`` skips runs by, and ``plan`` tells them by. A run that succeeded, with its ``output.ipynb`` still on
+    the share, or was pruned is done; the second value says why a run that succeeded runs again (its notebook is
+    gone)."""
+    if record is None or record.status not in DONE_STATUSES:
+        return False, None
+    if record.status == Status.SUCCEEDED and not share.exists(run_paths(experiment, run_id).notebook):
+        return False, (f"run {run_id} succeeded before but its {OUTPUT_NOTEBOOK} is gone from {share.url}: "
+                       "running it again")
+    return True, None
+
+
+def runs_done_before(share: Share, experiment: str, ids: Iterable[str]) -> list[str]:
+    """Of the runs ``ids``, those a submission (not forced) skips (:func:`done_before`). Only reads: a share or an
+    experiment folder that does not exist yet has none; a damaged record raises, naming its path, as submit would."""
+    folders = set(run_ids(share, experiment))  # one listing, not a read per run
+    return [i for i in ids if i in folders and done_before(share, experiment, i, read_record(share, experiment, i))[0]]
 
 
 def load_records(share: Share, experiment: str, strict: bool = False,

@@ -39,7 +39,6 @@ from nbbatch.results.progress import StatusReads, abandoned_runs, table_title, w
 from nbbatch.results.status import (
     REFRESH_EVERY_S,
     StatusView,
-    plan_table,
     search_of,
     status_json_rows,
     status_table,
@@ -67,7 +66,9 @@ from nbbatch.ui.pipeline_commands import (
     stage_experiment,
     submit_pipeline_command,
 )
+from nbbatch.ui.plan_command import PLAN_ROWS, print_plan
 from nbbatch.ui.results_commands import add_results_parsers
+from nbbatch.ui.status_list import status_of_all
 
 
 def _console() -> Console:
@@ -119,7 +120,6 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 SHARE_OPTION_HELP = "the share (default: where it was submitted from this project)"
-PLAN_ROWS = 50  # runs `nbbatch plan` lists unless --all: a sweep of 10^5 runs is read as its count and first rows
 
 
 def _experiment_parameters(args: argparse.Namespace, pipeline: bool) -> dict[str, Any]:
@@ -136,23 +136,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if is_pipeline_file(args.experiment):
         return plan_pipeline_command(args, _console())
     the_plan, _backend, share = api.prepare(args.experiment, parameters=parameters)
-    runs = the_plan.runs
-    if args.json:  # json.dumps(runs, indent=2) written one run at a time, not as one string (10^5 runs: 50 MB)
-        for index, run in enumerate(runs):
-            sys.stdout.write(("[\n  " if index == 0 else ",\n  ") + json.dumps(run.to_dict(), indent=2).replace("\n", "\n  "))
-        print("\n]" if runs else "[]")
-        return 0
     console = _console()  # the table fits the width as `status` does; run data is Text, never read as markup
-    shown = len(runs) if args.all else PLAN_ROWS
-    search = the_plan.experiment.search
-    what = f"a search of {len(runs)} notebook(s)" if search else f"{len(runs):,} run(s)"
-    console.print(plan_table(runs, title=f"{the_plan.experiment.name}: {what} → {share.url}", max_rows=shown))
-    if search:  # the rows are the studies' notebooks and fixed parameters; each trial is a run of its own
-        console.print(Text(f"search: {search.describe()}. Each trial is a run of its own, its id made from the "
-                           "parameters it draws; the ids above are the notebooks' without them"))
-    if shown < len(runs):
-        console.print(Text(f"… and {len(runs) - shown:,} more run(s): `nbbatch plan --all` lists every one, "
-                           "`--json` gives them as data"))
+    print_plan(the_plan, share, console, as_json=args.json, all_rows=args.all)
+    if args.json:
+        return 0
+    runs = the_plan.runs
     for name, location in the_plan.experiment.inputs.items():
         console.print(Text(f"input {name} ← {location}"), soft_wrap=True)
     for notebook, framework in dict.fromkeys((r.notebook_rel, r.recognised_as) for r in runs if r.recognised_as):
@@ -180,6 +168,8 @@ def _interval(text: str) -> float:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.experiment is None:
+        return status_of_all(args, _console())
     name, share = open_experiment_share(args.experiment, args.share)  # once: every read and refresh use it
     detached = None if args.json or args.stage else api.detached_driver(name)
     if detached is not None:  # submitted with --detach: how its driver is, first (it may have started no run yet)
@@ -410,13 +400,15 @@ def _add_batch_parsers(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("plan", help="show the runs an experiment would start, after validation (a dry run)")
     p.add_argument("experiment", help="experiment or pipeline YAML file")
-    p.add_argument("--json", action="store_true", help="every planned run as JSON (id, notebook, kernel, parameters)")
+    p.add_argument("--json", action="store_true", help="every planned run as JSON (id, notebook, kernel, parameters, and `skip`: "
+                                                            "whether submit will skip it as already succeeded)")
     add_parameter_options(p, "as submit -p would set it")
     p.add_argument("--all", action="store_true", help=f"list every run (default: the first {PLAN_ROWS})")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("status", help="table of runs: varying parameters, status, duration, metrics, error")
-    p.add_argument("experiment", help="experiment or pipeline name (or its YAML file)")
+    p.add_argument("experiment", nargs="?", help="experiment or pipeline name (or its YAML file); none: list the "
+                                                  "experiments of the share (here: the project's; elsewhere: yours)")
     p.add_argument("stage", nargs="?", help="of a pipeline: this stage's runs (default: the table of its stages)")
     p.add_argument("--share", help=SHARE_OPTION_HELP)
     p.add_argument("--json", action="store_true", help="every field of every run as JSON (for scripts)")
@@ -515,6 +507,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NbbatchError as exc:
         print(f"nbbatch: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:  # `nbbatch status --json | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the flush at exit does not fail again
+        return 128 + getattr(signal, "SIGPIPE", 13)
     except KeyboardInterrupt as exc:
         signum = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
         hung_up = signum == getattr(signal, "SIGHUP", None)

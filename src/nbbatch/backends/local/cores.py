@@ -59,10 +59,11 @@ class CorePool:
             self._free = sorted(self._free + self._taken.pop(key, []))
 
 
-def thread_environment(cores: Sequence[int], user_env: Mapping[str, str]) -> dict[str, str]:
-    """The variables a CPU run's kernel on ``cores`` starts with (one thread per pool where it is not pinned);
-    those the user set, in ``user_env`` (the run's ``env:``) or the driver's own environment, are not given."""
-    wanted = {name: str(len(cores) or 1) for name in THREAD_VARIABLES}
-    if cores:
+def thread_environment(size: int, cores: Sequence[int], user_env: Mapping[str, str]) -> dict[str, str]:
+    """The variables a CPU run's kernel of ``size`` cores starts with: as many threads (one where it is not pinned),
+    pinned to ``cores`` when they are that many (a kernel started ahead while they are taken is pinned when its run
+    starts). Those the user set, in ``user_env`` (the run's ``env:``) or the driver's own environment, are not given."""
+    wanted = {name: str(size or 1) for name in THREAD_VARIABLES}
+    if size and len(cores) == size:
         wanted[CPUS_VARIABLE] = format_cpu_list(cores)
     return {name: value for name, value in wanted.items() if name not in user_env and name not in os.environ}

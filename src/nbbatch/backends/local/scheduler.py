@@ -314,9 +314,10 @@ class LocalScheduler:
         if not lease.gpu_ids:
             if not self.pinned(run):
                 return False, {}, None
-            cores = self.backend.cores.of(run.run_id)  # None: a kernel started ahead, on the cores it will likely get
-            return False, thread_environment(self.backend.cores.preview(self.core_count(run)) if cores is None
-                                             else cores, run.env), None
+            size, cores = self.core_count(run), self.backend.cores.of(run.run_id)
+            if cores is None:  # a kernel started ahead, on the cores it will likely get (pinned again if not)
+                cores = self.backend.cores.preview(size)
+            return False, thread_environment(size, cores, run.env), None
         shared = self.pool.shared(lease)
         info = GpuSharing(runs_per_gpu=self.options.runs_per_gpu, shared=shared, exclusive=lease.exclusive,
                           mps=self.daemon is not None)
