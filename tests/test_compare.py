@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,8 @@ def test_plain_papermill_folder_without_run_json(made: dict[str, Path]) -> None:
     assert by_id.loc["keras_fail", "status"] == "failed"
     assert by_id.loc["keras_fail", "metric.accuracy"] > 0  # recorded before it failed
     assert "RuntimeError" in by_id.loc["keras_fail", "error"]
+    # numbered as the input notebook has its cells, with the cell's first line, as run.json's errors are
+    assert re.match(r'cell \d+ \("[^"]+"\): RuntimeError: ', by_id.loc["keras_fail", "error"])
     assert by_id.loc["pytorch_lr0.01", "framework"] == "Pytorch_CIFAR"  # the input notebook's name
     assert by_id["duration_s"].gt(0).all()
     # one executed notebook on its own

@@ -104,7 +104,7 @@ def test_live_progress_renders_markup_in_run_data(tmp_path, monkeypatch, capsys,
     out = capsys.readouterr().out
     assert_literal(out)
     if tty == "0":
-        assert f"nb-0123456789: failed in 1.5s (cell 2: {ERROR_TEXT})" in out
+        assert f"nb-0123456789: failed in 1.5s (cell 2 (\"d['[/x]']\"): {ERROR_TEXT})" in out
 
     from rich.console import Console
 

@@ -120,8 +120,8 @@ def test_a_cell_timeout_names_the_cell_and_leaves_no_pending_task(project, caplo
     gc.collect()  # the output reader nbclient left pending was reported when collected
     assert record.status == "timed_out"
     error = record.error
-    assert error.cell_index == 2 and error.cell_source.startswith("import time")
-    assert error.summary() == "cell 2: CellTimeoutError: ran longer than 2 s: import time (stopped by the cell timeout (2 s))"
+    assert error.cell_index == 3 and error.cell_source.startswith("import time")  # the notebook's third cell
+    assert error.summary() == 'cell 3 ("import time"): CellTimeoutError: ran longer than 2 s (stopped by the cell timeout (2 s))'
     nb = nbformat.read(project / "results/celltimeout" / record.run_id / "output.ipynb", as_version=4)
     assert nb.cells[1].outputs[0].text == "started\n"
     assert not [r for r in caplog.records if "Task was destroyed" in r.getMessage()]

@@ -293,7 +293,8 @@ def test_a_notebook_failing_the_same_way_in_its_first_trials_stops_the_search_an
     exp.write_text(json.dumps(text))
     for _ in range(2):
         with pytest.raises(SearchError, match=r"the first 3 trials of nb all failed the same way \(ZeroDivisionError "
-                                              r"in cell \d; runs .*\): its notebook fails whatever the parameters"
+                                              r"in cell \d \(\"import nbbatch\"\); runs .*\): its notebook fails whatever "
+                                              r"the parameters"
                                               r".* submit with --force"):
             submit(exp, progress=False)
         assert [t.state.name for t in _study(project, "broken").trials] == ["FAIL"] * 3

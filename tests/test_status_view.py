@@ -313,6 +313,30 @@ def test_compare_leaves_out_a_framework_metric_that_repeats_the_run_framework(tm
     assert html_headers.count("framework") == 1 and "accuracy" in html_headers, html_headers
 
 
+def test_a_cancelled_run_is_one_line_saying_who_when_and_how_far():
+    records = [r for r in sweep() if r.status == "succeeded"][:2]
+    stopped = [RunRecord.from_dict(r.to_dict()) for r in records]
+    for record, started in zip(stopped, (True, False), strict=True):
+        record.run_id = record.run_id[:-1] + "x"
+        record.status, record.metrics, record.duration_s = "cancelled", {}, None
+        record.started_at = "2024-05-01T10:00:00+00:00" if started else None
+        record.cells_done, record.cells_total = (4, 9) if started else (0, 0)
+        record.error = RunError("cancelled", "", cell_index=4 if started else None, kind="cancelled",
+                                stopped_by="`nbbatch cancel`", stopped_at="2024-05-01T14:02:00+00:00",
+                                reason="cancelled by `nbbatch cancel` from ann@box (pid 7) at 2024-05-01 14:02:00 UTC")
+    ids = [r.run_id for r in records + stopped]
+    lines = [line for line in render(status_table(records + stopped), 200) if "rows by" not in line]
+    text = "\n".join(lines)
+    assert run_lines(lines, ids) == {run_id: 1 for run_id in ids}, text
+    assert re.search(r"cancelled by `nbbatch cancel` at 2024-05-01 \d\d:\d\d \(after 3 of 9 cells\)", text), text
+    assert re.search(r"cancelled by `nbbatch cancel` at 2024-05-01 \d\d:\d\d \(before it started\)", text), text
+    # narrow: the status column says "cancelled"; how far comes first, so that a cut keeps it
+    narrow = [line for line in render(status_table(records + stopped), 80) if "rows by" not in line]
+    text = "\n".join(narrow)
+    assert all(n <= 2 for n in run_lines(narrow, ids).values()), text
+    assert "after 3 of 9 cells," in text and "before it started, by" in text, text
+
+
 def search_trials() -> list[RunRecord]:
     """A search of loss over ALPHA and DEPTH: 6 trials that also record accuracy, train_seconds and images_per_second;
     two pruned by the pruner, one still running."""

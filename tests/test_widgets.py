@@ -635,3 +635,14 @@ def test_print_jobs_summary_without_runs_says_how_to_submit(project: Path, capsy
     assert out.startswith("nothing: 0 runs — no runs yet")
     assert "submit it with submit_all()" in out
     assert not summary.model.all_final
+
+
+def test_a_failed_runs_tooltip_has_its_traceback_and_a_cancel_its_one_line() -> None:
+    model = JobsSummaryModel("exp")
+    model.update(record("b", "failed", error=RunError("ValueError", "bad", cell_index=5, cell_source="x = 1",
+                                                      traceback="Cell In[4], line 2\n----> 2 raise ValueError('bad')")))
+    model.update(record("c", "cancelled", error=RunError("cancelled", "", kind="cancelled", stopped_by="`nbbatch cancel`",
+                                                         reason="cancelled before it started")))
+    page = model.to_html()
+    assert "title='cell 5 (&#34;x = 1&#34;): ValueError: bad\n\nCell In[4], line 2\n----&gt; 2 raise ValueError(" in page
+    assert "cancelled by `nbbatch cancel` (before it started)" in page and "traceback" not in page

@@ -221,7 +221,7 @@ def cancel(experiment: str, runs: list[str] | None = None, share: str | Share | 
     project = find_project()
     name, the_share = open_experiment_share(experiment, share, project)
     state = read_pipeline_state(the_share, name) if not runs else None
-    request = cancel_request(f"`nbbatch cancel` from {requester()}")  # the runs' records say who and when
+    request = cancel_request("`nbbatch cancel`", f" from {requester()}")  # the runs' records say who and when
     if state is not None:
         write_cancel_markers(the_share, name, request=request)
         return [run for stage in state["stages"].values() if stage.get("state") == "running"

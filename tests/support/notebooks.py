@@ -19,6 +19,7 @@ from papermill.exceptions import PapermillExecutionError
 from nbbatch.metrics import metrics_from_notebook
 from nbbatch.plan.runs import run_id_for
 from nbbatch.store.layout import OUTPUT_NOTEBOOK, RUN_RECORD
+from nbbatch.store.notebook_io import cell_number
 from nbbatch.store.runjson import RunError, RunRecord, utc_now
 
 KERNEL = "python3"
@@ -158,7 +159,7 @@ def make_run(share: Path, experiment: str, framework: str, parameters: dict[str,
             for index, cell in enumerate(nb["cells"]):
                 for out in cell.get("outputs", []):
                     if out.get("output_type") == "error":
-                        error = RunError(ename=out["ename"], evalue=out["evalue"], cell_index=index,
+                        error = RunError(ename=out["ename"], evalue=out["evalue"], cell_index=cell_number(nb.cells, index),
                                          cell_source=cell["source"].splitlines()[0])
         record = RunRecord(
             run_id=run_id, experiment=experiment, notebook=str(notebook), kernel=KERNEL, framework=framework,

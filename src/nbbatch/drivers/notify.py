@@ -108,7 +108,7 @@ def experiment_outcome(name: str, share: str, records: list[RunRecord], metric: 
     ``metric``, a search's) its best run."""
     counts = summary_counts(records)
     bad = [r for r in records if r.status not in DONE_STATUSES]
-    lines = [f"run {r.run_id} {r.status}" + (f": {r.error.summary()}" if r.error else "") for r in bad[:DETAIL_LINES]]
+    lines = [f"run {r.run_id} {r.status}" + (f": {r.error_summary()}" if r.error else "") for r in bad[:DETAIL_LINES]]
     if len(bad) > DETAIL_LINES:
         lines.append(f"… and {len(bad) - DETAIL_LINES} more runs that did not succeed")
     best = best_line(records, metric, mode) if metric else None

@@ -337,10 +337,7 @@ def _stage_state(records: list[RunRecord], allow_failures: bool) -> tuple[str, s
     succeeded = [r for r in records if r.status == Status.SUCCEEDED]
     if failed and not (allow_failures and succeeded):
         first = failed[0]
-        error = first.error
-        why = (error.reason or f"{error.ename}: {error.evalue}") if error is not None else first.status.value
-        if error is not None and error.cell_index is not None:
-            why = f"cell {error.cell_index}: {why}"
+        why = first.error_summary() or first.status.value
         return "failed", f"run {first.run_id} {first.status.value}: {why}"
     return "succeeded", (f"{len(failed)} run(s) failed (allowed)" if failed else None)
 

@@ -359,7 +359,7 @@ class SearchDriver(Driver):
             return  # not told: the trial runs again when the search resumes
         if record is not None and _failed_outside_the_notebook(record):
             self.say(f"trial {trial.number} of {study.label}: run {record.run_id} failed outside its notebook "
-                     f"({record.error.summary() if record.error else record.status}): the trial stays open, and runs "
+                     f"({record.error_summary() or record.status}): the trial stays open, and runs "
                      "again when the search is submitted again")
             record.trial = {"study": study.study.study_name, "number": trial.number, "state": "open",
                             "reason": "its run failed outside the notebook: it runs again on the next submit"}
@@ -394,7 +394,7 @@ class SearchDriver(Driver):
             study.study.tell(trial.trial, state=state.FAIL)
             decision = {"state": "failed", "reason": f"its run {record.status}"}
             self.say(f"trial {trial.number} of {study.label}: run {record.run_id} {record.status}"
-                     + (f": {record.error.summary()}" if record.error else ""))
+                     + (f": {record.error_summary()}" if record.error else ""))
         if record is not None:
             record.trial = {"study": study.study.study_name, "number": trial.number, **decision}
             write_record(self.share, record)

@@ -27,19 +27,13 @@ import nbformat
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from papermill.exceptions import PapermillExecutionError
-from papermill.execute import (
-    ERROR_MARKER_TAG,
-    ERROR_STYLE,
-    prepare_notebook_metadata,
-    raise_for_execution_errors,
-    remove_error_markers,
-)
+from papermill.execute import ERROR_MARKER_TAG, ERROR_STYLE, prepare_notebook_metadata, remove_error_markers
 from papermill.iorw import load_notebook_node
 from papermill.parameterize import parameterize_notebook
 
 from nbbatch.errors import NbbatchError, ShareError
 from nbbatch.execute.context import AttemptContext, UpdateCallback
-from nbbatch.execute.engine import NbbatchEngine
+from nbbatch.execute.engine import NbbatchEngine, raise_for_cell_errors
 from nbbatch.execute.envs import env_packages
 from nbbatch.execute.folders import RunFolders, folder_env
 from nbbatch.execute.kernels import kill_kernel_group
@@ -53,7 +47,7 @@ from nbbatch.redact import is_secret, tracking_credentials
 from nbbatch.spec.frameworks import get_framework
 from nbbatch.store.jsonl import jsonl_line
 from nbbatch.store.layout import LOG_FILE, METRICS_FILE, OUTPUT_NOTEBOOK, TELEMETRY_FILE, RunPaths, run_paths
-from nbbatch.store.notebook_io import notebook_bytes, stopped_cell
+from nbbatch.store.notebook_io import notebook_bytes, stopped_cell, user_cells
 from nbbatch.store.runfiles import CANCEL_REQUEST, StopRequest, cancel_requested, write_record
 from nbbatch.store.runjson import (
     AttemptEntry,
@@ -64,6 +58,7 @@ from nbbatch.store.runjson import (
     RunError,
     RunRecord,
     Status,
+    plain_traceback,
     utc_now,
 )
 from nbbatch.store.share import Share
@@ -339,7 +334,7 @@ class _Attempt:
             self.nb = self._prepared_notebook(notebook_path)
             self._run_kernel(notebook_path)
             if any(c.get("metadata", {}).get("papermill", {}).get("exception") for c in self.nb.cells):
-                raise_for_execution_errors(self.nb, str(self.work / _FAILED_OUTPUT))
+                raise_for_cell_errors(self.nb, str(self.work / _FAILED_OUTPUT))
         except PapermillExecutionError as exc:
             status, error = Status.FAILED, _error_from(exc)
             error.kind = ErrorKind.CELL_ERROR
@@ -347,6 +342,8 @@ class _Attempt:
             status, error = _classify(exc, self.watchdog, self.run)
             if error.kind == ErrorKind.INTERNAL:
                 self.log.write(traceback.format_exc())
+            if error.kind == ErrorKind.KERNEL_DIED:  # in the cell it was running
+                error.cell_index, error.cell_source = stopped_cell(self.nb)
         finally:
             if self.folders is not None and self.primary:
                 self.folders.stop()
@@ -422,8 +419,8 @@ class _Attempt:
         record, nb = self.record, self.nb
         if nb is not None:
             record.metrics = metrics_from_notebook(nb)
-            record.cells_total = len(nb.cells)
-            record.cells_done = max((i + 1 for i, c in enumerate(nb.cells)
+            record.cells_total = user_cells(nb.cells)  # as the user's notebook counts them
+            record.cells_done = max((user_cells(nb.cells, i + 1) for i, c in enumerate(nb.cells)
                                      if c.get("metadata", {}).get("papermill", {}).get("end_time")), default=0)
             try:
                 self.save_notebook(nb)
@@ -446,8 +443,9 @@ class _Attempt:
         record.status, record.error = status, error
         self.entry.ended_at, self.entry.status = record.ended_at, str(status)
         self.entry.kind = error.kind if error else None
-        summary = error.summary() if error else "ok"
-        self.log.write(f"=== {status} after {record.duration_s:.2f} s: {summary}\n")
+        if error is not None and error.traceback:  # at the log's end, as papermill shows it
+            self.log.write(f"\n{error.traceback}\n")
+        self.log.write(f"=== {status} after {record.duration_s:.2f} s: {record.error_summary() or 'ok'}\n")
         self.log.close()
         try:
             self.live.push_streams(final=True)
@@ -505,14 +503,16 @@ def _gpu_telemetry(gpu_ids: list[int], stream: StreamedFile, alone: bool) -> Ite
 
 
 def _error_from(exc: BaseException) -> RunError:
-    cell_index = getattr(exc, "cell_index", None)
+    """The error of ``exc``: its cell (numbered as in the user's notebook) and the kernel's traceback."""
     source = getattr(exc, "source", None)
     ename = getattr(exc, "ename", None) or type(exc).__name__
     evalue = getattr(exc, "evalue", None)
     if evalue is None:
         evalue = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
     snippet = "\n".join(str(source).splitlines()[:5]) if source else None
-    return RunError(ename=str(ename), evalue=str(evalue)[:2000], cell_index=cell_index, cell_source=snippet)
+    frames = getattr(exc, "traceback", None)  # a PapermillExecutionError's: the kernel's lines
+    return RunError(ename=str(ename), evalue=str(evalue)[:2000], cell_index=getattr(exc, "cell_number", None),
+                    cell_source=snippet, traceback=plain_traceback(frames) if isinstance(frames, list) else None)
 
 
 def _resuming(checkpoint: CheckpointSummary | None) -> str:

@@ -55,7 +55,8 @@ from nbbatch.execute.kernels import BatchKernelManager, reap_kernel  # noqa: E40
 from nbbatch.execute.prestart import PrestartedKernel  # noqa: E402
 from nbbatch.execute.watchdog import REAPER  # noqa: E402, F401 - for `nbbatch run`, whose api loads this module lazily
 from nbbatch.metrics import HISTORY_MIME  # noqa: E402
-from nbbatch.store.notebook_io import write_notebook_atomic  # noqa: E402
+from nbbatch.store.notebook_io import cell_number, user_cells, write_notebook_atomic  # noqa: E402
+from nbbatch.store.runjson import cell_label  # noqa: E402
 
 Saver = Callable[[Any], None]
 PointCallback = Callable[[dict[str, Any]], None]
@@ -93,8 +94,8 @@ class BatchExecutionManager(NotebookExecutionManager):
 
     def cell_complete(self, cell: Any, cell_index: int | None = None, **kwargs: Any) -> None:
         super().cell_complete(cell, cell_index=cell_index, **kwargs)
-        if self.on_cell and cell_index is not None:
-            self.on_cell(cell_index + 1, len(self.nb.cells))
+        if self.on_cell and cell_index is not None:  # counted as the user's notebook has its cells
+            self.on_cell(user_cells(self.nb.cells, cell_index + 1), user_cells(self.nb.cells))
 
     def notebook_complete(self, **kwargs: Any) -> None:
         super().notebook_complete(**kwargs)
@@ -135,7 +136,7 @@ class _BatchClient(PapermillNotebookClient):
         try:
             return await super().async_execute_cell(cell, cell_index, execution_count, store_history)
         except CellTimeoutError as exc:
-            _name_the_cell(exc, cell, cell_index, self._get_timeout(cell))
+            _name_the_cell(exc, cell, cell_number(self.nb.cells, cell_index), self._get_timeout(cell))
             raise
         finally:  # nbclient leaves its output reader pending after a cell timeout: asyncio would complain of it
             task, self._output_task = self._output_task, None
@@ -318,7 +319,7 @@ def execute_notebook_file(input_path: str, output_path: str, parameters: dict[st
             nb = NbbatchEngine.execute_notebook(nb, kernel_name, saver=saver, final_save=False, input_path=input_path,
                                                 **kwargs)
             with tempfile.TemporaryDirectory(prefix="nbbatch-") as scratch:  # papermill's own (in-place) error write
-                papermill_execute.raise_for_execution_errors(nb, os.path.join(scratch, "failed.ipynb"))
+                raise_for_cell_errors(nb, os.path.join(scratch, "failed.ipynb"))
         except PapermillExecutionError:
             saver(nb)  # with papermill's error marker at the top
             raise
@@ -344,16 +345,27 @@ def _add_stream(outs: list[Any], name: str, text: str) -> None:
         outs.append(nbformat.v4.new_output("stream", name=name, text=text))
 
 
-def _name_the_cell(exc: CellTimeoutError, cell: Any, cell_index: int, timeout: float | None) -> None:
-    """nbclient's message ends in a line of dashes, and names no cell: say which cell, and what it ran."""
+def _name_the_cell(exc: CellTimeoutError, cell: Any, number: int | None, timeout: float | None) -> None:
+    """nbclient's message ends in a line of dashes, and names no cell: say which cell (``number``: as the user's
+    notebook numbers it), with its first line."""
     source = str(cell.get("source", ""))
-    first_line = next((line.strip() for line in source.splitlines() if line.strip()), "")
     limit = f" ({timeout:g} s)" if timeout else ""
-    what = f": {first_line}" if first_line else ""
-    exc.args = (f"cell {cell_index} ran longer than the cell timeout{limit}{what}",)
-    # what nbbatch records (the cell's index and source are fields of their own)
-    exc.evalue = f"ran longer than {timeout:g} s{what}" if timeout else f"ran too long{what}"  # type: ignore[attr-defined]
-    exc.cell_index, exc.source, exc.timeout = cell_index, source, timeout  # type: ignore[attr-defined]
+    exc.args = (f"{cell_label(number, source) or 'a cell'} ran longer than the cell timeout{limit}",)
+    # what nbbatch records (the cell's number and source are fields of their own)
+    exc.evalue = f"ran longer than {timeout:g} s" if timeout else "ran too long"  # type: ignore[attr-defined]
+    exc.cell_number, exc.source, exc.timeout = number, source, timeout  # type: ignore[attr-defined]
+
+
+def raise_for_cell_errors(nb: Any, failed_output: str) -> None:
+    """papermill's ``raise_for_execution_errors`` (which adds its error marker to ``nb`` and writes it to
+    ``failed_output``), its PapermillExecutionError naming the cell as the user's notebook numbers it
+    (``cell_number``, see :func:`~nbbatch.store.notebook_io.cell_number`)."""
+    cells = list(nb.cells)  # before papermill inserts its markers
+    try:
+        papermill_execute.raise_for_execution_errors(nb, failed_output)
+    except PapermillExecutionError as exc:
+        exc.cell_number = cell_number(cells, exc.cell_index)  # type: ignore[attr-defined]
+        raise
 
 
 def _atomic_path_saver(path: str) -> Saver:

@@ -159,7 +159,7 @@ class _Node:
             if first_to_fail:  # the other nodes stop their ranks when they see it
                 with contextlib.suppress(ShareError, OSError):
                     self.share.write_bytes(marker, json.dumps({"rank": rank.rank, "status": str(record.status),
-                                                               "error": record.error.summary() if record.error else ""
+                                                               "error": record.error_summary()
                                                                }).encode())
 
         threads = [threading.Thread(target=run_rank, args=(r,), name=f"rank-{self.run.run_id}-{r.rank}", daemon=True)
@@ -276,7 +276,7 @@ class _Node:
 def _rank_entry(rank: int, node: int, record: RunRecord, first: RunRecord | None) -> RankOutcome:
     """What run.json says about one rank."""
     status = str(record.status)
-    error = record.error.summary() if record.error else None
+    error = record.error_summary() or None
     if first is not None and record.status == Status.CANCELLED and first.error is not None and first.error.rank != rank:
         status, error = "stopped", f"stopped after rank {first.error.rank} failed"
     return RankOutcome(rank=rank, node=node, host=record.host, gpus=list(record.gpu_ids), status=status, error=error)

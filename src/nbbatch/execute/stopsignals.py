@@ -58,7 +58,7 @@ class SignalStop(StopEvent):
 
 def signal_request(signum: int) -> StopRequest:
     """A stop for signal ``signum`` whose sender nbbatch cannot name: the signal, where and when it came."""
-    return cancel_request(f"{signal.Signals(signum).name} to its launcher on {socket.gethostname()} "
+    return cancel_request(f"{signal.Signals(signum).name} to its launcher", f" on {socket.gethostname()} "
                           f"(pid {os.getpid()})")
 
 

@@ -61,7 +61,7 @@ def live_progress(share: Share, experiment: str, run_ids: list[str]) -> Iterator
             with lock:
                 records[record.run_id] = record
             if record.final:
-                detail = f" ({record.error.summary()})" if record.error else ""
+                detail = f" ({record.error_summary()})" if record.error else ""
                 took = f" in {record.duration_s:.1f}s" if record.duration_s else ""
                 console.print(f"{record.run_id}: {record.status}{took}{detail}", markup=False, emoji=False,
                               highlight=False, soft_wrap=True)

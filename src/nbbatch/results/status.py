@@ -244,7 +244,8 @@ def status_rows(records: list[RunRecord], search: Mapping[str, Any] | None = Non
             "run_id": r.run_id, "framework": r.framework or r.notebook, "parameters": r.parameters,
             "status": r.status, "attempts": r.attempts, "progress": progress,
             "duration_s": r.duration_s, "gpu_ids": r.gpu_ids, "world_size": r.world_size, "metrics": r.metrics,
-            "error": r.error.summary() if r.error and not _pruned(r) else "",
+            "error": r.error_summary() if r.error and not _pruned(r) else "",
+            "traceback": (r.error.traceback or "") if r.error else "",  # a cell error's, as papermill shows it
             "note": _pruned_reason(r) if _pruned(r) else (r.note or "") if not r.final else "",
         })
     return rows
@@ -442,15 +443,15 @@ def _columns(records: list[RunRecord], max_metrics: int, now: datetime,
     # a run's error, or while it is not final the backend's note on it (waiting for nodes, cancel requested)
     # (a pruned run's reason is no error: its status cell says the step, `status --json` the reason)
     failed = [r.error if r.error and not _pruned(r) else None for r in records]
-    errors = [" ".join(e.summary().splitlines()) if e else (r.note or "") if not r.final else ""
+    errors = [" ".join(r.error_summary().splitlines()) if e else (r.note or "") if not r.final else ""
               for e, r in zip(failed, records, strict=True)]
     if any(errors):
         noted = any(r.note and not e and not r.final for e, r in zip(failed, records, strict=True))
         header = ("error / note" if any(failed) else "note") if noted else "error"
         error = add(header, errors, 90, flexible=True)
         # where the error does not fit one line, the exception matters more than the cell it came from
-        error.short = [Text(text.removeprefix(f"cell {e.cell_index}: ") if e else text)
-                       for text, e in zip(errors, failed, strict=True)]
+        error.short = [Text(" ".join(r.error_summary(with_cell=False).splitlines()) if e else text)
+                       for text, e, r in zip(errors, failed, records, strict=True)]
     return columns
 
 

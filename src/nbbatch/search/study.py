@@ -17,7 +17,7 @@ from typing import Any
 
 from nbbatch.errors import NbbatchError
 from nbbatch.spec.search import SEED_LIMIT, Search
-from nbbatch.store.runjson import RunRecord
+from nbbatch.store.runjson import RunRecord, cell_label
 
 JOURNAL_FOLDER = ".nbbatch-search"  # beside the experiment file: <folder>/<experiment>/<notebook label>.journal
 RUN_ID = "run_id"  # the trial's user attribute naming its run
@@ -229,4 +229,5 @@ def failure_of(record: RunRecord) -> str:
     error = record.error
     if error is None:
         return f"its run {record.status}"
-    return f"{error.ename} in cell {error.cell_index}" if error.cell_index is not None else f"{error.ename} ({error.kind})"
+    cell = cell_label(error.cell_index, error.cell_source)
+    return f"{error.ename} in {cell}" if cell else f"{error.ename} ({error.kind})"

@@ -50,12 +50,38 @@ def check_notebook_target(path: str | os.PathLike[str]) -> None:
         raise ValidationError(f"cannot write the output notebook {target}: {exc.strerror or exc}") from exc
 
 
+# papermill's tags: the parameters cell it injects, and the error markers it (and nbbatch) adds to an output notebook
+INJECTED_TAG, MARKER_TAG = "injected-parameters", "papermill-error-cell-tag"
+
+
+def users_cell(cell: Any) -> bool:
+    """Whether an executed notebook's cell is one of the user's own (not papermill's injected parameters, nor a marker)."""
+    tags = cell.get("metadata", {}).get("tags", [])
+    return INJECTED_TAG not in tags and MARKER_TAG not in tags
+
+
+def user_cells(cells: list[Any], end: int | None = None) -> int:
+    """How many of the user's own cells are in ``cells[:end]``: an executed notebook's cells counted as the user's
+    notebook has them (every command's cell numbers and progress count so)."""
+    return sum(1 for cell in cells[:end] if users_cell(cell))
+
+
+def cell_number(cells: list[Any], index: int | None) -> int | None:
+    """The number, in the user's own notebook (1-based, papermill's injected cell not counted), of the executed
+    notebook's cell ``index`` (0-based, as papermill and nbclient give it); None for a cell not the user's."""
+    if index is None or not 0 <= index < len(cells) or not users_cell(cells[index]):
+        return None
+    return user_cells(cells, index) + 1
+
+
 def stopped_cell(nb: Any) -> tuple[int | None, str | None]:
-    """The index and first lines of the cell a stopped notebook stopped in: the last one papermill started (None,
-    None: none had started)."""
-    started = [(i, c) for i, c in enumerate(nb.cells if nb is not None else [])
-               if c.get("metadata", {}).get("papermill", {}).get("start_time")]
+    """The number (:func:`cell_number`) and first lines of the cell a stopped notebook stopped in: the last one
+    papermill started (None, None: none had started)."""
+    cells = list(nb.cells if nb is not None else [])
+    started = [i for i, c in enumerate(cells) if c.get("metadata", {}).get("papermill", {}).get("start_time")]
     if not started:
         return None, None
-    index, cell = started[-1]
-    return index, "\n".join(str(cell.get("source", "")).splitlines()[:5]) or None
+    number = cell_number(cells, started[-1])
+    if number is None:
+        return None, None
+    return number, "\n".join(str(cells[started[-1]].get("source", "")).splitlines()[:5]) or None

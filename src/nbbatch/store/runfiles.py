@@ -177,6 +177,8 @@ class StopRequest:
     reason: str = "stopped by a cancel request"
     ename: str = ""  # the error's name where the stopper has one (a cluster's time limit: "SlurmTimeLimit")
     evalue: str = ""  # what the stopper said (a cluster's own words on the job)
+    by: str = ""  # a cancel's sender in short, for the one-line summary ("`nbbatch cancel`"); the reason says more
+    at: str = ""  # when it was asked (UTC)
 
     def outcome(self, evalue: str = "", reason: str | None = None) -> tuple[Status, RunError]:
         """The status and error of a run ended by this request (``reason``: a cancel's own words, where the
@@ -189,17 +191,20 @@ class StopRequest:
             return Status.TIMED_OUT, RunError(self.ename or "timed_out", evalue, reason=reason or self.reason,
                                               kind=ErrorKind.TIMEOUT)
         return Status.CANCELLED, RunError(self.ename or "cancelled", evalue, reason=reason or self.reason,
-                                          kind=ErrorKind.CANCELLED)
+                                          kind=ErrorKind.CANCELLED, stopped_by=self.by or None,
+                                          stopped_at=self.at or None)
 
 
 CANCEL_REQUEST = StopRequest()
 
 
-def cancel_request(by: str, at: str | None = None) -> StopRequest:
-    """A cancel that says who asked (``by``: "`nbbatch cancel` from user@host", "Ctrl-C (SIGINT) of its driver …")
-    and when, in the words the run's record keeps."""
-    when = (at or utc_now()).replace("T", " ").split(".")[0].removesuffix("+00:00")
-    return StopRequest(Status.CANCELLED, f"cancelled by {by} at {when} UTC")
+def cancel_request(by: str, origin: str = "", at: str | None = None) -> StopRequest:
+    """A cancel that says who asked (``by``: "`nbbatch cancel`", "SIGTERM to its driver"; ``origin``, its own
+    separator first: " from user@host (pid N)") and when, in the words the run's record keeps; its summary names
+    ``by`` alone (:meth:`~nbbatch.store.runjson.RunError.summary`)."""
+    at = at or utc_now()
+    when = at.replace("T", " ").split(".")[0].removesuffix("+00:00")
+    return StopRequest(Status.CANCELLED, f"cancelled by {by}{origin} at {when} UTC", by=by, at=at)
 
 
 def requester() -> str:
@@ -230,7 +235,8 @@ def write_cancel_markers(share: Share, experiment: str, ids: list[str] | None = 
     request (:func:`stop_request` reads it; earlier versions wrote a bare time, which reads as a cancel).
     """
     asked = []
-    content = json.dumps({"at": utc_now(), "status": request.status.value, "reason": request.reason}).encode()
+    content = json.dumps({"at": request.at or utc_now(), "status": request.status.value, "reason": request.reason,
+                          "by": request.by}).encode()
     for run_id in list(ids) if ids else run_ids(share, experiment):
         try:
             record = read_record(share, experiment, run_id)
@@ -258,7 +264,8 @@ def stop_request(share: Share, experiment: str, run_id: str) -> StopRequest | No
     paths = run_paths(experiment, run_id)
     try:
         said = json.loads(share.read_bytes(paths.cancel))
-        return StopRequest(Status(said["status"]), str(said["reason"]))
+        by = str(said.get("by") or "")  # earlier versions wrote no sender
+        return StopRequest(Status(said["status"]), str(said["reason"]), by=by, at=str(said.get("at") or "") if by else "")
     except (ShareError, OSError, ValueError, KeyError, TypeError):
         pass
     return CANCEL_REQUEST if any(share.exists(marker) for marker in paths.cancel_markers) else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 import reprlib
 import types
 import typing
@@ -73,30 +74,6 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
-@dataclass
-class RunError:
-    """Why a run did not succeed: the failing cell and the exception, not a bare traceback."""
-
-    ename: str
-    evalue: str
-    cell_index: int | None = None
-    cell_source: str | None = None  # the first lines of the failing cell
-    reason: str | None = None  # for failures outside a cell: kernel death, timeout, cancel (for people)
-    kind: ErrorKind | None = None  # what kind of failure (for code)
-    rank: int | None = None  # the rank of a distributed run that failed first
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "kind" and value is not None:
-            value = ErrorKind(value)
-        object.__setattr__(self, name, value)
-
-    def summary(self) -> str:
-        where = f"cell {self.cell_index}: " if self.cell_index is not None else ""
-        where = f"rank {self.rank}: {where}" if self.rank is not None else where
-        text = f"{where}{self.ename}: {self.evalue}".strip()
-        return f"{text} ({self.reason})" if self.reason else text
-
-
 # How a field is written, in its metadata (the JSON stays what earlier nbbatch versions wrote):
 _OMIT_DEFAULT = "omit_default"  # left out while it has its default: a key written only once it is known
 _EMPTY_IS_NONE = "empty_is_none"  # None is written as {}, and {} reads as None
@@ -105,6 +82,97 @@ _EMPTY_IS_NONE = "empty_is_none"  # None is written as {}, and {} reads as None
 def _written_when_set(default: Any = None) -> Any:
     """A field left out of the JSON while it has ``default``."""
     return field(default=default, metadata={_OMIT_DEFAULT: True})
+
+
+TRACEBACK_LINES, TRACEBACK_CHARS = 100, 20_000  # what a record keeps of a traceback: its end, nearest the error
+_ANSI_COLOURS = re.compile("\x1b\\[(K|.*?m)")  # as papermill's strip_color: IPython colours its tracebacks
+
+
+def plain_traceback(lines: list[str] | str | None) -> str | None:
+    """A kernel's traceback (its ``error`` output's lines) as plain text, colours stripped, bounded to its last
+    :data:`TRACEBACK_LINES` lines and :data:`TRACEBACK_CHARS` characters (None: there is none)."""
+    text = _ANSI_COLOURS.sub("", lines if isinstance(lines, str) else "\n".join(lines or [])).strip("\n")
+    if not text:
+        return None
+    every = text.splitlines()
+    kept = "\n".join(every[-TRACEBACK_LINES:])
+    if len(every) <= TRACEBACK_LINES and len(kept) <= TRACEBACK_CHARS:
+        return kept
+    return "[… the traceback's start is left out]\n" + kept[-TRACEBACK_CHARS:]
+
+
+def cell_label(number: int | None, source: str | None = None) -> str:
+    """How every command names a notebook's cell: ``cell 3 ("model.fit(X, y)")``, numbered as in the user's own
+    notebook (1-based, every cell counted, the parameters cell papermill injects not), with its first line."""
+    if number is None:
+        return ""
+    first = next((line.strip() for line in (source or "").splitlines() if line.strip()), "")
+    if len(first) > 40:
+        first = first[:39] + "…"
+    return f"cell {number}" + (f" ({json.dumps(first, ensure_ascii=False)})" if first else "")
+
+
+def local_clock(when: str, now: datetime | None = None) -> str:
+    """A record's UTC time as this machine's local time: ``14:02`` today, ``2026-11-27 14:02`` another day."""
+    try:
+        moment = datetime.fromisoformat(when.replace("Z", "+00:00"))
+    except ValueError:
+        return when
+    moment = (moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)).astimezone()
+    today = (now or datetime.now(timezone.utc)).astimezone().date()
+    return moment.strftime("%H:%M" if moment.date() == today else "%Y-%m-%d %H:%M")
+
+
+@dataclass
+class RunError:
+    """Why a run did not succeed: the failing cell and the exception (with the kernel's traceback), or who stopped
+    it and when. :meth:`summary` is the one line every command, widget and notification shows."""
+
+    ename: str
+    evalue: str
+    cell_index: int | None = None  # the cell's number in the user's notebook: 1-based, the injected cell not counted
+    cell_source: str | None = None  # the first lines of the failing cell
+    reason: str | None = None  # for failures outside a cell: kernel death, timeout, cancel (for people)
+    kind: ErrorKind | None = None  # what kind of failure (for code)
+    rank: int | None = None  # the rank of a distributed run that failed first
+    traceback: str | None = _written_when_set()  # a cell error's traceback as papermill shows it (plain_traceback)
+    stopped_by: str | None = _written_when_set()  # a cancel's sender in short: "`nbbatch cancel`", "SIGTERM to …"
+    stopped_at: str | None = _written_when_set()  # when that cancel was asked (UTC)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "kind" and value is not None:
+            value = ErrorKind(value)
+        object.__setattr__(self, name, value)
+
+    def summary(self, cells: tuple[int, int] | None = None, started: bool = True, ended_at: str | None = None,
+                with_cell: bool = True, now: datetime | None = None) -> str:
+        """The error in one line: ``cell 3 ("model.fit(X, y)"): ValueError: bad (reason)``, or for a cancel
+        ``cancelled by `nbbatch cancel` at 14:02 (after 3 of 9 cells)``. ``cells`` (done, of how many), ``started``
+        and ``ended_at`` are the record's (:meth:`RunRecord.error_summary` passes them); ``with_cell=False`` leaves
+        the cell out, and says a cancel how far first (a narrow column, beside the status)."""
+        where = f"rank {self.rank}: " if self.rank is not None else ""
+        if self.kind == ErrorKind.CANCELLED:
+            return where + self._cancel_text(cells, started, ended_at, now, narrow=not with_cell)
+        cell = cell_label(self.cell_index, self.cell_source) if with_cell else ""
+        text = f"{where}{cell + ': ' if cell else ''}{self.ename}: {self.evalue}".strip()
+        return f"{text} ({self.reason})" if self.reason else text
+
+    def _cancel_text(self, cells: tuple[int, int] | None, started: bool, ended_at: str | None,
+                     now: datetime | None, narrow: bool = False) -> str:
+        at = self.stopped_at or ended_at
+        if self.stopped_by:
+            text = f"cancelled by {self.stopped_by}" + (f" at {local_clock(at, now)}" if at else "")
+        else:  # a cluster's own cancel (scancel, a stopped container), or a record of an earlier nbbatch
+            text = self.reason or "cancelled"
+            text = text if text.startswith("cancelled") else f"cancelled: {text}"
+        done = self.cell_index - 1 if self.cell_index is not None else cells[0] if cells else 0  # not the stopped one
+        how_far = "before it started" if not started else \
+            f"after {done} of {cells[1]} cells" if cells is not None and cells[1] else ""
+        if not how_far or how_far in text:
+            return text
+        if narrow:  # what a cut keeps first: how far, then who and when (the status column says "cancelled")
+            return f"{how_far}, {text.removeprefix('cancelled').lstrip(': ')}"
+        return f"{text[:-1]}, {how_far})" if text.endswith(")") else f"{text} ({how_far})"
 
 
 @dataclass(frozen=True)
@@ -229,6 +297,14 @@ class RunRecord:
     def final(self) -> bool:
         """Whether the run has ended (succeeded, failed, cancelled or timed out)."""
         return self.status in FINAL_STATUSES
+
+    def error_summary(self, with_cell: bool = True, now: datetime | None = None) -> str:
+        """Why the run did not succeed, in one line ("" when it has no error): :meth:`RunError.summary` with how far
+        the run got."""
+        if self.error is None:
+            return ""
+        return self.error.summary((self.cells_done, self.cells_total), bool(self.started_at), self.ended_at,
+                                  with_cell, now)
 
     def to_dict(self) -> dict[str, Any]:
         """The record as JSON values (new containers: changing them leaves the record as it is)."""

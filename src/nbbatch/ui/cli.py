@@ -53,7 +53,7 @@ from nbbatch.store.fetch import FetchWarning, fetch
 from nbbatch.store.known import open_experiment_share
 from nbbatch.store.layout import run_paths
 from nbbatch.store.runfiles import run_ids
-from nbbatch.store.runjson import DONE_STATUSES, RunRecord, Status
+from nbbatch.store.runjson import DONE_STATUSES, RunRecord, Status, cell_label, plain_traceback
 from nbbatch.store.share import open_share
 from nbbatch.ui.data_commands import add_data_parser
 from nbbatch.ui.images_commands import add_images_parser
@@ -252,8 +252,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         api.run_notebook(args.input, args.output, parameters_of(args), kernel=args.kernel, cwd=args.cwd,
                          cell_timeout=args.cell_timeout, log_output=not args.quiet)
-    except PapermillExecutionError as exc:
-        print(f"{Path(args.input).name} failed in cell {exc.exec_count}: {exc.ename}: {exc.evalue} "
+    except PapermillExecutionError as exc:  # the kernel's traceback, then one line naming the cell as the others do
+        print(plain_traceback(exc.traceback) or "", file=sys.stderr)
+        cell = cell_label(getattr(exc, "cell_number", None), exc.source) or "a cell"
+        print(f"{Path(args.input).name} failed in {cell}: {exc.ename}: {exc.evalue} "
               f"(executed notebook with its outputs: {args.output})", file=sys.stderr)
         return 1
     except NotebookStopped as exc:  # the kernel died, or a cell timed out: as a failing cell, one line
@@ -283,7 +285,7 @@ def cmd_run_one(args: argparse.Namespace) -> int:
             from nbbatch.execute.attempts import execute_run  # the notebook runtime: only the commands that run one load
 
             record = execute_run(run, share, context)
-    print(f"{record.run_id}: {record.status}" + (f" ({record.error.summary()})" if record.error else ""))
+    print(f"{record.run_id}: {record.status}" + (f" ({record.error_summary()})" if record.error else ""))
     return 0 if record.status in DONE_STATUSES else 1
 
 

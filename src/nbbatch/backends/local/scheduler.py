@@ -26,12 +26,15 @@ from nbbatch.execute.attempts import SHARE_FAILED, kernel_launch
 from nbbatch.execute.prestart import KernelPool
 from nbbatch.plan.runs import Run
 from nbbatch.store.runfiles import (
+    CANCEL_REQUEST,
     CancelRequests,
     StopEvent,
+    StopRequest,
     cancel_request,
     cancel_requests,
     requested_outcome,
     requester,
+    stop_request,
     write_record,
 )
 from nbbatch.store.runjson import ErrorKind, GpuSharing, RunError, RunRecord, Status
@@ -112,7 +115,7 @@ class LocalScheduler:
                         self.changed.wait(timeout=WAKE_S)
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt):  # Ctrl-C, or SIGTERM/SIGHUP (their names): the records say which
-                self.cancel.stop(cancel_request(f"{str(exc) or 'Ctrl-C (SIGINT)'} to its driver, {requester()}"))
+                self.cancel.stop(cancel_request(f"{str(exc) or 'Ctrl-C (SIGINT)'} to its driver", f", {requester()}"))
             self.stop("interrupted before it started" if isinstance(exc, KeyboardInterrupt)
                       else f"not started: nbbatch error: {exc}")
             raise
@@ -128,7 +131,7 @@ class LocalScheduler:
         self.cancel.set()
         while True:
             try:
-                self.cancel_pending(reason)
+                self.cancel_pending(reason, self.cancel.request)
                 for thread in list(self.active.values()):
                     thread.join()
                 return
@@ -163,8 +166,9 @@ class LocalScheduler:
             self.cancel_pending("not started: " + self.options.halt.reason)
         standing = self.requests.current()
         if self.cancel.is_set() or standing.everything:
+            request = self.asked_to_stop()
             self.cancel.set()
-            self.cancel_pending("cancelled before it started")
+            self.cancel_pending("cancelled before it started", request)
             self.kernels.close()
         return standing
 
@@ -229,9 +233,20 @@ class LocalScheduler:
                 self.share_failures.append(exc)
             self.pending.pop()
 
-    def cancel_pending(self, reason: str) -> None:
-        """Cancel every run not started yet, saying why in its error's reason."""
-        self.end_pending(Status.CANCELLED, RunError("cancelled", "", reason=reason, kind=ErrorKind.CANCELLED))
+    def cancel_pending(self, reason: str, request: StopRequest = CANCEL_REQUEST) -> None:
+        """Cancel every run not started yet, saying why in its error's reason, and who asked (``request``'s sender)."""
+        self.end_pending(*(request if request.status == Status.CANCELLED else CANCEL_REQUEST).outcome(reason=reason))
+
+    def asked_to_stop(self) -> StopRequest:
+        """Who asked the runs to stop: the driver's own stop (Ctrl-C), else a pending run's marker (`nbbatch cancel`)."""
+        if self.cancel.is_set():
+            return self.cancel.request
+        for run in self.pending:
+            with contextlib.suppress(ShareError, OSError):
+                marked = stop_request(self.share, run.experiment, run.run_id)
+                if marked is not None:
+                    return marked
+        return CANCEL_REQUEST
 
     def prestart(self) -> None:
         """Start the kernels of the next runs to start. A GPU run's kernel is started for the GPUs it will most

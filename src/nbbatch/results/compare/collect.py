@@ -21,7 +21,8 @@ from nbbatch.results.status import no_runs_message, order_caption, order_value, 
 from nbbatch.spec.project import find_project
 from nbbatch.store.known import open_experiment_share
 from nbbatch.store.layout import LOG_FILE, METRICS_FILE, OLD_TELEMETRY_FILE, OUTPUT_NOTEBOOK, RUN_RECORD, TELEMETRY_FILE
-from nbbatch.store.runjson import RunRecord
+from nbbatch.store.notebook_io import cell_number
+from nbbatch.store.runjson import RunError, RunRecord
 from nbbatch.store.share import Share, open_share
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -149,11 +150,14 @@ def _flatten(prefix: str, values: Mapping[str, Any], into: dict[str, Any]) -> No
             into[name] = value
 
 
-def _notebook_error(nb: Mapping[str, Any]) -> tuple[int | None, str, str] | None:
-    for index, cell in enumerate(nb.get("cells", [])):
+def _notebook_error(nb: Mapping[str, Any]) -> RunError | None:
+    """The first error output of a notebook, its cell numbered as the user's notebook has it (as run.json's)."""
+    cells = list(nb.get("cells", []))
+    for index, cell in enumerate(cells):
         for output in cell.get("outputs", []) or []:
             if output.get("output_type") == "error":
-                return index, str(output.get("ename", "")), str(output.get("evalue", ""))
+                return RunError(str(output.get("ename", "")), str(output.get("evalue", "")),
+                                cell_index=cell_number(cells, index), cell_source=cell_source(cell))
     return None
 
 
@@ -211,7 +215,7 @@ def _row_from_notebook(nb: Mapping[str, Any], found: _Found) -> dict[str, Any]:
         "duration_s": papermill.get("duration"),
         "started_at": papermill.get("start_time"),
         "ended_at": papermill.get("end_time"),
-        "error": (f"cell {error[0]}: {error[1]}: {error[2]}" if error else None),
+        "error": error.summary() if error else None,
         "source": "notebook",
     }
     _flatten(PARAM, papermill.get("parameters") or {}, row)
@@ -233,7 +237,7 @@ def _row_from_record(record: RunRecord) -> dict[str, Any]:
         "ended_at": record.ended_at,
         "host": record.host,
         "attempts": record.attempts,
-        "error": record.error.summary() if record.error else None,
+        "error": record.error_summary() or None,
         "source": RUN_RECORD,
         **({"trial": record.trial.get("number")} if record.trial else {}),  # a search's trial number
         **({"pruned_at": record.trial.get("step")} if record.trial and record.trial.get("state") == "pruned" else {}),

@@ -237,9 +237,9 @@ class JobsSummaryModel:
         for run_id in missing:
             rows.append({"run_id": run_id, "framework": "", "parameters": {}, "status": "queued", "attempts": 0,
                          "progress": "", "duration_s": None, "gpu_ids": [], "metrics": {}, "error": "",
-                         "parameters_shown": "", "parameters_items": [], "parameters_all": "", "metrics_shown": "",
-                         "metrics_items": [], "duration_text": "", "gpu_text": "", "links": NotebookLinks(None),
-                         "gpu_now_text": ""})
+                         "traceback": "", "parameters_shown": "", "parameters_items": [], "parameters_all": "",
+                         "metrics_shown": "", "metrics_items": [], "duration_text": "", "gpu_text": "",
+                         "links": NotebookLinks(None), "gpu_now_text": ""})
         metric = self.chosen_metric()
         display.add_curves(rows, metric, lambda run_id: self.series(run_id, metric) if metric else ([], []))
         return rows

@@ -233,7 +233,7 @@ class Submission:
                 continue
             self._printed.add(run_id)
             took = f" in {display.format_duration(record.duration_s)}" if record.duration_s else ""
-            why = f" ({record.error.summary()})" if record.error else ""
+            why = f" ({record.error_summary()})" if record.error else ""
             print(f"{run_id}: {record.status}{took}{why}", flush=True)
 
     def cancel(self, runs: Sequence[str] | None = None) -> list[str]:
