@@ -16,6 +16,7 @@ from support.notebooks import make_notebook
 
 import nbbatch
 from nbbatch.api import submit
+from nbbatch.store.layout import experiment_paths, run_paths
 from nbbatch.store.notebook_io import cell_number, stopped_cell, user_cells
 from nbbatch.store.runfiles import cancel_request, stop_request, write_cancel_markers, write_record
 from nbbatch.store.runjson import TRACEBACK_LINES, ErrorKind, RunError, RunRecord, Status, plain_traceback
@@ -96,6 +97,19 @@ def test_a_cancel_says_by_whom_when_and_how_far_in_one_line(utc, tmp_path):
     assert write_cancel_markers(share, "exp", ["r1"], request) == ["r1"]
     _, marked = stop_request(share, "exp", "r1").outcome()
     assert (marked.stopped_by, marked.stopped_at, marked.kind) == ("`nbbatch cancel`", request.at, ErrorKind.CANCELLED)
+
+    # cancelling them all: the experiment's marker is written first (a queued run never starts between the runs'
+    # markers) and says who asked too, for a run whose own marker is not there yet
+    queued_record = RunRecord("r2", "exp", "nb.ipynb", "python3", status=Status.QUEUED)
+    write_record(share, queued_record)
+    written = []
+    real_write = share.write_bytes
+    share.write_bytes = lambda path, data: (written.append(path), real_write(path, data))[1]
+    write_cancel_markers(share, "exp", None, request)
+    assert written == [experiment_paths("exp").cancel, run_paths("exp", "r1").cancel, run_paths("exp", "r2").cancel]
+    share.remove(written[-1])  # as if read before r2's own marker was written
+    _, everything = stop_request(share, "exp", "r2").outcome()
+    assert (everything.stopped_by, everything.stopped_at) == ("`nbbatch cancel`", request.at)
 
     # a cluster's own cancel, and a record of an earlier nbbatch, say their reason, with how far
     scancel = RunError("cancelled", "job 3", reason="cancelled in Slurm (scancel)", kind=ErrorKind.CANCELLED)

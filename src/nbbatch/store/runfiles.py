@@ -237,6 +237,8 @@ def write_cancel_markers(share: Share, experiment: str, ids: list[str] | None = 
     asked = []
     content = json.dumps({"at": request.at or utc_now(), "status": request.status.value, "reason": request.reason,
                           "by": request.by}).encode()
+    if not ids:  # first: no queued run may start while the runs' own markers are written one by one
+        share.write_bytes(experiment_paths(experiment).cancel, content)
     for run_id in list(ids) if ids else run_ids(share, experiment):
         try:
             record = read_record(share, experiment, run_id)
@@ -247,8 +249,6 @@ def write_cancel_markers(share: Share, experiment: str, ids: list[str] | None = 
                 continue
         share.write_bytes(run_paths(experiment, run_id).cancel, content)
         asked.append(run_id)
-    if not ids:
-        share.write_bytes(experiment_paths(experiment).cancel, utc_now().encode())
     return asked
 
 
@@ -260,14 +260,17 @@ def cancel_requested(share: Share, experiment: str, run_id: str | None = None) -
 
 
 def stop_request(share: Share, experiment: str, run_id: str) -> StopRequest | None:
-    """What the run's markers ask (None: nothing). The experiment's marker, or one that cannot be read, is a cancel."""
+    """What the run's markers ask (None: nothing): its own marker's request, else the experiment's (``nbbatch cancel``
+    of them all); a marker that cannot be read (an earlier version's bare time) is a cancel."""
     paths = run_paths(experiment, run_id)
-    try:
-        said = json.loads(share.read_bytes(paths.cancel))
-        by = str(said.get("by") or "")  # earlier versions wrote no sender
-        return StopRequest(Status(said["status"]), str(said["reason"]), by=by, at=str(said.get("at") or "") if by else "")
-    except (ShareError, OSError, ValueError, KeyError, TypeError):
-        pass
+    for marker in reversed(paths.cancel_markers):  # the run's own first
+        try:
+            said = json.loads(share.read_bytes(marker))
+            by = str(said.get("by") or "")  # earlier versions wrote no sender
+            return StopRequest(Status(said["status"]), str(said["reason"]), by=by,
+                               at=str(said.get("at") or "") if by else "")
+        except (ShareError, OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
     return CANCEL_REQUEST if any(share.exists(marker) for marker in paths.cancel_markers) else None
 
 
