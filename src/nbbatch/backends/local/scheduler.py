@@ -279,6 +279,7 @@ class LocalScheduler:
             with self.changed:  # not while a pass opens its GPUs to others (open_settled)
                 self.pool.release(lease)
                 self.backend.cores.give_back(run.run_id)
+                self.requests.expire()  # a run that ended may have been cancelled: the next pass reads the requests
                 self.unmeasured.pop(run.run_id, None)
                 self.samplers.pop(run.run_id, None)
                 self.opened.pop(run.run_id, None)
@@ -390,6 +391,11 @@ class CancelWatch:
         self.poll = poll_interval(share)
         self.failures = 0
         self._last = CancelRequests()
+        self._next = 0.0
+
+    def expire(self) -> None:
+        """Read the requests again at the next :meth:`current`, however recent the last listing (a run was just
+        stopped by one: its watchdog saw it before this view, and no queued run may start in between)."""
         self._next = 0.0
 
     def current(self) -> CancelRequests:
