@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 import nbformat
 import pytest
 from support.notebooks import make_notebook
+from support.waiting import wait_running
 
 import nbbatch
 from nbbatch.api import submit
@@ -145,16 +146,6 @@ def test_a_failed_run_shows_its_traceback_and_its_cell_as_the_notebook_numbers_i
     assert f"nb.ipynb failed in {expected} (executed notebook" in err
 
 
-def _wait_running(name: str, cells_done: int, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if any(r.status == "running" and r.cells_done >= cells_done for r in nbbatch.status(name)):
-                return
-        except nbbatch.NbbatchError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"no run of {name} started within {timeout:g} s")
 
 
 @pytest.mark.kernel
@@ -164,7 +155,7 @@ def test_a_cancelled_run_says_who_when_and_how_far_not_that_its_kernel_died(proj
                            "resources: {max_parallel: 1}\n")
     thread = threading.Thread(target=lambda: submit(exp, progress=False))
     thread.start()
-    _wait_running("stop", 2)
+    wait_running("stop", 2)
     assert main(["cancel", "stop"]) == 0
     thread.join(60)
     capsys.readouterr()

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from support.notebooks import make_notebook
 from support.shares import ShareDouble
+from support.waiting import wait_running
 
 import nbbatch
 from nbbatch.api import prepare, submit
@@ -37,16 +38,6 @@ def _statuses(name: str) -> dict[int, str]:
     return {r.parameters["A"]: r.status for r in nbbatch.status(name)}
 
 
-def _wait_running(name: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if any(r.status == "running" for r in nbbatch.status(name)):
-                return
-        except nbbatch.NbbatchError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"no run of {name} started within {timeout:g} s")
 
 
 # --- 1. a cancel belongs to one submission --------------------------------------------------------
@@ -60,7 +51,7 @@ def test_runs_cancelled_in_one_submission_run_in_the_next(project, write_experim
     box: dict = {}
     thread = threading.Thread(target=lambda: box.setdefault("result", submit(exp, progress=False)))
     thread.start()
-    _wait_running("again")
+    wait_running("again", 0)
     assert nbbatch.cancel("again")
     thread.join(60)
     assert set(_statuses("again").values()) == {"cancelled"}
@@ -156,7 +147,7 @@ def test_sigterm_to_submit_leaves_no_run_running(project, write_experiment):
     proc = subprocess.Popen([sys.executable, "-m", "nbbatch", "submit", "exp.yaml", "-q"], cwd=project,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_running("term", timeout=90)
+        wait_running("term", 0, timeout=90)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not any(r.status == "running" and r.parameters["A"] > 1
                                                       for r in nbbatch.status("term")):

@@ -10,11 +10,11 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 from support.notebooks import make_notebook
 from support.records import two_runs, write_records
+from support.waiting import wait_running
 
 import nbbatch
 from nbbatch.api import submit
@@ -75,16 +75,6 @@ def test_status_json_has_a_row_for_each_damaged_record_and_shows_a_record_under_
     assert "toy-8a2b3c4d5e" in capsys.readouterr().out
 
 
-def _wait_running(name: str, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if any(r.status == "running" and r.cells_done >= 1 for r in nbbatch.status(name)):
-                return
-        except nbbatch.NbbatchError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"no run of {name} started within {timeout:g} s")
 
 
 @pytest.mark.kernel
@@ -93,7 +83,7 @@ def test_a_cancelled_run_says_cancelled_by_whom_and_when_not_that_its_kernel_die
     exp = write_experiment("experiment: stop\nnotebooks: [nb.ipynb]\nparameters: {A: 1}\n")
     thread = threading.Thread(target=lambda: submit(exp, progress=False))
     thread.start()
-    _wait_running("stop")
+    wait_running("stop", 1)
     assert nbbatch.cancel("stop")
     thread.join(60)
     [record] = nbbatch.status("stop")
@@ -108,7 +98,7 @@ def test_a_cancelled_run_says_cancelled_by_whom_and_when_not_that_its_kernel_die
     proc = subprocess.Popen([sys.executable, "-m", "nbbatch", "submit", "exp.yaml", "-q"], cwd=project,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_running("term")
+        wait_running("term", 1)
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     finally:
