@@ -12,6 +12,7 @@ import shlex
 import socket
 from pathlib import Path
 
+import nbformat
 import pytest
 from support.containers import BASE, chainer_experiment, containers_labelled, nothing_left, on_cluster, podman
 from support.machine import REPO
@@ -158,8 +159,9 @@ def test_cancel_scancel_and_sigterm_of_a_running_container_run_leave_no_containe
                                                                                  tmp_path):
     """``nbbatch cancel`` reaches the run inside its container through the share's cancel marker (the run ends
     itself, well within the grace before scancel); Slurm's scancel (as its time limit) ends the job, recorded as
-    Slurm says; SIGTERM to the launcher alone (``scancel --batch``) makes it stop the container, which is no process
-    of the job (the engine's monitor runs it): without that, the container would run on after its job."""
+    Slurm says; SIGTERM to the launcher alone (``scancel --batch``) makes it stop the container (SIGTERM, then
+    SIGKILL), which is no process of the job (the engine's monitor runs it): without that, the container would run on
+    after its job; the run inside saves its notebook so far."""
     share = tmp_path / "share"
     fs = FileShare(share)
     names = ("slurm-ctr-cancel", "slurm-ctr-scancel", "slurm-ctr-term")
@@ -180,7 +182,10 @@ def test_cancel_scancel_and_sigterm_of_a_running_container_run_leave_no_containe
     slurm_cluster.run("scancel", "--batch", "--signal=TERM", jobs["slurm-ctr-term"].job_id)
     scancelled, terminated = (_final(share, name) for name in ("slurm-ctr-scancel", "slurm-ctr-term"))
     assert scancelled.status == "cancelled", scancelled.error
-    assert terminated.status == "failed" and "SIGTERM received: the container of run" in terminated.error.evalue
+    # the container is stopped with SIGTERM first: the run inside keeps its notebook so far and says why (issue 45)
+    assert terminated.status == "cancelled" and "SIGTERM" in terminated.error.reason, terminated.error
+    partial = nbformat.read(share / "slurm-ctr-term" / terminated.run_id / "output.ipynb", as_version=4)
+    assert any(cell.get("outputs") for cell in partial.cells), "the cells run so far, with their outputs"
     for name in names:
         nothing_left(name)
 
