@@ -366,16 +366,22 @@ def push(source: Path, share: Share, prefix: str = "", *, delete: bool = False,
         raise
     result.files = sorted(files.values(), key=lambda e: e.name)
     if refused:
-        result.refused = dict(sorted(refused.items()))
-        reasons = "; ".join(f"`{name}`: {why}" + (f" (e.g. `{suggest(name)}`)" if suggest(name) != name else "")
-                            for name, why in result.refused.items())  # a case clash has no name to suggest
-        if len(refused) == len(listing):
-            raise ShareError(f"none of the {len(listing)} file(s) of {source} was pushed: {_where(share, prefix)} "
-                             f"cannot hold their names: {reasons}. Rename them and push again")
-        result.warnings.append(f"{len(refused)} file(s) of {source} left out: {_where(share, prefix)} cannot hold their "
-                               f"names: {reasons}. Rename them and push again; the other "
-                               f"{len(listing) - len(refused)} file(s) were pushed")
+        _tell_refused(result, refused, len(listing), source, share, prefix)
     return result
+
+
+def _tell_refused(result: SyncResult, refused: dict[str, str], listed: int, source: Path, share: Share,
+                  prefix: str) -> None:
+    """Name the files left out because the share cannot hold their names (a warning), or fail when none was pushed."""
+    result.refused = dict(sorted(refused.items()))
+    reasons = "; ".join(f"`{name}`: {why}" + (f" (e.g. `{suggest(name)}`)" if suggest(name) != name else "")
+                        for name, why in result.refused.items())  # a case clash has no name to suggest
+    if len(refused) == listed:
+        raise ShareError(f"none of the {listed} file(s) of {source} was pushed: {_where(share, prefix)} "
+                         f"cannot hold their names: {reasons}. Rename them and push again")
+    result.warnings.append(f"{len(refused)} file(s) of {source} left out: {_where(share, prefix)} cannot hold their "
+                           f"names: {reasons}. Rename them and push again; the other "
+                           f"{listed - len(refused)} file(s) were pushed")
 
 
 SEPARATOR_IN_NAME = "it holds a backslash (or starts like a drive, `C:`), which shares take as a separator"
