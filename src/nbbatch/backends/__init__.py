@@ -1,4 +1,5 @@
-"""Backends registered by name, like papermill's engines: ``local`` (default), ``azureml``, ``ray``, ``slurm``.
+"""Backends registered by name, like papermill's engines: ``local`` (default), ``azureml``, ``ray``, ``slurm``,
+``kubernetes``.
 
 A backend is a :class:`~nbbatch.backends.base.Backend` subclass in one module (or small package),
 registered with :func:`register_backend` or through the ``nbbatch.backends`` entry-point group
@@ -23,6 +24,7 @@ _BUILTIN = {
     "azureml": "nbbatch.backends.azureml:AzureMLBackend",
     "ray": "nbbatch.backends.ray:RayBackend",
     "slurm": "nbbatch.backends.slurm:SlurmBackend",
+    "kubernetes": "nbbatch.backends.kubernetes:KubernetesBackend",
 }
 _EXTRAS = {"azureml": "azure", "ray": "ray"}
 # A built-in backend's node placement hook, where its class cannot load on the node (Azure ML's job images carry
