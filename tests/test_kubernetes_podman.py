@@ -1,0 +1,348 @@
+"""The kubernetes backend's pods run for real, with ``podman kube play`` (no cluster can run on these machines).
+
+``nbbatch.submit`` runs as a user runs it, against a stand-in for the backend's API (:class:`TakesEverything`: a
+cluster that accepts every object and keeps what it was asked to make), so the launches, the notebook copy and the
+queued records are written to the share by the backend's own code and its Jobs are its own manifests. Each Job's
+pods are derived as the Job controller derives them (``pod_for_index``) and played on a :class:`support.kubeplay.KubeNode`
+(what podman 4.3 does of a Pod and what the node does first: see its docstring): a sweep's index runs its notebook
+and records it on the share through the claim's volume; a 2-pod PyTorch gang meets at ``<job>-0.<job>:29500``
+through its headless Service's DNS, each pod in its own network namespace, and ends with equal weights on both ranks;
+a pod stopped as a Job deletion stops it (SIGTERM, then SIGKILL after its grace) keeps its notebook so far and ends
+``cancelled``, exiting 1 as the Job's pod failure policy expects. Nothing is left behind.
+
+The pods run this checkout's nbbatch, mounted over the image's (as the local container runner does): an image is
+rebuilt only when its pins change, so the session's image may hold an older nbbatch.
+
+Needs root, podman, runc and mmdebstrap (``.ci/run`` installs them); skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import nbformat
+import pytest
+import yaml
+from support.kubeplay import KubeNode, expand, give_to_group, leftovers, playable
+from support.waiting import wait_until
+
+import nbbatch
+from nbbatch import api
+from nbbatch.backends.kubernetes import backend as kubernetes_backend
+from nbbatch.backends.kubernetes.manifests import (
+    RECORDED_NOT_DONE,
+    PodSettings,
+    PodShape,
+    gang_job,
+    gang_service,
+    sweep_job,
+)
+from nbbatch.backends.kubernetes.states import KubernetesJob
+from nbbatch.execute.launch import LaunchSpec
+from nbbatch.metrics import metrics_from_notebook
+from nbbatch.plan.runs import Run
+from nbbatch.spec.resources import Distribution
+from nbbatch.store.runfiles import load_records, read_record
+from nbbatch.store.share import FileShare
+
+try:  # the Job controller's derivation, shared with the fake API server's controller
+    from fakes.kubernetes_jobs import pod_for_index
+except ImportError:  # TEMPORARY, until tests/fakes/kubernetes_jobs.py (issue 47's fake API server) is merged: the
+    # minimal derivation of the controller's Pod for an index; delete this branch then
+    def pod_for_index(job: dict[str, Any], index: int) -> dict[str, Any]:
+        name, template = job["metadata"]["name"], copy.deepcopy(job["spec"]["template"])
+        labels = {**template["metadata"].get("labels", {}), "batch.kubernetes.io/job-name": name, "job-name": name,
+                  "batch.kubernetes.io/job-completion-index": str(index)}
+        spec = {**template["spec"], "hostname": f"{name}-{index}"}
+        suffix = "".join(random.choice("bcdfghjklmnpqrstvwxz2456789") for _ in range(5))
+        return {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": f"{name}-{index}-{suffix}", "namespace": job["metadata"]["namespace"],
+                             "labels": labels, "annotations": {"batch.kubernetes.io/job-completion-index": str(index)}},
+                "spec": spec}
+
+SOURCE = Path(nbbatch.__file__).resolve().parent
+IN_IMAGE_SOURCE = "/opt/nbbatch/src/nbbatch"  # the image's nbbatch (dockerfiles/Dockerfile)
+CLAIM = "results"
+NAMESPACE = "nbbatch-test"
+RUN_TIMEOUT_S = 420
+
+
+def real(test):
+    """A test that plays pods of a framework image: marked container and kernel."""
+    return pytest.mark.container(pytest.mark.kernel(pytest.mark.timeout(600)(test)))
+
+
+# --- the translation to what kube play 4.3 takes (no podman needed) -----------------------------------------------
+
+
+def _job(gang: bool = False) -> dict[str, Any]:
+    settings = PodSettings(namespace="ml", share_volume={"persistentVolumeClaim": {"claimName": CLAIM}},
+                           share_sub_path="nbbatch", fs_group=10001, env={"MODE": "a$(MODE)b"})
+    shape = PodShape("img:1", cpu="1", memory="2Gi")
+    run = Run("r1", "exp", "nb.ipynb", "nb.ipynb", "k")
+    if gang:
+        run = Run("r1", "exp", "nb.ipynb", "nb.ipynb", "k", distribution=Distribution("torch", nodes=2, processes_per_node=1, gpus_per_node=0))
+        return gang_job("nb-exp-abc123-0", "exp", "abc123", run, shape, settings, "/mnt/nbbatch/share/l")
+    return sweep_job("nb-exp-abc123-0", "exp", "abc123", [run, run], shape, settings, "/mnt/nbbatch/share/l", 2, True)
+
+
+def test_kubernetes_variable_expansion():
+    values = {"A": "1", "EMPTY": ""}
+    assert expand("x$(A)y$(EMPTY)z", values) == "x1yz"
+    assert expand("$(UNKNOWN) $$(A) $${A} ${A} $ $", values) == "$(UNKNOWN) $(A) ${A} ${A} $ $"
+    assert expand("$(A", values) == "$(A"
+
+
+def test_a_pod_becomes_what_kube_play_takes(tmp_path):
+    """The kubelet's part, done before kube play: fieldRefs resolved (podman refuses metadata.namespace), ``$(VAR)``
+    expanded, the claim its volume, a subPath its own folder, fsGroup the container's group, emptyDirs the pod's own
+    folders (a memory one on a tmpfs), extra mounts read-only, the node's label."""
+    pod = pod_for_index(_job(), 1)
+    pod["spec"]["containers"][0]["env"].append({"name": "NS", "valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.namespace"}}})
+    claim = tmp_path / "volume"
+    ready = playable(pod, {CLAIM: ("vol-x", claim)}, tmp_path / "scratch", tmp_path / "memory",
+                     mounts={"/opt/src": tmp_path / "src"}, labels={"nbbatch.io/kubeplay": "t"})
+    spec = ready.manifest["spec"]
+    (container,) = spec["containers"]
+    env = {v["name"]: v["value"] for v in container["env"]}
+    assert env["JOB_COMPLETION_INDEX"] == "1" and env["NS"] == "ml" and env["MODE"] == "a$(MODE)b"
+    assert all("valueFrom" not in v for v in container["env"])
+    assert container["command"] == pod["spec"]["containers"][0]["command"]  # no $(…) in the backend's command
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert volumes["share"] == {"name": "share", "persistentVolumeClaim": {"claimName": "vol-x"}}
+    shared = volumes[mounts["/mnt/nbbatch/share"]["name"]]
+    assert shared["hostPath"]["path"] == str(claim / "nbbatch") and "subPath" not in mounts["/mnt/nbbatch/share"]
+    assert volumes["dshm"]["hostPath"]["path"] == str(tmp_path / "memory" / "dshm")
+    assert volumes[mounts["/opt/src"]["name"]]["hostPath"]["path"] == str(tmp_path / "src")
+    assert mounts["/opt/src"]["readOnly"] is True
+    assert spec["securityContext"] == {"supplementalGroups": [10001]} and ready.fs_group == 10001
+    assert ready.owned == [claim] and set(ready.folders) == {claim / "nbbatch", tmp_path / "memory" / "dshm"}
+    assert ready.grace_s == 30 and ready.manifest["metadata"]["labels"]["nbbatch.io/kubeplay"] == "t"
+    with pytest.raises(ValueError, match="claim 'results', which the node does not have"):
+        playable(pod, {"other-claim": ("v", claim)}, tmp_path, tmp_path)
+
+
+def test_a_gang_pod_is_named_in_dns_only_by_a_headless_service_that_selects_it():
+    """As the cluster DNS: ``<hostname>.<subdomain>`` exists when a headless Service named as the subdomain selects
+    the pod (the gang's Service selects its Job's pods by the label the Job controller gives them)."""
+    job = _job(gang=True)
+    job["metadata"]["uid"] = "u1"
+    pods = [pod_for_index(job, index) for index in (0, 1)]
+    node = KubeNode()
+    try:
+        assert [node.dns_name(pod) for pod in pods] == [None, None]
+        node.serve(gang_service(job))
+        assert [node.dns_name(pod) for pod in pods] == ["nb-exp-abc123-0-0.nb-exp-abc123-0", "nb-exp-abc123-0-1.nb-exp-abc123-0"]
+        assert node.dns_name({**pods[0], "metadata": {**pods[0]["metadata"], "labels": {}}}) is None
+    finally:
+        node.close()
+
+
+def test_fs_group_ownership_is_the_kubelets(tmp_path):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "f").write_text("x")
+    (tmp_path / "a" / "f").chmod(0o600)
+    give_to_group(tmp_path / "a", 4242)
+    for path, mode in ((tmp_path / "a", 0o2775), (tmp_path / "a" / "b", 0o2775), (tmp_path / "a" / "f", 0o660)):
+        assert path.stat().st_gid == 4242 and path.stat().st_mode & 0o7777 == mode, path
+
+
+# --- for real -------------------------------------------------------------------------------------------------------
+
+
+class TakesEverything:
+    """The backend's ``api`` on a cluster that accepts every object: what it is asked to make, kept with a uid.
+    Dry runs are answered as the server answers them (the object, unstored)."""
+
+    server = "https://kubeplay.invalid:6443"
+
+    def __init__(self, namespace: str, *_args: Any, **_kwargs: Any) -> None:
+        self.namespace, self.created = namespace, []
+
+    def read_namespace(self) -> dict[str, Any]:
+        return {"metadata": {"name": self.namespace}}
+
+    def version(self) -> tuple[int, int]:
+        return (1, 30)
+
+    def limit_ranges(self) -> list[dict[str, Any]]:
+        return []
+
+    def create(self, manifest: Mapping[str, Any], dry_run: bool = False) -> dict[str, Any]:
+        made = copy.deepcopy(dict(manifest))
+        if not dry_run:
+            made["metadata"]["uid"] = str(uuid.uuid4())
+            self.created.append(made)
+        return made
+
+    def jobs(self, selector: str) -> list[dict[str, Any]]:
+        return [made for made in self.created if made["kind"] == "Job" and _selected(selector, made)]
+
+    def pods(self, selector: str) -> list[dict[str, Any]]:
+        return []
+
+    def of_kind(self, kind: str) -> list[dict[str, Any]]:
+        return [made for made in self.created if made["kind"] == kind]
+
+
+def _selected(selector: str, made: Mapping[str, Any]) -> bool:
+    labels = made["metadata"].get("labels") or {}
+    return all(labels.get(k) == v for k, v in (term.split("=", 1) for term in selector.split(",")))
+
+
+@pytest.fixture
+def cluster(monkeypatch) -> Iterator[list[TakesEverything]]:
+    """The APIs the kubernetes backends of the test were given (one per backend made)."""
+    made: list[TakesEverything] = []
+
+    def api_of(namespace: str, *args: Any, **kwargs: Any) -> TakesEverything:
+        made.append(TakesEverything(namespace))
+        return made[-1]
+
+    monkeypatch.setattr(kubernetes_backend, "KubernetesApi", api_of)
+    yield made
+
+
+@pytest.fixture
+def volume(tmp_path) -> Path:
+    """The claim's folder (its PersistentVolume); the experiment's share is its ``nbbatch`` folder (``share_path``,
+    the pods' subPath)."""
+    folder = tmp_path / "volume"
+    (folder / "nbbatch").mkdir(parents=True)
+    return folder
+
+
+@pytest.fixture
+def node(volume) -> Iterator[KubeNode]:
+    """A node whose claim ``results`` is ``volume``, with this checkout's nbbatch over the image's; checks at the end
+    that it left nothing behind."""
+    with KubeNode(claims={CLAIM: volume}, mounts={IN_IMAGE_SOURCE: SOURCE}) as the_node:
+        yield the_node
+    assert leftovers(the_node.token) == []
+
+
+def _experiment(tmp_path: Path, volume: Path, name: str, framework: str, image: str, **more: Any) -> Path:
+    spec = {"experiment": name, "frameworks": [framework], "share": str(volume / "nbbatch"),
+            "backend": {"name": "kubernetes", "namespace": NAMESPACE, "share": {"pvc": CLAIM}, "share_path": "nbbatch",
+                        "images": {framework: image}}, **more}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _submitted(cluster: list[TakesEverything], path: Path) -> TakesEverything:
+    """Submit the experiment as a user does (``nbbatch.submit``, not waiting: the Jobs are made)."""
+    api.submit(str(path), wait=False, progress=False)
+    (made,) = cluster
+    return made
+
+
+def _by_index(share: Path, experiment: str, job: Mapping[str, Any]) -> dict[int, LaunchSpec]:
+    """The launches of ``job``'s indexes, read where its pods read them (the folder each run's Job file names)."""
+    fs, launches = FileShare(share), {}
+    for record in load_records(fs, experiment)[0]:
+        where = KubernetesJob.read(fs, experiment, record.run_id)
+        assert where is not None and where.job == job["metadata"]["name"], record.run_id
+        launches[where.index] = LaunchSpec.from_json((share / where.submission / f"{where.index}.json").read_text())
+        assert launches[where.index].run.run_id == record.run_id
+    return launches
+
+
+@real
+def test_an_index_of_a_sweep_job_runs_its_run_and_records_it_on_the_claim(chainer_image, cluster, node, volume,
+                                                                          tmp_path):
+    """Index 1 of a 2-run Chainer sweep: its pod reads its launch and the notebook where the backend wrote them,
+    runs as the image's user (uid 10001) and writes the run's record, log and notebook to the claim's volume.
+
+    The claim's folder is given to the Job's ``fsGroup`` (10001) before the pod starts, as the kubelet does for a
+    volume whose driver supports ownership (a ReadWriteMany claim of e.g. CephFS or a CSI driver with fsGroupPolicy
+    File); without it the pod could not write into the run folders the backend made (root's, 0755)."""
+    name = "kube-sweep"
+    path = _experiment(tmp_path, volume, name, "chainer", chainer_image.ref,
+                       parameters={"DATASET": "digits", "EPOCHS": 1, "MAX_SAMPLES": 200},
+                       sweep={"grid": {"LR": [0.01, 0.05]}})
+    made = _submitted(cluster, path)
+    (job,) = made.of_kind("Job")
+    assert job["spec"]["completions"] == 2 and job["spec"]["template"]["spec"]["securityContext"]["fsGroup"] == 10001
+    share = volume / "nbbatch"
+    launches = _by_index(share, name, job)
+    assert sorted(launches) == [0, 1]
+    with node.play(pod_for_index(job, 1)) as pod:
+        code = pod.wait(RUN_TIMEOUT_S)
+        log = pod.logs()
+    assert code == 0, log[-3000:]
+    fs = FileShare(share)
+    ran, other = read_record(fs, name, launches[1].run.run_id), read_record(fs, name, launches[0].run.run_id)
+    assert ran.status == "succeeded", (ran.error, log[-3000:])
+    assert ran.backend == "kubernetes" and ran.metrics["accuracy"] > 0
+    assert ran.parameters["LR"] == launches[1].run.parameters["LR"]
+    assert other.status == "queued"  # index 0's pod was never played
+    folder = share / name / ran.run_id
+    notebook = nbformat.read(folder / "output.ipynb", as_version=4)
+    assert metrics_from_notebook(notebook)["accuracy"] == ran.metrics["accuracy"]
+    assert (folder / "run.json").stat().st_uid == 10001  # the pod's user wrote it
+
+
+@real
+def test_a_gang_job_of_two_pods_meets_through_its_headless_service(pytorch_image, cluster, node, volume, tmp_path):
+    """A 2-node PyTorch run (DDP over gloo): its Job's two pods, each in its own network namespace, its ranks meeting
+    at ``<job>-0.<job>:29500``, the name its headless Service gives index 0's pod; equal weights on both ranks."""
+    name = "kube-gang"
+    path = _experiment(tmp_path, volume, name, "pytorch", pytorch_image.ref,
+                       parameters={"DATASET": "digits", "EPOCHS": 2, "MAX_SAMPLES": 400},
+                       resources={"nodes": 2, "processes_per_node": 1}, distribution={"type": "torch"})
+    made = _submitted(cluster, path)
+    (job,), (service,) = made.of_kind("Job"), made.of_kind("Service")
+    node.serve(service)
+    manifests = [pod_for_index(job, index) for index in range(job["spec"]["completions"])]
+    assert [node.dns_name(pod) for pod in manifests] == [f"{job['metadata']['name']}-{i}.{job['metadata']['name']}"
+                                                         for i in (0, 1)]
+    pods = [node.play(pod) for pod in manifests]
+    codes = [pod.wait(RUN_TIMEOUT_S) for pod in pods]
+    logs = [pod.logs()[-2000:] for pod in pods]
+    assert codes == [0, 0], logs
+    run_id = _by_index(volume / "nbbatch", name, job)[0].run.run_id
+    record = read_record(FileShare(volume / "nbbatch"), name, run_id)
+    assert record.status == "succeeded", (record.error, logs)
+    assert record.world_size == 2 and [(r.node, r.status) for r in record.ranks] == [(0, "succeeded"), (1, "succeeded")]
+    folder = volume / "nbbatch" / name / run_id
+    zero, one = (metrics_from_notebook(nbformat.read(folder / "ranks" / str(r) / "output.ipynb", 4)) for r in (0, 1))
+    assert zero["world_size"] == one["world_size"] == 2
+    assert zero["weights_checksum"] == pytest.approx(one["weights_checksum"], rel=1e-6)
+    assert abs(zero["weights_checksum"] - zero["initial_weights_checksum"]) > 1e-3
+
+
+@real
+def test_a_pod_stopped_as_its_job_is_deleted_keeps_its_notebook_and_ends_cancelled(chainer_image, cluster, node,
+                                                                                   volume, tmp_path):
+    """SIGTERM to the pod's container mid-cell (a Job deleted with its pods; SIGKILL after the pod's grace period):
+    run-one stops the kernel, saves the notebook as far as it ran and records ``cancelled``; it exits 1, the code the
+    Job's pod failure policy fails the index on, without a retry."""
+    name = "kube-stop"
+    path = _experiment(tmp_path, volume, name, "chainer", chainer_image.ref,
+                       parameters={"DATASET": "digits", "EPOCHS": 500, "MAX_SAMPLES": 1000})
+    made = _submitted(cluster, path)
+    (job,) = made.of_kind("Job")
+    fs = FileShare(volume / "nbbatch")
+    with node.play(pod_for_index(job, 0)) as pod:
+        running = wait_until(lambda: next((r for r in load_records(fs, name)[0]
+                                           if r.status == "running" and r.cells_done >= 2), None),
+                             timeout=RUN_TIMEOUT_S, message="the run running its cells", interval=0.5)
+        pod.terminate()
+        code = pod.wait(120)
+        log = pod.logs()
+    assert code == RECORDED_NOT_DONE, log[-3000:]
+    record = read_record(fs, name, running.run_id)
+    assert record.status == "cancelled" and "SIGTERM" in (record.error.reason or ""), (record.error, log[-3000:])
+    partial = nbformat.read(volume / "nbbatch" / name / running.run_id / "output.ipynb", as_version=4)
+    executed = [cell for cell in partial.cells if cell.get("execution_count")]
+    assert 2 <= len(executed) < len(partial.cells), "the cells run so far, kept"
+    assert json.loads((volume / "nbbatch" / name / running.run_id / "run.json").read_text())["status"] == "cancelled"
