@@ -29,7 +29,7 @@ from typing import Any
 import nbformat
 import pytest
 import yaml
-from support.kubeplay import KubeNode, expand, give_to_group, leftovers, playable
+from support.kubeplay import KubeNode, expand, give_to_group, leftovers, playable, resolved_env
 from support.waiting import wait_until
 
 import nbbatch
@@ -87,7 +87,8 @@ def _job(gang: bool = False) -> dict[str, Any]:
     shape = PodShape("img:1", cpu="1", memory="2Gi")
     run = Run("r1", "exp", "nb.ipynb", "nb.ipynb", "k")
     if gang:
-        run = Run("r1", "exp", "nb.ipynb", "nb.ipynb", "k", distribution=Distribution("torch", nodes=2, processes_per_node=1, gpus_per_node=0))
+        run = Run("r1", "exp", "nb.ipynb", "nb.ipynb", "k",
+                  distribution=Distribution("torch", nodes=2, processes_per_node=1, gpus_per_node=0))
         return gang_job("nb-exp-abc123-0", "exp", "abc123", run, shape, settings, "/mnt/nbbatch/share/l")
     return sweep_job("nb-exp-abc123-0", "exp", "abc123", [run, run], shape, settings, "/mnt/nbbatch/share/l", 2, True)
 
@@ -103,7 +104,7 @@ def test_a_pod_becomes_what_kube_play_takes(tmp_path):
     """The kubelet's part, done before kube play: fieldRefs resolved (podman refuses metadata.namespace), ``$(VAR)``
     expanded, the claim its volume, a subPath its own folder, fsGroup the container's group, emptyDirs the pod's own
     folders (a memory one on a tmpfs), extra mounts read-only, the node's label."""
-    pod = pod_for_index(_job(), 1)
+    pod = pod_for_index(_job(gang=True), 1)
     pod["spec"]["containers"][0]["env"].append({"name": "NS", "valueFrom": {"fieldRef": {
         "fieldPath": "metadata.namespace"}}})
     claim = tmp_path / "volume"
@@ -114,6 +115,7 @@ def test_a_pod_becomes_what_kube_play_takes(tmp_path):
     env = {v["name"]: v["value"] for v in container["env"]}
     assert env["JOB_COMPLETION_INDEX"] == "1" and env["NS"] == "ml" and env["MODE"] == "a$(MODE)b"
     assert all("valueFrom" not in v for v in container["env"])
+    assert "ports" not in container
     assert container["command"] == pod["spec"]["containers"][0]["command"]  # no $(…) in the backend's command
     volumes = {v["name"]: v for v in spec["volumes"]}
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
@@ -144,6 +146,18 @@ def test_a_gang_pod_is_named_in_dns_only_by_a_headless_service_that_selects_it()
         assert node.dns_name({**pods[0], "metadata": {**pods[0]["metadata"], "labels": {}}}) is None
     finally:
         node.close()
+
+
+def test_the_backends_env_reaches_the_pod_as_written():
+    """Kubernetes expands ``$(VAR)`` in env values and makes ``$$`` one ``$``: the backend's ``env:`` values are
+    escaped, so the pod gets them as written, as every other backend passes them on."""
+    written = {"LITERAL": "a$(JOB_COMPLETION_INDEX)b$$c$d", "PLAIN": "x y"}
+    settings = PodSettings(namespace="ml", share_volume={"persistentVolumeClaim": {"claimName": CLAIM}}, env=written)
+    run = Run("r1", "exp", "nb.ipynb", "nb.ipynb", "k")
+    job = sweep_job("nb-exp-abc123-0", "exp", "abc123", [run, run], PodShape("img:1"), settings, "/mnt/l", 2, True)
+    pod = pod_for_index(job, 1)
+    env = {v["name"]: v["value"] for v in resolved_env(pod, pod["spec"]["containers"][0])}
+    assert {k: env[k] for k in written} == written and env["JOB_COMPLETION_INDEX"] == "1"
 
 
 def test_fs_group_ownership_is_the_kubelets(tmp_path):

@@ -24,6 +24,9 @@ What ``podman kube play`` 4.3.1 does with a Pod, as tried on this machine (runc,
   are one volume, on disk; ``medium: Memory`` ignored): here a folder of the pod's own, under the host's /dev/shm (a
   tmpfs) for ``medium: Memory``; ``terminationGracePeriodSeconds`` (podman stops after 10 s):
   :meth:`PlayedPod.terminate` uses it; ``subdomain``: the cluster DNS of a headless Service, see below;
+* different: a ``containerPort`` without ``hostPort`` is published on the host's port of that number (so a second
+  pod with the same port cannot start: "cannot listen on the TCP port: listen tcp4 :29500: bind: address already in
+  use"); Kubernetes publishes nothing, so such ports are dropped here (pods reach each other by address anyway);
 * a claim's named volume is ``podman volume create --opt type=none --opt o=bind,uid=U,gid=G --opt device=DIR``:
   without ``uid``/``gid`` (the folder's own owner) podman chowns DIR to the container's user the first time a
   container mounts the new volume, which no cluster does.
@@ -218,6 +221,10 @@ def playable(pod: Mapping[str, Any], claims: Mapping[str, tuple[str, Path]], scr
 
 def _playable_container(pod: Mapping[str, Any], container: dict[str, Any], hosts: Mapping[str, Path | None],
                         volumes: list[dict[str, Any]], result: Playable, mounts: list[tuple[str, Path]]) -> None:
+    # a containerPort without hostPort only documents the port on Kubernetes; podman 4.3 publishes it on the host
+    container["ports"] = [port for port in container.get("ports") or [] if "hostPort" in port]
+    if not container["ports"]:
+        del container["ports"]
     env = resolved_env(pod, container)
     container["env"] = env
     variables = {v["name"]: v["value"] for v in env}

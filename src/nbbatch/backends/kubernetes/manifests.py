@@ -116,6 +116,12 @@ def labels(experiment: str, submission: str) -> dict[str, str]:
     return {MANAGED_BY: "nbbatch", EXPERIMENT_LABEL: label_value(experiment), SUBMISSION_LABEL: submission}
 
 
+def _as_written(value: str) -> str:
+    """``value`` escaped for a container's env value: Kubernetes expands ``$(VAR)`` there and makes ``$$`` one ``$``
+    (``$$`` escapes both), so a value reaches the pod as the user wrote it, as on every backend."""
+    return value.replace("$", "$$")
+
+
 def _command(python: str, launch: str, gang: bool) -> list[str]:
     """The container's command: run-one on ``launch`` (a shell word). Kubernetes tells a pod its index in
     ``JOB_COMPLETION_INDEX``; a gang's node takes it as its rank (nbbatch's own ``NBBATCH_NODE_RANK``)."""
@@ -141,7 +147,7 @@ def pod_template(shape: PodShape, settings: PodSettings, launch: str, meta_label
     the share and a memory-backed /dev/shm (data loaders' shared memory), the user's placement settings."""
     env = [{"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {
         "fieldPath": f"metadata.annotations['{INDEX_LABEL}']"}}}]
-    env += [{"name": k, "value": str(v)} for k, v in sorted(settings.env.items())]
+    env += [{"name": k, "value": _as_written(str(v))} for k, v in sorted(settings.env.items())]
     if gang is not None:
         env.append({"name": "NBBATCH_ENDPOINTS", "value": gang})
     mount = {"name": "share", "mountPath": SHARE_MOUNT}
