@@ -51,6 +51,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import threading
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -59,9 +60,12 @@ from typing import Any
 
 import yaml
 
+from support.waiting import wait_until
+
 LABEL = "nbbatch.io/kubeplay"  # on every pod (and so its containers), volume and network a node makes
 NODE_NAME = "kubeplay"  # spec.nodeName as the pods see it
 DEFAULT_GRACE_S = 30  # Kubernetes' terminationGracePeriodSeconds when a pod does not say
+SERVICE_WAIT_S = 30  # how long PodmanKubelet waits for the headless Service a pod's subdomain names
 MEMORY_ROOT = Path("/dev/shm")  # a tmpfs on the host: where emptyDir {medium: Memory} folders go
 _FIELD = re.compile(r"^metadata\.(labels|annotations)\['([^']+)'\]$")
 
@@ -274,6 +278,14 @@ class PlayedPod:
                 from None
         return int(done.stdout.strip().splitlines()[-1])
 
+    def address(self, network: str) -> str:
+        """The pod's address on ``network`` (its infra container's)."""
+        done = podman("pod", "inspect", "--format", "{{.InfraContainerID}}", self.name)
+        infra = done.stdout.strip()
+        found = podman("container", "inspect", "--format",
+                       f'{{{{(index .NetworkSettings.Networks "{network}").IPAddress}}}}', infra)
+        return found.stdout.strip()
+
     def logs(self) -> str:
         """What the container wrote (stdout and stderr), as ``kubectl logs`` shows it."""
         done = subprocess.run(["podman", "logs", self.container], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -284,7 +296,9 @@ class PlayedPod:
         """Stop the pod as a kubelet deleting it does: SIGTERM to the container, SIGKILL after the grace period (the
         pod's ``terminationGracePeriodSeconds`` unless ``grace_s``)."""
         grace = self.grace_s if grace_s is None else grace_s
-        podman("pod", "stop", "-t", str(grace), self.name, timeout=grace + 60)
+        done = podman("pod", "stop", "-t", str(grace), self.name, check=False, timeout=grace + 60)
+        if done.returncode != 0 and podman("pod", "exists", self.name, check=False).returncode == 0:
+            raise AssertionError(f"podman pod stop {self.name} failed: {done.stderr[-2000:]}")
 
     def remove(self) -> None:
         """Remove the pod and its containers (stopped at once if running), and its folders."""
@@ -401,6 +415,93 @@ class KubeNode:
         self.close()
 
 
+class PodmanKubelet:
+    """The fake API server's kubelet (``fakes.kubernetes_cluster.Kubelet``) that runs each pod for real on ``node``
+    with ``podman kube play``, so ``nbbatch.submit`` against the fake server runs its pods' notebooks.
+
+    ``reporter`` is the fake cluster's ``PodReporter`` class (``fakes.kubernetes_kubelets``): it writes a pod's status
+    and events as the kubelet does. A pod is scheduled, played (its DNS name from the headless Service its
+    ``subdomain`` names, as the cluster has it), reported running with its address, its output appended to the
+    pod's log, and reported terminated with its container's exit code (``OOMKilled`` when the kernel killed it for
+    its memory limit); then its podman pod goes (the log is kept by the cluster). One that cannot start waits with
+    ``RunContainerError`` until it is deleted. Deleting a pod stops it with its grace period."""
+
+    def __init__(self, node: KubeNode, reporter: Any) -> None:
+        self.node, self.reporter = node, reporter
+        self.cluster: Any = None
+        self._played: dict[str, PlayedPod] = {}
+        self._stops: dict[str, threading.Event] = {}
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def attach(self, cluster: Any) -> None:
+        self.cluster = cluster
+
+    def start_pod(self, pod: dict[str, Any]) -> None:
+        self._stops[pod["metadata"]["uid"]] = threading.Event()
+        self._spawn(self._run, pod)
+
+    def stop_pod(self, pod: dict[str, Any], grace_seconds: float) -> None:
+        uid = pod["metadata"]["uid"]
+        with self._lock:
+            self._stops.setdefault(uid, threading.Event()).set()
+            played = self._played.get(uid)
+        if played is not None:
+            self._spawn(played.terminate, int(grace_seconds))
+
+    def close(self) -> None:
+        for uid, stop in list(self._stops.items()):
+            stop.set()
+            if (played := self._played.get(uid)) is not None:
+                played.terminate(0)
+        for thread in self._threads:
+            thread.join(timeout=120)
+
+    def _spawn(self, target: Callable[..., None], *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True, name="podman-kubelet")
+        self._threads.append(thread)
+        thread.start()
+
+    def _run(self, pod: dict[str, Any]) -> None:
+        uid, meta = pod["metadata"]["uid"], pod["metadata"]
+        report = self.reporter(self.cluster, pod, "", "10.0.0.2")
+        report.schedule()
+        subdomain = pod["spec"].get("subdomain")
+        if subdomain:  # names are given at play time: a pod made before its Service waits for it a little
+            service = wait_until(lambda: self.cluster.store.get("services", meta["namespace"], subdomain),
+                                 timeout=SERVICE_WAIT_S, message=f"Service {subdomain}", interval=0.2)
+            if (service.get("spec") or {}).get("clusterIP") == "None":
+                self.node.serve(service)
+        with self._lock:
+            if self._stops[uid].is_set():
+                report.never_ran()
+                return
+            try:
+                played = self.node.play(report.pod)
+            except PlayFailed as failed:
+                played = None
+                report.waiting("RunContainerError", str(failed))
+                report.event("Warning", "Failed", f"Error: {failed}")
+            else:
+                self._played[uid] = played
+        if played is None:
+            self._stops[uid].wait()
+            if not report.gone():
+                report.never_ran()
+            return
+        report.pod_ip = played.address(self.node.network)
+        report.running()
+        with subprocess.Popen(["podman", "logs", "-f", played.container], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT) as follow:
+            assert follow.stdout is not None
+            for chunk in iter(lambda: os.read(follow.stdout.fileno(), 65536), b""):
+                self.cluster.store.append_log(meta["namespace"], meta["name"], chunk.decode(errors="replace"))
+        code = played.wait(timeout=24 * 3600)
+        oom = played.state().get("OOMKilled")
+        played.remove()
+        report.terminated(code, "OOMKilled" if oom else None)
+
+
 def leftovers(token: str | None = None) -> list[str]:
     """What a node left behind (pods, containers, volumes, networks labelled :data:`LABEL`, of ``token`` or any)."""
     label = f"label={LABEL}={token}" if token else f"label={LABEL}"
@@ -413,5 +514,5 @@ def leftovers(token: str | None = None) -> list[str]:
     return found
 
 
-__all__ = ["LABEL", "KubeNode", "PlayFailed", "PlayedPod", "expand", "field_value", "give_to_group", "leftovers",
+__all__ = ["LABEL", "KubeNode", "PlayFailed", "PlayedPod", "PodmanKubelet", "expand", "field_value", "give_to_group", "leftovers",
            "playable", "resolved_env"]
