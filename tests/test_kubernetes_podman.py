@@ -29,7 +29,7 @@ from typing import Any
 import nbformat
 import pytest
 import yaml
-from support.kubeplay import KubeNode, expand, give_to_group, leftovers, playable, resolved_env
+from support.kubeplay import KubeNode, PodmanKubelet, expand, give_to_group, leftovers, playable, resolved_env
 from support.waiting import wait_until
 
 import nbbatch
@@ -360,3 +360,27 @@ def test_a_pod_stopped_as_its_job_is_deleted_keeps_its_notebook_and_ends_cancell
     executed = [cell for cell in partial.cells if cell.get("execution_count")]
     assert 2 <= len(executed) < len(partial.cells), "the cells run so far, kept"
     assert json.loads((volume / "nbbatch" / name / running.run_id / "run.json").read_text())["status"] == "cancelled"
+
+
+@real
+def test_submit_against_the_fake_api_server_runs_its_pods_for_real(chainer_image, node, volume, tmp_path):
+    """End to end: ``nbbatch.submit`` (waiting) through the official client to the fake API server, whose Job
+    controller makes the sweep's pods, one at a time (``max_parallel: 1``), and whose kubelet plays them for real."""
+    fake_api = pytest.importorskip("fakes.kubernetes_api", reason="the fake API server (issue 47) is not merged yet")
+    kubelets = pytest.importorskip("fakes.kubernetes_kubelets")
+    name = "kube-e2e"
+    path = _experiment(tmp_path, volume, name, "chainer", chainer_image.ref,
+                       parameters={"DATASET": "digits", "EPOCHS": 1, "MAX_SAMPLES": 200},
+                       sweep={"grid": {"LR": [0.01, 0.05]}})
+    with fake_api.FakeKubernetes(kubelet=PodmanKubelet(node, kubelets.PodReporter)) as kube:
+        kube.add_namespace(NAMESPACE)
+        spec = yaml.safe_load(path.read_text())
+        spec["backend"].update(kubeconfig=str(kube.kubeconfig(tmp_path / "kubeconfig", NAMESPACE)), context="fake",
+                               max_parallel=1)
+        path.write_text(yaml.safe_dump(spec))
+        result = api.submit(str(path), wait=True, progress=False)
+        pods = kube.pods(NAMESPACE)
+        logs = {pod["metadata"]["name"]: kube.log(NAMESPACE, pod["metadata"]["name"]) for pod in pods}
+    assert [r.status for r in result.records] == ["succeeded", "succeeded"], ([r.error for r in result.records], logs)
+    assert sorted(pod["status"]["phase"] for pod in pods) == ["Succeeded", "Succeeded"]
+    assert all(": succeeded" in log for log in logs.values()), logs  # run-one's last line, in the pod's log
