@@ -379,7 +379,10 @@ def test_submit_against_the_fake_api_server_runs_its_pods_for_real(chainer_image
                                max_parallel=1)
         path.write_text(yaml.safe_dump(spec))
         result = api.submit(str(path), wait=True, progress=False)
-        pods = kube.pods(NAMESPACE)
+        # the runs' records are final before their pods end: run-one exits just after writing them
+        pods = kube.wait_for(lambda: (found := kube.pods(NAMESPACE)) and all(
+            p["status"].get("phase") in ("Succeeded", "Failed") for p in found) and found, timeout=120,
+            message="the pods ended")
         logs = {pod["metadata"]["name"]: kube.log(NAMESPACE, pod["metadata"]["name"]) for pod in pods}
     assert [r.status for r in result.records] == ["succeeded", "succeeded"], ([r.error for r in result.records], logs)
     assert sorted(pod["status"]["phase"] for pod in pods) == ["Succeeded", "Succeeded"]
