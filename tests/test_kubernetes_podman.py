@@ -362,28 +362,51 @@ def test_a_pod_stopped_as_its_job_is_deleted_keeps_its_notebook_and_ends_cancell
     assert json.loads((volume / "nbbatch" / name / running.run_id / "run.json").read_text())["status"] == "cancelled"
 
 
-@real
-def test_submit_against_the_fake_api_server_runs_its_pods_for_real(chainer_image, node, volume, tmp_path):
-    """End to end: ``nbbatch.submit`` (waiting) through the official client to the fake API server, whose Job
-    controller makes the sweep's pods, one at a time (``max_parallel: 1``), and whose kubelet plays them for real."""
+def _fake_cluster(node: KubeNode) -> Any:
+    """The fake API server (issue 47's) with a PodmanKubelet on ``node``; skipped until the fake is merged."""
     fake_api = pytest.importorskip("fakes.kubernetes_api", reason="the fake API server (issue 47) is not merged yet")
     kubelets = pytest.importorskip("fakes.kubernetes_kubelets")
-    name = "kube-e2e"
-    path = _experiment(tmp_path, volume, name, "chainer", chainer_image.ref,
+    return fake_api.FakeKubernetes(kubelet=PodmanKubelet(node, kubelets.PodReporter))
+
+
+def _submit_to(kube: Any, path: Path, tmp_path: Path, **settings: Any) -> tuple[list[Any], list[dict[str, Any]], dict]:
+    """``nbbatch.submit`` (waiting) of ``path`` to the fake server: the records, and the pods and their logs once
+    they ended (the records are final first: run-one exits just after writing them)."""
+    kube.add_namespace(NAMESPACE)
+    spec = yaml.safe_load(path.read_text())
+    spec["backend"].update(kubeconfig=str(kube.kubeconfig(tmp_path / "kubeconfig", NAMESPACE)), context="fake",
+                           **settings)
+    path.write_text(yaml.safe_dump(spec))
+    result = api.submit(str(path), wait=True, progress=False)
+    pods = kube.wait_for(lambda: (found := kube.pods(NAMESPACE)) and all(
+        p["status"].get("phase") in ("Succeeded", "Failed") for p in found) and found, timeout=120,
+        message="the pods ended")
+    return result.records, pods, {p["metadata"]["name"]: kube.log(NAMESPACE, p["metadata"]["name"]) for p in pods}
+
+
+@real
+def test_submit_against_the_fake_api_server_runs_its_pods_for_real(chainer_image, node, volume, tmp_path):
+    """End to end: ``nbbatch.submit`` through the official client to the fake API server, whose Job controller makes
+    the sweep's pods, one at a time (``max_parallel: 1``), and whose kubelet plays them for real."""
+    path = _experiment(tmp_path, volume, "kube-e2e", "chainer", chainer_image.ref,
                        parameters={"DATASET": "digits", "EPOCHS": 1, "MAX_SAMPLES": 200},
                        sweep={"grid": {"LR": [0.01, 0.05]}})
-    with fake_api.FakeKubernetes(kubelet=PodmanKubelet(node, kubelets.PodReporter)) as kube:
-        kube.add_namespace(NAMESPACE)
-        spec = yaml.safe_load(path.read_text())
-        spec["backend"].update(kubeconfig=str(kube.kubeconfig(tmp_path / "kubeconfig", NAMESPACE)), context="fake",
-                               max_parallel=1)
-        path.write_text(yaml.safe_dump(spec))
-        result = api.submit(str(path), wait=True, progress=False)
-        # the runs' records are final before their pods end: run-one exits just after writing them
-        pods = kube.wait_for(lambda: (found := kube.pods(NAMESPACE)) and all(
-            p["status"].get("phase") in ("Succeeded", "Failed") for p in found) and found, timeout=120,
-            message="the pods ended")
-        logs = {pod["metadata"]["name"]: kube.log(NAMESPACE, pod["metadata"]["name"]) for pod in pods}
-    assert [r.status for r in result.records] == ["succeeded", "succeeded"], ([r.error for r in result.records], logs)
+    with _fake_cluster(node) as kube:
+        records, pods, logs = _submit_to(kube, path, tmp_path, max_parallel=1)
+    assert [r.status for r in records] == ["succeeded", "succeeded"], ([r.error for r in records], logs)
     assert sorted(pod["status"]["phase"] for pod in pods) == ["Succeeded", "Succeeded"]
     assert all(": succeeded" in log for log in logs.values()), logs  # run-one's last line, in the pod's log
+
+
+@real
+def test_a_gang_submitted_to_the_fake_api_server_meets_for_real(pytorch_image, node, volume, tmp_path):
+    """End to end, a 2-node PyTorch run: the Job's pods, made by the fake's controller, meet at the name the headless
+    Service (made after the Job) gives index 0's pod."""
+    path = _experiment(tmp_path, volume, "kube-e2e-gang", "pytorch", pytorch_image.ref,
+                       parameters={"DATASET": "digits", "EPOCHS": 1, "MAX_SAMPLES": 200},
+                       resources={"nodes": 2, "processes_per_node": 1}, distribution={"type": "torch"})
+    with _fake_cluster(node) as kube:
+        (record,), pods, logs = _submit_to(kube, path, tmp_path)
+    assert record.status == "succeeded" and record.world_size == 2, (record.error, logs)
+    assert [(r.node, r.status) for r in record.ranks] == [(0, "succeeded"), (1, "succeeded")]
+    assert sorted(pod["status"]["phase"] for pod in pods) == ["Succeeded", "Succeeded"]
