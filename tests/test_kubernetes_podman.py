@@ -410,3 +410,34 @@ def test_a_gang_submitted_to_the_fake_api_server_meets_for_real(pytorch_image, n
     assert record.status == "succeeded" and record.world_size == 2, (record.error, logs)
     assert [(r.node, r.status) for r in record.ranks] == [(0, "succeeded"), (1, "succeeded")]
     assert sorted(pod["status"]["phase"] for pod in pods) == ["Succeeded", "Succeeded"]
+
+
+@real
+def test_cancel_through_the_fake_api_server_stops_a_running_pod_and_a_queued_run(chainer_image, node, volume,
+                                                                                  tmp_path):
+    """``nbbatch cancel`` of a 2-run sweep, one at a time: the queued run (no pod yet) ends at once; the running one
+    stops itself through the share's marker, keeping its notebook so far; then the Job goes with its pods."""
+    name = "kube-e2e-cancel"
+    path = _experiment(tmp_path, volume, name, "chainer", chainer_image.ref,
+                       parameters={"DATASET": "digits", "EPOCHS": 500, "MAX_SAMPLES": 1000},
+                       sweep={"grid": {"LR": [0.01, 0.05]}})
+    fs = FileShare(volume / "nbbatch")
+    with _fake_cluster(node) as kube:
+        kube.add_namespace(NAMESPACE)
+        spec = yaml.safe_load(path.read_text())
+        spec["backend"].update(kubeconfig=str(kube.kubeconfig(tmp_path / "kubeconfig", NAMESPACE)), context="fake",
+                               max_parallel=1)
+        path.write_text(yaml.safe_dump(spec))
+        api.submit(str(path), wait=False, progress=False)
+        running = wait_until(lambda: next((r for r in load_records(fs, name)[0]
+                                           if r.status == "running" and r.cells_done >= 2), None),
+                             timeout=RUN_TIMEOUT_S, message="a run running its cells", interval=0.5)
+        assert len(api.cancel(name, share=str(volume / "nbbatch"))) == 2
+        kube.wait_for(lambda: not kube.jobs(NAMESPACE) and not kube.pods(NAMESPACE), timeout=120,
+                      message="the Job and its pods gone")
+    records = {r.run_id: r for r in load_records(fs, name)[0]}
+    assert {r.status for r in records.values()} == {"cancelled"}, {r.run_id: r.error for r in records.values()}
+    partial = nbformat.read(volume / "nbbatch" / name / running.run_id / "output.ipynb", as_version=4)
+    assert len([cell for cell in partial.cells if cell.get("execution_count")]) >= 2
+    (queued,) = set(records) - {running.run_id}
+    assert not (volume / "nbbatch" / name / queued / "output.ipynb").exists()  # it never ran
