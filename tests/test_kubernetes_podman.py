@@ -10,6 +10,10 @@ through its headless Service's DNS, each pod in its own network namespace, and e
 a pod stopped as a Job deletion stops it (SIGTERM, then SIGKILL after its grace) keeps its notebook so far and ends
 ``cancelled``, exiting 1 as the Job's pod failure policy expects. Nothing is left behind.
 
+End to end, the fake API server of issue 47 (``fakes.kubernetes_api``: the official client, its Job controller) with
+:class:`support.kubeplay.PodmanKubelet` as its kubelet: ``nbbatch.submit`` of a sweep and of a gang, and ``nbbatch
+cancel`` of a running and a queued run, with every pod played for real (skipped until the fake is merged).
+
 The pods run this checkout's nbbatch, mounted over the image's (as the local container runner does): an image is
 rebuilt only when its pins change, so the session's image may hold an older nbbatch.
 

@@ -60,6 +60,7 @@ from typing import Any
 
 import yaml
 
+from support.containers import podman
 from support.waiting import wait_until
 
 LABEL = "nbbatch.io/kubeplay"  # on every pod (and so its containers), volume and network a node makes
@@ -72,14 +73,6 @@ _FIELD = re.compile(r"^metadata\.(labels|annotations)\['([^']+)'\]$")
 
 class PlayFailed(AssertionError):
     """``podman kube play`` refused the pod, or its container could not start (the kubelet's RunContainerError)."""
-
-
-def podman(*args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """``podman`` with these arguments, output captured; with ``check``, a failure says what podman said."""
-    done = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout)
-    if check and done.returncode != 0:
-        raise AssertionError(f"podman {' '.join(args)} exited with {done.returncode}: {(done.stderr or done.stdout)[-2000:]}")
-    return done
 
 
 # --- what the kubelet resolves ----------------------------------------------------------------------------------------
@@ -402,11 +395,13 @@ class KubeNode:
         its folders."""
         for pod in self.pods:
             pod.remove()
-        for kind, listing in (("pod", ("pod", "ps", "-q")), ("volume", ("volume", "ls", "-q")),
-                              ("network", ("network", "ls", "-q"))):
-            for item in podman(*listing, "--filter", f"label={self.label}", check=False).stdout.split():
-                podman(kind, "rm", "-f", item, check=False, timeout=120)
-        shutil.rmtree(self.scratch, ignore_errors=True)
+        if self.pods or self.claims or self._network_made:  # a node that made nothing needs no podman
+            for kind, listing in (("pod", ("pod", "ps", "-q")), ("volume", ("volume", "ls", "-q")),
+                                  ("network", ("network", "ls", "-q"))):
+                for item in podman(*listing, "--filter", f"label={self.label}", check=False).stdout.split():
+                    podman(kind, "rm", "-f", item, check=False, timeout=120)
+        for folder in [self.scratch, *MEMORY_ROOT.glob(f"kubeplay-{self.token}-*")]:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def __enter__(self) -> KubeNode:
         return self
