@@ -186,7 +186,7 @@ class KubernetesBackend(Backend):
 
     def compute(self) -> Compute:
         """The namespace this backend submits to (the cluster's nodes are not the namespace's to list)."""
-        return Compute(backend=self.name, slots=self.settings.max_parallel or 1,
+        return Compute(backend=self.name, slots=self.parallel_limit(SubmitOptions()) or 1,
                        details={"server": self.api.server, "namespace": self.settings.namespace,
                                 "context": self.settings.context})
 
