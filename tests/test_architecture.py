@@ -171,7 +171,7 @@ def test_one_secret_name_rule():
     assert not offenders, f"use nbbatch.redact.is_secret_name: {offenders}"
 
 
-BUILT_IN_BACKENDS = ("local", "azureml", "ray", "slurm")
+BUILT_IN_BACKENDS = ("local", "azureml", "ray", "slurm", "kubernetes")
 REGISTRY = "nbbatch.backends"  # registers the built-in backends by name (nbbatch/backends/__init__.py)
 
 

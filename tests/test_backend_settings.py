@@ -94,7 +94,8 @@ def test_the_builtin_backends_keep_their_call_forms():
 
 # --- max_parallel: one rule on every backend ---------------------------------------------------------------
 
-BUILTIN_BACKENDS = ["local", "slurm", "ray", "azureml"]
+BUILTIN_BACKENDS = ["local", "slurm", "ray", "azureml", "kubernetes"]
+REQUIRED = {"kubernetes": {"share": {"pvc": "results"}}}  # the settings a backend cannot be made without
 
 
 def test_the_max_parallel_test_covers_every_builtin_backend():
@@ -111,12 +112,12 @@ def test_the_max_parallel_test_covers_every_builtin_backend():
     (3, 5, 3), (5, 3, 3),  # both: both are limits, the smaller wins
 ])
 def test_the_same_experiment_gives_the_same_parallel_limit_on_every_backend(name, experiment, setting, limit):
-    extra = {"ray": "ray", "azureml": "azure.ai.ml"}.get(name)  # the package (importable without them) needs its SDK
+    extra = {"ray": "ray", "azureml": "azure.ai.ml", "kubernetes": "kubernetes"}.get(name)  # the package (importable without them) needs its SDK
     if extra:
         pytest.importorskip(extra)
     cls = backend_class(name)
     has_setting = "max_parallel" in cls.setting_table()
     if setting is not None and not has_setting:
         pytest.skip(f"{name} has no max_parallel setting of its own")
-    backend = cls(**({"max_parallel": setting} if has_setting else {}))
+    backend = cls(**REQUIRED.get(name, {}), **({"max_parallel": setting} if has_setting else {}))
     assert backend.parallel_limit(SubmitOptions(max_parallel=experiment)) == limit

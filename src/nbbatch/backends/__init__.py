@@ -34,8 +34,10 @@ _NODE_PLACEMENT = {
     "slurm": "nbbatch.backends.slurm.gang:slurm_placement",
 }
 # Why a built-in backend's cluster stopped a node launcher (``(signum) -> StopRequest | None``, asked after the
-# signal; nbbatch.execute.stopsignals): Slurm's says scancel or time limit. The others' signal is named as it is.
-_NODE_STOP = {"slurm": "nbbatch.backends.slurm.jobs:slurm_stop_request"}
+# signal; nbbatch.execute.stopsignals): Slurm's says scancel or time limit, Kubernetes' an evicted pod (the run goes back
+# in the queue). The others' signal is named as it is.
+_NODE_STOP = {"slurm": "nbbatch.backends.slurm.jobs:slurm_stop_request",
+              "kubernetes": "nbbatch.backends.kubernetes.node:kubernetes_stop_request"}
 _REGISTRY: dict[str, Any] = {}
 _REGISTERED: set[str] = set()  # registered by register_backend (not loaded from _BUILTIN)
 

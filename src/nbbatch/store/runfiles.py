@@ -171,7 +171,8 @@ def load_records(share: Share, experiment: str, strict: bool = False,
 @dataclass(frozen=True)
 class StopRequest:
     """Why a run was asked to stop, as its per-run marker says: a cancel, or its search's pruner (``status``
-    PRUNED), with the reason its record keeps."""
+    PRUNED), with the reason its record keeps. A cluster's own stop may also time the run out (TIMED_OUT: Slurm's
+    time limit) or put it back in the queue (QUEUED: Kubernetes evicted its pod, and a new pod resumes it)."""
 
     status: Status = Status.CANCELLED
     reason: str = "stopped by a cancel request"
@@ -190,6 +191,8 @@ class StopRequest:
         if self.status == Status.TIMED_OUT:
             return Status.TIMED_OUT, RunError(self.ename or "timed_out", evalue, reason=reason or self.reason,
                                               kind=ErrorKind.TIMEOUT)
+        if self.status == Status.QUEUED:  # interrupted by its cluster (an evicted pod): it runs again, not final
+            return Status.QUEUED, RunError(self.ename or "interrupted", evalue, reason=self.reason, kind=ErrorKind.INFRA)
         return Status.CANCELLED, RunError(self.ename or "cancelled", evalue, reason=reason or self.reason,
                                           kind=ErrorKind.CANCELLED, stopped_by=self.by or None,
                                           stopped_at=self.at or None)

@@ -18,7 +18,18 @@ docs/kubernetes.md, which also says what was proven against a fake API server an
 
 from __future__ import annotations
 
-from nbbatch.backends.kubernetes.backend import KubernetesBackend, KubernetesSettings
-from nbbatch.backends.kubernetes.states import JOB_FILE, KubernetesJob
+import importlib
+from typing import Any
 
-__all__ = ["JOB_FILE", "KubernetesBackend", "KubernetesJob", "KubernetesSettings"]
+# loaded on first use: run-one in a pod imports nbbatch.backends.kubernetes.node, without the Kubernetes client
+_WHERE = {"KubernetesBackend": "backend", "KubernetesSettings": "backend", "JOB_FILE": "states",
+          "KubernetesJob": "states", "kubernetes_stop_request": "node"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+
+
+__all__ = sorted(_WHERE)

@@ -63,6 +63,7 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DEFAULT_CPU = "1"  # a run's CPU request where neither `cpu`, resources.cpus nor the namespace's LimitRange says
 DEFAULT_MEMORY = "4Gi"  # the same for memory (request and limit), or the LimitRange's max when smaller
 PER_INDEX_VERSION = (1, 29)  # backoffLimitPerIndex (per-run retries in an Indexed Job) is on by default from here
+LIST_FRESH_S = 10.0  # how long in_flight trusts one list of an experiment's Jobs
 SYNC_INTERVAL_S = 5.0  # while waiting, how often the cluster is asked about the runs' Jobs and pods
 NOT_SUBMITTED_S = 120.0  # a queued record this old without a Job: its submission died before the Job was made
 NOTHING = "Nothing was queued."
@@ -178,6 +179,7 @@ class KubernetesBackend(Backend):
         self.api = KubernetesApi(s.namespace, s.context, s.kubeconfig, client=s.client)
         self._images = NodeImages(self.name, "podman", s.cpu_image, s.base_image, s.registry)
         self._synced_at = float("-inf")
+        self._listed: tuple[float, str, dict[str, Any]] = (float("-inf"), "", {})  # when, experiment, its Jobs
         self._cluster: tuple[bool, tuple[str | None, str | None]] | None = None  # per-index retries; cpu, memory
 
     @property
@@ -186,7 +188,7 @@ class KubernetesBackend(Backend):
 
     def compute(self) -> Compute:
         """The namespace this backend submits to (the cluster's nodes are not the namespace's to list)."""
-        return Compute(backend=self.name, slots=self.settings.max_parallel or 1,
+        return Compute(backend=self.name, slots=self.parallel_limit(SubmitOptions()) or 1,
                        details={"server": self.api.server, "namespace": self.settings.namespace,
                                 "context": self.settings.context})
 
@@ -359,12 +361,16 @@ class KubernetesBackend(Backend):
                 and (j := KubernetesJob.read(share, experiment, r.run_id)) is not None]
 
     def in_flight(self, share: Share, record: RunRecord) -> bool:
-        """Whether the run's Job still has its index to run (not completed, not failed)."""
+        """Whether the run's Job still has its index to run (not completed, not failed). One list of the experiment's
+        Jobs serves :data:`LIST_FRESH_S`: a resubmission asks this of every unfinished run."""
         job = KubernetesJob.read(share, record.experiment, record.run_id)
         if job is None:
             return False
-        found = next((j for j in self.api.jobs(experiment_selector(record.experiment))
-                      if j["metadata"]["name"] == job.job), None)
+        taken, experiment, jobs = self._listed
+        if experiment != record.experiment or time.monotonic() - taken > LIST_FRESH_S:
+            jobs = {j["metadata"]["name"]: j for j in self.api.jobs(experiment_selector(record.experiment))}
+            self._listed = (time.monotonic(), record.experiment, jobs)
+        found = jobs.get(job.job)
         if found is None or found["metadata"].get("deletionTimestamp"):
             return False
         status = found.get("status") or {}

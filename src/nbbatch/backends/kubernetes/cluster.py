@@ -13,6 +13,11 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from kubernetes import client as k8s
+from kubernetes import config, watch
+from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError
+
 from nbbatch.errors import BackendError
 
 T = TypeVar("T")
@@ -44,17 +49,11 @@ class KubernetesApi:
     @property
     def client(self) -> Any:
         if self._client is None:
-            try:
-                from kubernetes import config
-            except ImportError as exc:
-                raise BackendError("the `kubernetes` backend needs its extra: pip install 'nbbatch[kubernetes]'") from exc
             in_cluster = not self.kubeconfig and not self.context and "KUBERNETES_SERVICE_HOST" in os.environ \
                 and not os.path.exists(os.path.expanduser(os.environ.get("KUBECONFIG", "~/.kube/config")))
             try:
                 if in_cluster:
                     config.load_incluster_config()
-                    from kubernetes import client as k8s
-
                     self._client = k8s.ApiClient()
                 else:
                     self._client = config.new_client_from_config(config_file=self.kubeconfig, context=self.context)
@@ -72,9 +71,6 @@ class KubernetesApi:
 
     def _call(self, what: str, request: Callable[[], T]) -> T:
         """``request``'s answer; a refusal as :class:`KubernetesRefusal`, an unreachable server as BackendError."""
-        from kubernetes.client.exceptions import ApiException
-        from urllib3.exceptions import HTTPError
-
         try:
             return request()
         except ApiException as exc:
@@ -88,22 +84,16 @@ class KubernetesApi:
 
     @property
     def _core(self) -> Any:
-        from kubernetes import client as k8s
-
         return k8s.CoreV1Api(self.client)
 
     @property
     def _batch(self) -> Any:
-        from kubernetes import client as k8s
-
         return k8s.BatchV1Api(self.client)
 
     # --- reading -----------------------------------------------------------------------------------------------
 
     def version(self) -> tuple[int, int]:
         """The server's (major, minor) version."""
-        from kubernetes import client as k8s
-
         info = self._call("read its version", lambda: k8s.VersionApi(self.client).get_code())
         digits = "".join(ch for ch in str(info.minor) if ch.isdigit())
         return int(info.major), int(digits or 0)
@@ -134,8 +124,6 @@ class KubernetesApi:
     def watch_job_gone(self, name: str, timeout_s: int) -> bool:
         """Watch the Job until it is deleted (True) or ``timeout_s`` passes (False); a watch whose resourceVersion is
         too old (410 Gone) starts again from a fresh list, as the API conventions ask."""
-        from kubernetes import watch
-
         selector = f"metadata.name={name}"
         for _ in range(3):
             listed = self._call("list the Job", lambda: self._batch.list_namespaced_job(
@@ -168,8 +156,6 @@ class KubernetesApi:
 
     def delete_job(self, name: str, grace_s: int | None = None) -> bool:
         """Delete a Job with its pods, the pods first (foreground); False when it was gone already."""
-        from kubernetes import client as k8s
-
         body = k8s.V1DeleteOptions(propagation_policy="Foreground", grace_period_seconds=grace_s)
         try:
             self._call(f"delete Job {name}", lambda: self._batch.delete_namespaced_job(name, self.namespace, body=body))

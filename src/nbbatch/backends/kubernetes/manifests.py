@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbbatch.execute.launch import launch_shell_command, shell_launcher
 from nbbatch.plan.runs import Run
 
 SHARE_MOUNT = "/mnt/nbbatch/share"  # where every pod sees the share
@@ -126,7 +127,7 @@ def _command(python: str, launch: str, gang: bool) -> list[str]:
     """The container's command: run-one on ``launch`` (a shell word). Kubernetes tells a pod its index in
     ``JOB_COMPLETION_INDEX``; a gang's node takes it as its rank (nbbatch's own ``NBBATCH_NODE_RANK``)."""
     node = 'export NBBATCH_NODE_RANK="${JOB_COMPLETION_INDEX}"; ' if gang else ""
-    return ["/bin/sh", "-c", f"{node}exec {shlex.quote(python)} -m nbbatch run-one {launch}"]
+    return ["/bin/sh", "-c", node + "exec " + launch_shell_command(shell_launcher(python), launch)]
 
 
 def _resources(shape: PodShape) -> dict[str, Any]:
