@@ -7,8 +7,8 @@ pods are derived as the Job controller derives them (``pod_for_index``) and play
 (what podman 4.3 does of a Pod and what the node does first: see its docstring): a sweep's index runs its notebook
 and records it on the share through the claim's volume; a 2-pod PyTorch gang meets at ``<job>-0.<job>:29500``
 through its headless Service's DNS, each pod in its own network namespace, and ends with equal weights on both ranks;
-a pod stopped as a Job deletion stops it (SIGTERM, then SIGKILL after its grace) keeps its notebook so far and ends
-``cancelled``, exiting 1 as the Job's pod failure policy expects. Nothing is left behind.
+a pod stopped mid-cell (SIGTERM, then SIGKILL after its grace) keeps its notebook so far and ends ``cancelled`` after
+``nbbatch cancel``'s marker, or goes back to ``queued`` without one (an eviction). Nothing is left behind.
 
 End to end, the fake API server of issue 47 (``fakes.kubernetes_api``: the official client, its Job controller) with
 :class:`support.kubeplay.PodmanKubelet` as its kubelet: ``nbbatch.submit`` of a sweep and of a gang, and ``nbbatch
@@ -23,7 +23,6 @@ Needs root, podman, runc and mmdebstrap (``.ci/run`` installs them); skipped wit
 from __future__ import annotations
 
 import copy
-import json
 import random
 import uuid
 from collections.abc import Iterator, Mapping
@@ -52,7 +51,7 @@ from nbbatch.execute.launch import LaunchSpec
 from nbbatch.metrics import metrics_from_notebook
 from nbbatch.plan.runs import Run
 from nbbatch.spec.resources import Distribution
-from nbbatch.store.runfiles import load_records, read_record
+from nbbatch.store.runfiles import cancel_request, load_records, read_record, write_cancel_markers
 from nbbatch.store.share import FileShare
 
 try:  # the Job controller's derivation, shared with the fake API server's controller
@@ -339,12 +338,13 @@ def test_a_gang_job_of_two_pods_meets_through_its_headless_service(pytorch_image
 
 
 @real
-def test_a_pod_stopped_as_its_job_is_deleted_keeps_its_notebook_and_ends_cancelled(chainer_image, cluster, node,
-                                                                                   volume, tmp_path):
-    """SIGTERM to the pod's container mid-cell (a Job deleted with its pods; SIGKILL after the pod's grace period):
-    run-one stops the kernel, saves the notebook as far as it ran and records ``cancelled``; it exits 1, the code the
-    Job's pod failure policy fails the index on, without a retry."""
-    name = "kube-stop"
+@pytest.mark.parametrize("cancelled", [True, False], ids=["cancel", "eviction"])
+def test_a_pod_stopped_mid_cell_keeps_its_notebook(chainer_image, cluster, node, volume, tmp_path, cancelled):
+    """SIGTERM to the pod's container mid-cell (SIGKILL after the pod's grace period): run-one stops the kernel and
+    saves the notebook as far as it ran. After ``nbbatch cancel``'s marker (then its Job is deleted) the run ends
+    ``cancelled``; without one (the cluster took the pod: an eviction, a preemption, a drain) it goes back to
+    ``queued``, for a new pod to resume it. Either way run-one exits 1, not done."""
+    name = f"kube-stop-{'cancel' if cancelled else 'evicted'}"
     path = _experiment(tmp_path, volume, name, "chainer", chainer_image.ref,
                        parameters={"DATASET": "digits", "EPOCHS": 500, "MAX_SAMPLES": 1000})
     made = _submitted(cluster, path)
@@ -354,16 +354,20 @@ def test_a_pod_stopped_as_its_job_is_deleted_keeps_its_notebook_and_ends_cancell
         running = wait_until(lambda: next((r for r in load_records(fs, name)[0]
                                            if r.status == "running" and r.cells_done >= 2), None),
                              timeout=RUN_TIMEOUT_S, message="the run running its cells", interval=0.5)
+        if cancelled:
+            write_cancel_markers(fs, name, [running.run_id], cancel_request("`nbbatch cancel`"))
         pod.terminate()
         code = pod.wait(120)
         log = pod.logs()
     assert code == RECORDED_NOT_DONE, log[-3000:]
     record = read_record(fs, name, running.run_id)
-    assert record.status == "cancelled" and "SIGTERM" in (record.error.reason or ""), (record.error, log[-3000:])
+    if cancelled:
+        assert record.status == "cancelled" and "nbbatch cancel" in record.error.reason, (record.error, log[-3000:])
+    else:
+        assert record.status == "queued" and record.error.ename == "PodInterrupted", (record.error, log[-3000:])
     partial = nbformat.read(volume / "nbbatch" / name / running.run_id / "output.ipynb", as_version=4)
     executed = [cell for cell in partial.cells if cell.get("execution_count")]
     assert 2 <= len(executed) < len(partial.cells), "the cells run so far, kept"
-    assert json.loads((volume / "nbbatch" / name / running.run_id / "run.json").read_text())["status"] == "cancelled"
 
 
 def _fake_cluster(node: KubeNode) -> Any:
