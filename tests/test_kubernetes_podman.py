@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import copy
 import random
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -161,6 +163,18 @@ def test_the_backends_env_reaches_the_pod_as_written():
     pod = pod_for_index(job, 1)
     env = {v["name"]: v["value"] for v in resolved_env(pod, pod["spec"]["containers"][0])}
     assert {k: env[k] for k in written} == written and env["JOB_COMPLETION_INDEX"] == "1"
+
+
+def test_what_run_one_loads_in_a_pod_needs_no_kubernetes_client():
+    """The images carry nbbatch without the ``kubernetes`` extra: run-one's hooks for the backend (a gang's
+    placement, a stop signal's reason) load without the client (seen: a gang's pods failed with "the `kubernetes`
+    backend needs its extra")."""
+    code = ("import sys; sys.modules['kubernetes'] = None\n"
+            "from nbbatch.backends import node_stop_hook\n"
+            "from nbbatch.backends.placement import placement_reader\n"
+            "placement_reader('kubernetes'); node_stop_hook('kubernetes'); print('loaded')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "loaded", done.stderr[-2000:]
 
 
 def test_fs_group_ownership_is_the_kubelets(tmp_path):

@@ -28,10 +28,12 @@ _BUILTIN = {
 }
 _EXTRAS = {"azureml": "azure", "ray": "ray"}
 # A built-in backend's node placement hook, where its class cannot load on the node (Azure ML's job images carry
-# nbbatch without the azure extra) or in a module of its own (Slurm's address exchange); the others' is their class's.
+# nbbatch without the azure extra, the framework images without the kubernetes one) or in a module of its own (Slurm's
+# address exchange); the others' is their class's.
 _NODE_PLACEMENT = {
     "azureml": "nbbatch.backends.azureml.placement:azureml_placement",
     "slurm": "nbbatch.backends.slurm.gang:slurm_placement",
+    "kubernetes": "nbbatch.backends.kubernetes.node:kubernetes_placement",
 }
 # Why a built-in backend's cluster stopped a node launcher (``(signum) -> StopRequest | None``, asked after the
 # signal; nbbatch.execute.stopsignals): Slurm's says scancel or time limit, Kubernetes' an evicted pod (the run goes back

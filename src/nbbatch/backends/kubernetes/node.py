@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Mapping
 
+from nbbatch.execute.placement import NodePlacement
+from nbbatch.plan.runs import Run
 from nbbatch.store.runfiles import StopRequest
 from nbbatch.store.runjson import Status
+from nbbatch.store.share import Share
 
 
 def kubernetes_stop_request(signum: int) -> StopRequest:
@@ -24,4 +28,10 @@ def kubernetes_stop_request(signum: int) -> StopRequest:
                        f"{signal.Signals(signum).name} to pod {pod} without a cancel from nbbatch")
 
 
-__all__ = ["kubernetes_stop_request"]
+def kubernetes_placement(run: Run, environ: Mapping[str, str], share: Share | None = None) -> NodePlacement | None:
+    """The node placement hook: none beyond nbbatch's own variables (a gang's pod sets ``NBBATCH_NODE_RANK`` from its
+    completion index, its Job ``NBBATCH_ENDPOINTS``); here so that run-one in a pod loads no Kubernetes client."""
+    return None
+
+
+__all__ = ["kubernetes_placement", "kubernetes_stop_request"]
