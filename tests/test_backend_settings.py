@@ -112,7 +112,8 @@ def test_the_max_parallel_test_covers_every_builtin_backend():
     (3, 5, 3), (5, 3, 3),  # both: both are limits, the smaller wins
 ])
 def test_the_same_experiment_gives_the_same_parallel_limit_on_every_backend(name, experiment, setting, limit):
-    extra = {"ray": "ray", "azureml": "azure.ai.ml", "kubernetes": "kubernetes"}.get(name)  # the package (importable without them) needs its SDK
+    # the package (importable without them) needs its SDK
+    extra = {"ray": "ray", "azureml": "azure.ai.ml", "kubernetes": "kubernetes"}.get(name)
     if extra:
         pytest.importorskip(extra)
     cls = backend_class(name)

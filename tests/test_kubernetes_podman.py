@@ -41,7 +41,6 @@ import nbbatch
 from nbbatch import api
 from nbbatch.backends.kubernetes import backend as kubernetes_backend
 from nbbatch.backends.kubernetes.manifests import (
-    RECORDED_NOT_DONE,
     PodSettings,
     PodShape,
     gang_job,
@@ -49,7 +48,7 @@ from nbbatch.backends.kubernetes.manifests import (
     sweep_job,
 )
 from nbbatch.backends.kubernetes.states import KubernetesJob
-from nbbatch.execute.launch import LaunchSpec
+from nbbatch.execute.launch import RUN_ONE_NOT_DONE, RUN_ONE_REQUEUED, LaunchSpec
 from nbbatch.metrics import metrics_from_notebook
 from nbbatch.plan.runs import Run
 from nbbatch.spec.resources import Distribution
@@ -357,7 +356,7 @@ def test_a_pod_stopped_mid_cell_keeps_its_notebook(chainer_image, cluster, node,
     """SIGTERM to the pod's container mid-cell (SIGKILL after the pod's grace period): run-one stops the kernel and
     saves the notebook as far as it ran. After ``nbbatch cancel``'s marker (then its Job is deleted) the run ends
     ``cancelled``; without one (the cluster took the pod: an eviction, a preemption, a drain) it goes back to
-    ``queued``, for a new pod to resume it. Either way run-one exits 1, not done."""
+    ``queued``, for a new pod to resume it: run-one exits 1 (not done: never again) or 75 (requeued: run it again)."""
     name = f"kube-stop-{'cancel' if cancelled else 'evicted'}"
     path = _experiment(tmp_path, volume, name, "chainer", chainer_image.ref,
                        parameters={"DATASET": "digits", "EPOCHS": 500, "MAX_SAMPLES": 1000})
@@ -373,7 +372,7 @@ def test_a_pod_stopped_mid_cell_keeps_its_notebook(chainer_image, cluster, node,
         pod.terminate()
         code = pod.wait(120)
         log = pod.logs()
-    assert code == RECORDED_NOT_DONE, log[-3000:]
+    assert code == (RUN_ONE_NOT_DONE if cancelled else RUN_ONE_REQUEUED), log[-3000:]
     record = read_record(fs, name, running.run_id)
     if cancelled:
         assert record.status == "cancelled" and "nbbatch cancel" in record.error.reason, (record.error, log[-3000:])

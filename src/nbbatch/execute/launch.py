@@ -27,6 +27,8 @@ from nbbatch.store.runjson import ContainerInfo, GpuSharing, from_json_value, to
 
 LAUNCH_VERSION = 1  # bumped when a field changes meaning: run-one refuses a launch of a newer nbbatch
 RUN_ONE = "run-one"  # the node launcher's subcommand
+RUN_ONE_NOT_DONE = 1  # run-one's exit code once it recorded the run failed, cancelled or timed out: never run it again
+RUN_ONE_REQUEUED = 75  # ... once its cluster stopped it and it went back in the queue (EX_TEMPFAIL: run it again)
 
 
 @dataclass(frozen=True)

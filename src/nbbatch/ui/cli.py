@@ -32,7 +32,7 @@ from nbbatch.containers.node import execute_on_node
 from nbbatch.drivers.detach import driver_line, started_line
 from nbbatch.errors import NbbatchError, NotebookStopped, ValidationError
 from nbbatch.execute.envs import build_envs, register_user_kernel, registered_user_kernel, remove_env
-from nbbatch.execute.launch import RUN_ONE, read_launch
+from nbbatch.execute.launch import RUN_ONE, RUN_ONE_NOT_DONE, RUN_ONE_REQUEUED, read_launch
 from nbbatch.execute.placement import placement_from_env
 from nbbatch.execute.stopsignals import SignalStop, stopped_by_signals
 from nbbatch.results.progress import StatusReads, abandoned_runs, table_title, watch_status
@@ -286,7 +286,9 @@ def cmd_run_one(args: argparse.Namespace) -> int:
 
             record = execute_run(run, share, context)
     print(f"{record.run_id}: {record.status}" + (f" ({record.error_summary()})" if record.error else ""))
-    return 0 if record.status in DONE_STATUSES else 1
+    # what a cluster does next by the exit code: nothing (done, or recorded as not done), or run it again (requeued:
+    # Kubernetes' next pod of the index resumes it)
+    return 0 if record.status in DONE_STATUSES else RUN_ONE_REQUEUED if record.status == Status.QUEUED else RUN_ONE_NOT_DONE
 
 
 def cmd_envs(args: argparse.Namespace) -> int:

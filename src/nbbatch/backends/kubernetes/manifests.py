@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbbatch.execute.launch import launch_shell_command, shell_launcher
+from nbbatch.execute.launch import RUN_ONE_NOT_DONE, launch_shell_command, shell_launcher
 from nbbatch.plan.runs import Run
 
 SHARE_MOUNT = "/mnt/nbbatch/share"  # where every pod sees the share
@@ -30,7 +30,6 @@ EXPERIMENT_ANNOTATION = "nbbatch.io/experiment"  # the experiment's name as writ
 INDEX_LABEL = "batch.kubernetes.io/job-completion-index"  # set by the Job controller on each pod
 JOB_LABEL = "batch.kubernetes.io/job-name"  # the same
 FINISHED_TTL_S = 86400  # a finished Job (and its pods' logs) stays a day for `kubectl logs`, then goes
-RECORDED_NOT_DONE = 1  # run-one's exit code when it recorded the run as failed or cancelled (never retried)
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _QUANTITY = re.compile(r"^(\d+(\.\d*)?|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?\d+)?$")
 
@@ -203,7 +202,7 @@ def sweep_job(name: str, experiment: str, submission: str, runs: Sequence[Run], 
                             "parallelism": min(parallelism or count, count), "ttlSecondsAfterFinished": FINISHED_TTL_S}
     if per_index:
         rules.append({"action": "FailIndex", "onExitCodes": {"containerName": CONTAINER, "operator": "In",
-                                                             "values": [RECORDED_NOT_DONE]}})
+                                                             "values": [RUN_ONE_NOT_DONE]}})
         spec["backoffLimitPerIndex"] = shape.retries
     else:
         spec["backoffLimit"] = shape.retries * count
