@@ -98,8 +98,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
-        for warning in warnings:
-            self.send_header("Warning", f'299 - "{warning}"')
+        for warning in warnings:  # RFC 7234 warn-text: a quoted string
+            quoted = warning.replace("\\", "\\\\").replace('"', '\\"')
+            self.send_header("Warning", f'299 - "{quoted}"')
         self.end_headers()
         self.wfile.write(data)
 
@@ -152,7 +153,7 @@ class FakeKubernetes:
     def __enter__(self) -> FakeKubernetes:
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.fake = self
-        threading.Thread(target=self._server.serve_forever, daemon=True, name="fake-kubernetes-api").start()
+        threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True, name="fake-kubernetes-api").start()
         self.cluster.start()
         return self
 

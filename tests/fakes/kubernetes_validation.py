@@ -49,7 +49,7 @@ def meta_errors(meta: dict[str, Any], name_rule=dns1123_subdomain, path: str = "
         errors.append(FieldError("Required", f"{path}.name", "name or generateName is required"))
     elif name:
         errors += [FieldError("Invalid", f"{path}.name", m, name) for m in name_rule(name)]
-    if prefix and not name:  # a generated name is checked as the prefix without its trailing dash
+    if prefix:  # checked as a prefix: without its trailing dash
         errors += [FieldError("Invalid", f"{path}.generateName", m, prefix) for m in name_rule(prefix.rstrip("-") or "a")]
     errors += label_errors(meta.get("labels"), f"{path}.labels")
     errors += annotation_errors(meta.get("annotations"), f"{path}.annotations")
