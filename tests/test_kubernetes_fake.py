@@ -187,6 +187,10 @@ def test_immutable_job_fields_cannot_change_but_suspend_and_parallelism_can(kube
     kube.wait_for(lambda: condition(kube.job(NS, "sweep"), "Suspended") and not kube.pods(NS, "job-name=sweep"),
                   message="the suspended Job's pods gone")
     assert not kube.job(NS, "sweep")["status"].get("failed")  # pods stopped by a suspension are no failures
+    batch.patch_namespaced_job("sweep", NS, {"spec": {"suspend": False}})
+    kube.wait_for(lambda: kube.pods(NS, "job-name=sweep"), message="the resumed Job's pod")
+    resumed = next(c for c in kube.job(NS, "sweep")["status"]["conditions"] if c["type"] == "Suspended")
+    assert (resumed["status"], resumed["reason"]) == ("False", "JobResumed")
 
 
 @pytest.mark.parametrize("version", ["1.28", "1.29"])
@@ -409,10 +413,14 @@ def test_foreground_delete_terminates_the_pods_then_removes_the_job(tmp_path):
 
 def test_background_delete_removes_the_job_at_once_and_orphan_keeps_the_pods(kube, tmp_path):
     kube.kubelet.script = [Running(), WaitUntilDeleted()]
-    batch, _ = clients(kube, tmp_path)
+    batch, core = clients(kube, tmp_path)
     for name in ("background", "orphaned"):
         batch.create_namespaced_job(NS, job_manifest(name))
     kube.wait_for(lambda: len(kube.pods(NS)) == 2)
+    assert core.delete_namespaced_pod(kube.pods(NS, "job-name=background")[0]["metadata"]["name"], NS,
+                                      grace_period_seconds=0).metadata.deletion_timestamp  # the pod, as it goes
+    kube.wait_for(lambda: len([p for p in kube.pods(NS, "job-name=background")
+                               if p["status"].get("phase") == "Running"]) == 1, message="the replacement pod")
     batch.delete_namespaced_job("background", NS, propagation_policy="Background")
     assert kube.job(NS, "background") is None
     kube.wait_for(lambda: not kube.pods(NS, "job-name=background"), message="the background Job's pod gone")
@@ -480,6 +488,7 @@ def test_pod_status_explains_waits_and_logs_are_served(kube, tmp_path):
     kube.wait_for(lambda: core.read_namespaced_pod("talker", NS).status.phase == "Succeeded")
     assert core.read_namespaced_pod_log("talker", NS) == "hello\nworld\n"
     assert core.read_namespaced_pod_log("talker", NS, tail_lines=1) == "world\n"
+    assert core.read_namespaced_pod_log("talker", NS, follow=True) == "hello\nworld\n"  # ends with the pod
     evicted = kube.wait_for(lambda: (p := core.read_namespaced_pod("evicted", NS)).status.phase == "Failed" and p)
     assert evicted.status.reason == "Evicted" and condition_of(evicted, "DisruptionTarget").reason == \
         "TerminationByKubelet"
@@ -540,8 +549,9 @@ def test_the_process_kubelet_runs_pods_with_their_volume_and_sigterms_them(tmp_p
         batch, core = clients(kube, tmp_path)
         mount = {"volumes": [{"name": "share", "persistentVolumeClaim": {"claimName": "results"}}],
                  "terminationGracePeriodSeconds": 5}
-        command = ("sh", "-c", "echo index=$(JOB_COMPLETION_INDEX) pod=$(POD_NAME) cost='$$(JOB_COMPLETION_INDEX)' >> out-$(JOB_COMPLETION_INDEX)"
-                   " && cat out-$(JOB_COMPLETION_INDEX) && python -c 'import sys; print(sys.prefix)'")
+        command = ("sh", "-c", "echo index=$(JOB_COMPLETION_INDEX) pod=$(POD_NAME) cost='$$(JOB_COMPLETION_INDEX)' "
+                   ">> out-$(JOB_COMPLETION_INDEX) && cat out-$(JOB_COMPLETION_INDEX) && "
+                   "python -c 'import sys; print(sys.prefix)'")
         worker = container(command=command, workingDir="/mnt/nbbatch/share/exp",
                            env=[{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
                            volumeMounts=[{"name": "share", "mountPath": "/mnt/nbbatch/share"}])

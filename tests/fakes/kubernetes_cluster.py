@@ -262,7 +262,7 @@ class JobSync:
     def __init__(self, cluster: Cluster, job: dict[str, Any]):
         self.cluster, self.core, self.job = cluster, cluster.core, job
         self.meta, self.spec = job["metadata"], job["spec"]
-        self.status: dict[str, Any] = {k: v for k, v in (job.get("status") or {}).items()}
+        self.status: dict[str, Any] = copy.deepcopy(job.get("status") or {})
         self.memory = cluster.memory.setdefault(self.meta["uid"], JobMemory())
         self.indexed = self.spec.get("completionMode") == "Indexed"
         self.only_failed = (self.spec.get("podReplacementPolicy") == "Failed"
@@ -274,7 +274,7 @@ class JobSync:
         self.fail_job: tuple[str, str] | None = None
 
     def run(self) -> None:
-        before = dict(self.job.get("status") or {})
+        before = self.job.get("status") or {}
         self.count_ended_pods()
         if not self.meta.get("deletionTimestamp") and not self.finished():
             self.decide()

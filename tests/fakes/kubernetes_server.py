@@ -334,6 +334,8 @@ class ApiCore:
                 return self._shown(plural, obj)
             if not finalizers and grace == 0:
                 gone = self.store.remove(plural, namespace, name)
+                if plural == "pods":  # the pod registry answers with the deleted object
+                    return self._shown(plural, gone or obj)
                 return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
                         "details": {"name": name, "group": res.group, "kind": plural,
                                     "uid": (gone or obj)["metadata"]["uid"]}}
