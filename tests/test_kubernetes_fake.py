@@ -182,8 +182,10 @@ def test_immutable_job_fields_cannot_change_but_suspend_and_parallelism_can(kube
         cause = next(c for c in status["details"]["causes"] if c["field"] == field)
         assert "field is immutable" in cause["message"] or "in tandem with spec.parallelism" in cause["message"]
     batch.patch_namespaced_job("sweep", NS, {"spec": {"completions": 3, "parallelism": 3}})  # elastic Indexed Job
+    json_patched = batch.patch_namespaced_job("sweep", NS, [{"op": "replace", "path": "/spec/parallelism", "value": 2}])
+    assert json_patched.spec.parallelism == 2
     job = batch.patch_namespaced_job("sweep", NS, {"spec": {"suspend": True, "parallelism": 1}})
-    assert job.spec.suspend and job.spec.parallelism == 1 and job.metadata.generation == 3
+    assert job.spec.suspend and job.spec.parallelism == 1 and job.metadata.generation == 4
     kube.wait_for(lambda: condition(kube.job(NS, "sweep"), "Suspended") and not kube.pods(NS, "job-name=sweep"),
                   message="the suspended Job's pods gone")
     assert not kube.job(NS, "sweep")["status"].get("failed")  # pods stopped by a suspension are no failures
@@ -233,6 +235,21 @@ def test_unknown_fields_are_dropped_with_a_warning_or_refused_when_strict(kube):
     assert code == 400 and 'strict decoding error: unknown field "spec.backofflimit"' in status["message"]
 
 
+def test_secrets_and_claims(kube, tmp_path):
+    _, core = clients(kube, tmp_path)
+    secret = core.create_namespaced_secret(NS, {"metadata": {"name": "azure"}, "stringData": {"key": "s3cret"}})
+    assert secret.data == {"key": "czNjcmV0"} and secret.type == "Opaque" and secret.string_data is None
+    status = refusal(core.create_namespaced_secret, NS, {"metadata": {"name": "bad"}, "data": {"key": "not base64!"}})
+    assert status["code"] == 400 and "illegal base64 data" in status["message"]
+    claim = core.create_namespaced_persistent_volume_claim(NS, {"metadata": {"name": "results"}, "spec": {
+        "accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "10Gi"}}}})
+    assert claim.status.phase == "Bound" and claim.status.capacity == {"storage": "10Gi"}
+    status = refusal(core.create_namespaced_persistent_volume_claim, NS, {"metadata": {"name": "x"}, "spec": {
+        "resources": {"requests": {"storage": "1Gi"}}}})
+    assert status["details"]["causes"][0] == {"reason": "FieldValueRequired", "field": "spec.accessModes",
+                                              "message": "Required value: at least 1 access mode is required"}
+
+
 def test_dry_runs_fill_defaults_and_store_nothing(kube, tmp_path):
     batch, core = clients(kube, tmp_path)
     job = batch.create_namespaced_job(NS, job_manifest("sweep", completions=3), dry_run="All")
@@ -271,7 +288,13 @@ def test_pod_admission_quota_limit_range_priority_and_webhooks(kube, tmp_path):
     assert refusal(core.create_namespaced_pod, NS, urgent, dry_run="All")["message"] == (
         'pods "urgent" is forbidden: no PriorityClass with name high was found')
     kube.add_priority_class("high", 1000)
+    assert client.SchedulingV1Api(core.api_client).read_priority_class("high").value == 1000
     assert core.create_namespaced_pod(NS, urgent, dry_run="All").spec.priority == 1000
+    runner = pod_manifest("runner", serviceAccountName="runner")
+    assert refusal(core.create_namespaced_pod, NS, runner, dry_run="All")["message"] == (
+        'pods "runner" is forbidden: error looking up service account ml/runner: serviceaccount "runner" not found')
+    core.create_namespaced_service_account(NS, {"metadata": {"name": "runner"}})
+    assert core.create_namespaced_pod(NS, runner, dry_run="All").spec.service_account_name == "runner"
     kube.deny_with_webhook("policy.example.com", "images must come from registry.example.com")
     status = refusal(core.create_namespaced_pod, NS, urgent, dry_run="All")
     assert status["code"] == 403 and status["message"] == ('admission webhook "policy.example.com" denied the request: '
@@ -548,21 +571,24 @@ def test_the_process_kubelet_runs_pods_with_their_volume_and_sigterms_them(tmp_p
     with FakeKubernetes(kubelet=ProcessKubelet(volumes={"results": share})) as kube:
         batch, core = clients(kube, tmp_path)
         mount = {"volumes": [{"name": "share", "persistentVolumeClaim": {"claimName": "results"}}],
-                 "terminationGracePeriodSeconds": 5}
+                 "terminationGracePeriodSeconds": 5, "subdomain": "ranks"}
+        core.create_namespaced_secret("default", {"metadata": {"name": "token"}, "stringData": {"value": "t0k"}})
         command = ("sh", "-c", "echo index=$(JOB_COMPLETION_INDEX) pod=$(POD_NAME) cost='$$(JOB_COMPLETION_INDEX)' "
-                   ">> out-$(JOB_COMPLETION_INDEX) && cat out-$(JOB_COMPLETION_INDEX) && "
-                   "python -c 'import sys; print(sys.prefix)'")
+                   "token=$TOKEN >> out-$(JOB_COMPLETION_INDEX) && cat out-$(JOB_COMPLETION_INDEX) && "
+                   "python -c 'import socket, sys; print(sys.prefix, socket.gethostbyname(\"sweep-0.ranks\"))'")
         worker = container(command=command, workingDir="/mnt/nbbatch/share/exp",
-                           env=[{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+                           env=[{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                                {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "token", "key": "value"}}}],
                            volumeMounts=[{"name": "share", "mountPath": "/mnt/nbbatch/share"}])
         batch.create_namespaced_job("default", job_manifest("sweep", completions=2, parallelism=2,
                                                             containers=[worker], pod_spec=mount))
         kube.wait_for(lambda: condition(kube.job("default", "sweep"), "Complete"), message="the Job complete")
         written = (share / "exp" / "out-1").read_text()
-        assert written.startswith("index=1 pod=sweep-1-") and written.endswith(" cost=$(JOB_COMPLETION_INDEX)\n")
+        assert written.startswith("index=1 pod=sweep-1-") and written.endswith(" cost=$(JOB_COMPLETION_INDEX) "
+                                                                             "token=t0k\n")
         pod = kube.pods("default", f"{COMPLETION_INDEX}=1")[0]
         log = core.read_namespaced_pod_log(pod["metadata"]["name"], "default")
-        assert log.startswith(written) and sys.prefix in log
+        assert log == f"{written}{sys.prefix} 127.0.0.1\n"  # the venv's python; rank 0's name resolves
         assert not Path("/mnt/nbbatch").exists()  # the mount stayed in the pod's namespace
         stubborn = container(command=("sh", "-c", "trap 'echo got TERM > /mnt/nbbatch/share/term; exit 3' TERM; "
                                       "echo up; sleep 30 & wait"),

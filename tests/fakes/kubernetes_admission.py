@@ -83,6 +83,13 @@ class Admission:
         if plural != "pods":
             return
         spec = obj.setdefault("spec", {})
+        pod_name = obj["metadata"].get("name", "")  # before the name is generated: a generateName pod is "pods"
+        subject = f'pods "{pod_name}"' if pod_name else "pods"
+        account = spec.get("serviceAccountName") or "default"
+        if self.store.get("serviceaccounts", namespace, account) is None:
+            raise ApiError(403, "Forbidden", f"{subject} is forbidden: error looking up service account "
+                           f'{namespace}/{account}: serviceaccount "{account}" not found', {"name": pod_name,
+                                                                                             "kind": "pods"})
         for item in self._limit_items(namespace):
             for container in _containers(spec):
                 resources = container.setdefault("resources", {})
@@ -92,9 +99,7 @@ class Admission:
         name = spec.get("priorityClassName")
         if name:
             found = self.store.get("priorityclasses", "", name)
-            if found is None:  # before the name is generated: a generateName pod is refused as "pods"
-                pod_name = obj["metadata"].get("name", "")
-                subject = f'pods "{pod_name}"' if pod_name else "pods"
+            if found is None:
                 raise ApiError(403, "Forbidden", f"{subject} is forbidden: no PriorityClass with name {name} was found",
                                {"name": pod_name, "kind": "pods"})
             spec["priority"] = found["value"]

@@ -149,7 +149,7 @@ class Cluster:
         while not self._halt.is_set():
             with self.store.changed:
                 if self.store.rv == seen:
-                    self.store.changed.wait(0.1)
+                    self.store.changed.wait(0.2)  # a timer for deadlines and creation pauses
             if self._halt.is_set():
                 return
             try:

@@ -17,8 +17,11 @@ What it does with a pod's (single) container, as a container runtime would:
   ``hostPath`` is that host folder itself, a ``configMap`` is a folder of its keys, and any other volume fails the
   pod (``FailedMount``). A ``mountPath`` that does not exist on the host gets a tmpfs over its deepest existing
   folder (e.g. ``/mnt`` for ``/mnt/nbbatch/share``, inside the namespace only), then the folders, then the bind; a
-  mount that would have to create a folder in ``/`` or hide a host folder the pod uses is refused. Without volume
-  mounts no namespace (and no root) is needed.
+  mount that would have to create a folder in ``/`` or hide a host folder the pod uses is refused;
+- a pod with a ``subdomain`` (a rank of a gang behind a headless Service) gets an ``/etc/hosts`` in which its Job's
+  pod hostnames are 127.0.0.1 (all pods run here), bound in its namespace.
+
+Without volume mounts and ``subdomain`` no namespace (and no root) is needed.
 
 Deleting the pod sends SIGTERM to the process group, and SIGKILL when ``terminationGracePeriodSeconds`` (or the
 delete's grace period) ends; exit 0 → ``Completed``, else ``Error`` (143 on SIGTERM, 137 on SIGKILL). The image and
@@ -27,6 +30,7 @@ the resources are not enforced (they stay in the pod spec).
 
 from __future__ import annotations
 
+import base64
 import os
 import shlex
 import shutil
@@ -175,12 +179,20 @@ class ProcessKubelet:
             running.proc = subprocess.Popen(argv[0], env=argv[1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True)
         report.running()
-        assert running.proc.stdout is not None
-        for chunk in iter(lambda: os.read(running.proc.stdout.fileno(), 65536), b""):
-            self.cluster.store.append_log(report.namespace, report.name, chunk.decode(errors="replace"))
-        code = running.proc.wait()
-        running.proc.stdout.close()
+        proc = running.proc
+        assert proc.stdout is not None
+        reader = threading.Thread(target=self._read_log, args=(proc, report), daemon=True)
+        reader.start()
+        code = proc.wait()
+        _signal(proc, signal.SIGKILL)  # the container ends with its main process: what it left behind goes too
+        reader.join()
+        proc.stdout.close()
         report.terminated(128 - code if code < 0 else code)
+
+    def _read_log(self, proc: subprocess.Popen, report: PodReporter) -> None:
+        assert self.cluster is not None and proc.stdout is not None
+        for chunk in iter(lambda: os.read(proc.stdout.fileno(), 65536), b""):
+            self.cluster.store.append_log(report.namespace, report.name, chunk.decode(errors="replace"))
 
     # ---------------------------------------------------------------------------------------------- the command
     def command_line(self, pod: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
@@ -196,6 +208,9 @@ class ProcessKubelet:
             raise PodSetupError("CreateContainerError", "ProcessKubelet runs the container's command: this one has "
                                 "none (the image's entrypoint is not known here)")
         mounts = self.mounts(pod, container)
+        hosts = self.hosts_file(pod)
+        if hosts is not None:
+            mounts.append((Path("/etc/hosts"), hosts, True))
         lines = ["set -e", *self.mount_lines(mounts, env)]
         workdir = container.get("workingDir")
         if workdir:
@@ -215,10 +230,10 @@ class ProcessKubelet:
         env["PATH"] = f"{self.python_bin}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}"
         env["HOSTNAME"] = pod["spec"].get("hostname") or meta["name"]
         for source in container.get("envFrom") or []:
-            ref = source.get("configMapRef")
-            if ref:
-                data = self._config_map(meta["namespace"], ref["name"], ref.get("optional", False))
-                env.update({source.get("prefix", "") + k: v for k, v in data.items()})
+            for kind in ("configMapRef", "secretRef"):
+                if ref := source.get(kind):
+                    data = self._data(kind, meta["namespace"], ref["name"], ref.get("optional", False))
+                    env.update({source.get("prefix", "") + k: v for k, v in data.items()})
         own: dict[str, str] = {}
         for var in container.get("env") or []:
             if "valueFrom" in var:
@@ -242,13 +257,14 @@ class ProcessKubelet:
                       "status.podIP": POD_IP, "status.podIPs": POD_IP, "status.hostIP": POD_IP,
                       "status.hostIPs": POD_IP}
             return fields.get(path, "")
-        if "configMapKeyRef" in source:
-            ref = source["configMapKeyRef"]
-            data = self._config_map(meta["namespace"], ref["name"], ref.get("optional", False))
-            if ref["key"] not in data and not ref.get("optional"):
-                raise PodSetupError("CreateContainerConfigError",
-                                    f"couldn't find key {ref['key']} in ConfigMap {meta['namespace']}/{ref['name']}")
-            return data.get(ref["key"], "")
+        for kind in ("configMapKeyRef", "secretKeyRef"):
+            if ref := source.get(kind):
+                data = self._data(kind, meta["namespace"], ref["name"], ref.get("optional", False))
+                if ref["key"] not in data and not ref.get("optional"):
+                    what = "ConfigMap" if kind == "configMapKeyRef" else "Secret"
+                    raise PodSetupError("CreateContainerConfigError",
+                                        f"couldn't find key {ref['key']} in {what} {meta['namespace']}/{ref['name']}")
+                return data.get(ref["key"], "")
         if "resourceFieldRef" in source:
             ref = source["resourceFieldRef"]
             section, _, name = ref["resource"].partition(".")
@@ -257,12 +273,16 @@ class ProcessKubelet:
             return str(-(-value.numerator // value.denominator))
         raise PodSetupError("CreateContainerConfigError", f"ProcessKubelet cannot resolve env source {sorted(source)}")
 
-    def _config_map(self, namespace: str, name: str, optional: bool) -> dict[str, str]:
+    def _data(self, kind: str, namespace: str, name: str, optional: bool) -> dict[str, str]:
+        """The keys of a ConfigMap (``kind`` configMap…) or of a Secret (decoded)."""
         assert self.cluster is not None
-        found = self.cluster.store.get("configmaps", namespace, name)
+        secret = kind.startswith("secret")
+        found = self.cluster.store.get("secrets" if secret else "configmaps", namespace, name)
         if found is None and not optional:
-            raise PodSetupError("CreateContainerConfigError", f'configmap "{name}" not found')
-        return dict((found or {}).get("data") or {})
+            raise PodSetupError("CreateContainerConfigError", f'{"secret" if secret else "configmap"} "{name}" not '
+                                "found")
+        data = dict((found or {}).get("data") or {})
+        return {k: base64.b64decode(v).decode(errors="replace") for k, v in data.items()} if secret else data
 
     # ------------------------------------------------------------------------------------------------ volumes
     def host_folder(self, pod: dict[str, Any], volume: dict[str, Any]) -> Path:
@@ -279,12 +299,14 @@ class ProcessKubelet:
             return own
         if "hostPath" in volume:
             return Path(volume["hostPath"]["path"])
-        if "configMap" in volume:
-            own.mkdir(parents=True, exist_ok=True)
-            for key, value in self._config_map(pod["metadata"]["namespace"], volume["configMap"]["name"],
-                                               volume["configMap"].get("optional", False)).items():
-                (own / key).write_text(value)
-            return own
+        for kind, name_key in (("configMap", "name"), ("secret", "secretName")):
+            if kind in volume:
+                own.mkdir(parents=True, exist_ok=True)
+                source = volume[kind]
+                for key, value in self._data(kind, pod["metadata"]["namespace"], source[name_key],
+                                             source.get("optional", False)).items():
+                    (own / key).write_text(value)
+                return own
         raise PodSetupError("ContainerCreating", f'MountVolume.SetUp failed for volume "{volume["name"]}" : '
                             f"ProcessKubelet has no host folder for it: map it, e.g. "
                             f"ProcessKubelet(volumes={{{volume['name']!r}: folder}})", event="FailedMount")
@@ -300,13 +322,37 @@ class ProcessKubelet:
             mounts.append((Path(mount["mountPath"]), host, bool(mount.get("readOnly"))))
         return sorted(mounts, key=lambda m: len(m[0].parts))
 
+    def hosts_file(self, pod: dict[str, Any]) -> Path | None:
+        """For a pod with a ``subdomain`` (a rank of a gang), an /etc/hosts in which the hostnames of its Job's pods
+        (``<job>-<index>.<subdomain>[.<namespace>.svc[.cluster.local]]``) are 127.0.0.1, where they all run: what
+        the headless Service's DNS gives a real pod."""
+        spec, meta = pod["spec"], pod["metadata"]
+        subdomain = spec.get("subdomain")
+        if not subdomain:
+            return None
+        assert self.cluster is not None
+        owner = next((r for r in meta.get("ownerReferences") or [] if r.get("kind") == "Job"), None)
+        job = self.cluster.store.get("jobs", meta["namespace"], owner["name"]) if owner else None
+        hostnames = [spec.get("hostname") or meta["name"]]
+        if job is not None and job["spec"].get("completionMode") == "Indexed":
+            hostnames = [f"{job['metadata']['name']}-{i}" for i in range(job["spec"]["completions"])]
+        domain = f"{subdomain}.{meta['namespace']}.svc"
+        lines = [Path("/etc/hosts").read_text()]
+        lines += [f"{POD_IP}\t{name}.{domain}.cluster.local {name}.{domain} {name}.{subdomain} {name}"
+                  for name in hostnames]
+        lines.append(f"{POD_IP}\t{domain}.cluster.local {domain} {subdomain}")
+        path = self._scratch / meta["uid"] / "hosts"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
     def mount_lines(self, mounts: list[tuple[Path, Path, bool]], env: dict[str, str]) -> list[str]:
         """Shell lines that make the mounts inside the namespace, touching nothing outside it."""
         kept = [host for _p, host, _r in mounts] + [self.python_bin, Path(sys.prefix), self._scratch]
         kept += [Path(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         lines, covered = [], []
         for path, host, read_only in mounts:
-            if not path.is_dir():
+            if not path.exists():
                 base = next(p for p in path.parents if p.is_dir())
                 if base == Path("/"):
                     raise PodSetupError("CreateContainerError", f"ProcessKubelet cannot mount at {path}: it would have "

@@ -21,6 +21,7 @@ from typing import Any
 
 from fakes.kubernetes_admission import Admission
 from fakes.kubernetes_jobs import generate_name
+from fakes.kubernetes_kinds import decode_secret, default_claim, default_limit_range, default_service, errors_for
 from fakes.kubernetes_rules import (
     ApiError,
     FieldError,
@@ -47,11 +48,8 @@ from fakes.kubernetes_store import (
 from fakes.kubernetes_validation import (
     canonicalize_quantities,
     default_job,
-    default_limit_range,
     default_pod,
     default_pod_spec,
-    default_service,
-    errors_for,
     job_update_errors,
 )
 
@@ -154,7 +152,9 @@ class ApiCore:
         dropped = unknown + drop_gated_fields(res.kind, obj, self.minor)
         try:
             canonicalize_quantities(res.plural, obj)
-        except QuantityError as error:
+            if res.plural == "secrets":
+                decode_secret(obj)
+        except (QuantityError, ValueError) as error:
             raise cannot_decode(res.kind, error) from None
         obj["apiVersion"], obj["kind"] = res.api_version, res.kind
         obj.setdefault("metadata", {})
@@ -193,7 +193,10 @@ class ApiCore:
             if dry_run:
                 obj["metadata"]["resourceVersion"] = ""
                 return obj, dropped
-            return self._shown(plural, self.store.put(plural, obj)), dropped
+            stored = self.store.put(plural, obj)
+            if plural == "namespaces":  # what the service account controller makes in every namespace
+                self.create("serviceaccounts", meta["name"], {"metadata": {"name": "default"}})
+            return self._shown(plural, stored), dropped
 
     def _defaults(self, plural: str, obj: dict[str, Any]) -> None:
         if plural == "jobs":
@@ -205,6 +208,8 @@ class ApiCore:
             default_service(obj, f"10.96.{self._service_ips // 250}.{self._service_ips % 250 + 2}")
         elif plural == "limitranges":
             default_limit_range(obj)
+        elif plural == "persistentvolumeclaims":
+            default_claim(obj)
         elif plural == "namespaces":
             obj["spec"] = {"finalizers": ["kubernetes"]}
             obj["status"] = {"phase": "Active"}

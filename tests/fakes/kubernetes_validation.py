@@ -21,10 +21,7 @@ from fakes.kubernetes_jobs import (
 from fakes.kubernetes_rules import (
     FieldError,
     Quantity,
-    QuantityError,
     annotation_errors,
-    config_key,
-    dns1035_label,
     dns1123_label,
     dns1123_subdomain,
     env_var_name,
@@ -58,7 +55,7 @@ def meta_errors(meta: dict[str, Any], name_rule=dns1123_subdomain, path: str = "
 
 # ----------------------------------------------------------------------------------------------------- quantities
 
-def _quantity_maps(plural: str, obj: dict[str, Any]) -> list[dict[str, Any]]:
+def quantity_maps(plural: str, obj: dict[str, Any]) -> list[dict[str, Any]]:
     """The resource lists of an object (where quantities live)."""
     spec = obj.get("spec") or {}
     if plural in ("pods", "jobs"):
@@ -74,13 +71,16 @@ def _quantity_maps(plural: str, obj: dict[str, Any]) -> list[dict[str, Any]]:
                 if isinstance(item.get(k), dict)]
     if plural == "resourcequotas":
         return [spec["hard"]] if isinstance(spec.get("hard"), dict) else []
+    if plural == "persistentvolumeclaims":
+        resources = spec.get("resources") or {}
+        return [resources[k] for k in ("requests", "limits") if isinstance(resources.get(k), dict)]
     return []
 
 
 def canonicalize_quantities(plural: str, obj: dict[str, Any]) -> None:
     """Rewrite every quantity in its canonical form (``1.5`` → ``1500m``); :class:`QuantityError` for one that does
     not parse (the server cannot decode the body: 400)."""
-    for resources in _quantity_maps(plural, obj):
+    for resources in quantity_maps(plural, obj):
         for key, value in resources.items():
             resources[key] = str(Quantity.parse(value))
 
@@ -475,99 +475,3 @@ def job_update_errors(new: dict[str, Any], old: dict[str, Any], minor: int) -> l
             errors.append(FieldError("Invalid", "spec.completions",
                                      "can only be modified in tandem with spec.parallelism", completions))
     return errors
-
-
-# ------------------------------------------------------------------------------------------------- other kinds
-
-def service_errors(service: dict[str, Any]) -> list[FieldError]:
-    errors = meta_errors(service["metadata"], name_rule=dns1035_label)
-    spec = service.get("spec") or {}
-    names: set[str] = set()
-    ports = spec.get("ports") or []
-    if not ports and spec.get("clusterIP") != "None":
-        errors.append(FieldError("Required", "spec.ports"))
-    for i, port in enumerate(ports):
-        number = port.get("port")
-        if not isinstance(number, int) or not 1 <= number <= 65535:
-            errors.append(FieldError("Invalid", f"spec.ports[{i}].port", "must be between 1 and 65535, inclusive",
-                                     number))
-        if len(ports) > 1 and not port.get("name"):
-            errors.append(FieldError("Required", f"spec.ports[{i}].name"))
-        if port.get("name") in names:
-            errors.append(FieldError("Duplicate", f"spec.ports[{i}].name", value=port["name"]))
-        names.add(port.get("name"))
-    errors += label_errors(spec.get("selector"), "spec.selector")
-    return errors
-
-
-def default_service(service: dict[str, Any], cluster_ip: str) -> None:
-    spec = service.setdefault("spec", {})
-    spec.setdefault("type", "ClusterIP")
-    spec.setdefault("sessionAffinity", "None")
-    if spec.get("clusterIP") != "None":
-        spec["clusterIP"] = cluster_ip
-    spec["clusterIPs"] = [spec["clusterIP"]]
-    spec.setdefault("ipFamilies", ["IPv4"])
-    spec.setdefault("ipFamilyPolicy", "SingleStack")
-    spec.setdefault("internalTrafficPolicy", "Cluster")
-    for port in spec.get("ports") or []:
-        port.setdefault("protocol", "TCP")
-        port.setdefault("targetPort", port.get("port"))
-    service["status"] = {"loadBalancer": {}}
-
-
-def config_map_errors(config_map: dict[str, Any]) -> list[FieldError]:
-    errors = meta_errors(config_map["metadata"])
-    size = 0
-    for section in ("data", "binaryData"):
-        for key, value in (config_map.get(section) or {}).items():
-            errors += [FieldError("Invalid", f"{section}[{key}]", m, key) for m in config_key(key)]
-            size += len(key) + len(value)
-    if size > 1024 * 1024:
-        errors.append(FieldError("TooLong", "", "must have at most 1048576 bytes"))
-    return errors
-
-
-def default_limit_range(limit_range: dict[str, Any]) -> None:
-    """A container item's default limit from max, default request from the default limit, then from min."""
-    for item in (limit_range.get("spec") or {}).get("limits") or []:
-        if item.get("type") != "Container":
-            continue
-        default = item.setdefault("default", {})
-        request = item.setdefault("defaultRequest", {})
-        for source, target in ((item.get("max") or {}, default), (default, request), (item.get("min") or {}, request)):
-            for name, value in source.items():
-                target.setdefault(name, value)
-
-
-def quantity_errors(plural: str, obj: dict[str, Any]) -> list[FieldError]:
-    """Negative quantities in a LimitRange or ResourceQuota."""
-    errors = []
-    for resources in _quantity_maps(plural, obj):
-        for name, text in resources.items():
-            try:
-                if Quantity.parse(text).value < 0:
-                    errors.append(FieldError("Invalid", f"spec[{name}]", "must be greater than or equal to 0", text))
-            except QuantityError:
-                pass
-    return errors
-
-
-def errors_for(plural: str, obj: dict[str, Any], minor: int) -> list[FieldError]:
-    """Validation of a new object of any kind the fake serves."""
-    if plural == "jobs":
-        return job_errors(obj, minor)
-    if plural == "pods":
-        return meta_errors(obj["metadata"]) + pod_spec_errors(obj.get("spec") or {}, "spec")
-    if plural == "services":
-        return service_errors(obj)
-    if plural == "configmaps":
-        return config_map_errors(obj)
-    if plural == "namespaces":
-        return meta_errors(obj["metadata"], name_rule=dns1123_label)
-    if plural == "priorityclasses":
-        errors = meta_errors(obj["metadata"])
-        if not isinstance(obj.get("value"), int):
-            errors.append(FieldError("Required", "value"))
-        return errors
-    return meta_errors(obj["metadata"]) + quantity_errors(plural, obj)
