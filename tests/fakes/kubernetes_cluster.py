@@ -57,6 +57,7 @@ class JobMemory:
     ignored: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     create_pause: float = 0.0
     create_after: float = 0.0
+    removed: set[str] = field(default_factory=set)  # pods the controller deleted itself (not failures)
 
 
 def pod_index(pod: dict[str, Any]) -> int | None:
@@ -313,8 +314,8 @@ class JobSync:
             self.core.remove_finalizer("pods", meta["namespace"], meta["name"], TRACKING_FINALIZER)
 
     def count_failure(self, pod: dict[str, Any], index: int | None) -> None:
-        if self.spec.get("suspend") and pod["metadata"].get("deletionTimestamp"):
-            return  # stopped by the suspension, not failed
+        if pod["metadata"]["uid"] in self.memory.removed:
+            return  # stopped by the controller (suspension, scale down, the Job's end), not failed
         matched = failure_rule(self.spec, pod) if self.spec.get("podFailurePolicy") else None
         action = matched[0] if matched else "Count"
         if action == "Ignore":
@@ -402,10 +403,14 @@ class JobSync:
 
     def scale(self) -> None:
         """Create pods for the lowest pending indexes (or plain pods) up to ``parallelism``; remove surplus ones."""
+        parallelism, completions = self.spec.get("parallelism", 1), self.spec.get("completions")
+        if self.indexed:  # an elastic Indexed Job scaled down: indexes past completions go
+            for pod in [p for p in self.active if (pod_index(p) or 0) >= completions]:
+                self.delete_pod(pod)
         active = self.active
-        parallelism = self.spec.get("parallelism", 1)
         for pod in sorted(active, key=lambda p: -(pod_index(p) or 0))[:max(0, len(active) - parallelism)]:
             self.delete_pod(pod)
+        active = self.active
         room = parallelism - len(active)
         if room <= 0 or time.monotonic() < self.memory.create_after:
             return
@@ -413,18 +418,17 @@ class JobSync:
             busy = {pod_index(p) for p in active}
             if self.only_failed:
                 busy |= {pod_index(p) for p in self.terminating}
-            pending = [i for i in range(self.spec["completions"])
+            pending = [i for i in range(completions)
                        if i not in self.completed and i not in self.failed_indexes and i not in busy]
-            wanted = [(i, pod_for_index(self.job, i, failures=self.memory.failures[i],
-                                        ignored_failures=self.memory.ignored[i],
-                                        index_label=self.cluster.minor >= 28)) for i in pending[:room]]
+            wanted = [pod_for_index(self.job, i, failures=self.memory.failures[i],
+                                    ignored_failures=self.memory.ignored[i], index_label=self.cluster.minor >= 28)
+                      for i in pending[:room]]
         else:
-            completions = self.spec.get("completions")
             left = room if completions is None else completions - self.status.get("succeeded", 0) - len(active)
             if self.only_failed:
                 left -= len(self.terminating)
-            wanted = [(None, self.plain_pod()) for _ in range(max(0, min(room, left)))]
-        for _index, pod in wanted:
+            wanted = [self.plain_pod() for _ in range(max(0, min(room, left)))]
+        for pod in wanted:
             pod["metadata"]["finalizers"] = [TRACKING_FINALIZER]
             try:
                 created, _ = self.core.create("pods", self.meta["namespace"], pod)
@@ -451,6 +455,7 @@ class JobSync:
 
     def delete_pod(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
+        self.memory.removed.add(meta["uid"])
         try:
             self.core.delete("pods", meta["namespace"], meta["name"])
         except ApiError:
