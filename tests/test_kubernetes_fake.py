@@ -317,6 +317,10 @@ def test_a_job_count_quota_refuses_the_job_and_a_compute_quota_fails_its_pods(ku
     assert failed[0]["type"] == "Warning" and "exceeded quota: gpus, requested: requests.nvidia.com/gpu=2" in \
         failed[0]["message"] and failed[0]["message"].startswith('Error creating: pods "hungry-0-')
     assert kube.pods("default") == []
+    kube.add("resourcequotas", "default", {"metadata": {"name": "compute"}, "spec": {"hard": {"limits.cpu": "8"}}})
+    status = refusal(client.CoreV1Api(batch.api_client).create_namespaced_pod, "default", pod_manifest(
+        "bare", containers=[container("a"), container("b", resources={"limits": {"cpu": "1"}})]), dry_run="All")
+    assert status["message"] == 'pods "bare" is forbidden: failed quota: compute: must specify limits.cpu for: a'
 
 
 def test_an_indexed_job_runs_at_most_parallelism_pods_and_completes(kube, tmp_path):

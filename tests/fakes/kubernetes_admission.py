@@ -192,13 +192,13 @@ class Admission:
         """The compute resources a quota tracks that some container does not state (the quota must see them)."""
         missing: dict[str, list[str]] = {}
         for key in sorted(hard):
-            section, _, name = key.rpartition(".") if "." in key else ("requests", "", key)
+            section, _, name = key.partition(".") if key.startswith(("requests.", "limits.")) else ("requests", "", key)
             if name not in COMPUTE or section not in ("requests", "limits"):
                 continue
             for container in (pod.get("spec") or {}).get("containers") or []:
                 if name not in ((container.get("resources") or {}).get(section) or {}):
                     missing.setdefault(key, []).append(container.get("name", ""))
-        return "; ".join(f"{key} for: {','.join(names)}" for key, names in missing.items())
+        return "; ".join(f"{key} for: {', '.join(names)}" for key, names in missing.items())
 
     def quota_status(self, quota: dict[str, Any]) -> dict[str, Any]:
         """``status.hard`` / ``status.used`` as the quota controller keeps them."""
