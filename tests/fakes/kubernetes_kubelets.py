@@ -225,7 +225,8 @@ Script = Union[Callable[[dict[str, Any]], list[Step]], list[Step]]  # noqa: UP00
 class ScriptedKubelet:
     """Plays a script per pod. ``script`` is a list of steps for every pod or a function of the pod (a dict) that
     returns one (default: run, then exit 0). A deleted running pod exits ``sigterm_exit_code`` at once (143: it
-    honours SIGTERM); with ``None`` it ignores SIGTERM and is killed (137) when its grace period ends."""
+    honours SIGTERM); with ``None`` it ignores SIGTERM and is killed (137) when its grace period ends. ``script``
+    may be replaced while the fake runs: pods started afterwards play the new one."""
 
     def __init__(self, script: Script | None = None, *, sigterm_exit_code: int | None = 143):
         self.script = script if script is not None else [Running(), Exit(0)]

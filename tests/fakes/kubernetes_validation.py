@@ -1,6 +1,6 @@
-"""What the fake API server fills in and refuses per kind: defaults, the Job's generated selector, and validation with
-the real field paths and messages (pkg/apis/core/validation, pkg/apis/batch/validation, v1.31 unless the server's
-version says otherwise).
+"""What the fake API server fills in and refuses in Pods and Jobs: metadata, quantities, pod specs, the Job's
+defaults and generated selector, and validation with the real field paths and messages (pkg/apis/core/validation,
+pkg/apis/batch/validation, v1.31 unless the server's version says otherwise). The other kinds: kubernetes_kinds.py.
 
 Each ``*_errors`` function returns a list of :class:`FieldError`; the server answers them as one 422 ``Invalid``.
 Simplifications, on purpose: a Job's scheduling directives are immutable even while it is suspended, and only the
