@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -47,3 +48,27 @@ def condition(obj: dict[str, Any] | None, kind: str) -> dict[str, Any] | None:
     """The condition ``kind`` of an object (a dict as the fake stores it) when it is True."""
     return next((c for c in ((obj or {}).get("status") or {}).get("conditions") or []
                  if c["type"] == kind and c["status"] == "True"), None)
+
+
+def clients(kube: Any, folder: Path) -> tuple[Any, Any]:
+    """``BatchV1Api`` and ``CoreV1Api`` of a client made from the kubeconfig the fake ``kube`` writes in ``folder``."""
+    import kubernetes
+
+    api = kubernetes.config.new_client_from_config(str(kube.kubeconfig(folder / "kubeconfig")), context="fake")
+    return kubernetes.client.BatchV1Api(api), kubernetes.client.CoreV1Api(api)
+
+
+def index_of(pod: dict[str, Any]) -> int:
+    """The completion index of a pod of an Indexed Job (a dict)."""
+    return int(pod["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"])
+
+
+def condition_of(obj: Any, kind: str) -> Any:
+    """The condition ``kind`` of a client model (``V1Pod``, ``V1Job``), whatever its status."""
+    return next((c for c in obj.status.conditions or [] if c.type == kind), None)
+
+
+def waiting_reason(pod: Any) -> str | None:
+    """Why the first container of a ``V1Pod`` waits (``ImagePullBackOff``…), if it does."""
+    statuses = pod.status.container_statuses or []
+    return statuses[0].state.waiting.reason if statuses and statuses[0].state.waiting else None
