@@ -499,7 +499,8 @@ def test_pod_status_explains_waits_and_logs_are_served(kube, tmp_path):
     scripts = {"unplaced": [Pending("Unschedulable", "0/2 nodes are available: 2 Insufficient nvidia.com/gpu.")],
                "unpulled": [ImagePullError('failed to resolve reference "registry.example.com/nb:1": not found')],
                "talker": [Running(), Log("hello\n"), Log("world\n"), Exit(0)],
-               "evicted": [Running(), Evicted("TerminationByKubelet", "The node was low on resource: memory.")]}
+               "evicted": [Running(), Evicted("TerminationByKubelet", "The node was low on resource: memory.")],
+               "waiter": [Pending("Unschedulable", "0/1 nodes are available: 1 Insufficient cpu."), WaitUntilDeleted()]}
     kube.kubelet.script = lambda pod: scripts[pod["metadata"]["name"]]
     _, core = clients(kube, tmp_path)
     for name in scripts:
@@ -520,6 +521,11 @@ def test_pod_status_explains_waits_and_logs_are_served(kube, tmp_path):
         "TerminationByKubelet"
     reasons = [e.reason for e in core.list_namespaced_event(NS, field_selector="involvedObject.name=unpulled").items]
     assert "Failed" in reasons and "BackOff" in reasons
+    assert core.read_namespaced_pod("unplaced", NS).status.phase == "Pending"  # as the script left them
+    assert waiting_reason(core.read_namespaced_pod("unpulled", NS)) == "ImagePullBackOff"
+    kube.wait_for(lambda: condition(kube.pod(NS, "waiter"), "PodScheduled") is None and kube.pod(NS, "waiter")[
+        "status"]["conditions"][0]["reason"] == "Unschedulable", message="the waiting pod unscheduled")
+    assert not kube.pod(NS, "waiter")["spec"].get("nodeName")
 
 
 # ------------------------------------------------------------------------------------------ pod_for_index

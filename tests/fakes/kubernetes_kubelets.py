@@ -7,7 +7,8 @@ Both report pod status as the real kubelet does (``PodScheduled`` / ``Initialize
 
 :class:`ScriptedKubelet` takes a function ``pod -> [steps]`` (or one list for every pod): :class:`Pending`,
 :class:`ImagePullError`, :class:`Running`, :class:`Log`, :class:`Wait`, :class:`WaitUntilDeleted`, :class:`Exit`,
-:class:`Evicted`. A script that ends without ``Exit`` leaves the container running until the pod is deleted.
+:class:`Evicted`. A script that ends without ``Exit`` or ``Evicted`` leaves the pod as it is (running, unschedulable,
+failing to pull) until the pod is deleted; waiting steps keep an unschedulable pod unscheduled.
 """
 
 from __future__ import annotations
@@ -276,7 +277,7 @@ class ScriptedKubelet:
             if isinstance(step, Pending):
                 report.unschedulable(step.reason, step.message)
                 continue
-            if not scheduled:
+            if not scheduled and not isinstance(step, (Wait, WaitUntilDeleted)):  # waiting keeps the pod as it is
                 report.schedule()
                 scheduled = True
             if isinstance(step, ImagePullError):
@@ -296,8 +297,8 @@ class ScriptedKubelet:
             elif isinstance(step, Evicted):
                 report.evicted(step.reason, step.message)
                 return
-        if running and not event.is_set():
-            event.wait()  # the container goes on until the pod is deleted
+        if not event.is_set():
+            event.wait()  # the pod stays as the script left it (running, pending, pulling) until it is deleted
         if self._closing.is_set() or report.gone():
             return
         if not running:
