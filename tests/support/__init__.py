@@ -9,4 +9,6 @@ through ``pythonpath`` in pyproject.toml). tests/conftest.py holds only fixtures
 - :mod:`support.frameworks`: the ``framework_envs`` session fixture (framework venvs built once).
 - :mod:`support.nvml`: a stand-in for ``pynvml``.
 - :mod:`support.azure`: a toy project the azureml backend can plan for.
+- :mod:`support.kubernetes`: Job and Pod manifests, and the ``Status`` of a refusal, for tests against the fake
+  Kubernetes API server (tests/fakes/kubernetes_api.py).
 """
