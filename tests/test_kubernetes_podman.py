@@ -23,7 +23,6 @@ Needs root, podman, runc and mmdebstrap (``.ci/run`` installs them); skipped wit
 from __future__ import annotations
 
 import copy
-import random
 import subprocess
 import sys
 import uuid
@@ -34,6 +33,9 @@ from typing import Any
 import nbformat
 import pytest
 import yaml
+from fakes.kubernetes_api import FakeKubernetes
+from fakes.kubernetes_jobs import pod_for_index  # the Job controller's derivation, as the fake API server's
+from fakes.kubernetes_kubelets import PodReporter
 from support.kubeplay import KubeNode, PodmanKubelet, expand, give_to_group, leftovers, playable, resolved_env
 from support.waiting import wait_until
 
@@ -54,21 +56,6 @@ from nbbatch.plan.runs import Run
 from nbbatch.spec.resources import Distribution
 from nbbatch.store.runfiles import cancel_request, load_records, read_record, write_cancel_markers
 from nbbatch.store.share import FileShare
-
-try:  # the Job controller's derivation, shared with the fake API server's controller
-    from fakes.kubernetes_jobs import pod_for_index
-except ImportError:  # TEMPORARY, until tests/fakes/kubernetes_jobs.py (issue 47's fake API server) is merged: the
-    # minimal derivation of the controller's Pod for an index; delete this branch then
-    def pod_for_index(job: dict[str, Any], index: int) -> dict[str, Any]:
-        name, template = job["metadata"]["name"], copy.deepcopy(job["spec"]["template"])
-        labels = {**template["metadata"].get("labels", {}), "batch.kubernetes.io/job-name": name, "job-name": name,
-                  "batch.kubernetes.io/job-completion-index": str(index)}
-        spec = {**template["spec"], "hostname": f"{name}-{index}"}
-        suffix = "".join(random.choice("bcdfghjklmnpqrstvwxz2456789") for _ in range(5))
-        return {"apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": f"{name}-{index}-{suffix}", "namespace": job["metadata"]["namespace"],
-                             "labels": labels, "annotations": {"batch.kubernetes.io/job-completion-index": str(index)}},
-                "spec": spec}
 
 SOURCE = Path(nbbatch.__file__).resolve().parent
 IN_IMAGE_SOURCE = "/opt/nbbatch/src/nbbatch"  # the image's nbbatch (dockerfiles/Dockerfile)
@@ -384,10 +371,8 @@ def test_a_pod_stopped_mid_cell_keeps_its_notebook(chainer_image, cluster, node,
 
 
 def _fake_cluster(node: KubeNode) -> Any:
-    """The fake API server (issue 47's) with a PodmanKubelet on ``node``; skipped until the fake is merged."""
-    fake_api = pytest.importorskip("fakes.kubernetes_api", reason="the fake API server (issue 47) is not merged yet")
-    kubelets = pytest.importorskip("fakes.kubernetes_kubelets")
-    return fake_api.FakeKubernetes(kubelet=PodmanKubelet(node, kubelets.PodReporter))
+    """The fake API server with a PodmanKubelet on ``node``."""
+    return FakeKubernetes(kubelet=PodmanKubelet(node, PodReporter))
 
 
 def _submit_to(kube: Any, path: Path, tmp_path: Path, **settings: Any) -> tuple[list[Any], list[dict[str, Any]], dict]:

@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from fakes.kubernetes_process import expand  # Kubernetes' $(VAR) expansion, as the fake kubelet does it
 
 from support.containers import podman
 from support.waiting import wait_until
@@ -76,29 +77,6 @@ class PlayFailed(AssertionError):
 
 
 # --- what the kubelet resolves ----------------------------------------------------------------------------------------
-
-
-def expand(text: str, variables: Mapping[str, str]) -> str:
-    """``text`` with Kubernetes' ``$(VAR)`` expansion (command, args, env values): ``$(NAME)`` becomes its value when
-    NAME is defined, else stays as written; ``$$`` is one ``$``; any other ``$`` stays."""
-    out, i = [], 0
-    while i < len(text):
-        if text[i] == "$" and i + 1 < len(text):
-            following = text[i + 1]
-            if following == "$":
-                out.append("$")
-                i += 2
-                continue
-            if following == "(":
-                end = text.find(")", i + 2)
-                if end != -1:
-                    name = text[i + 2:end]
-                    out.append(variables[name] if name in variables else text[i:end + 1])
-                    i = end + 1
-                    continue
-        out.append(text[i])
-        i += 1
-    return "".join(out)
 
 
 def field_value(pod: Mapping[str, Any], path: str) -> str:

@@ -61,7 +61,7 @@ from nbbatch.store.share import Share, poll_interval
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DEFAULT_CPU = "1"  # a run's CPU request where neither `cpu`, resources.cpus nor the namespace's LimitRange says
-DEFAULT_MEMORY = "4Gi"  # the same for memory (request and limit), or the LimitRange's max when smaller
+DEFAULT_MEMORY = "4Gi"  # the same for memory (request and limit)
 PER_INDEX_VERSION = (1, 29)  # backoffLimitPerIndex (per-run retries in an Indexed Job) is on by default from here
 LIST_FRESH_S = 10.0  # how long in_flight trusts one list of an experiment's Jobs
 SYNC_INTERVAL_S = 5.0  # while waiting, how often the cluster is asked about the runs' Jobs and pods
@@ -257,19 +257,17 @@ class KubernetesBackend(Backend):
 
     def _cluster_facts(self) -> tuple[bool, tuple[str | None, str | None]]:
         """Whether the server keeps per-index retry limits, and the (cpu, memory) a run asks for by default: None
-        where the namespace's LimitRange gives containers a default, else ours, below the LimitRange's max."""
+        where the namespace's LimitRange gives containers a default (a server fills it from the LimitRange's max when
+        only that is given), else ours."""
         if self._cluster is None:
             per_index = self.api.version() >= PER_INDEX_VERSION
             defaults: dict[str, Any] = {}
-            maxima: dict[str, Any] = {}
             for limit_range in self.api.limit_ranges():
                 for item in (limit_range.get("spec") or {}).get("limits") or []:
                     if item.get("type") == "Container":
                         defaults.update(item.get("defaultRequest") or item.get("default") or {})
-                        maxima.update(item.get("max") or {})
             cpu = None if "cpu" in defaults else DEFAULT_CPU
-            memory = None if "memory" in defaults else maxima.get("memory") if _smaller(
-                maxima.get("memory"), DEFAULT_MEMORY) else DEFAULT_MEMORY
+            memory = None if "memory" in defaults else DEFAULT_MEMORY
             self._cluster = per_index, (cpu, memory)
         return self._cluster
 
@@ -495,18 +493,6 @@ class KubernetesBackend(Backend):
 def _condition(obj: Mapping[str, Any], kind: str) -> bool:
     return any(c.get("type") == kind and c.get("status") == "True" for c in (obj.get("status") or {}).get("conditions")
                or [])
-
-
-_BYTES = {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
-
-
-def _smaller(quantity: Any, than: str) -> bool:
-    """Whether memory ``quantity`` is below ``than`` (False when either is not a plain byte size)."""
-    def size(text: Any) -> float | None:
-        found = re.match(r"^(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?$", str(text or ""))
-        return float(found[1]) * _BYTES[found[2] or ""] if found else None
-    a, b = size(quantity), size(than)
-    return a is not None and b is not None and a < b
 
 
 def _refusal_words(refusal: KubernetesRefusal) -> str:
