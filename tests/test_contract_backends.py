@@ -1,7 +1,9 @@
 """The backend contract: what every built-in backend does with a run, written once and run over each of them (like
 dask-jobqueue's tests over every cluster class): local, Slurm (the session's two-node cluster), Ray (the session's
-two-node cluster on loopback) and Azure ML (the protocol-level fake of its control plane, whose jobs the harness runs
-here, one at a time, as a one-node cluster would: their command is `nbbatch run-one` against the Azure Files fake).
+two-node cluster on loopback), Azure ML (the protocol-level fake of its control plane, whose jobs the harness runs
+here, one at a time, as a one-node cluster would: their command is `nbbatch run-one` against the Azure Files fake) and
+Kubernetes (the protocol-level fake API server, whose Job controller makes the pods and whose kubelet runs each pod's
+command here, the share volume bound in a mount namespace).
 
 The one fixture, ``harness``, yields a :class:`Harness` per backend: the experiment's ``backend:`` and ``share:``
 for it, how to submit without waiting, and how to make a run be lost the way it is lost on that backend. The tests
@@ -236,13 +238,34 @@ class FakeAzureMLNode:
             process.wait()
 
 
-BACKENDS = {"local": _local, "slurm": _slurm, "ray": _ray, "azureml": _azureml}
+def _kubernetes(request, project, tmp_path) -> Iterator[Harness]:
+    pytest.importorskip("kubernetes")
+    from fakes.kubernetes_api import FakeKubernetes
+    from fakes.kubernetes_process import ProcessKubelet
+
+    why = ProcessKubelet.unavailable()
+    if why:
+        pytest.skip(why)
+    share = tmp_path / "share"
+    share.mkdir()
+    # the fake API server, its pods real processes here: run-one in a mount namespace where the share is the volume
+    with FakeKubernetes(kubelet=ProcessKubelet(), namespaces=("default", "ml")) as kube:
+        backend = {"name": "kubernetes", "kubeconfig": str(kube.kubeconfig(tmp_path / "kubeconfig", "ml")),
+                   "context": "fake", "namespace": "ml", "share": {"host_path": str(share)},
+                   "images": {"*": "registry.example.com/nbbatch-contract:1"}, "poll_s": 0.2, "cancel_grace_s": 5,
+                   "termination_grace_s": 5}
+        # its pod's launcher dies (as with its node): the pod fails, and its Job's index with it (no retries left)
+        yield Harness("kubernetes", project, str(share), backend, lambda record: _kill_tree(record.pid))
+
+
+BACKENDS = {"local": _local, "slurm": _slurm, "ray": _ray, "azureml": _azureml, "kubernetes": _kubernetes}
 
 
 @pytest.fixture(params=[pytest.param("local"),
                         pytest.param("slurm", marks=pytest.mark.slurm),
                         pytest.param("ray", marks=pytest.mark.ray),
-                        pytest.param("azureml", marks=pytest.mark.azure)])
+                        pytest.param("azureml", marks=pytest.mark.azure),
+                        pytest.param("kubernetes")])
 def harness(request, project, tmp_path) -> Iterator[Harness]:
     """Each built-in backend, ready, with the contract's notebook in the project."""
     make_notebook(project / "nb.ipynb", CELLS, parameters=PARAMETERS)
