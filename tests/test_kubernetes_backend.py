@@ -263,3 +263,15 @@ def test_a_search_runs_its_trials_as_kubernetes_jobs(processes):
     assert len(records) == 2 and {r.status for r in records} == {Status.SUCCEEDED}
     assert all(r.backend == "kubernetes" and r.trial for r in records)
     assert len(processes.kube.jobs("ml")) == 2  # a trial is a launch of its own: a Job of its own
+
+
+@pytest.mark.script([Running(), WaitUntilDeleted()])
+def test_a_forced_resubmission_deletes_the_runs_earlier_job_and_watches_it_go_first(scripted):
+    api.submit(scripted.experiment("again", [1, 2]), wait=False, progress=False)
+    [first] = scripted.kube.jobs("ml")
+    wait_until(lambda: len(scripted.kube.pods("ml")) == 2, timeout=60, message="the first Job's pods", interval=0.2)
+    api.submit(scripted.experiment("again", [1, 2]), wait=False, progress=False, force=True)
+    [second] = scripted.kube.jobs("ml")  # the first one was gone before the second was made
+    assert second["metadata"]["name"] != first["metadata"]["name"]
+    assert any("watch=true" in path and first["metadata"]["name"] in path for _method, path in scripted.kube.requests)
+    api.cancel("again", share=str(scripted.share))

@@ -63,6 +63,7 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DEFAULT_CPU = "1"  # a run's CPU request where neither `cpu`, resources.cpus nor the namespace's LimitRange says
 DEFAULT_MEMORY = "4Gi"  # the same for memory (request and limit)
 PER_INDEX_VERSION = (1, 29)  # backoffLimitPerIndex (per-run retries in an Indexed Job) is on by default from here
+EARLIER_JOBS_S = 120.0  # how long a forced submission waits for the runs' earlier Jobs to be gone
 LIST_FRESH_S = 10.0  # how long in_flight trusts one list of an experiment's Jobs
 SYNC_INTERVAL_S = 5.0  # while waiting, how often the cluster is asked about the runs' Jobs and pods
 NOT_SUBMITTED_S = 120.0  # a queued record this old without a Job: its submission died before the Job was made
@@ -297,6 +298,25 @@ class KubernetesBackend(Backend):
         return [job, check_pod(job)]
 
     # --- submission ---------------------------------------------------------------------------------------------
+
+    def launch(self, runs: Sequence[Run], share: Share, options: SubmitOptions) -> None:
+        """As every backend launches, after deleting the Jobs these runs still have (``submit --force`` restarts runs
+        in flight): a run's files are never written by two pods."""
+        self._stop_earlier_jobs(runs, share)
+        super().launch(runs, share, options)
+
+    def _stop_earlier_jobs(self, runs: Sequence[Run], share: Share) -> None:
+        earlier = {j.job for r in runs if (j := KubernetesJob.read(share, r.experiment, r.run_id)) is not None}
+        if not earlier:
+            return
+        for found in self.api.jobs(experiment_selector(runs[0].experiment)):
+            name = found["metadata"]["name"]
+            if name in earlier and not (_condition(found, "Complete") or _condition(found, "Failed")):
+                self.api.delete_job(name, self.settings.termination_grace_s)
+                if not self.api.watch_job_gone(name, int(EARLIER_JOBS_S)):
+                    raise BackendError(f"Job {name} still runs runs of this submission {EARLIER_JOBS_S:g} s after "
+                                       f"nbbatch deleted it; see `kubectl -n {self.settings.namespace} describe job "
+                                       f"{name}`. {NOTHING}")
 
     def start(self, runs: Sequence[Run], share: Share, options: SubmitOptions) -> None:
         """Make one Job per group of runs (their launches and notebooks first, on the share). A Job the server

@@ -137,8 +137,8 @@ class KubernetesApi:
                     if event["type"] == "DELETED":
                         return True
                 return False
-            except Exception as exc:  # noqa: BLE001 - the client raises ApiException(410) for a gone version
-                if getattr(exc, "status", None) != 410:
+            except ApiException as exc:  # 410: the version is gone from the server's history (list again)
+                if exc.status != 410:
                     raise refusal_of(exc) from None
         return False
 
