@@ -36,8 +36,10 @@ from kubernetes import client as k8s  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 IMAGE = "registry.example.com/ml/nbbatch-contract:1"
-PARAMETERS = "A = 1\nSLEEP = 0.0\nSTEPS = 0"
-CELLS = ["import os, pathlib, time, nbbatch\nprint('ran', A, flush=True)\ntime.sleep(SLEEP)",
+PARAMETERS = "A = 1\nSLEEP = 0.0\nSTEPS = 0\nDATA_DIR = ''"
+CELLS = ["import os, pathlib, time, nbbatch\nprint('ran', A, flush=True)\ntime.sleep(SLEEP)\n"
+         "pathlib.Path(os.environ['NBBATCH_OUTPUT_DIR'], 'made.txt').write_text(str(A))\n"
+         "seen = pathlib.Path(DATA_DIR, 'made.txt').read_text() if DATA_DIR else ''\nprint('seen', seen, flush=True)",
          "ckpt = pathlib.Path(os.environ['NBBATCH_CHECKPOINT_DIR']) / 'step.txt'\n"
          "start = int(ckpt.read_text()) if ckpt.exists() else 0\nprint('resumed from', start, flush=True)\n"
          "for step in range(start + 1, STEPS + 1):\n    nbbatch.record(step=step, loss=1.0 / step)\n"
@@ -275,3 +277,23 @@ def test_a_forced_resubmission_deletes_the_runs_earlier_job_and_watches_it_go_fi
     assert second["metadata"]["name"] != first["metadata"]["name"]
     assert any("watch=true" in path and first["metadata"]["name"] in path for _method, path in scripted.kube.requests)
     api.cancel("again", share=str(scripted.share))
+
+
+def test_a_pipeline_stage_runs_on_kubernetes_and_its_input_is_the_upstream_outputs_on_the_share(processes):
+    backend = processes.backend()
+    spec = {"pipeline": "study", "share": str(processes.share), "backend": backend, "stages": {
+        "prep": {"notebooks": [{"path": "nb.ipynb", "kernel": "python3"}], "sweep": {"grid": {"A": [2, 3]}},
+                 "select": {"metric": "twice", "mode": "max"}},
+        "final": {"notebooks": [{"path": "nb.ipynb", "kernel": "python3"}],
+                  "parameters": {"A": "${prep.best.parameters.A}", "STEPS": 1},
+                  "inputs": {"DATA_DIR": "${prep.best.outputs}"}}}}
+    path = processes.project / "study.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    done = subprocess.run([sys.executable, "-m", "nbbatch", "submit", str(path), "--wait"], capture_output=True,
+                          text=True, cwd=processes.project, timeout=280)
+    assert done.returncode == 0, done.stdout + done.stderr
+    [final] = api.status("study.final", share=str(processes.share))
+    assert final.status == Status.SUCCEEDED and final.backend == "kubernetes" and final.parameters["A"] == 3
+    log = open_share(str(processes.share)).read_bytes(run_paths("study.final", final.run_id).log).decode()
+    assert "seen 3" in log  # the best prep run's outputs/, read in the pod through the share's mount
+    assert final.origins and final.inputs["DATA_DIR"]
