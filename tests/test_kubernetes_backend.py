@@ -299,9 +299,11 @@ def test_a_pipeline_stage_runs_on_kubernetes_and_its_input_is_the_upstream_outpu
     assert final.origins and final.inputs["DATA_DIR"]
 
 
+@pytest.mark.script([Running(), WaitUntilDeleted()])
 @pytest.mark.parametrize("name", ["Sweep.LR_final-2026", "a-very-long-experiment-name-" * 3 + "end"])
 def test_any_experiment_name_makes_names_and_labels_the_server_takes(scripted, name):
     api.submit(scripted.experiment(name, [1]), wait=False, progress=False)  # the fake refuses what a server refuses
     [job] = scripted.kube.jobs("ml")
     assert job["metadata"]["annotations"]["nbbatch.io/experiment"] == name
-    assert scripted.records(name)[1].status == Status.QUEUED
+    assert scripted.records(name)[1].status == Status.QUEUED  # its pod runs (no launcher writes here)
+    api.cancel(name, share=str(scripted.share))

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from nbbatch.backends import get_backend
-from nbbatch.backends.kubernetes.backend import _refusal_words, share_volume
+from nbbatch.backends.kubernetes.backend import _refusal_words
 from nbbatch.backends.kubernetes.cluster import KubernetesRefusal
 from nbbatch.backends.kubernetes.manifests import (
     SHARE_MOUNT,
@@ -26,6 +26,7 @@ from nbbatch.backends.kubernetes.manifests import (
     label_value,
     sweep_job,
 )
+from nbbatch.backends.kubernetes.settings import share_volume
 from nbbatch.backends.kubernetes.states import (
     ended_without_record,
     evicted,

@@ -22,7 +22,7 @@ import importlib
 from typing import Any
 
 # loaded on first use: run-one in a pod imports nbbatch.backends.kubernetes.node, without the Kubernetes client
-_WHERE = {"KubernetesBackend": "backend", "KubernetesSettings": "backend", "JOB_FILE": "states",
+_WHERE = {"KubernetesBackend": "backend", "KubernetesSettings": "settings", "JOB_FILE": "states",
           "KubernetesJob": "states", "kubernetes_stop_request": "node"}
 
 
