@@ -244,7 +244,7 @@ class SearchDriver(Driver):
         """The trials a previous driver asked for and never told: adopted, told, or run again."""
         state = optuna_module().trial.TrialState
         for frozen in study.study.get_trials(deepcopy=False):
-            if frozen.state == state.COMPLETE and frozen.value is not None:
+            if frozen.state == state.COMPLETE and frozen.values is not None:
                 study.metric_seen = True
             if frozen.state != state.RUNNING:
                 self._note_run(frozen.user_attrs.get(RUN_ID))
@@ -323,6 +323,8 @@ class SearchDriver(Driver):
             self._end(study, trial, None)
 
     def _report(self, study: _Study, trial: _Trial, judge: bool = True) -> None:
+        if self.search.multi:  # Optuna takes no intermediate values of a multi-objective trial (nor prunes it)
+            return
         metric = self.search.metric
         for point in trial.tail.read():
             if trial.stop_asked:  # the trial is decided: what the run records while it stops is not the study's
@@ -365,7 +367,6 @@ class SearchDriver(Driver):
                             "reason": "its run failed outside the notebook: it runs again on the next submit"}
             write_record(self.share, record)
             return  # not told: the trial is the notebook's to judge, not the share's or the node's
-        metric = self.search.metric
         if record is None:  # the backend refused to start it
             study.study.tell(trial.trial, state=state.FAIL)
             self.say(f"trial {trial.number} of {study.label}: its run could not start: {trial.launch_error}")
@@ -374,21 +375,7 @@ class SearchDriver(Driver):
             study.study.tell(trial.trial, state=state.PRUNED)
             decision = {"state": "pruned", "step": trial.reported, "value": trial.last_value}
         elif record.status == Status.SUCCEEDED:
-            value = record.metrics.get(metric, trial.last_value)
-            if value is None:
-                trial.trial.set_user_attr(FAILURE, METRIC_MISSING)
-                study.study.tell(trial.trial, state=state.FAIL)
-                if not study.metric_seen:
-                    self._unknown_metric(study, record.run_id)
-                decision = {"state": "failed", "reason": f"its run recorded no value of {metric}"}
-            elif not _is_number(value):  # a diverged run (nan, inf), or a notebook recording text: this trial only
-                study.study.tell(trial.trial, state=state.FAIL)
-                decision = {"state": "failed", "reason": _not_a_number(metric, value)}
-                self.say(f"trial {trial.number} of {study.label}: failed ({record.run_id}): {decision['reason']}")
-            else:
-                study.study.tell(trial.trial, float(value))
-                decision = {"state": "complete", "value": float(value)}
-                self.say(f"trial {trial.number} of {study.label}: {metric} {float(value):.6g} ({record.run_id})")
+            decision = self._tell_values(study, trial, record)
         else:
             trial.trial.set_user_attr(FAILURE, failure_of(record))
             study.study.tell(trial.trial, state=state.FAIL)
@@ -399,6 +386,35 @@ class SearchDriver(Driver):
             record.trial = {"study": study.study.study_name, "number": trial.number, **decision}
             write_record(self.share, record)
         self._stop_if_hopeless(study)
+
+    def _tell_values(self, study: _Study, trial: _Trial, record: RunRecord) -> dict[str, Any]:
+        """Tell the study a succeeded run's final value of each objective; the decision, for its record. A metric
+        missing, or not a finite number (a diverged run: nan, inf), fails this trial only, saying which."""
+        state = optuna_module().trial.TrialState
+        values = {m: record.metrics.get(m, trial.last_value if not self.search.multi else None)
+                  for m in self.search.metrics}
+        missing = [m for m, v in values.items() if v is None]
+        wrong = [m for m, v in values.items() if v is not None and not _is_number(v)]
+        if missing:
+            trial.trial.set_user_attr(FAILURE, METRIC_MISSING)
+            study.study.tell(trial.trial, state=state.FAIL)
+            if not study.metric_seen:
+                self._unknown_metric(study, record.run_id)
+            decision: dict[str, Any] = {"state": "failed", "reason": f"its run recorded no value of {missing[0]}"}
+        elif wrong:  # a diverged run (nan, inf), or a notebook recording text: this trial only
+            study.study.tell(trial.trial, state=state.FAIL)
+            decision = {"state": "failed", "reason": _not_a_number(wrong[0], values[wrong[0]])}
+        else:
+            numbers = [float(v) for v in values.values()]
+            study.study.tell(trial.trial, numbers if self.search.multi else numbers[0])
+            study.metric_seen = True
+            shown = ", ".join(f"{m} {v:.6g}" for m, v in zip(values, numbers, strict=True))
+            self.say(f"trial {trial.number} of {study.label}: {shown} ({record.run_id})")
+            return ({"state": "complete", "values": dict(zip(values, numbers, strict=True))} if self.search.multi
+                    else {"state": "complete", "value": numbers[0]})
+        if wrong:
+            self.say(f"trial {trial.number} of {study.label}: failed ({record.run_id}): {decision['reason']}")
+        return decision
 
     def _stop_if_hopeless(self, study: _Study) -> None:
         """Stop the search (also before a resumed one runs anything) when no trial of ``study`` ever succeeded and
@@ -420,10 +436,12 @@ class SearchDriver(Driver):
 
     def _unknown_metric(self, study: _Study, run_id: str) -> None:
         record = read_record_or_none(self.share, self.experiment, run_id)
-        recorded = sorted(k for k, v in (record.metrics if record else {}).items() if _is_number(v))
-        raise SearchError(f"search.metric `{self.search.metric}` was never recorded: run {run_id} of "
+        metrics = record.metrics if record else {}
+        recorded = sorted(k for k, v in metrics.items() if _is_number(v))
+        metric = next((m for m in self.search.metrics if m not in metrics), self.search.metric)
+        raise SearchError(f"search.metric `{metric}` was never recorded: run {run_id} of "
                           f"{study.label} succeeded without it (it recorded {', '.join(recorded) or 'no metrics'}). "
-                          f"The notebook must call nbbatch.record(step=..., {self.search.metric}=...); or name one of "
+                          f"The notebook must call nbbatch.record(step=..., {metric}=...); or name one of "
                           "those in search.metric. The search was stopped")
 
     def _stop_all(self) -> None:
