@@ -155,3 +155,34 @@ def test_a_multi_objective_study_is_rebuilt_from_its_records_as_it_was(project, 
     assert main(["submit", str(exp), "--rebuild-search"]) == 0, capsys.readouterr().err
     study, _ = _study(project, "lost2")
     assert [(t.number, t.state.name, t.params, t.values, t.user_attrs) for t in study.trials] == before
+
+
+def _dominates(a, b) -> bool:
+    """Whether run ``a`` is as good as ``b`` in both objectives (accuracy max, seconds min) and better in one."""
+    x, y = (a["metric.accuracy"], -a["metric.seconds"]), (b["metric.accuracy"], -b["metric.seconds"])
+    return all(p >= q for p, q in zip(x, y, strict=True)) and x != y
+
+
+def test_status_compare_and_the_report_show_every_objective_and_the_pareto_front(project, write_experiment,
+                                                                                monkeypatch, capsys):
+    from nbbatch.ui.cli import main
+
+    _fake_launch(monkeypatch, lambda lr: {"accuracy": lr, "seconds": (lr - 0.5) ** 2})  # below 0.5: worse in both
+    _submit(project, write_experiment, "front", _block(trials=10, seed=5))
+    capsys.readouterr()
+    assert main(["status", "front"]) == 0
+    header = next(line for line in capsys.readouterr().out.splitlines() if "status" in line and "run" in line)
+    assert "trial" in header and header.index("accuracy") < header.index("seconds")
+    assert main(["compare", "front", "--json", str(project / "front.json"),
+                 "--report", str(project / "front.html")]) == 0
+    rows = json.loads((project / "front.json").read_text())
+    assert len(rows) == 10 and all(isinstance(r["pareto"], bool) for r in rows)
+    front = [r for r in rows if r["pareto"]]
+    assert front and len(front) < 10  # the trials below 0.5 are dominated: some were drawn with seed 5
+    assert all(not _dominates(other, r) for r in front for other in rows)
+    assert all(any(_dominates(other, r) for other in front) for r in rows if not r["pareto"])
+    html = (project / "front.html").read_text()
+    numbers = ", ".join(str(n) for n in sorted(r["trial"] for r in front))
+    assert f"{len(front)} trial(s) on the Pareto front (none better in every objective): trial {numbers}" in \
+        " ".join(html.split())
+    assert "search: Pareto front of accuracy and seconds" in html and "search: best accuracy by trial" in html
