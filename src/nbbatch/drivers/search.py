@@ -80,6 +80,7 @@ class _Trial:
     attempt: int = 0  # the attempt of the run that recorded it: a later attempt's steps start again
     last_value: float | None = None
     stop_asked: bool = False
+    diverged: str | None = None  # why the driver stopped it itself: its metric became nan or ±inf at a step
     thread: threading.Thread | None = None  # the launch (local runs: the whole run)
     launch_error: str | None = None
 
@@ -332,7 +333,14 @@ class SearchDriver(Driver):
             step, value, attempt = point.get("step"), point.get(metric), point.get("attempt", 0)
             if not isinstance(step, int) or isinstance(step, bool) or not isinstance(attempt, int):
                 continue
-            if (attempt, step) <= (trial.attempt, trial.reported) or not _is_number(value):  # _end says why, once
+            if (attempt, step) <= (trial.attempt, trial.reported):
+                continue
+            if not _is_number(value):  # _end says why, once; a diverged value with a pruner ends the trial now
+                if judge and self.search.pruner != "none" and _diverged(value):
+                    trial.diverged = (f"{metric} was {value} at step {step} (not a finite number): stopped there, "
+                                      f"as the search's {self.search.pruner} pruner stops a trial that cannot win")
+                    trial.reported = step
+                    self._prune(study, trial)
                 continue
             report(trial.trial, float(value), step)  # a step reported by an earlier attempt takes this one's value
             trial.attempt, trial.reported, trial.last_value = attempt, step, float(value)
@@ -345,7 +353,7 @@ class SearchDriver(Driver):
     def _prune(self, study: _Study, trial: _Trial) -> None:
         metric = self.search.metric
         trial.stop_asked = True
-        reason = (f"stopped at step {trial.reported} by the search's {self.search.pruner} pruner: {metric} "
+        reason = trial.diverged or (f"stopped at step {trial.reported} by the search's {self.search.pruner} pruner: {metric} "
                   f"{trial.last_value:.6g} is not among the {'lowest' if self.search.mode == 'min' else 'highest'} "
                   "it keeps at this step")
         self.say(f"trial {trial.number} of {study.label}: {reason}")
@@ -373,7 +381,8 @@ class SearchDriver(Driver):
             decision: dict[str, Any] = {"state": "failed", "reason": trial.launch_error}
         elif record.status == Status.PRUNED:
             study.study.tell(trial.trial, state=state.PRUNED)
-            decision = {"state": "pruned", "step": trial.reported, "value": trial.last_value}
+            decision = {"state": "pruned", "step": trial.reported, "value": trial.last_value,
+                        **({"reason": trial.diverged} if trial.diverged else {})}
         elif record.status == Status.SUCCEEDED:
             decision = self._tell_values(study, trial, record)
         else:
@@ -470,6 +479,13 @@ def _failed_outside_the_notebook(record: RunRecord) -> bool:
 def _is_number(value: Any) -> bool:
     """Whether ``value`` can be told to the study: a finite number (nbbatch.record keeps nan and inf as text)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _diverged(value: Any) -> bool:
+    """Whether a recorded value is nan or ±inf (a float, or the text nbbatch.record keeps them as)."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    return isinstance(value, str) and value.strip().lower().lstrip("+-") in ("nan", "inf", "infinity")
 
 
 def _not_a_number(metric: str, value: Any) -> str:
