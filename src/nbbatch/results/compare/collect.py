@@ -347,6 +347,7 @@ def collect(share_or_path: str | os.PathLike[str] | Share,
     searches = [s for s in (search_of(share, e.strip("/")) for e in experiments or []) if s]
     if searches:  # what a search optimised: `compare` sorts its runs by it, best first
         frame.attrs["search"] = {"metric": searches[0]["metric"], "mode": searches[0].get("mode", "min")}
+        frame.attrs["search"]["params"] = searches[0].get("params") or {}  # its space: how importance reads them
     return frame
 
 
