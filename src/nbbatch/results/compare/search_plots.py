@@ -1,5 +1,6 @@
 """A search's part of the report: its best trial, the best value by trial, the parameters against the metric
-(parallel coordinates), and every trial's curve with the pruned runs marked where they stopped."""
+(parallel coordinates), every trial's curve with the pruned runs marked where they stopped, and which parameters
+matter (also drawn for a sweep)."""
 
 from __future__ import annotations
 
@@ -152,4 +153,25 @@ def plot_trial_curves(frame: pd.DataFrame, histories: Mapping[str, Sequence[Mapp
     ax.set_ylabel(metric)
     ax.set_title(f"search: every trial's {metric}")
     ax.grid(True, alpha=0.3)
+    return fig
+
+
+def plot_importance(importance: Mapping[str, Any] | None) -> Figure | None:
+    """Which parameters matter: each parameter's importance (:func:`~nbbatch.results.compare.importance.
+    parameter_importance`) as a bar, the most important on top; hatched when its warning says not to trust it."""
+    if not importance or not importance.get("parameters"):
+        return None
+    names = list(importance["parameters"])[::-1]
+    values = [importance["parameters"][n] for n in names]
+    fig = _figure(height=1.2 + 0.32 * len(names))
+    ax = fig.add_subplot()
+    bars = ax.barh(names, values, color="tab:blue", alpha=0.8, hatch="//" if importance.get("warning") else None)
+    ax.bar_label(bars, labels=[f"{v:.0%}" for v in values], padding=3, fontsize="small")
+    metric = importance["metric"]
+    ax.set_xlabel(f"importance for {metric if isinstance(metric, str) else ' and '.join(metric)} "
+                  f"({importance['evaluator']}, {importance['trials']} trials" +
+                  ("; too few: see the warning)" if importance.get("warning") else ")"))
+    ax.set_xlim(0, 1.15)
+    ax.set_title("which parameters matter")
+    ax.grid(True, axis="x", alpha=0.3)
     return fig
