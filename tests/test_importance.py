@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from html import unescape
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +72,23 @@ def test_the_parameter_the_metric_depends_on_comes_first(tmp_path: Path) -> None
     assert parameter_importance(frame.iloc[::-1].reset_index(drop=True)) == importance
 
 
-def test_a_maximised_metric_ranks_alike(tmp_path: Path) -> None:
-    frame = compare.collect(_search_share(tmp_path / "share", "lr", 60), "lr")
-    frame["metric.score"] = -frame["metric.loss"]
-    importance = parameter_importance(frame, {"metric": "score", "mode": "max", "params": SPACE})
-    assert importance is not None and list(importance["parameters"])[0] == "LR"
+def test_the_mode_says_which_end_is_best(tmp_path: Path) -> None:
+    """A score best at a high A, whose worst runs are those with B above 0.9: maximised, A matters; read the other
+    way round (the worst as the best), B would."""
+    rng, share = random.Random(3), open_share(tmp_path / "share")
+    records = []
+    for number in range(100):
+        a, b = rng.uniform(0, 1), rng.uniform(0, 1)
+        records.append(_trial("score", number, {"A": a, "B": b}, None))
+        records[-1].metrics = {"score": a - 10 * (b > 0.9)}
+    for record in records:
+        write_record(share, record)
+    frame = compare.collect(tmp_path / "share", "score")
+    spaces = {"A": {"uniform": [0, 1]}, "B": {"uniform": [0, 1]}}
+    best_high = parameter_importance(frame, {"metric": "score", "mode": "max", "params": spaces})
+    best_low = parameter_importance(frame, {"metric": "score", "mode": "min", "params": spaces})
+    assert best_high is not None and best_low is not None
+    assert list(best_high["parameters"]) == ["A", "B"] and list(best_low["parameters"]) == ["B", "A"]
 
 
 def test_too_few_trials_say_so(tmp_path: Path) -> None:
@@ -99,6 +112,8 @@ def test_a_sweep_not_crossed_is_named(tmp_path: Path) -> None:
     importance = parameter_importance(compare.collect(tmp_path / "share", "zip"))
     assert importance is not None and importance["mode"] == "min" and importance["metric"] == "loss"
     assert "not swept independently (12 of the 144 combinations ran)" in importance["warning"]
+    html = compare.render_report(compare.collect(tmp_path / "share", "zip"), tmp_path / "r.html")
+    assert "Which parameters matter" in html and "not swept independently" in html
 
 
 def test_one_varied_parameter_has_nothing_to_rank(tmp_path: Path) -> None:
@@ -128,3 +143,13 @@ def test_compare_json_and_report_carry_the_importance(tmp_path: Path, monkeypatc
     warning = json.loads((tmp_path / "f.json").read_text())["importance"]["warning"]
     assert "too few for the importances to mean much" in warning
     assert warning in (tmp_path / "f.html").read_text()
+
+
+def test_without_optuna_one_line_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    frame = compare.collect(_search_share(tmp_path / "share", "lr", 30), "lr")
+    monkeypatch.setitem(__import__("sys").modules, "optuna", None)  # `import optuna` raises ImportError
+    importance = parameter_importance(frame)
+    assert importance is not None and importance["parameters"] == {}
+    assert importance["warning"] == "parameter importance needs optuna: pip install 'nbbatch[search]'"
+    html = compare.render_report(frame, tmp_path / "r.html")
+    assert importance["warning"] in unescape(html) and 'alt="which parameters matter' not in html
