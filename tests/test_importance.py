@@ -153,3 +153,14 @@ def test_without_optuna_one_line_says_what_to_install(tmp_path: Path, monkeypatc
     assert importance["warning"] == "parameter importance needs optuna: pip install 'nbbatch[search]'"
     html = compare.render_report(frame, tmp_path / "r.html")
     assert importance["warning"] in unescape(html) and 'alt="which parameters matter' not in html
+
+
+def test_no_run_finished_has_nothing_to_rank(tmp_path: Path) -> None:
+    share = open_share(tmp_path / "share")
+    for i in range(3):
+        write_record(share, RunRecord(run_id=f"t-{i:04x}a1b2c3", experiment="none", notebook="t.ipynb",
+                                      kernel="python3", parameters={"A": i, "B": -i}, status="failed",
+                                      metrics={"loss": float(i)}))
+    frame = compare.collect(tmp_path / "share", "none")
+    assert parameter_importance(frame) is None
+    assert "Which parameters matter" not in compare.render_report(frame, tmp_path / "r.html")

@@ -90,7 +90,7 @@ def _finished(rows: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:
     done = rows[rows["status"].astype(str) == "succeeded"].copy()
     for column in columns:
         done[column] = pd.to_numeric(done[column], errors="coerce")
-        done = done[done[column].map(lambda v: math.isfinite(v))]
+        done = done[done[column].map(math.isfinite).astype(bool)]  # bool even when empty: a mask, not columns
     return done.sort_values("run_id", kind="stable")  # the same runs, the same study, whatever the table's order
 
 
