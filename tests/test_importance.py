@@ -164,3 +164,15 @@ def test_no_run_finished_has_nothing_to_rank(tmp_path: Path) -> None:
     frame = compare.collect(tmp_path / "share", "none")
     assert parameter_importance(frame) is None
     assert "Which parameters matter" not in compare.render_report(frame, tmp_path / "r.html")
+
+
+def test_several_objectives_rank_for_their_pareto_front(tmp_path: Path) -> None:
+    """loss is all LR; a second objective that is all MOMENTUM makes MOMENTUM matter to reach the Pareto front."""
+    frame = compare.collect(_search_share(tmp_path / "share", "two", 90), "two")
+    frame["metric.seconds"] = frame["param.MOMENTUM"]
+    alone = parameter_importance(frame)
+    search = {"metric": "loss", "mode": "min", "objectives": [["loss", "min"], ["seconds", "min"]], "params": SPACE}
+    both = parameter_importance(frame, search)
+    assert alone is not None and both is not None and both["metric"] == ["loss", "seconds"]
+    assert both["parameters"]["MOMENTUM"] > alone["parameters"]["MOMENTUM"] + 0.2, (alone, both)
+    assert list(both["parameters"])[-1] == "BATCH"

@@ -209,6 +209,7 @@ def test_a_server_without_per_index_limits_gets_the_job_wide_one_and_a_deleted_j
 # --- end to end: pods that run the notebook ---------------------------------------------------------------------------
 
 
+@pytest.mark.kernel  # its pods run the notebook
 def test_a_sweep_runs_at_most_its_limit_at_once_and_status_works_from_another_process(processes):
     spec = processes.experiment("six", [1, 2, 3, 4, 5, 6], resources={"max_parallel": 2}, parameters={"SLEEP": 1.0})
     api.submit(spec, wait=False, progress=False)
@@ -225,6 +226,7 @@ def test_a_sweep_runs_at_most_its_limit_at_once_and_status_works_from_another_pr
     assert status.returncode == 0 and status.stdout.count("succeeded") >= 1, status.stdout + status.stderr
 
 
+@pytest.mark.kernel  # its pods run the notebook
 def test_an_evicted_pod_puts_its_run_back_in_the_queue_and_the_next_pod_resumes_it(processes):
     spec = processes.experiment("evict", [1], parameters={"STEPS": 60})  # 18 s: evicted at step 3
     api.submit(spec, wait=False, progress=False)
@@ -249,6 +251,7 @@ def test_an_evicted_pod_puts_its_run_back_in_the_queue_and_the_next_pod_resumes_
     assert record.run_id == ended.run_id
 
 
+@pytest.mark.kernel  # its pods run the notebook
 def test_a_search_runs_its_trials_as_kubernetes_jobs(processes):
     pytest.importorskip("optuna")
     spec = processes.experiment("search", [1])
@@ -279,6 +282,7 @@ def test_a_forced_resubmission_deletes_the_runs_earlier_job_and_watches_it_go_fi
     api.cancel("again", share=str(scripted.share))
 
 
+@pytest.mark.kernel  # its pods run the notebook
 def test_a_pipeline_stage_runs_on_kubernetes_and_its_input_is_the_upstream_outputs_on_the_share(processes):
     backend = processes.backend()
     spec = {"pipeline": "study", "share": str(processes.share), "backend": backend, "stages": {

@@ -16,7 +16,7 @@ from support.waiting import wait_until
 
 from nbbatch import api
 from nbbatch.errors import NbbatchError, SpecError
-from nbbatch.spec.pipeline import pipeline_from_dict
+from nbbatch.spec.pipeline import Select, pipeline_from_dict
 
 PREP = ["import json, os\nout = os.environ['NBBATCH_OUTPUT_DIR']\n"
         "json.dump({'n': N}, open(os.path.join(out, 'data.json'), 'w'))"]
@@ -51,6 +51,16 @@ def _pipeline(folder: Path, lrs: list[float], n: int = 10, **train: object) -> d
     }
 
 
+def _multi_objective_train(data: dict, select: dict | None) -> None:
+    """Stage train of ``data`` made a search of two objectives, with ``select`` (or none)."""
+    train = data["stages"]["train"]
+    del train["sweep"], train["select"]
+    train["search"] = {"metric": ["accuracy", "seconds"], "mode": ["max", "min"], "trials": 3,
+                       "params": {"LR": {"uniform": [0.01, 0.5]}}}
+    if select:
+        train["select"] = select
+
+
 def _write(folder: Path, data: dict) -> Path:
     path = folder / "study.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -65,6 +75,8 @@ def _write(folder: Path, data: dict) -> Path:
      "needs stage `trian`, which the pipeline does not have (did you mean `train`?)"),
     (lambda d: d["stages"]["prep"].update(needs=["final"]), "form a cycle"),
     (lambda d: d["stages"]["train"].pop("select"), "stage `train` has no `select:`"),
+    (lambda d: _multi_objective_train(d, select=None),
+     "stage `train` searches 2 objectives, so its best run depends on which one decides: add `select: {metric"),
     (lambda d: d["stages"]["final"]["inputs"].update(MODEL_DIR="${train.outputs}"),
      "stage `train` has 3 runs, so it has no single outputs folder"),
     (lambda d: d["stages"]["final"]["parameters"].update(LR="${train.best.parameters.LRX}"),
@@ -84,6 +96,13 @@ def test_a_wrong_pipeline_is_one_line_naming_the_fix(tmp_path, change, message):
     with pytest.raises(SpecError) as caught:
         pipeline_from_dict(data, base_dir=tmp_path)
     assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_multi_objective_search_stage_has_a_best_by_its_select(tmp_path):
+    _notebooks(tmp_path)
+    data = _pipeline(tmp_path, [0.01])
+    _multi_objective_train(data, select={"metric": "seconds", "mode": "min"})
+    assert pipeline_from_dict(data, base_dir=tmp_path).stages["train"].select == Select("seconds", "min")
 
 
 def test_references_imply_needs_and_the_order_follows_them(tmp_path):

@@ -66,6 +66,34 @@ def test_a_trial_whose_metric_is_nan_inf_text_or_a_bool_fails_alone_and_the_sear
     assert on_share["trial"]["state"] in ("complete", "failed")
 
 
+DIVERGING = """\
+import time, nbbatch
+for step in range(1, 9):
+    nbbatch.record(step=step, loss=float(KIND) if step >= 2 and KIND != "ok" else 1.0 / step + LR)
+    time.sleep(0.3)
+"""
+
+
+@pytest.mark.kernel
+def test_a_trial_whose_metric_turns_nan_or_inf_midway_is_pruned_there_saying_so_and_the_search_goes_on(
+        project, write_experiment):
+    """A run whose loss became nan (or inf) at step 2 trained on to its end, out of the pruner's sight, and the
+    search learnt only there that it had diverged. With a pruner, the trial stops at that step, pruned with the
+    true reason; the other trials go on."""
+    exp = _grid_search(project, write_experiment, "diverged", ["ok", "nan", "-inf"], cells=[DIVERGING],
+                       block={"pruner": {"median": {"startup_trials": 0}}})
+    result = submit(exp, progress=False)
+    trials = {r.parameters["KIND"]: r for r in result.records}
+    assert sorted(trials) == ["-inf", "nan", "ok"], [(r.run_id, r.status, r.error) for r in result.records]
+    assert trials["ok"].trial["state"] == "complete"
+    for kind in ("nan", "-inf"):
+        record = trials[kind]
+        assert str(record.status) == "pruned" and record.trial["state"] == "pruned" and record.trial["step"] == 2
+        assert record.trial["reason"].startswith(f"loss was {kind} at step 2 (not a finite number): stopped there")
+        assert record.error.reason == record.trial["reason"]
+    assert sorted(t.state.name for t in _study(project, "diverged").trials) == ["COMPLETE", "PRUNED", "PRUNED"]
+
+
 CANDIDATES = [-1, 0, 0.5, 1, 2, 2.5, 3, 25, 99.5, 100, 101, float("inf"), float("nan"), True, "3", None]
 
 

@@ -20,6 +20,7 @@ and the kubelets are in the sibling modules ``kubernetes_*``.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -126,6 +127,12 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     fake: FakeKubernetes
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hung up (a watch it stopped reading, a pool's idle connection closed) is not an error of the
+        server's: the base class would print its traceback into the test run's output."""
+        if not isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            super().handle_error(request, client_address)
 
 
 class FakeKubernetes:

@@ -80,6 +80,7 @@ class _Trial:
     attempt: int = 0  # the attempt of the run that recorded it: a later attempt's steps start again
     last_value: float | None = None
     stop_asked: bool = False
+    diverged: str | None = None  # why the driver stopped it itself: its metric became nan or ±inf at a step
     thread: threading.Thread | None = None  # the launch (local runs: the whole run)
     launch_error: str | None = None
 
@@ -244,7 +245,7 @@ class SearchDriver(Driver):
         """The trials a previous driver asked for and never told: adopted, told, or run again."""
         state = optuna_module().trial.TrialState
         for frozen in study.study.get_trials(deepcopy=False):
-            if frozen.state == state.COMPLETE and frozen.value is not None:
+            if frozen.state == state.COMPLETE and frozen.values is not None:
                 study.metric_seen = True
             if frozen.state != state.RUNNING:
                 self._note_run(frozen.user_attrs.get(RUN_ID))
@@ -323,6 +324,8 @@ class SearchDriver(Driver):
             self._end(study, trial, None)
 
     def _report(self, study: _Study, trial: _Trial, judge: bool = True) -> None:
+        if self.search.multi:  # Optuna takes no intermediate values of a multi-objective trial (nor prunes it)
+            return
         metric = self.search.metric
         for point in trial.tail.read():
             if trial.stop_asked:  # the trial is decided: what the run records while it stops is not the study's
@@ -330,7 +333,14 @@ class SearchDriver(Driver):
             step, value, attempt = point.get("step"), point.get(metric), point.get("attempt", 0)
             if not isinstance(step, int) or isinstance(step, bool) or not isinstance(attempt, int):
                 continue
-            if (attempt, step) <= (trial.attempt, trial.reported) or not _is_number(value):  # _end says why, once
+            if (attempt, step) <= (trial.attempt, trial.reported):
+                continue
+            if not _is_number(value):  # _end says why, once; a diverged value with a pruner ends the trial now
+                if judge and self.search.pruner != "none" and _diverged(value):
+                    trial.diverged = (f"{metric} was {value} at step {step} (not a finite number): stopped there, "
+                                      f"as the search's {self.search.pruner} pruner stops a trial that cannot win")
+                    trial.reported = step
+                    self._prune(study, trial)
                 continue
             report(trial.trial, float(value), step)  # a step reported by an earlier attempt takes this one's value
             trial.attempt, trial.reported, trial.last_value = attempt, step, float(value)
@@ -343,7 +353,7 @@ class SearchDriver(Driver):
     def _prune(self, study: _Study, trial: _Trial) -> None:
         metric = self.search.metric
         trial.stop_asked = True
-        reason = (f"stopped at step {trial.reported} by the search's {self.search.pruner} pruner: {metric} "
+        reason = trial.diverged or (f"stopped at step {trial.reported} by the search's {self.search.pruner} pruner: {metric} "
                   f"{trial.last_value:.6g} is not among the {'lowest' if self.search.mode == 'min' else 'highest'} "
                   "it keeps at this step")
         self.say(f"trial {trial.number} of {study.label}: {reason}")
@@ -365,30 +375,16 @@ class SearchDriver(Driver):
                             "reason": "its run failed outside the notebook: it runs again on the next submit"}
             write_record(self.share, record)
             return  # not told: the trial is the notebook's to judge, not the share's or the node's
-        metric = self.search.metric
         if record is None:  # the backend refused to start it
             study.study.tell(trial.trial, state=state.FAIL)
             self.say(f"trial {trial.number} of {study.label}: its run could not start: {trial.launch_error}")
             decision: dict[str, Any] = {"state": "failed", "reason": trial.launch_error}
         elif record.status == Status.PRUNED:
             study.study.tell(trial.trial, state=state.PRUNED)
-            decision = {"state": "pruned", "step": trial.reported, "value": trial.last_value}
+            decision = {"state": "pruned", "step": trial.reported, "value": trial.last_value,
+                        **({"reason": trial.diverged} if trial.diverged else {})}
         elif record.status == Status.SUCCEEDED:
-            value = record.metrics.get(metric, trial.last_value)
-            if value is None:
-                trial.trial.set_user_attr(FAILURE, METRIC_MISSING)
-                study.study.tell(trial.trial, state=state.FAIL)
-                if not study.metric_seen:
-                    self._unknown_metric(study, record.run_id)
-                decision = {"state": "failed", "reason": f"its run recorded no value of {metric}"}
-            elif not _is_number(value):  # a diverged run (nan, inf), or a notebook recording text: this trial only
-                study.study.tell(trial.trial, state=state.FAIL)
-                decision = {"state": "failed", "reason": _not_a_number(metric, value)}
-                self.say(f"trial {trial.number} of {study.label}: failed ({record.run_id}): {decision['reason']}")
-            else:
-                study.study.tell(trial.trial, float(value))
-                decision = {"state": "complete", "value": float(value)}
-                self.say(f"trial {trial.number} of {study.label}: {metric} {float(value):.6g} ({record.run_id})")
+            decision = self._tell_values(study, trial, record)
         else:
             trial.trial.set_user_attr(FAILURE, failure_of(record))
             study.study.tell(trial.trial, state=state.FAIL)
@@ -399,6 +395,35 @@ class SearchDriver(Driver):
             record.trial = {"study": study.study.study_name, "number": trial.number, **decision}
             write_record(self.share, record)
         self._stop_if_hopeless(study)
+
+    def _tell_values(self, study: _Study, trial: _Trial, record: RunRecord) -> dict[str, Any]:
+        """Tell the study a succeeded run's final value of each objective; the decision, for its record. A metric
+        missing, or not a finite number (a diverged run: nan, inf), fails this trial only, saying which."""
+        state = optuna_module().trial.TrialState
+        values = {m: record.metrics.get(m, trial.last_value if not self.search.multi else None)
+                  for m in self.search.metrics}
+        missing = [m for m, v in values.items() if v is None]
+        wrong = [m for m, v in values.items() if v is not None and not _is_number(v)]
+        if missing:
+            trial.trial.set_user_attr(FAILURE, METRIC_MISSING)
+            study.study.tell(trial.trial, state=state.FAIL)
+            if not study.metric_seen:
+                self._unknown_metric(study, record.run_id)
+            decision: dict[str, Any] = {"state": "failed", "reason": f"its run recorded no value of {missing[0]}"}
+        elif wrong:  # a diverged run (nan, inf), or a notebook recording text: this trial only
+            study.study.tell(trial.trial, state=state.FAIL)
+            decision = {"state": "failed", "reason": _not_a_number(wrong[0], values[wrong[0]])}
+        else:
+            numbers = [float(v) for v in values.values()]
+            study.study.tell(trial.trial, numbers if self.search.multi else numbers[0])
+            study.metric_seen = True
+            shown = ", ".join(f"{m} {v:.6g}" for m, v in zip(values, numbers, strict=True))
+            self.say(f"trial {trial.number} of {study.label}: {shown} ({record.run_id})")
+            return ({"state": "complete", "values": dict(zip(values, numbers, strict=True))} if self.search.multi
+                    else {"state": "complete", "value": numbers[0]})
+        if wrong:
+            self.say(f"trial {trial.number} of {study.label}: failed ({record.run_id}): {decision['reason']}")
+        return decision
 
     def _stop_if_hopeless(self, study: _Study) -> None:
         """Stop the search (also before a resumed one runs anything) when no trial of ``study`` ever succeeded and
@@ -420,10 +445,12 @@ class SearchDriver(Driver):
 
     def _unknown_metric(self, study: _Study, run_id: str) -> None:
         record = read_record_or_none(self.share, self.experiment, run_id)
-        recorded = sorted(k for k, v in (record.metrics if record else {}).items() if _is_number(v))
-        raise SearchError(f"search.metric `{self.search.metric}` was never recorded: run {run_id} of "
+        metrics = record.metrics if record else {}
+        recorded = sorted(k for k, v in metrics.items() if _is_number(v))
+        metric = next((m for m in self.search.metrics if m not in metrics), self.search.metric)
+        raise SearchError(f"search.metric `{metric}` was never recorded: run {run_id} of "
                           f"{study.label} succeeded without it (it recorded {', '.join(recorded) or 'no metrics'}). "
-                          f"The notebook must call nbbatch.record(step=..., {self.search.metric}=...); or name one of "
+                          f"The notebook must call nbbatch.record(step=..., {metric}=...); or name one of "
                           "those in search.metric. The search was stopped")
 
     def _stop_all(self) -> None:
@@ -452,6 +479,13 @@ def _failed_outside_the_notebook(record: RunRecord) -> bool:
 def _is_number(value: Any) -> bool:
     """Whether ``value`` can be told to the study: a finite number (nbbatch.record keeps nan and inf as text)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _diverged(value: Any) -> bool:
+    """Whether a recorded value is nan or ±inf (a float, or the text nbbatch.record keeps them as)."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    return isinstance(value, str) and value.strip().lower().lstrip("+-") in ("nan", "inf", "infinity")
 
 
 def _not_a_number(metric: str, value: Any) -> str:

@@ -75,12 +75,28 @@ def planned_run_ids(share: Share, folder: str) -> list[str] | None:
 
 
 def search_of(share: Share, experiment: str) -> dict[str, Any] | None:
-    """The ``search:`` block the experiment's last submission ran (its manifest's), or None for a batch."""
+    """The ``search:`` block the experiment's last submission ran (its manifest's), or None for a batch. Of several
+    objectives, ``metric`` and ``mode`` are the first's (what its tables sort by) and ``objectives`` lists them all,
+    ``[[metric, mode], ...]``."""
     try:
         search = json.loads(share.read_bytes(experiment_paths(experiment).manifest)).get("search")
     except (OSError, ValueError, UnicodeDecodeError, AttributeError, NbbatchError):
         return None
-    return search if isinstance(search, dict) and isinstance(search.get("metric"), str) else None
+    if not isinstance(search, dict):
+        return None
+    metrics, modes = search.get("metric"), search.get("mode")
+    if isinstance(metrics, list) and isinstance(modes, list) and len(metrics) == len(modes) > 1 \
+            and all(isinstance(m, str) for m in metrics):
+        objectives = [list(o) for o in zip(metrics, modes, strict=True)]
+        return {**search, "metric": metrics[0], "mode": modes[0], "objectives": objectives}
+    return search if isinstance(metrics, str) else None
+
+
+def searched_metrics(search: Mapping[str, Any] | None) -> list[str]:
+    """The metrics a search optimises (:func:`search_of`'s block): its one metric, or every objective's."""
+    if not search:
+        return []
+    return [m for m, _ in search.get("objectives") or [(search["metric"], search.get("mode"))]]
 
 
 def load_plan_records(share: Share, experiment: str, all_runs: bool = False
@@ -394,7 +410,7 @@ def _columns(records: list[RunRecord], max_metrics: int, now: datetime,
     """Every column worth showing for ``records``, in display order, with its widths and priority."""
     varying = varying_parameters(records)
     columns: list[FitColumn] = []
-    searched = search["metric"] if search else None
+    searched = searched_metrics(search)
 
     def add(header: str, texts: list[str], keep: int, cap: int = 20, **kind: bool) -> FitColumn:
         columns.append(fit_column(header, texts, keep, cap, **kind))
@@ -417,10 +433,11 @@ def _columns(records: list[RunRecord], max_metrics: int, now: datetime,
         if any(t is not None for t in trials):
             columns.insert(first + 1, fit_column("trial", ["" if t is None else str(t) for t in trials], ALWAYS,
                                                  numeric=True))
-        values = [r.metrics.get(searched) for r in records]
-        columns.insert(first + 1 + any(t is not None for t in trials),
-                       fit_column(searched, [format_metric(v) for v in values], ALWAYS,
-                                  numeric=all(v is None or _is_number(v) for v in values)))
+        for index, metric in enumerate(searched):  # every objective's value, the first first
+            values = [r.metrics.get(metric) for r in records]
+            columns.insert(first + 1 + any(t is not None for t in trials) + index,
+                           fit_column(metric, [format_metric(v) for v in values], ALWAYS,
+                                      numeric=all(v is None or _is_number(v) for v in values)))
     if any(r.attempts > 1 for r in records):  # only retries make the attempt count worth a column
         add("try", [str(r.attempts) for r in records], 45, numeric=True)
     times = []
@@ -436,7 +453,7 @@ def _columns(records: list[RunRecord], max_metrics: int, now: datetime,
         add("ranks", [str(r.world_size) for r in records], 44, numeric=True)
     if any(r.gpu_ids for r in records):
         add("GPU", [",".join(map(str, r.gpu_ids)) or "cpu" for r in records], 40, cap=8)
-    for index, name in enumerate(n for n in shown_metrics(records, max_metrics + bool(searched)) if n != searched):
+    for index, name in enumerate(n for n in shown_metrics(records, max_metrics + len(searched)) if n not in searched):
         values = [r.metrics.get(name) for r in records]
         add(name, [format_metric(v) for v in values], 70 if index == 0 else 60 - index,
             numeric=all(v is None or _is_number(v) for v in values))

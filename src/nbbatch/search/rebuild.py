@@ -97,9 +97,9 @@ def _replay(study: Any, search: Search, record: RunRecord | None, history: Calla
     suggest(trial, search)
     _report_history(trial, search, history(record.run_id), told.get("step") if told.get("state") == "pruned" else None)
     decided = told.get("state")
-    value = told.get("value")
-    if decided == "complete" and isinstance(value, (int, float)) and math.isfinite(value):
-        study.tell(trial, float(value))
+    values = _told_values(search, told)
+    if decided == "complete" and values is not None:
+        study.tell(trial, values if search.multi else values[0])
     elif decided == "pruned":
         study.tell(trial, state=state.PRUNED)
     elif decided == "failed":
@@ -114,9 +114,20 @@ def _replay(study: Any, search: Search, record: RunRecord | None, history: Calla
     return str(decided)
 
 
+def _told_values(search: Search, told: dict[str, Any]) -> list[float] | None:
+    """The objectives' values a record's ``trial:`` holds (``value``; ``values`` by metric for several), or None."""
+    given = told.get("values") if search.multi else {search.metric: told.get("value")}
+    values = [given.get(m) for m in search.metrics] if isinstance(given, dict) else [None]
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        return [float(v) for v in values]
+    return None
+
+
 def _report_history(trial: Any, search: Search, points: list[dict[str, Any]], last_step: int | None) -> None:
     """Report the run's points of the search's metric as the driver did: in (attempt, step) order, a later attempt's
     value of a step replacing an earlier one's; a pruned trial's up to the step it was pruned at."""
+    if search.multi:  # the driver reports no intermediate value of a multi-objective trial
+        return
     judge = search.pruner in STATEFUL_PRUNERS
     reported = (0, -1)
     for point in points:

@@ -80,6 +80,8 @@ def sampler_of(search: Search, asked: int = 0) -> Any:
         return samplers.CmaEsSampler(seed=seed)
     if search.sampler == "qmc":
         return samplers.QMCSampler(seed=seed)
+    if search.sampler == "nsga2":
+        return samplers.NSGAIISampler(seed=seed)
     return samplers.TPESampler(seed=seed)
 
 
@@ -129,7 +131,7 @@ def open_study(search: Search, path: Path, name: str, fingerprint: str, fresh: b
     repair_journal(path, say)
     storage = JournalStorage(JournalFileBackend(str(path)))
     study = optuna.create_study(study_name=name, storage=storage, sampler=sampler_of(search), pruner=pruner_of(search),
-                                direction="minimize" if search.mode == "min" else "maximize", load_if_exists=True)
+                                directions=directions(search), load_if_exists=True)
     asked = len(study.get_trials(deepcopy=False))
     if asked:
         study.sampler = sampler_of(search, asked=asked)
@@ -141,6 +143,11 @@ def open_study(search: Search, path: Path, name: str, fingerprint: str, fresh: b
                           "trials, notebook or fixed parameters changed since): submit with --force to start this one "
                           "afresh (the old journal is kept as .journal.old), or give the experiment another name")
     return study
+
+
+def directions(search: Search) -> list[str]:
+    """The study's directions, one per objective (Optuna's words)."""
+    return ["minimize" if mode == "min" else "maximize" for mode in search.modes]
 
 
 def repair_journal(path: Path, say: Callable[[str], None]) -> None:

@@ -276,6 +276,13 @@ def _select(stage: str, data: Mapping[str, Any]) -> Select | None:
     return Select(select["metric"], select["mode"])
 
 
+def _objectives(stage: Stage) -> int:
+    """How many objectives the stage's search has (0 for a stage that searches nothing)."""
+    search = stage.data.get("search")
+    metric = search.get("metric") if isinstance(search, Mapping) else None
+    return len(metric) if isinstance(metric, list) else int(metric is not None)
+
+
 def _check_graph(pipeline: Pipeline) -> None:
     names = list(pipeline.stages)
     for stage in pipeline.stages.values():
@@ -319,6 +326,10 @@ def _check_references(pipeline: Pipeline, stage: str) -> None:
         for ref in refs:
             upstream = pipeline.stages[ref.stage]
             where = f"stage `{stage}`, {key}.{item}: {ref.text}"
+            if ref.of_best and upstream.select is None and _objectives(upstream) > 1:
+                raise SpecError(f"{where}: stage `{ref.stage}` searches {_objectives(upstream)} objectives, so its "
+                                "best run depends on which one decides: add `select: {metric: NAME, mode: max|min}` "
+                                f"to stage `{ref.stage}` (one of its search.metric)")
             if ref.of_best and upstream.select is None:
                 raise SpecError(f"{where}: stage `{ref.stage}` has no `select:` (nor a search's metric), so it has "
                                 f"no best run; add `select: {{metric: NAME, mode: max}}` to stage `{ref.stage}`")

@@ -3,7 +3,8 @@
 This module reads and checks the experiment's ``search:`` block before anything runs; it imports no Optuna (the driver,
 :mod:`nbbatch.search`, does). Every mistake the block can hold is refused here, naming the key and the fix: an unknown
 sampler or pruner, a distribution its sampler cannot draw (CMA-ES and QMC draw numbers only), a grid that is no list
-of choices, a budget too small for the pruner to ever stop a run.
+of choices, a budget too small for the pruner to ever stop a run, a bound or a setting Optuna would refuse, several
+objectives with a sampler or pruner that cannot judge them.
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbbatch.errors import SpecError, did_you_mean
+from nbbatch.metrics import POINT_KEYS
 from nbbatch.spec.sweep import distribution
 
-SAMPLERS = ("tpe", "random", "grid", "cmaes", "qmc")
+SAMPLERS = ("tpe", "random", "grid", "cmaes", "qmc", "nsga2")
 PRUNERS = ("none", "median", "percentile", "asha", "hyperband")
 DISTRIBUTIONS = ("uniform", "loguniform", "randint", "choice")
 MODES = ("min", "max")
 _NUMERIC_ONLY = ("cmaes", "qmc")  # samplers that draw numbers only
+_SINGLE_OBJECTIVE = ("cmaes",)  # Optuna's samplers that judge one objective only (CmaEsSampler raises on several)
 # Each pruner's settings and their defaults (Optuna's own defaults, under nbbatch's names).
 PRUNER_SETTINGS: dict[str, dict[str, Any]] = {
     "none": {},
@@ -33,6 +36,7 @@ PRUNER_SETTINGS: dict[str, dict[str, Any]] = {
 # after the lock is taken, on anything less). `percentile` is any number from 0 to 100, both included.
 LEAST_SETTING = {"startup_trials": 0, "warmup_steps": 0, "interval_steps": 1, "min_resource": 1, "max_resource": 1,
                  "reduction_factor": 2, "min_early_stopping_rate": 0}
+SETTING_LIMIT = 2**31 - 1  # the most a pruner's whole-number setting may be (far above any budget of trials or steps)
 SEED_LIMIT = 2**32  # a sampler's seed seeds numpy's RandomState: 0 ≤ seed < 2**32
 
 
@@ -55,7 +59,10 @@ class SearchParam:
 
 @dataclass(frozen=True)
 class Search:
-    """An experiment's ``search:``: which metric to optimise, how many trials, the sampler, the pruner, the space."""
+    """An experiment's ``search:``: which metric to optimise, how many trials, the sampler, the pruner, the space.
+
+    ``metric`` and ``mode`` are the first objective; ``metrics`` and ``modes`` every objective (one, or several for a
+    multi-objective study: ``metric: [accuracy, train_seconds]``, ``mode: [max, min]``)."""
 
     metric: str
     mode: str
@@ -65,6 +72,22 @@ class Search:
     seed: int | None = None
     pruner: str = "none"
     pruner_settings: dict[str, Any] = field(default_factory=dict)
+    more_objectives: tuple[tuple[str, str], ...] = ()  # the objectives after the first: (metric, mode) each
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        """Every objective's metric, the first one first."""
+        return (self.metric, *(m for m, _ in self.more_objectives))
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """Every objective's mode (min or max), in the order of :attr:`metrics`."""
+        return (self.mode, *(m for _, m in self.more_objectives))
+
+    @property
+    def multi(self) -> bool:
+        """Whether the search has several objectives (an Optuna multi-objective study: no pruner, a Pareto front)."""
+        return bool(self.more_objectives)
 
     @property
     def grid_size(self) -> int:
@@ -74,12 +97,15 @@ class Search:
     def describe(self) -> str:
         """One line for people: what is searched and how."""
         space = "; ".join(f"{p.name} {p.kind} {list(p.args)}" for p in self.params)
-        return (f"up to {self.trials} trials each, {self.mode}imising {self.metric}: {space}; sampler {self.sampler}"
+        goal = ", ".join(f"{mode}imising {metric}" for metric, mode in zip(self.metrics, self.modes, strict=True))
+        return (f"up to {self.trials} trials each, {goal}: {space}; sampler {self.sampler}"
                 f"{'' if self.seed is None else f' (seed {self.seed})'}, pruner {self.pruner}")
 
     def to_dict(self) -> dict[str, Any]:
         """The block as an experiment file writes it (stored in the share's manifest)."""
-        return {"metric": self.metric, "mode": self.mode, "trials": self.trials, "sampler": self.sampler,
+        several = self.multi  # one objective is written as before (a study's fingerprint stays the same)
+        return {"metric": list(self.metrics) if several else self.metric,
+                "mode": list(self.modes) if several else self.mode, "trials": self.trials, "sampler": self.sampler,
                 "seed": self.seed, "pruner": {self.pruner: dict(self.pruner_settings)} if self.pruner_settings
                 else self.pruner, "params": {p.name: {p.kind: list(p.args)} for p in self.params}}
 
@@ -96,23 +122,40 @@ def parse_search(data: Any, fixed: Mapping[str, Any] | None = None, sweep: Mappi
     if sweep:
         raise SpecError("an experiment has `search:` or `sweep:`, not both: a search proposes its own parameters. "
                         "Move fixed values to `parameters:` and searched ones to search.params")
-    metric = data.get("metric")
-    if not isinstance(metric, str) or not metric.isidentifier():
-        raise SpecError("search.metric must name a metric the notebook records with nbbatch.record(step=..., "
-                        f"NAME=...) (got {metric!r})")
-    mode = data.get("mode")
-    if mode not in MODES:
-        raise SpecError(f"search.mode must be min or max: whether a lower or a higher {metric} is better "
-                        f"(got {mode!r})")
+    objectives = _objectives(data.get("metric"), data.get("mode"))
     trials = data.get("trials")
     if not isinstance(trials, int) or isinstance(trials, bool) or trials < 1:
         raise SpecError(f"search.trials must be a positive integer: the budget of runs (got {trials!r})")
     params = _params(data.get("params"), fixed or {})
     sampler, seed = _sampler(data.get("sampler", "tpe"), data.get("seed"))
     pruner, settings = _pruner(data.get("pruner", "none"))
-    search = Search(metric, mode, trials, params, sampler, seed, pruner, settings)
+    (metric, mode), *more = objectives
+    search = Search(metric, mode, trials, params, sampler, seed, pruner, settings, tuple(more))
     _check_fit(search)
     return search
+
+
+def _objectives(metrics: Any, modes: Any) -> list[tuple[str, str]]:
+    """The search's objectives, (metric, mode) each: one metric and mode, or two lists of the same length."""
+    several = isinstance(metrics, list)
+    names = metrics if several else [metrics]
+    if several and (len(names) < 2 or not isinstance(modes, list) or len(modes) != len(names)):
+        raise SpecError("several objectives are two lists of the same length, each of at least two: search.metric "
+                        f"[accuracy, train_seconds] and search.mode [max, min] (got metric {metrics!r}, mode {modes!r})")
+    for name in names:
+        if not isinstance(name, str) or not name.isidentifier() or name in POINT_KEYS:
+            raise SpecError("search.metric must name a metric the notebook records with nbbatch.record(step=..., "
+                            f"NAME=...) (got {name!r}" + (f": `{name}` is a key of every point, no metric" if
+                                                          name in POINT_KEYS else "") + ")")
+    if len(set(names)) != len(names):
+        raise SpecError(f"search.metric names a metric twice ({metrics!r}): each objective is another metric")
+    given = modes if several else [modes]
+    for name, mode in zip(names, given, strict=True):
+        if mode not in MODES:
+            raise SpecError(f"search.mode must be min or max: whether a lower or a higher {name} is better "
+                            f"(got {mode!r})" + (" (several metrics take a list of modes, one each)"
+                                                 if isinstance(modes, list) != several else ""))
+    return list(zip(names, given, strict=True))
 
 
 def _params(data: Any, fixed: Mapping[str, Any]) -> tuple[SearchParam, ...]:
@@ -140,6 +183,8 @@ def _param(name: str, spec: Any) -> SearchParam:
         if any(not isinstance(v, (str, int, float, bool)) and v is not None
                or isinstance(v, float) and not math.isfinite(v) for v in args):
             raise SpecError(f"{where}: choice values must be finite numbers, strings, booleans or null (got {args!r})")
+        if len(set(args)) != len(args):  # Optuna finds a choice by ==: 1, 1.0 and true are one value to it
+            raise SpecError(f"{where}: choice values must differ (got {args!r}; 1, 1.0 and true are one value)")
         return SearchParam(name, kind, tuple(args))
     if (not isinstance(args, list) or len(args) != 2
             or not all(isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a) for a in args)):
@@ -152,6 +197,9 @@ def _param(name: str, spec: Any) -> SearchParam:
     if high <= low or (kind == "loguniform" and low <= 0):
         need = "0 < low < high" if kind == "loguniform" else "low < high"
         raise SpecError(f"{where}: {kind} needs {need} (got {args})")
+    if not math.isfinite(float(high) - float(low)):  # Optuna's samplers draw low + u * (high - low)
+        raise SpecError(f"{where}: {kind} [{low}, {high}] is wider than a float can hold: narrow it (or use "
+                        "loguniform for a range over many orders of magnitude)")
     return SearchParam(name, kind, (float(low), float(high)))
 
 
@@ -199,8 +247,10 @@ def _check_setting(pruner: str, key: str, value: Any) -> None:
             raise SpecError(f"search.pruner.percentile.percentile must be a number from 0 to 100, both included "
                             f"(got {value!r})")
         return
-    if not number or not math.isfinite(value) or value != int(value) or value < LEAST_SETTING[key]:
-        raise SpecError(f"search.pruner.{pruner}.{key} must be a whole number ≥ {LEAST_SETTING[key]} (got {value!r})")
+    if not number or isinstance(value, int) and value > SETTING_LIMIT or isinstance(value, float) and not (
+            math.isfinite(value) and value == int(value) and value <= SETTING_LIMIT) or value < LEAST_SETTING[key]:
+        raise SpecError(f"search.pruner.{pruner}.{key} must be a whole number from {LEAST_SETTING[key]} to "
+                        f"{SETTING_LIMIT} (got {value!r})")
 
 
 def brackets(search: Search) -> int:
@@ -224,6 +274,8 @@ def smallest_budget(search: Search) -> int:
 
 
 def _check_fit(search: Search) -> None:
+    if search.multi:
+        _check_objectives(search)
     if search.sampler in _NUMERIC_ONLY:
         words = [p.name for p in search.params if not p.numeric]
         if words:
@@ -256,3 +308,15 @@ def _why_budget(search: Search) -> str:
         return f"a rung keeps 1 in {s['reduction_factor']} runs (reduction_factor)"
     return (f"{brackets(search)} brackets (log base {s['reduction_factor']} of max_resource/min_resource, plus one), "
             f"each keeping 1 in {s['reduction_factor']} runs")
+
+
+def _check_objectives(search: Search) -> None:
+    """Several objectives as Optuna judges them: no pruner (a multi-objective trial reports no intermediate value),
+    and a sampler that weighs several values."""
+    if search.pruner != "none":
+        raise SpecError(f"search.pruner {search.pruner}: Optuna's pruners judge one objective, and this search has "
+                        f"{len(search.metrics)} ({', '.join(search.metrics)}): use pruner: none, or search one metric")
+    if search.sampler in _SINGLE_OBJECTIVE:
+        raise SpecError(f"search.sampler {search.sampler} optimises one objective, and this search has "
+                        f"{len(search.metrics)} ({', '.join(search.metrics)}): use sampler tpe (the default), nsga2, "
+                        "random or qmc")

@@ -78,9 +78,9 @@ class KubernetesBackend(Backend):
     """Execute runs as Kubernetes Jobs: one Indexed Job per run shape, an Indexed Job of N pods per distributed run."""
 
     name: ClassVar[str] = "kubernetes"
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        cancel=True, log_stream=False, gpus=True, multi_node=True, local_kernels=False, detached=True,
-        gpu_slots=False, managed_cluster=False, containers=True)
+    # pods run the frameworks' images on the cluster's nodes, and outlive the submitting process
+    capabilities: ClassVar[Capabilities] = Capabilities(multi_node=True, local_kernels=False, detached=True,
+                                                        containers=True)
     Settings: ClassVar[type] = KubernetesSettings
     settings: KubernetesSettings
     waits_by_default: ClassVar[bool] = False  # a cluster: submit returns once the Jobs are made (--wait waits)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import posixpath
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
@@ -345,10 +346,36 @@ def collect(share_or_path: str | os.PathLike[str] | Share,
     frame = _frame(pd, [_read_run(share, f) for f in found], share)
     frame.attrs["superseded"] = superseded
     searches = [s for s in (search_of(share, e.strip("/")) for e in experiments or []) if s]
-    if searches:  # what a search optimised: `compare` sorts its runs by it, best first
-        frame.attrs["search"] = {"metric": searches[0]["metric"], "mode": searches[0].get("mode", "min")}
-        frame.attrs["search"]["params"] = searches[0].get("params") or {}  # its space: how importance reads them
+    if searches:  # what a search optimised: `compare` sorts its runs by it (the first objective), best first
+        search = searches[0]
+        frame.attrs["search"] = {"metric": search["metric"], "mode": search.get("mode", "min"),
+                                 **({"objectives": search["objectives"]} if search.get("objectives") else {}),
+                                 "params": search.get("params") or {}}  # its space: how importance reads them
+        if search.get("objectives") and "trial" in frame:
+            frame["pareto"] = pareto_column(frame, search["objectives"])
     return frame
+
+
+def pareto_column(frame: pd.DataFrame, objectives: list[list[str]]) -> list[bool | None]:
+    """Per run of a multi-objective search: whether its trial is on the Pareto front (it succeeded, and no other
+    succeeded trial is as good in every objective and better in one); None for a run that is no trial."""
+    points: dict[int, list[float]] = {}
+    for index, (_, row) in enumerate(frame.iterrows()):
+        values = [row.get(f"{METRIC}{metric}") for metric, _ in objectives]
+        if row.get("status") == "succeeded" and all(_finite(v) for v in values) and not _missing(row.get("trial")):
+            points[index] = [float(v) if mode == "min" else -float(v)  # every objective made one to minimise
+                             for v, (_, mode) in zip(values, objectives, strict=True)]
+
+    def dominated(point: list[float]) -> bool:
+        return any(all(o <= p for o, p in zip(other, point, strict=True)) and other != point
+                   for other in points.values())
+
+    front = {index for index, point in points.items() if not dominated(point)}
+    return [None if _missing(trial) else index in front for index, trial in enumerate(frame["trial"])]
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _frame(pd: Any, rows: list[dict[str, Any]], share: Share) -> pd.DataFrame:

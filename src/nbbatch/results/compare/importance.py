@@ -50,9 +50,9 @@ def parameter_importance(frame: pd.DataFrame, search: Mapping[str, Any] | None =
     (None, or why the numbers should not be trusted).
     """
     search = search if search is not None else frame.attrs.get("search")
-    if search:
-        metrics = _as_list(search["metric"])
-        modes = _as_list(search.get("mode", "min"))
+    if search:  # several objectives: how much each parameter matters to reach their Pareto front
+        objectives = search.get("objectives") or [(search["metric"], search.get("mode", "min"))]
+        metrics, modes = [str(m) for m, _ in objectives], [str(m) for _, m in objectives]
         columns = [f"{METRIC}{m}" for m in metrics]
         rows = frame[frame["trial"].notna()] if "trial" in frame else frame
     else:
@@ -78,10 +78,6 @@ def parameter_importance(frame: pd.DataFrame, search: Mapping[str, Any] | None =
     result["parameters"] = {name.removeprefix(PARAM): round(value, 4) for name, value in importances.items()}
     result["warning"] = _warning(finished, names, search is None)
     return result
-
-
-def _as_list(value: Any) -> list[Any]:
-    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def _finished(rows: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:

@@ -29,6 +29,7 @@ from nbbatch.results.compare.search_plots import (
     plot_best_by_trial,
     plot_importance,
     plot_parallel_coordinates,
+    plot_pareto_front,
     plot_trial_curves,
 )
 from nbbatch.results.compare.steps import with_step_columns
@@ -96,7 +97,8 @@ def report_context(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, 
     history_builds, not_plotted = _history_builds(frame, share)
     search = frame.attrs.get("search")
     by_param = ("Metric vs. swept parameter", lambda: plot_metric_vs_param(frame, metric, param))
-    search_builds = [("best by trial", lambda: plot_best_by_trial(frame, search)),
+    search_builds = [("Pareto front", lambda: plot_pareto_front(frame, search)),
+                     ("best by trial", lambda: plot_best_by_trial(frame, search)),
                      ("parameters", lambda: plot_parallel_coordinates(frame, search)), by_param,
                      ("curves", lambda: plot_trial_curves(frame, load_histories(frame, share), search))
                      ] if search else [by_param]
@@ -141,6 +143,7 @@ def report_context(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, 
         not_plotted=not_plotted,
         search=search,
         best=best,
+        pareto=_front(frame),
         best_parameters=[f"{k}={format_metric(v)}" for k, v in best["parameters"].items()] if best else [],
         importance=importance,
         importance_figure=_embedded(importance_figure, "which parameters matter") if importance_figure else None,
@@ -153,6 +156,14 @@ def report_context(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, 
         rows=rows,
         failures=failures,
     )
+
+
+def _front(frame: pd.DataFrame) -> list[int]:
+    """The trial numbers on a multi-objective search's Pareto front (its ``pareto`` column), in order."""
+    if "pareto" not in frame:
+        return []
+    # str(): the column holds bools (numpy's where every run is a trial) and None for a run that is no trial
+    return sorted(int(t) for t, on in zip(frame["trial"], frame["pareto"], strict=True) if str(on) == "True")
 
 
 WIDE_FIGURE_IN = 8.0  # a figure wider than this (panels side by side) gets a row of its own, at its own size

@@ -1,6 +1,7 @@
 """A search's part of the report: its best trial, the best value by trial, the parameters against the metric
-(parallel coordinates), every trial's curve with the pruned runs marked where they stopped, and which parameters
-matter (also drawn for a sweep)."""
+(parallel coordinates), every trial's curve with the pruned runs marked where they stopped, for several objectives
+the Pareto front (the first objective is the one the other figures show), and which parameters matter (also drawn
+for a sweep)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
     from matplotlib.figure import Figure
 
-PRUNED, FINISHED = "tab:red", "tab:blue"
+PRUNED, FINISHED, FRONT = "tab:red", "tab:blue", "tab:orange"
 
 
 def _trials(frame: pd.DataFrame, metric: str) -> pd.DataFrame:
@@ -153,6 +154,34 @@ def plot_trial_curves(frame: pd.DataFrame, histories: Mapping[str, Sequence[Mapp
     ax.set_ylabel(metric)
     ax.set_title(f"search: every trial's {metric}")
     ax.grid(True, alpha=0.3)
+    return fig
+
+
+def plot_pareto_front(frame: pd.DataFrame, search: Mapping[str, Any]) -> Figure | None:
+    """A multi-objective search's succeeded trials on its first two objectives, those on the Pareto front (the
+    frame's ``pareto`` column) marked and joined in order, each labelled with its trial number."""
+    objectives = search.get("objectives") or []
+    if len(objectives) < 2 or "pareto" not in frame:
+        return None
+    (x_metric, x_mode), (y_metric, y_mode) = objectives[:2]
+    trials = frame[frame["trial"].notna()].assign(x=_numeric(frame, f"{METRIC}{x_metric}"),
+                                                  y=_numeric(frame, f"{METRIC}{y_metric}"))
+    trials = trials[(trials["status"].astype(str) == "succeeded") & trials["x"].notna() & trials["y"].notna()]
+    if len(trials) < 2:
+        return None
+    front = trials[trials["pareto"].fillna(False).astype(bool)].sort_values("x", kind="stable")
+    fig = _figure()
+    ax = fig.add_subplot()
+    ax.scatter(trials["x"], trials["y"], color=FINISHED, s=18, alpha=0.6, label="trial")
+    ax.plot(front["x"], front["y"], color=FRONT, marker="o", markersize=6, linewidth=1.0,
+            label=f"Pareto front ({len(front)})")
+    for number, x, y in zip(front["trial"], front["x"], front["y"], strict=True):
+        ax.annotate(str(int(number)), (x, y), textcoords="offset points", xytext=(4, 4), fontsize="x-small")
+    ax.set_xlabel(f"{x_metric} ({'lower' if x_mode == 'min' else 'higher'} is better)")
+    ax.set_ylabel(f"{y_metric} ({'lower' if y_mode == 'min' else 'higher'} is better)")
+    ax.set_title(f"search: Pareto front of {x_metric} and {y_metric}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="x-small")
     return fig
 
 
