@@ -175,7 +175,7 @@ def test_status_compare_and_the_report_show_every_objective_and_the_pareto_front
     assert "trial" in header and header.index("accuracy") < header.index("seconds")
     assert main(["compare", "front", "--json", str(project / "front.json"),
                  "--report", str(project / "front.html")]) == 0
-    rows = json.loads((project / "front.json").read_text())
+    rows = json.loads((project / "front.json").read_text())["runs"]  # a search's JSON: its search, importance, runs
     assert len(rows) == 10 and all(isinstance(r["pareto"], bool) for r in rows)
     front = [r for r in rows if r["pareto"]]
     assert front and len(front) < 10  # the trials below 0.5 are dominated: some were drawn with seed 5

@@ -20,6 +20,7 @@ from nbbatch.results.compare import (
     filter_runs,
     group_runs,
     load_baseline,
+    parameter_importance,
     parse_tolerance,
     runs_table,
     select_history,
@@ -134,8 +135,9 @@ def cli_compare(args: argparse.Namespace) -> int:
     shown = group_runs(frame, args.group_by, args.agg) if args.group_by else frame
     if args.csv:
         console.print(f"wrote {write_table(shown, args.csv)}", **_PLAIN)
-    if args.json:
-        console.print(f"wrote {write_table(shown, args.json)}", **_PLAIN)
+    if args.json:  # a search's: an object, with the search and which parameters matter beside its runs
+        about = {"search": search, "importance": parameter_importance(frame)} if search else None
+        console.print(f"wrote {write_table(shown, args.json, about)}", **_PLAIN)
     columns = [c for c in args.columns.split(",") if c.strip()] if args.columns else None
     if args.group_by:
         console.print(runs_table(shown, columns=columns or [str(c) for c in shown.columns],

@@ -18,6 +18,7 @@ The modules, by concern: :mod:`~nbbatch.results.compare.collect` (finding and re
 :mod:`~nbbatch.results.compare.query` (filter, sort, group, CSV/JSON),
 :mod:`~nbbatch.results.compare.table` (the terminal table), :mod:`~nbbatch.results.compare.steps`
 (metric histories in the table), :mod:`~nbbatch.results.compare.plots`,
+:mod:`~nbbatch.results.compare.importance` (which parameters matter),
 :mod:`~nbbatch.results.compare.report` (HTML) and :mod:`~nbbatch.results.compare.check`. The
 command line (``nbbatch compare``/``check``) is :mod:`nbbatch.ui.results_commands`.
 
@@ -45,6 +46,7 @@ from nbbatch.results.compare.collect import (
     collect,
     collect_targets,
 )
+from nbbatch.results.compare.importance import parameter_importance
 from nbbatch.results.compare.plots import (
     default_metric,
     default_time,
@@ -89,7 +91,8 @@ __all__ = [
     "STEP", "TELEMETRY", "TRAILING_COLUMNS",
     "CheckResult", "check", "collect", "collect_targets", "default_best_mode", "default_check_key", "default_metric",
     "default_time", "display_columns", "figure_png", "filter_runs", "group_runs", "leaders", "line_styles",
-    "load_baseline", "load_histories", "load_telemetry", "parse_best_modes", "parse_tolerance", "plot_gpu_telemetry",
+    "load_baseline", "load_histories", "load_telemetry", "parameter_importance", "parse_best_modes", "parse_tolerance",
+    "plot_gpu_telemetry",
     "plot_metric_by_framework", "plot_metric_by_step", "plot_metric_vs_param", "plot_metric_vs_time", "plot_trials",
     "read_histories", "read_table", "render_report", "resolve_column", "run_labels", "runs_table", "select_history",
     "sort_runs", "sort_search", "swept_parameters", "terminal", "with_step_columns",

@@ -349,7 +349,8 @@ def collect(share_or_path: str | os.PathLike[str] | Share,
     if searches:  # what a search optimised: `compare` sorts its runs by it (the first objective), best first
         search = searches[0]
         frame.attrs["search"] = {"metric": search["metric"], "mode": search.get("mode", "min"),
-                                 **({"objectives": search["objectives"]} if search.get("objectives") else {})}
+                                 **({"objectives": search["objectives"]} if search.get("objectives") else {}),
+                                 "params": search.get("params") or {}}  # its space: how importance reads them
         if search.get("objectives") and "trial" in frame:
             frame["pareto"] = pareto_column(frame, search["objectives"])
     return frame

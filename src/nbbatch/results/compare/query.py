@@ -197,8 +197,12 @@ def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
     return rows
 
 
-def write_table(frame: pd.DataFrame, path: str | os.PathLike[str]) -> Path:
-    """Write the table as CSV (``.csv``) or JSON (``.json``: a list of row objects, missing values null)."""
+def write_table(frame: pd.DataFrame, path: str | os.PathLike[str], about: Mapping[str, Any] | None = None) -> Path:
+    """Write the table as CSV (``.csv``) or JSON (``.json``: a list of row objects, missing values null).
+
+    ``about``: what the JSON says of the runs as a whole (a search's ``search`` and ``importance``); with it the JSON
+    is one object, ``about``'s keys and ``runs`` (the list), which :func:`read_table` reads back alike. CSV has no
+    place for it."""
     target = Path(path)
     suffix = target.suffix.lower()
     if suffix not in (".csv", ".json"):
@@ -207,7 +211,8 @@ def write_table(frame: pd.DataFrame, path: str | os.PathLike[str]) -> Path:
         if suffix == ".csv":
             frame.to_csv(tmp, index=False)
         else:
-            tmp.write_text(json.dumps(_records(frame), indent=1, default=str) + "\n")
+            data: Any = _records(frame) if about is None else {**about, "runs": _records(frame)}
+            tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
     return target
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from nbbatch import __version__
+from nbbatch.results.compare.importance import parameter_importance
 from nbbatch.results.compare.plots import (
     figure_png,
     group_title,
@@ -26,6 +27,7 @@ from nbbatch.results.compare.plots import (
 from nbbatch.results.compare.search_plots import (
     best_trial,
     plot_best_by_trial,
+    plot_importance,
     plot_parallel_coordinates,
     plot_pareto_front,
     plot_trial_curves,
@@ -126,6 +128,8 @@ def report_context(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, 
         for _, row in frame.iterrows() if row.get("status") not in ("succeeded", "pruned") and _cell_text(row.get("error"))
     ]
     best = best_trial(frame, search) if search else None
+    importance = parameter_importance(frame, metric=None if search else metric)
+    importance_figure = plot_importance(importance)
     counts = frame["status"].value_counts(dropna=False) if len(frame) else {}
     experiments = sorted({str(e) for e in frame.get("experiment", [])})
     return dict(
@@ -141,6 +145,8 @@ def report_context(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, 
         best=best,
         pareto=_front(frame),
         best_parameters=[f"{k}={format_metric(v)}" for k, v in best["parameters"].items()] if best else [],
+        importance=importance,
+        importance_figure=_embedded(importance_figure, "which parameters matter") if importance_figure else None,
         leaders=_leaders(frame, metric, report_dir) if by_framework is not None else [],
         leaders_by=group_title(frame) if by_framework is not None else None,
         leaders_figure=_embedded(by_framework, "by framework") if by_framework is not None else None,

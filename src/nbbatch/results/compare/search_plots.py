@@ -1,6 +1,7 @@
 """A search's part of the report: its best trial, the best value by trial, the parameters against the metric
-(parallel coordinates), every trial's curve with the pruned runs marked where they stopped, and for several objectives
-the Pareto front (the first objective is the one the other figures show)."""
+(parallel coordinates), every trial's curve with the pruned runs marked where they stopped, for several objectives
+the Pareto front (the first objective is the one the other figures show), and which parameters matter (also drawn
+for a sweep)."""
 
 from __future__ import annotations
 
@@ -181,4 +182,25 @@ def plot_pareto_front(frame: pd.DataFrame, search: Mapping[str, Any]) -> Figure 
     ax.set_title(f"search: Pareto front of {x_metric} and {y_metric}")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="x-small")
+    return fig
+
+
+def plot_importance(importance: Mapping[str, Any] | None) -> Figure | None:
+    """Which parameters matter: each parameter's importance (:func:`~nbbatch.results.compare.importance.
+    parameter_importance`) as a bar, the most important on top; hatched when its warning says not to trust it."""
+    if not importance or not importance.get("parameters"):
+        return None
+    names = list(importance["parameters"])[::-1]
+    values = [importance["parameters"][n] for n in names]
+    fig = _figure(height=1.2 + 0.32 * len(names))
+    ax = fig.add_subplot()
+    bars = ax.barh(names, values, color="tab:blue", alpha=0.8, hatch="//" if importance.get("warning") else None)
+    ax.bar_label(bars, labels=[f"{v:.0%}" for v in values], padding=3, fontsize="small")
+    metric = importance["metric"]
+    ax.set_xlabel(f"importance for {metric if isinstance(metric, str) else ' and '.join(metric)} "
+                  f"({importance['evaluator']}, {importance['trials']} trials" +
+                  ("; too few: see the warning)" if importance.get("warning") else ")"))
+    ax.set_xlim(0, 1.15)
+    ax.set_title("which parameters matter")
+    ax.grid(True, axis="x", alpha=0.3)
     return fig
