@@ -252,8 +252,8 @@ def _kubernetes(request, project, tmp_path) -> Iterator[Harness]:
     with FakeKubernetes(kubelet=ProcessKubelet(), namespaces=("default", "ml")) as kube:
         backend = {"name": "kubernetes", "kubeconfig": str(kube.kubeconfig(tmp_path / "kubeconfig", "ml")),
                    "context": "fake", "namespace": "ml", "share": {"host_path": str(share)},
-                   "images": {"*": "registry.example.com/nbbatch-contract:1"}, "poll_s": 0.2, "cancel_grace_s": 5,
-                   "termination_grace_s": 5}
+                   "images": {"*": "registry.example.com/nbbatch-contract:1"}, "poll_s": 0.2, "cancel_grace_s": 15,
+                   "termination_grace_s": 30}  # a stopped launcher saves its notebook before SIGKILL, on busy cores too
         # its pod's launcher dies (as with its node): the pod fails, and its Job's index with it (no retries left)
         yield Harness("kubernetes", project, str(share), backend, lambda record: _kill_tree(record.pid))
 

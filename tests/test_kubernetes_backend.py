@@ -59,7 +59,8 @@ class Cluster:
     def backend(self, **more: Any) -> dict[str, Any]:
         return {"name": "kubernetes", "kubeconfig": str(self.kubeconfig), "context": "fake", "namespace": "ml",
                 "share": {"host_path": str(self.share)}, "images": {"*": IMAGE}, "poll_s": 0.2,
-                "cancel_grace_s": 5, "termination_grace_s": 5, **more}
+                # a stopped pod's launcher saves the notebook so far before its SIGKILL, also on two busy cores
+                "cancel_grace_s": 15, "termination_grace_s": 30, **more}
 
     def experiment(self, name: str, grid: list[int], backend: dict[str, Any] | None = None,
                    **more: Any) -> dict[str, Any]:
