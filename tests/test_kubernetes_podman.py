@@ -376,21 +376,30 @@ def test_submit_against_the_fake_api_server_runs_its_pods_for_real(chainer_image
 
 
 @real
-def test_a_gang_submitted_to_the_fake_api_server_meets_for_real(pytorch_image, node, volume, tmp_path):
-    """End to end, a 2-node PyTorch run (DDP over gloo): the Job's pods, made by the fake's controller, each in its own
-    network namespace, meet at ``<job>-0.<job>:29500``, the name the headless Service (made after the Job) gives index
-    0's pod; equal weights on both ranks."""
-    path = _experiment(tmp_path, volume, "kube-e2e-gang", "pytorch", pytorch_image.ref,
-                       parameters={"DATASET": "digits", "EPOCHS": 1, "MAX_SAMPLES": 200},
+def test_a_gang_job_of_two_pods_meets_through_its_headless_service(pytorch_image, cluster, node, volume, tmp_path):
+    """A 2-node PyTorch run (DDP over gloo): its Job's two pods, each in its own network namespace, its ranks meeting
+    at ``<job>-0.<job>:29500``, the name its headless Service gives index 0's pod; equal weights on both ranks."""
+    name = "kube-gang"
+    path = _experiment(tmp_path, volume, name, "pytorch", pytorch_image.ref,
+                       parameters={"DATASET": "digits", "EPOCHS": 2, "MAX_SAMPLES": 400},
                        resources={"nodes": 2, "processes_per_node": 1}, distribution={"type": "torch"})
-    with _fake_cluster(node) as kube:
-        (record,), pods, logs = _submit_to(kube, path, tmp_path)
-    assert record.status == "succeeded" and record.world_size == 2, (record.error, logs)
-    assert [(r.node, r.status) for r in record.ranks] == [(0, "succeeded"), (1, "succeeded")]
-    assert sorted(pod["status"]["phase"] for pod in pods) == ["Succeeded", "Succeeded"]
-    folder = volume / "nbbatch" / "kube-e2e-gang" / record.run_id
+    made = _submitted(cluster, path)
+    (job,), (service,) = made.of_kind("Job"), made.of_kind("Service")
+    node.serve(service)
+    manifests = [pod_for_index(job, index) for index in range(job["spec"]["completions"])]
+    assert [node.dns_name(pod) for pod in manifests] == [f"{job['metadata']['name']}-{i}.{job['metadata']['name']}"
+                                                         for i in (0, 1)]
+    pods = [node.play(pod) for pod in manifests]
+    codes = [pod.wait(RUN_TIMEOUT_S) for pod in pods]
+    logs = [pod.logs()[-2000:] for pod in pods]
+    assert codes == [0, 0], logs
+    run_id = _by_index(volume / "nbbatch", name, job)[0].run.run_id
+    record = read_record(FileShare(volume / "nbbatch"), name, run_id)
+    assert record.status == "succeeded", (record.error, logs)
+    assert record.world_size == 2 and [(r.node, r.status) for r in record.ranks] == [(0, "succeeded"), (1, "succeeded")]
+    folder = volume / "nbbatch" / name / run_id
     zero, one = (metrics_from_notebook(nbformat.read(folder / "ranks" / str(r) / "output.ipynb", 4)) for r in (0, 1))
-    assert zero["world_size"] == one["world_size"] == 2  # DDP over gloo: both ranks end with the same weights
+    assert zero["world_size"] == one["world_size"] == 2
     assert zero["weights_checksum"] == pytest.approx(one["weights_checksum"], rel=1e-6)
     assert abs(zero["weights_checksum"] - zero["initial_weights_checksum"]) > 1e-3
 
