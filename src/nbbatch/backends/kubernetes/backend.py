@@ -332,11 +332,8 @@ class KubernetesBackend(Backend):
         mine = pods_of_index(pods, job.job, job.index)
         latest = mine[-1] if mine else None
         status = found.get("status") or {}
-        if job.index in indexes(status.get("failedIndexes")) or _condition(found, "Failed") and \
-                job.index not in indexes(status.get("completedIndexes")):
-            self._end(share, record, ended_without_record(latest, job.job, job.index, self._log_tail(latest)))
-            return
-        if job.index in indexes(status.get("completedIndexes")):
+        ended = indexes(status.get("failedIndexes")) | indexes(status.get("completedIndexes"))
+        if job.index in ended or _condition(found, "Failed"):  # its pod is over, and the run wrote no final record
             self._end(share, record, ended_without_record(latest, job.job, job.index, self._log_tail(latest)))
             return
         if latest is None:
