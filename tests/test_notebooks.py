@@ -203,10 +203,13 @@ def test_notebook_trains_data_parallel_over_two_devices(framework, framework_env
     fw = framework_envs.framework(framework)
     kernel_environment(monkeypatch, tmp_path)
     # JAX's asynchronous dispatch on the CPU can leave the two devices' all-reduces waiting on each other for good
-    # (jax-ml/jax#25861; CI hung here once): run each step to its end before the next. If XLA's rendezvous still
-    # waits, it gives up after 300 s with its own message rather than at pytest's timeout.
+    # (jax-ml/jax#25861; CI hung here once): run each step to its end before the next. With that alone, CI's kernel
+    # still died once, the way XLA's terminate timeout below ends a stuck rendezvous: on a loaded 2-core machine the
+    # devices' shared Eigen thread pool can wedge (PyAutoLabs/PyAutoFit#1530 measured 14 hangs in 16 with it, none in
+    # 12 without), so the devices' ops run single-threaded here. If a rendezvous still waits, XLA gives up after 300 s
+    # with its own message rather than at pytest's timeout.
     monkeypatch.setenv("JAX_CPU_ENABLE_ASYNC_DISPATCH", "false")
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2 "
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false "
                        "--xla_cpu_collective_call_warn_stuck_timeout_seconds=60 "
                        "--xla_cpu_collective_call_terminate_timeout_seconds=300")
     executed = run_notebook(fw, tmp_path, "two-devices", MAX_SAMPLES=512, EPOCHS=2, BATCHSIZE=16)
