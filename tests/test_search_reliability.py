@@ -102,15 +102,20 @@ def test_a_pruner_setting_is_accepted_at_plan_time_exactly_when_optuna_accepts_i
     """Every setting of every pruner, over values around each limit: planning refuses what Optuna would refuse in
     the driver (after the lock), and what it accepts, Optuna accepts."""
     base = {"max_resource": 1000} if pruner == "hyperband" else {}
+    # asha's max_resource is nbbatch's own (the last rung of trials that pause and continue, with `resource:`): it is
+    # held to what Hyperband's max_resource must be
+    promoting = pruner == "asha" and key == "max_resource"
     for value in CANDIDATES:
         try:
-            parse_search(_block(trials=10**6, pruner={pruner: {**base, key: value}}))
+            parse_search(_block(trials=10**6, pruner={pruner: {**base, key: value}},
+                                **({"resource": "EPOCHS"} if promoting else {})))
         except SpecError as exc:
             planned = str(exc)
             assert planned.startswith(f"search.pruner.{pruner}.{key} must be"), planned
         else:
             planned = None
-        assert (planned is None) == _optuna_takes(pruner, {**PRUNER_SETTINGS[pruner], **base, key: value}), (
+        judged, settings = ("hyperband", PRUNER_SETTINGS["hyperband"]) if promoting else (pruner, PRUNER_SETTINGS[pruner])
+        assert (planned is None) == _optuna_takes(judged, {**settings, **base, key: value}), (
             pruner, key, value, planned)
 
 
@@ -118,6 +123,8 @@ def _optuna_takes(pruner: str, settings: dict) -> bool:
     """Whether Optuna's own pruner takes these settings, through its first decisions (Hyperband checks late)."""
     import optuna
 
+    if pruner == "asha" and settings.get("max_resource") is None:
+        settings = {k: v for k, v in settings.items() if k != "max_resource"}  # not Optuna's (see above)
     # Optuna's signatures take ints for the counts and steps (a fraction runs, truncated or compared as it is; inf
     # never ends): nbbatch refuses one rather than guess
     if not all(isinstance(v, int) and not isinstance(v, bool) for k, v in settings.items() if k != "percentile"):

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from nbbatch.backends import Backend, SubmitOptions, get_backend
-from nbbatch.drivers import SearchDriver, SubmissionDriver, SubmitResult
+from nbbatch.drivers import SubmissionDriver, SubmitResult, search_driver
 from nbbatch.drivers.base import Driver, lock_path
 from nbbatch.drivers.detach import driver_state, read_driver_file, start_detached
 from nbbatch.drivers.pipeline import PipelineDriver, PipelineResult, StageSubmission
@@ -111,7 +111,7 @@ def submit(experiment: Experiment | str | os.PathLike[str] | dict[str, Any], *, 
 def _driver(the_plan: Plan, rebuild_search: bool) -> Callable[..., Driver]:
     """The submission's driver: a search's (rebuilding its studies first if asked), else a planned batch's."""
     if the_plan.experiment.search is not None:
-        return functools.partial(SearchDriver, rebuild=rebuild_search)
+        return functools.partial(search_driver(the_plan.experiment.search), rebuild=rebuild_search)
     if rebuild_search:
         raise ValidationError(f"--rebuild-search rebuilds a search's study, and experiment "
                               f"`{the_plan.experiment.name}` has no `search:`")
@@ -350,7 +350,7 @@ def submit_pipeline(pipeline: Pipeline | str | os.PathLike[str], *, force: Colle
         planned = [r.run_id for r in the_plan.runs]
         if not forced and succeeded_before is not None and sorted(succeeded_before) == sorted(planned):
             return StageSubmission(_unchanged_stage(the_plan, share), planned)  # its runs (failures allowed) stand
-        driver = SearchDriver if experiment.search is not None else SubmissionDriver
+        driver = search_driver(experiment.search) if experiment.search is not None else SubmissionDriver
         result = driver(the_plan, backend, share, source=spec.source, force=forced, wait=True, progress=False).submit()
         return StageSubmission(result, planned)
 

@@ -5,13 +5,16 @@ bring its records up to date, :meth:`~nbbatch.drivers.base.Driver.run` (start th
 as asked), and report the records as a :class:`~nbbatch.drivers.base.SubmitResult`. What differs is ``run``:
 
 * :class:`~nbbatch.drivers.submission.SubmissionDriver`: a planned batch, started once;
-* :class:`~nbbatch.drivers.search.SearchDriver`: a search, whose runs Optuna draws as it goes.
+* :class:`~nbbatch.drivers.search.SearchDriver`: a search, whose runs Optuna draws as it goes;
+* :class:`~nbbatch.drivers.promoting.PromotingSearchDriver`: a search whose trials pause at rungs and continue from
+  their checkpoints (:func:`~nbbatch.drivers.promoting.search_driver` picks it or the one above).
 
 :func:`nbbatch.api.submit` picks one for the experiment and hands it the plan, backend and share.
 """
 
 from nbbatch.drivers.base import Driver, SubmitResult
+from nbbatch.drivers.promoting import PromotingSearchDriver, search_driver
 from nbbatch.drivers.search import SearchDriver
 from nbbatch.drivers.submission import SubmissionDriver
 
-__all__ = ["Driver", "SearchDriver", "SubmissionDriver", "SubmitResult"]
+__all__ = ["Driver", "PromotingSearchDriver", "SearchDriver", "SubmissionDriver", "SubmitResult", "search_driver"]

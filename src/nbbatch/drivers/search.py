@@ -83,6 +83,7 @@ class _Trial:
     diverged: str | None = None  # why the driver stopped it itself: its metric became nan or ±inf at a step
     thread: threading.Thread | None = None  # the launch (local runs: the whole run)
     launch_error: str | None = None
+    segment: dict[str, Any] = field(default_factory=dict)  # a promoting search's: which part of the trial the run is
 
 
 @dataclass
@@ -94,6 +95,7 @@ class _Study:
     study: Any  # optuna.Study
     running: dict[int, _Trial] = field(default_factory=dict)
     metric_seen: bool = False  # a run of this study recorded the metric
+    schedule: Any = None  # a promoting search's (nbbatch.search.rungs.Promotions)
 
 
 class SearchDriver(Driver):
@@ -253,10 +255,14 @@ class SearchDriver(Driver):
             live = trial_of(study.study, frozen.number)
             # a driver killed between asking and naming the run left some of its parameters undrawn: drawn now (those
             # drawn stay as they were), and the run named
-            run = self.plan.trial(study.template, suggest(live, self.search))
+            resumed = self._current_run(study, frozen, live)
+            if resumed is None:
+                continue
+            run, segment = resumed
             if frozen.user_attrs.get(RUN_ID) != run.run_id:
                 live.set_user_attr(RUN_ID, run.run_id)
-            trial = _Trial(frozen.number, run, live, JsonlTail(self.share, run_paths(self.experiment, run.run_id).metrics))
+            trial = _Trial(frozen.number, run, live, JsonlTail(self.share, run_paths(self.experiment, run.run_id).metrics),
+                           segment=segment)
             self._note_run(run.run_id)
             study.running[trial.number] = trial
             record = read_record_or_none(self.share, self.experiment, run.run_id)
@@ -269,12 +275,21 @@ class SearchDriver(Driver):
             else:
                 self.say(f"trial {trial.number} of {study.label}: adopted run {run.run_id} ({record.status})")
 
+    def _current_run(self, study: _Study, frozen: Any, live: Any) -> tuple[Run, dict[str, Any]] | None:
+        """The run of a trial a previous driver left running, and its segment (none here: a trial is one run)."""
+        return self.plan.trial(study.template, suggest(live, self.search)), {}
+
     def _ask(self, study: _Study) -> None:
         trial = study.study.ask()
         params = suggest(trial, self.search)
         run = self.plan.trial(study.template, params)
         trial.set_user_attr(RUN_ID, run.run_id)
-        watched = _Trial(trial.number, run, trial, JsonlTail(self.share, run_paths(self.experiment, run.run_id).metrics))
+        self._start(study, _Trial(trial.number, run, trial,
+                                  JsonlTail(self.share, run_paths(self.experiment, run.run_id).metrics)), params)
+
+    def _start(self, study: _Study, watched: _Trial, params: dict[str, Any]) -> None:
+        """Watch a trial's new run, and launch it unless it ran before (its end is then told as it was) or runs."""
+        run, trial = watched.run, watched.trial
         study.running[watched.number] = watched
         self._note_run(run.run_id)
         shown = parameters_text(params)
@@ -371,7 +386,7 @@ class SearchDriver(Driver):
             self.say(f"trial {trial.number} of {study.label}: run {record.run_id} failed outside its notebook "
                      f"({record.error_summary() or record.status}): the trial stays open, and runs "
                      "again when the search is submitted again")
-            record.trial = {"study": study.study.study_name, "number": trial.number, "state": "open",
+            record.trial = {"study": study.study.study_name, "number": trial.number, **trial.segment, "state": "open",
                             "reason": "its run failed outside the notebook: it runs again on the next submit"}
             write_record(self.share, record)
             return  # not told: the trial is the notebook's to judge, not the share's or the node's
@@ -392,7 +407,7 @@ class SearchDriver(Driver):
             self.say(f"trial {trial.number} of {study.label}: run {record.run_id} {record.status}"
                      + (f": {record.error_summary()}" if record.error else ""))
         if record is not None:
-            record.trial = {"study": study.study.study_name, "number": trial.number, **decision}
+            record.trial = {"study": study.study.study_name, "number": trial.number, **trial.segment, **decision}
             write_record(self.share, record)
         self._stop_if_hopeless(study)
 

@@ -238,6 +238,9 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
             for param in experiment.search.params:
                 for value in param.examples():
                     warnings.extend(w for w in validate_parameters(info, {param.name: value}) if w not in warnings)
+            if experiment.search.resource:  # a promoting search sets it to each rung (whole numbers)
+                resource = {experiment.search.resource: experiment.search.rungs[-1]}
+                warnings.extend(w for w in validate_parameters(info, resource) if w not in warnings)
         checked: set[tuple[str, int]] = set()  # (name, id(value)): a grid's values recur in many runs, checked once
         notebook_path, rel = str(notebook), notebook_rel(notebook)
         for params in combos:

@@ -97,8 +97,12 @@ def _grid_sampler(base: type) -> type:
 
 
 def pruner_of(search: Search) -> Any:
+    """The study's pruner. A promoting search's trials end at their rungs and its schedule decides which continue
+    (:mod:`nbbatch.search.rungs`): Optuna prunes none of them itself."""
     pruners = optuna_module().pruners
     s = search.pruner_settings
+    if search.promotes:
+        return pruners.NopPruner()
     if search.pruner == "median":
         return pruners.MedianPruner(n_startup_trials=int(s["startup_trials"]), n_warmup_steps=int(s["warmup_steps"]),
                                     interval_steps=int(s["interval_steps"]))

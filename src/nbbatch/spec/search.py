@@ -29,7 +29,7 @@ PRUNER_SETTINGS: dict[str, dict[str, Any]] = {
     "none": {},
     "median": {"startup_trials": 5, "warmup_steps": 0, "interval_steps": 1},
     "percentile": {"percentile": 25.0, "startup_trials": 5, "warmup_steps": 0, "interval_steps": 1},
-    "asha": {"min_resource": 1, "reduction_factor": 3, "min_early_stopping_rate": 0},
+    "asha": {"min_resource": 1, "max_resource": None, "reduction_factor": 3, "min_early_stopping_rate": 0},
     "hyperband": {"min_resource": 1, "max_resource": None, "reduction_factor": 3},
 }
 # The least value of each whole-number setting: what Optuna's pruners accept (they raise ValueError in the driver,
@@ -73,6 +73,23 @@ class Search:
     pruner: str = "none"
     pruner_settings: dict[str, Any] = field(default_factory=dict)
     more_objectives: tuple[tuple[str, str], ...] = ()  # the objectives after the first: (metric, mode) each
+    resource: str | None = None  # the parameter a paused trial's next run raises (promotions); None: pruned runs stop
+
+    @property
+    def promotes(self) -> bool:
+        """Whether trials pause at rungs and the promoted ones continue from their checkpoints (``resource:``)."""
+        return self.resource is not None
+
+    @property
+    def rungs(self) -> tuple[int, ...]:
+        """The values of :attr:`resource` at which a promoting search pauses its trials, the last the full run's:
+        min_resource × reduction_factor^k below max_resource, then max_resource (e.g. 1, 3, 9, 27)."""
+        s = self.pruner_settings
+        least, most, factor = int(s["min_resource"]), int(s["max_resource"]), int(s["reduction_factor"])
+        steps = [least]
+        while steps[-1] * factor < most:
+            steps.append(steps[-1] * factor)
+        return tuple(steps if steps[-1] == most else [*steps, most])
 
     @property
     def metrics(self) -> tuple[str, ...]:
@@ -104,10 +121,13 @@ class Search:
     def to_dict(self) -> dict[str, Any]:
         """The block as an experiment file writes it (stored in the share's manifest)."""
         several = self.multi  # one objective is written as before (a study's fingerprint stays the same)
+        settings = {k: v for k, v in self.pruner_settings.items()  # asha's max_resource only where it was given
+                    if not (self.pruner == "asha" and k == "max_resource" and v is None)}
         return {"metric": list(self.metrics) if several else self.metric,
                 "mode": list(self.modes) if several else self.mode, "trials": self.trials, "sampler": self.sampler,
-                "seed": self.seed, "pruner": {self.pruner: dict(self.pruner_settings)} if self.pruner_settings
-                else self.pruner, "params": {p.name: {p.kind: list(p.args)} for p in self.params}}
+                "seed": self.seed, "pruner": {self.pruner: settings} if settings else self.pruner,
+                "params": {p.name: {p.kind: list(p.args)} for p in self.params},
+                **({"resource": self.resource} if self.resource else {})}
 
 
 def parse_search(data: Any, fixed: Mapping[str, Any] | None = None, sweep: Mapping[str, Any] | None = None) -> Search:
@@ -115,7 +135,7 @@ def parse_search(data: Any, fixed: Mapping[str, Any] | None = None, sweep: Mappi
     or :class:`SpecError` naming the first mistake and its fix."""
     if not isinstance(data, Mapping):
         raise SpecError("`search` must be a mapping: {metric: NAME, mode: min|max, trials: N, params: {...}}")
-    known = ("metric", "mode", "trials", "sampler", "seed", "pruner", "params")
+    known = ("metric", "mode", "trials", "sampler", "seed", "pruner", "params", "resource")
     for key in data:
         if key not in known:
             raise SpecError(f"search: unknown key `{key}`{did_you_mean(str(key), known)}; use {', '.join(known)}")
@@ -130,7 +150,8 @@ def parse_search(data: Any, fixed: Mapping[str, Any] | None = None, sweep: Mappi
     sampler, seed = _sampler(data.get("sampler", "tpe"), data.get("seed"))
     pruner, settings = _pruner(data.get("pruner", "none"))
     (metric, mode), *more = objectives
-    search = Search(metric, mode, trials, params, sampler, seed, pruner, settings, tuple(more))
+    resource = _resource(data.get("resource"), pruner, settings, fixed or {}, params)
+    search = Search(metric, mode, trials, params, sampler, seed, pruner, settings, tuple(more), resource)
     _check_fit(search)
     return search
 
@@ -237,6 +258,33 @@ def _pruner(data: Any) -> tuple[str, dict[str, Any]]:
         raise SpecError("search.pruner.hyperband needs max_resource: the last step a run reaches (e.g. its EPOCHS), "
                         "so the brackets can be laid out before any run")
     return name, settings
+
+
+def _resource(name: Any, pruner: str, settings: dict[str, Any], fixed: Mapping[str, Any],
+              params: tuple[SearchParam, ...]) -> str | None:
+    """``search.resource``: the notebook parameter (its EPOCHS) a promoting search sets for each run of a trial."""
+    if name is None:
+        if pruner == "asha" and settings["max_resource"] is not None:
+            raise SpecError("search.pruner.asha.max_resource is for trials that pause and continue: add "
+                            "search.resource (the parameter the search raises at each rung, e.g. EPOCHS), or drop "
+                            "max_resource")
+        return None
+    if not isinstance(name, str) or not name.isidentifier():
+        raise SpecError(f"search.resource names the notebook parameter that sets how far a run trains, e.g. "
+                        f"resource: EPOCHS (got {name!r})")
+    if pruner not in ("asha", "hyperband"):
+        raise SpecError(f"search.resource pauses trials at the rungs of a successive-halving schedule: use pruner asha "
+                        f"or hyperband with it (got pruner {pruner}), or drop resource")
+    if name in fixed or name in {p.name for p in params}:
+        raise SpecError(f"parameter `{name}` is search.resource, which the search sets for each run (up to "
+                        f"max_resource): remove it from {'parameters:' if name in fixed else 'search.params'}")
+    if settings["max_resource"] is None:
+        raise SpecError(f"search.pruner.{pruner} needs max_resource with search.resource: the {name} of a trial "
+                        "that is never stopped (e.g. {asha: {min_resource: 1, max_resource: 27}})")
+    if settings["max_resource"] < settings["min_resource"]:
+        raise SpecError(f"search.pruner.{pruner}.max_resource must be ≥ min_resource ({settings['min_resource']}): "
+                        f"the {name} of a trial that is never stopped")
+    return name
 
 
 def _check_setting(pruner: str, key: str, value: Any) -> None:

@@ -1,0 +1,185 @@
+"""The driver of a search whose trials pause at rungs and continue from their checkpoints (``search.resource``).
+
+A trial is a chain of ordinary runs, its *segments*: the first trains to the first rung of its bracket (the search
+sets the notebook's ``resource`` parameter, e.g. EPOCHS = 1), the run ends and the trial pauses. When the schedule
+(:mod:`nbbatch.search.rungs`) promotes it, a new run of the same trial, with the resource raised to the next rung and
+``resume_from`` its last run, starts from that run's checkpoints; the notebook resumes as it does after a retry. A
+trial that reaches the last rung is told to the study as complete; one the schedule stops at a rung is told pruned
+there, with its value at that rung. Nothing below the driver knows about it: each segment is a run like any other.
+
+Each segment's record says which part of the trial it is (``trial``: segment, resource, continues, continued_by,
+state); the study's journal keeps each trial's bracket, segments and value at each rung, so a driver started again
+rebuilds the schedule and goes on where the last one stopped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nbbatch.drivers.search import SearchDriver, _is_number, _Study, _Trial
+from nbbatch.plan.runs import Run
+from nbbatch.search.rungs import Decision, Promotions
+from nbbatch.search.study import RUN_ID, optuna_module, suggest, trial_of
+from nbbatch.store.jsonl import JsonlTail
+from nbbatch.store.layout import run_paths
+from nbbatch.store.runfiles import read_record_or_none, write_record
+from nbbatch.store.runjson import RunRecord, Status
+
+SEGMENTS = "segments"  # a trial's user attribute: its runs' ids, one per segment, in order
+BRACKET = "bracket"  # a trial's user attribute: its bracket of the schedule
+RUNG_VALUES = "rung_values"  # a trial's user attribute: {rung index: the metric when it paused there}
+
+
+class PromotingSearchDriver(SearchDriver):
+    """A :class:`SearchDriver` whose trials pause and continue; see the module's docstring."""
+
+    def _open(self, template: Run) -> _Study:
+        study = super()._open(template)
+        s = self.search.pruner_settings
+        study.schedule = Promotions(self.search.rungs, int(s["reduction_factor"]), self.search.mode, self.search.trials,
+                                    synchronous=self.search.pruner == "hyperband",
+                                    first=int(s.get("min_early_stopping_rate") or 0))
+        self._restore(study)
+        return study
+
+    def _restore(self, study: _Study) -> None:
+        """The schedule as the study's journal left it: each trial's bracket, values at rungs, and run in flight."""
+        for frozen in study.study.get_trials(deepcopy=False):
+            attrs = frozen.user_attrs
+            if BRACKET not in attrs:
+                continue  # asked and not yet given a bracket (a driver killed in between): it is failed below
+            values = {int(rung): value for rung, value in attrs.get(RUNG_VALUES, {}).items()}
+            first = study.schedule.starts[attrs[BRACKET]]
+            current = first + len(attrs.get(SEGMENTS, [])) - 1  # the rung its last segment trains to
+            running = current if not frozen.state.is_finished() and current not in values else None
+            study.schedule.restore(frozen.number, attrs[BRACKET], values, running, frozen.state.is_finished())
+            for run_id in attrs.get(SEGMENTS, []):
+                self._note_run(run_id)
+        study.schedule.decide(no_more_trials=False)  # a synchronous rung decided before: its promotions stand again
+
+    # --- trials and their segments -------------------------------------------------------------------
+
+    def _left(self, study: _Study) -> int:
+        return super()._left(study) if study.schedule.can_start() else 0
+
+    def _resume(self, study: _Study) -> None:
+        super()._resume(study)
+        self._decide(study)  # an ASHA search whose last driver stopped with every trial paused ends now
+
+    def _busy(self) -> bool:
+        return any(s.running or not self._halted() and (s.schedule.busy() or self._left(s) > 0) for s in self.studies)
+
+    def _launch_more(self) -> None:
+        if self._halted():
+            return
+        for study in self.studies:
+            while len(self._in_flight()) < self.parallel:
+                number = study.schedule.promotion()
+                if number is not None:
+                    self._continue(study, number)
+                elif self._left(study) > 0:
+                    self._ask(study)
+                else:
+                    break
+
+    def _current_run(self, study: _Study, frozen: Any, live: Any) -> tuple[Run, dict[str, Any]] | None:
+        trial = study.schedule.trials.get(frozen.number)
+        if trial is None:  # its driver stopped before giving it a bracket: it never ran
+            optuna = optuna_module()
+            study.study.tell(live, state=optuna.trial.TrialState.FAIL)
+            return None
+        if trial.running is None:
+            return None  # paused at a rung: the schedule continues it or stops it
+        segments = frozen.user_attrs.get(SEGMENTS, [])
+        return self._segment_run(study, live, trial.running, segments[-2] if len(segments) > 1 else None,
+                                 len(segments) - 1)
+
+    def _segment_run(self, study: _Study, live: Any, rung: int, continues: str | None,
+                     segment: int) -> tuple[Run, dict[str, Any]]:
+        """The run of ``live``'s segment number ``segment``, training to ``rung`` from the run ``continues``."""
+        params = {**suggest(live, self.search), self.search.resource: self.search.rungs[rung]}
+        run = self.plan.trial(study.template, params, resume_from=continues)
+        about = {"segment": segment, "resource": self.search.rungs[rung], **({"continues": continues} if continues else {})}
+        return run, about
+
+    def _ask(self, study: _Study) -> None:
+        live = study.study.ask()
+        rung = study.schedule.start(live.number)
+        assert rung is not None  # _left says whether a bracket takes more trials
+        live.set_user_attr(BRACKET, study.schedule.trials[live.number].bracket)
+        run, about = self._segment_run(study, live, rung, None, 0)
+        live.set_user_attr(SEGMENTS, [run.run_id])
+        live.set_user_attr(RUN_ID, run.run_id)
+        self._start_segment(study, live, run, about)
+
+    def _continue(self, study: _Study, number: int) -> None:
+        """Launch the promoted trial ``number``'s next segment, from its last run's checkpoints."""
+        rung = study.schedule.launched(number)
+        live = trial_of(study.study, number)
+        segments = list(study.study.get_trials(deepcopy=False)[number].user_attrs.get(SEGMENTS, []))
+        run, about = self._segment_run(study, live, rung, segments[-1], len(segments))
+        live.set_user_attr(SEGMENTS, [*segments, run.run_id])
+        live.set_user_attr(RUN_ID, run.run_id)
+        self._mark(segments[-1], state="promoted", continued_by=run.run_id)
+        self.say(f"trial {number} of {study.label}: promoted to {self.search.resource}={self.search.rungs[rung]}, "
+                 f"continuing from run {segments[-1]}")
+        self._start_segment(study, live, run, about)
+
+    def _start_segment(self, study: _Study, live: Any, run: Run, about: dict[str, Any]) -> None:
+        tail = JsonlTail(self.share, run_paths(self.experiment, run.run_id).metrics)
+        self._start(study, _Trial(live.number, run, live, tail, segment=about), dict(live.params))
+
+    # --- a segment's end -------------------------------------------------------------------------------
+
+    def _end(self, study: _Study, trial: _Trial, record: RunRecord | None) -> None:
+        schedule = study.schedule
+        value = record.metrics.get(self.search.metric, trial.last_value) if record is not None else None
+        rung = schedule.trials[trial.number].running
+        succeeded = record is not None and record.status == Status.SUCCEEDED and _is_number(value)
+        if not succeeded or rung == len(self.search.rungs) - 1:
+            super()._end(study, trial, record)  # told (complete, failed, pruned), or left open to run again
+            if study.study.get_trials(deepcopy=False)[trial.number].state.is_finished():
+                schedule.paused(trial.number, float(value)) if succeeded else schedule.failed(trial.number)
+            else:
+                schedule.held(trial.number)
+        else:
+            assert record is not None and rung is not None
+            del study.running[trial.number]
+            schedule.paused(trial.number, float(value))
+            values = dict(study.study.get_trials(deepcopy=False)[trial.number].user_attrs.get(RUNG_VALUES, {}))
+            trial.trial.set_user_attr(RUNG_VALUES, {**values, str(rung): float(value)})
+            record.trial = {"study": study.study.study_name, "number": trial.number, **trial.segment,
+                            "state": "paused", "value": float(value)}
+            write_record(self.share, record)
+            self.say(f"trial {trial.number} of {study.label}: paused at {self.search.resource}="
+                     f"{trial.segment['resource']} with {self.search.metric} {float(value):.6g} ({record.run_id})")
+        self._decide(study)
+
+    def _decide(self, study: _Study) -> None:
+        """Tell the study the trials its schedule stopped (synchronously at a decided rung; asynchronously once
+        nothing can run or be promoted)."""
+        if self._halted():
+            return
+        no_more = super()._left(study) <= 0 or not study.schedule.can_start()
+        for decision in study.schedule.decide(no_more_trials=no_more):
+            self._stop_trial(study, decision)
+
+    def _stop_trial(self, study: _Study, decision: Decision) -> None:
+        state = optuna_module().trial.TrialState
+        frozen = study.study.get_trials(deepcopy=False)[decision.number]
+        study.study.tell(trial_of(study.study, decision.number), state=state.PRUNED)
+        self._mark(frozen.user_attrs.get(RUN_ID), state="pruned", reason=decision.reason, value=decision.value)
+        self.say(f"trial {decision.number} of {study.label}: {decision.reason}")
+
+    def _mark(self, run_id: str | None, **fields: Any) -> None:
+        """Update the decision in a segment's record (``trial``)."""
+        record = read_record_or_none(self.share, self.experiment, run_id) if run_id else None
+        if record is not None and record.trial is not None:
+            record.trial = {**record.trial, **fields}
+            write_record(self.share, record)
+
+
+def search_driver(search: Any) -> type[SearchDriver]:
+    """The driver of a search: a promoting one when its trials pause and continue (``resource:``)."""
+    return PromotingSearchDriver if search is not None and search.promotes else SearchDriver
+
