@@ -249,3 +249,36 @@ def test_a_promoting_search_stopped_mid_way_goes_on_where_it_was(project, write_
         "no run of the first driver ran again"
     by_trial = _trials(project / "results", "again")
     assert sorted(by_trial) == list(range(9)) and sum(len(s) for s in by_trial.values()) == len(launches)
+
+
+@pytest.mark.slow
+def test_a_promoting_search_of_the_pytorch_notebook_continues_each_trial_from_its_checkpoint(pytorch_env, tmp_path,
+                                                                                             monkeypatch):
+    """The real PyTorch notebook on digits, 4 trials of LR under ASHA with promotions (EPOCHS 1, 2, 4): every
+    continued run resumed from the epoch its trial paused at and trained only the epochs after it."""
+    from support.machine import REPO
+
+    from nbbatch.store.jsonl import JsonlTail
+    from nbbatch.store.layout import run_paths
+    from nbbatch.store.share import FileShare
+
+    monkeypatch.setenv("NBBATCH_PROJECT", str(REPO))  # the real frameworks and their envs
+    block = {"metric": "loss", "mode": "min", "trials": 4, "sampler": "random", "seed": 1, "resource": "EPOCHS",
+             "pruner": {"asha": {"min_resource": 1, "max_resource": 4, "reduction_factor": 2}},
+             "params": {"LR": {"loguniform": [1.0e-3, 0.3]}}}
+    exp = tmp_path / "pro.yaml"
+    exp.write_text(json.dumps({"experiment": "pro", "frameworks": ["pytorch"], "search": block,
+                               "parameters": {"DATASET": "digits", "MAX_SAMPLES": 300},
+                               "resources": {"max_parallel": 2}, "share": "results"}))
+    result = submit(exp, progress=False)
+    assert result.ok, [(r.run_id, r.status, r.error) for r in result.records]
+    by_trial = _trials(tmp_path / "results", "pro")
+    assert sorted(by_trial) == [0, 1, 2, 3] and any(len(s) > 1 for s in by_trial.values())
+    share = FileShare(tmp_path / "results")
+    for segments in by_trial.values():
+        for before, after in zip(segments, segments[1:], strict=False):
+            paused_at = before.parameters["EPOCHS"]
+            assert after.metrics.get("resumed_from_epoch") == paused_at, after.metrics
+            assert after.continues["run_id"] == before.run_id and after.continues["checkpoint"]["files"] >= 1
+            steps = [p["step"] for p in JsonlTail(share, run_paths("pro", after.run_id).metrics).read()]
+            assert steps == list(range(paused_at + 1, after.parameters["EPOCHS"] + 1)), steps
