@@ -98,7 +98,8 @@ class PromotingSearchDriver(SearchDriver):
                      segment: int) -> tuple[Run, dict[str, Any]]:
         """The run of ``live``'s segment number ``segment``, training to ``rung`` from the run ``continues``."""
         params = {**suggest(live, self.search), self.search.resource: self.search.rungs[rung]}
-        run = self.plan.trial(study.template, params, resume_from=continues)
+        last = rung == len(self.search.rungs) - 1  # a paused run keeps its checkpoints, for its trial to continue
+        run = self.plan.trial(study.template, params, resume_from=continues, keep_checkpoints=not last)
         about = {"segment": segment, "resource": self.search.rungs[rung], **({"continues": continues} if continues else {})}
         return run, about
 
