@@ -292,7 +292,7 @@ class _Attempt:
                        f"(kernel {run.kernel}{self.rank.describe() if self.rank is not None else ''}, "
                        f"GPUs {','.join(map(str, record.gpu_ids)) or 'none'}{_sharing(record.gpu_share)}"
                        f"{_image(record.container)}) "
-                       f"at {record.started_at}{_resuming(resumed)}\n")
+                       f"at {record.started_at}{self.folders.resuming(resumed) if self.folders is not None else ''}\n")
         streams = [self.log_stream, self.metrics_stream, self.telemetry_stream]
         self.live = LiveRecord(share, record, self.notify, streams).start()
         self.on_point = _point_recorder(record, self.live, self.metrics_stream, self.log)
@@ -513,12 +513,6 @@ def _error_from(exc: BaseException) -> RunError:
     frames = getattr(exc, "traceback", None)  # a PapermillExecutionError's: the kernel's lines
     return RunError(ename=str(ename), evalue=str(evalue)[:2000], cell_index=getattr(exc, "cell_number", None),
                     cell_source=snippet, traceback=plain_traceback(frames) if isinstance(frames, list) else None)
-
-
-def _resuming(checkpoint: CheckpointSummary | None) -> str:
-    if checkpoint is None:
-        return ""
-    return f", resuming from {checkpoint.latest} ({checkpoint.files} checkpoint file(s))"
 
 
 def _image(container: ContainerInfo | None) -> str:

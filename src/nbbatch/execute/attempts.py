@@ -54,11 +54,12 @@ def execute_run(run: Run, share: Share, context: AttemptContext | None = None) -
     except NbbatchError as exc:  # an input missing here, or a share that would not give the checkpoints
         return failed_before_start(share, record, exc, context.on_update)
     record.inputs = dict(folders.inputs)
+    record.continues = folders.continues or record.continues  # a retry in a new process keeps what the first said
     try:
         record = _attempts(run, share, record, context, folders)
     finally:
         folders.close()
-    if record.status == Status.SUCCEEDED:  # checkpoints are for resuming a run, not its results
+    if record.status == Status.SUCCEEDED and not run.keep_checkpoints:  # for resuming a run, not its results
         with contextlib.suppress(ShareError, OSError):
             share.remove(run_paths(run.experiment, run.run_id).checkpoints)
     return record

@@ -5,13 +5,16 @@ file share), ``NBBATCH_OUTPUT_DIR`` and ``NBBATCH_CHECKPOINT_DIR`` are the run's
 and ``checkpoints/`` in the share: written as the run goes, they outlive a lost node. Otherwise (an
 Azure File share over HTTPS) both are folders on this machine: the checkpoints are pulled before the
 first attempt, pushed while the run goes (when they changed) and after every attempt; the outputs are
-pushed after every attempt. Inputs are bound to the path the run sees: a folder here, a folder of the
-project on this machine, or a share URL pulled into the project's cache (unchanged files are kept).
+pushed after every attempt. A run with ``resume_from`` starts from a copy of that run's checkpoints, unless
+it has checkpoints of its own already (a retry, a resubmission). Inputs are bound to the path the run sees: a
+folder here, a folder of the project on this machine, or a share URL pulled into the project's cache (unchanged
+files are kept).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import os
@@ -56,6 +59,8 @@ class RunFolders:
             folder.mkdir(parents=True, exist_ok=True)
         if self.remote and share.exists(self.paths.checkpoints):
             pull(share, self.paths.checkpoints, self.checkpoints)
+        # run.json's `continues`, when this process started the run from the checkpoints of run.resume_from
+        self.continues: dict[str, Any] | None = self._continue(run.resume_from) if run.resume_from else None
         self._push_every = push_every_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -80,6 +85,40 @@ class RunFolders:
         newest = max(files, key=lambda p: p.stat().st_mtime_ns)
         return CheckpointSummary(files=len(files), bytes=sum(p.stat().st_size for p in files),
                                  latest=newest.relative_to(self.checkpoints).as_posix())
+
+    def resuming(self, checkpoint: CheckpointSummary | None) -> str:
+        """What the first line of an attempt's log says of the checkpoint it resumes from, and of the run it
+        continues: a notebook that left no checkpoint there is told, as it starts from scratch."""
+        continued = self.continues
+        if checkpoint is None:
+            if continued is None or continued["checkpoint"] is not None:
+                return ""
+            return (f"\n=== nbbatch: warning: run {continued['run_id']}, which this run continues, left no checkpoint "
+                    f"in {CHECKPOINT_DIR_ENV}: this run starts from scratch (does the notebook save its checkpoints "
+                    "there, and resume from them?)")
+        of_run = f" of run {continued['run_id']}" if continued and continued["checkpoint"] == dataclasses.asdict(
+            checkpoint) else ""
+        return f", resuming from {checkpoint.latest} ({checkpoint.files} checkpoint file(s){of_run})"
+
+    def _continue(self, source: str) -> dict[str, Any] | None:
+        """Start from a copy of run ``source``'s checkpoints (never changed), unless this run has its own already: a
+        retry or a resubmission goes on from those. run.json's ``continues`` (None: not copied in this process)."""
+        if self.checkpoint_summary() is not None:
+            return None
+        source_path = run_paths(self.run.experiment, source).checkpoints
+        try:
+            if self.remote:  # copied to this machine; the run's save pushes them to its own checkpoints
+                if self.share.exists(source_path):
+                    pull(self.share, source_path, self.checkpoints)
+            else:
+                source_folder = self.share.local_path(source_path)
+                if source_folder is not None and source_folder.is_dir():
+                    _copy_into(source_folder, self.checkpoints)
+        except (OSError, shutil.Error) as exc:
+            raise ShareError(f"cannot copy the checkpoints of run {source} (which run {self.run.run_id} continues): "
+                             f"{exc}") from exc
+        copied = self.checkpoint_summary()
+        return {"run_id": source, "checkpoint": dataclasses.asdict(copied) if copied is not None else None}
 
     # --- while an attempt runs ---------------------------------------------------------------------
 
@@ -149,6 +188,22 @@ def folder_env(run: Run, share: Share) -> dict[str, str]:
     """``NBBATCH_OUTPUT_DIR`` and ``NBBATCH_CHECKPOINT_DIR`` of a run's kernel."""
     outputs, checkpoints, _ = run_folders(run, share)
     return {OUTPUT_DIR_ENV: str(outputs), CHECKPOINT_DIR_ENV: str(checkpoints)}
+
+
+def _copy_into(source: Path, dest: Path) -> None:
+    """Copy the folder ``source`` into ``dest`` (on the same share) so that a copy half done is never taken for a
+    checkpoint: into a hidden folder of ``dest`` first (hidden names are not checkpoints), then each entry renamed
+    into place. An entry already there (another node of a gang copied it first) stays."""
+    staging = dest / f".continue-{socket.gethostname()}-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        shutil.copytree(source, staging, ignore=shutil.ignore_patterns(".*"))
+        for entry in sorted(staging.iterdir()):
+            if not (dest / entry.name).exists():
+                with contextlib.suppress(OSError):  # another node moved the same entry in meanwhile
+                    entry.rename(dest / entry.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _hidden(path: Path, root: Path) -> bool:

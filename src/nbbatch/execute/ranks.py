@@ -92,6 +92,9 @@ class _Node:
                                  project_root=self.context.project_root)
         except NbbatchError as exc:  # e.g. an input missing on this node: its ranks fail, the other nodes stop
             return self._failed_before_start(ranks, exc)
+        if self.coordinator:  # the run's own record (rank 0's) says what it continues
+            own = self.record_of(next(rank for rank in ranks if rank.rank == 0))
+            own.continues = folders.continues or own.continues
         try:
             return self._gangs(ranks, folders)
         finally:

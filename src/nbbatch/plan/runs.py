@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from nbbatch.spec.project import Project
 
 
+RunIdMaker = Callable[..., str]  # (parameters, resume_from=None) -> run id: what run_id_maker gives
+
 _parameters_json = json.JSONEncoder(sort_keys=True, default=repr).encode  # json.dumps(…, sort_keys, default), made once
 
 
@@ -39,22 +41,23 @@ def _slug(text: str) -> str:
 
 def run_id_for(label: str, notebook_bytes: bytes, parameters: dict[str, Any], env_lock: str,
                env: dict[str, str] | None = None, gpus: int = 0, inputs: dict[str, str] | None = None,
-               distribution: Distribution | None = None) -> str:
+               distribution: Distribution | None = None, resume_from: str | None = None) -> str:
     """``<label>-<10 hex>`` from everything that can change a run's result.
 
     That is the notebook's content, its parameters, the environment's lock, the kernel's extra
-    variables (``env:``), the GPUs it asks for, where its inputs are and what a distributed run spans.
-    ``env``, ``gpus``, ``inputs`` and ``distribution`` enter the hash only when set, so ids of runs
-    without them stay what they were.
+    variables (``env:``), the GPUs it asks for, where its inputs are, what a distributed run spans and
+    the run whose checkpoints it starts from. ``env``, ``gpus``, ``inputs``, ``distribution`` and
+    ``resume_from`` enter the hash only when set, so ids of runs without them stay what they were.
     """
-    return run_id_maker(label, notebook_bytes, env_lock, env, gpus, inputs, distribution)(parameters)
+    return run_id_maker(label, notebook_bytes, env_lock, env, gpus, inputs, distribution)(parameters, resume_from)
 
 
 def run_id_maker(label: str, notebook_bytes: bytes, env_lock: str, env: dict[str, str] | None = None, gpus: int = 0,
                  inputs: dict[str, str] | None = None,
-                 distribution: Distribution | None = None) -> Callable[[dict[str, Any]], str]:
-    """:func:`run_id_for` of one notebook and environment, as a function of the parameters: what does not vary is
-    hashed once (a sweep of 10^5 runs of a large notebook would hash it 10^5 times)."""
+                 distribution: Distribution | None = None) -> RunIdMaker:
+    """:func:`run_id_for` of one notebook and environment, as a function of the parameters (and the run resumed
+    from, if any): what does not vary is hashed once (a sweep of 10^5 runs of a large notebook would hash it 10^5
+    times)."""
     head = hashlib.sha256(notebook_bytes)
     tail = env_lock.encode()
     if env:
@@ -67,10 +70,12 @@ def run_id_maker(label: str, notebook_bytes: bytes, env_lock: str, env: dict[str
         tail += b"\0distribution" + json.dumps(distribution.to_dict(), sort_keys=True).encode()
     prefix = _slug(label)
 
-    def run_id(parameters: dict[str, Any]) -> str:
+    def run_id(parameters: dict[str, Any], resume_from: str | None = None) -> str:
         digest = head.copy()
         digest.update(_parameters_json(parameters).encode())
         digest.update(tail)
+        if resume_from:
+            digest.update(b"\0resume_from=" + resume_from.encode())
         return f"{prefix}-{digest.hexdigest()[:10]}"
 
     return run_id
@@ -103,6 +108,8 @@ class Run:
     distribution: Distribution | None = None  # what a distributed run spans (``gpus`` is then per node); None: one kernel
     tracking: str | None = None  # the experiment's `tracking:` (mlflow | none; None: MLFLOW_TRACKING_URI decides)
     origins: dict[str, Any] = field(default_factory=dict)  # a pipeline stage's: where each resolved value came from
+    resume_from: str | None = None  # a run of the same experiment whose checkpoints this one starts from (in its id)
+    keep_checkpoints: bool = False  # keep them once it succeeds (another run may start from them); not in its id
 
     @property
     def world_size(self) -> int:
@@ -154,13 +161,18 @@ class Plan:
     experiment: Experiment
     runs: list[Run]
     warnings: list[str] = field(default_factory=list)
-    run_ids: dict[str, Callable[[dict[str, Any]], str]] = field(default_factory=dict, repr=False)  # run id → its maker
+    run_ids: dict[str, RunIdMaker] = field(default_factory=dict, repr=False)  # run id → its maker
 
-    def trial(self, template: Run, searched: Mapping[str, Any]) -> Run:
+    def trial(self, template: Run, searched: Mapping[str, Any], resume_from: str | None = None,
+              keep_checkpoints: bool = False) -> Run:
         """A search's trial: ``template`` (one of :attr:`runs`, with the fixed parameters) with the parameters the
-        trial drew, under its own run id. Their names and types were checked against the notebook when planning."""
+        trial drew, under its own run id. Their names and types were checked against the notebook when planning.
+
+        ``resume_from``: the run (of this experiment) whose checkpoints the trial's run starts from, a part of its
+        id; ``keep_checkpoints``: its own are kept once it succeeds, for a later run to start from."""
         parameters = {**template.parameters, **searched}
-        return replace(template, parameters=parameters, run_id=self.run_ids[template.run_id](parameters))
+        return replace(template, parameters=parameters, resume_from=resume_from, keep_checkpoints=keep_checkpoints,
+                       run_id=self.run_ids[template.run_id](parameters, resume_from))
 
 
 def _known_kernels() -> dict[str, str]:
@@ -182,7 +194,7 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
     combos = experiment.combinations()
     kernels = _known_kernels() if check_kernels else {}
     runs: list[Run] = []
-    makers: dict[str, Callable[[dict[str, Any]], str]] = {}
+    makers: dict[str, RunIdMaker] = {}
     warnings: list[str] = []
 
     def notebook_rel(path: Path) -> str:

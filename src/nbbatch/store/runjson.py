@@ -284,6 +284,9 @@ class RunRecord:
     note: str | None = _written_when_set()
     # a search's trial: its study, number and the study's decision (complete with its value, pruned at a step, failed)
     trial: dict[str, Any] | None = _written_when_set()
+    # a run started from another's checkpoints (Run.resume_from): {"run_id": that run, "checkpoint": what was copied,
+    # as an attempt's resumed_from, or null when that run left none: this one started from scratch}
+    continues: dict[str, Any] | None = _written_when_set()
     # a pipeline stage's run: where each value resolved from a reference came from (stage, run id, the reference)
     origins: dict[str, Any] | None = _written_when_set()
     schema_version: int = SCHEMA_VERSION
