@@ -13,6 +13,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from support.machine import REPO
+from support.notebooks import make_notebook
 from support.plugins import MemoryShare
 
 from nbbatch.execute.attempts import execute_run
@@ -84,7 +85,7 @@ def test_on_a_folder_share_the_source_checkpoints_are_copied_once_and_never_chan
     run = _run(resume_from=SOURCE)
 
     folders = RunFolders(run, share)
-    assert not folders.remote
+    assert not folders.remote and folders.copied
     own = folders.checkpoints
     assert own == tmp_path / run_paths("cont", run.run_id).checkpoints
     assert {name: digest for name, (digest, _) in _tree(own).items()} == \
@@ -97,8 +98,8 @@ def test_on_a_folder_share_the_source_checkpoints_are_copied_once_and_never_chan
 
     # the run trains on: its own checkpoint is newer than the source's; a retry (a new process) keeps it
     (own / "model.pt").write_bytes(b"weights after epoch 4")
-    retry = RunFolders(run, share)
-    assert retry.continues is None
+    retry = RunFolders(run, share)  # also what another node of a gang sees, once the first node copied them
+    assert not retry.copied and retry.continues["run_id"] == SOURCE
     assert (own / "model.pt").read_bytes() == b"weights after epoch 4"
     assert "of run" not in retry.resuming(retry.checkpoint_summary())
     assert _tree(source) == before
@@ -167,7 +168,7 @@ def test_on_a_remote_share_the_source_is_pulled_and_pushed_as_the_runs_own(tmp_p
     assert {k: v for k, v in share.files.items() if k.startswith(source_prefix)} == before
 
     retry = RunFolders(run, share)  # a new process: its own checkpoints, not the source's
-    assert retry.continues is None
+    assert not retry.copied and retry.continues["checkpoint"]["files"] == 2
     assert (retry.checkpoints / "model.pt").read_bytes() == b"weights after epoch 4"
     retry.close()
 
@@ -189,6 +190,50 @@ def test_the_record_writes_continues_only_when_set():
     again = RunRecord.from_json(plain.to_json())
     assert again.continues == {"run_id": SOURCE, "checkpoint": None}
     assert again.schema_version == plain.schema_version == 1
+
+
+# --- a run, in a kernel ---------------------------------------------------------------------------------------
+
+GOES_ON = """\
+import json
+from nbbatch import record
+from nbbatch.artifacts import atomic_path, checkpoint_path
+ckpt = checkpoint_path('state.json')
+start = json.loads(ckpt.read_text())['epoch'] if ckpt.exists() else 0
+record(started_at_epoch=start)
+with atomic_path(ckpt) as tmp:
+    tmp.write_text(json.dumps({'epoch': EPOCHS}))
+"""
+
+
+@pytest.mark.kernel
+def test_a_run_continues_the_checkpoint_it_was_given_or_starts_from_scratch_and_says_why(project):
+    make_notebook(project / "nb.ipynb", [GOES_ON], parameters="EPOCHS = 5")
+    share = FileShare(project / "results")
+
+    def run(run_id: str, source: str) -> Run:
+        return Run(run_id=run_id, experiment="cont", notebook=str(project / "nb.ipynb"), notebook_rel="nb.ipynb",
+                   kernel="python3", resume_from=source)
+
+    (project / "results" / run_paths("cont", "empty").folder).mkdir(parents=True)  # ran, saved no checkpoint
+    scratch = execute_run(run("from-empty", "empty"), share)
+    assert scratch.status == "succeeded", scratch.error
+    assert scratch.metrics["started_at_epoch"] == 0
+    assert scratch.continues == {"run_id": "empty", "checkpoint": None}
+    log = share.read_bytes(run_paths("cont", "from-empty").log).decode()
+    assert "=== nbbatch: warning: run empty, which this run continues, left no checkpoint" in log
+    assert json.loads(share.read_bytes(run_paths("cont", "from-empty").record))["continues"]["checkpoint"] is None
+
+    source = project / "results" / run_paths("cont", SOURCE).checkpoints
+    source.mkdir(parents=True)
+    (source / "state.json").write_text('{"epoch": 3}')
+    continued = execute_run(run("from-three", SOURCE), share)
+    assert continued.status == "succeeded", continued.error
+    assert continued.metrics["started_at_epoch"] == 3
+    assert continued.continues == {"run_id": SOURCE, "checkpoint": {"files": 1, "bytes": 12, "latest": "state.json"}}
+    assert f"resuming from state.json (1 checkpoint file(s) of run {SOURCE})" in \
+        share.read_bytes(run_paths("cont", "from-three").log).decode().splitlines()[0]
+    assert (source / "state.json").read_text() == '{"epoch": 3}'
 
 
 # --- the real notebook ----------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ def execute_run(run: Run, share: Share, context: AttemptContext | None = None) -
     except NbbatchError as exc:  # an input missing here, or a share that would not give the checkpoints
         return failed_before_start(share, record, exc, context.on_update)
     record.inputs = dict(folders.inputs)
-    record.continues = folders.continues or record.continues  # a retry in a new process keeps what the first said
+    record.continues = record.continues or folders.continues  # a new process of the run keeps what the first said
     try:
         record = _attempts(run, share, record, context, folders)
     finally:

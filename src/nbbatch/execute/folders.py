@@ -59,7 +59,8 @@ class RunFolders:
             folder.mkdir(parents=True, exist_ok=True)
         if self.remote and share.exists(self.paths.checkpoints):
             pull(share, self.paths.checkpoints, self.checkpoints)
-        # run.json's `continues`, when this process started the run from the checkpoints of run.resume_from
+        self.copied = False  # whether this process copied run.resume_from's checkpoints (the first start)
+        # run.json's `continues` (None: the run continues no other)
         self.continues: dict[str, Any] | None = self._continue(run.resume_from) if run.resume_from else None
         self._push_every = push_every_s
         self._stop = threading.Event()
@@ -89,7 +90,7 @@ class RunFolders:
     def resuming(self, checkpoint: CheckpointSummary | None) -> str:
         """What the first line of an attempt's log says of the checkpoint it resumes from, and of the run it
         continues: a notebook that left no checkpoint there is told, as it starts from scratch."""
-        continued = self.continues
+        continued = self.continues if self.copied else None
         if checkpoint is None:
             if continued is None or continued["checkpoint"] is not None:
                 return ""
@@ -100,11 +101,13 @@ class RunFolders:
             checkpoint) else ""
         return f", resuming from {checkpoint.latest} ({checkpoint.files} checkpoint file(s){of_run})"
 
-    def _continue(self, source: str) -> dict[str, Any] | None:
+    def _continue(self, source: str) -> dict[str, Any]:
         """Start from a copy of run ``source``'s checkpoints (never changed), unless this run has its own already: a
-        retry or a resubmission goes on from those. run.json's ``continues`` (None: not copied in this process)."""
-        if self.checkpoint_summary() is not None:
-            return None
+        retry, a resubmission, another node of a gang that copied them first goes on from those. run.json's
+        ``continues``: the source, and the checkpoint the run starts from (None: none, it starts from scratch)."""
+        own = self.checkpoint_summary()
+        if own is not None:
+            return {"run_id": source, "checkpoint": dataclasses.asdict(own)}
         source_path = run_paths(self.run.experiment, source).checkpoints
         try:
             if self.remote:  # copied to this machine; the run's save pushes them to its own checkpoints
@@ -117,6 +120,7 @@ class RunFolders:
         except (OSError, shutil.Error) as exc:
             raise ShareError(f"cannot copy the checkpoints of run {source} (which run {self.run.run_id} continues): "
                              f"{exc}") from exc
+        self.copied = True
         copied = self.checkpoint_summary()
         return {"run_id": source, "checkpoint": dataclasses.asdict(copied) if copied is not None else None}
 

@@ -94,7 +94,7 @@ class _Node:
             return self._failed_before_start(ranks, exc)
         if self.coordinator:  # the run's own record (rank 0's) says what it continues
             own = self.record_of(next(rank for rank in ranks if rank.rank == 0))
-            own.continues = folders.continues or own.continues
+            own.continues = own.continues or folders.continues  # also when another node copied them first
         try:
             return self._gangs(ranks, folders)
         finally:
