@@ -282,3 +282,7 @@ def test_a_promoting_search_of_the_pytorch_notebook_continues_each_trial_from_it
             assert after.continues["run_id"] == before.run_id and after.continues["checkpoint"]["files"] >= 1
             steps = [p["step"] for p in JsonlTail(share, run_paths("pro", after.run_id).metrics).read()]
             assert steps == list(range(paused_at + 1, after.parameters["EPOCHS"] + 1)), steps
+            assert not (tmp_path / "results" / "pro" / before.run_id / "checkpoints").exists(), "copied, then dropped"
+        last = segments[-1]  # a trial stopped at a rung keeps its checkpoints, as a pruned run does
+        kept = (tmp_path / "results" / "pro" / last.run_id / "checkpoints").is_dir()
+        assert kept == (last.trial["state"] == "pruned"), (last.trial, kept)

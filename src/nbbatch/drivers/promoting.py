@@ -14,9 +14,11 @@ rebuilds the schedule and goes on where the last one stopped.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from nbbatch.drivers.search import SearchDriver, _is_number, _Study, _Trial
+from nbbatch.errors import ShareError
 from nbbatch.plan.runs import Run
 from nbbatch.search.rungs import Decision, Promotions
 from nbbatch.search.study import RUN_ID, optuna_module, suggest, trial_of
@@ -154,7 +156,16 @@ class PromotingSearchDriver(SearchDriver):
             write_record(self.share, record)
             self.say(f"trial {trial.number} of {study.label}: paused at {self.search.resource}="
                      f"{trial.segment['resource']} with {self.search.metric} {float(value):.6g} ({record.run_id})")
+        self._drop_copied_checkpoints(record)
         self._decide(study)
+
+    def _drop_copied_checkpoints(self, record: RunRecord | None) -> None:
+        """The checkpoints of the run a segment continued, once the segment has its own copy of them (its record's
+        ``continues``): no longer needed. A paused trial's last run keeps its own, as a pruned run does."""
+        copied = record.continues if record is not None else None
+        if copied and copied.get("checkpoint") is not None:
+            with contextlib.suppress(ShareError, OSError):
+                self.share.remove(run_paths(self.experiment, copied["run_id"]).checkpoints)
 
     def _decide(self, study: _Study) -> None:
         """Tell the study the trials its schedule stopped (synchronously at a decided rung; asynchronously once
