@@ -13,6 +13,7 @@ since notebooks are committed without outputs. By hand, for one notebook:
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ import nbformat
 import pytest
 from papermill.iorw import load_notebook_node
 from papermill.parameterize import parameterize_notebook
-from support.frameworks import selected_frameworks
+from support.frameworks import one_thread_each, selected_frameworks
 
 ROOT = Path(__file__).resolve().parents[1]
 FRAMEWORKS = selected_frameworks(p.name for p in (ROOT / "frameworks").iterdir() if (p / "framework.yaml").exists())
@@ -45,7 +46,7 @@ def test_nbval_lax_passes_on_a_quick_copy(framework, framework_envs, tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "--nbval-lax", str(copy), "--nbval-kernel-name", fw.kernel_name,
          "-p", "no:cacheprovider", "-q", "-c", str(tmp_path / "pytest.ini"), "--rootdir", str(tmp_path)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=900,
+        cwd=tmp_path, capture_output=True, text=True, timeout=900, env={**os.environ, **one_thread_each()},
     )
     assert done.returncode == 0, f"nbval failed on {fw.notebook.name}:\n{done.stdout[-6000:]}\n{done.stderr[-2000:]}"
     assert " passed" in done.stdout

@@ -27,7 +27,7 @@ from pathlib import Path
 import nbformat
 import papermill
 import pytest
-from support.frameworks import selected_frameworks
+from support.frameworks import one_thread_each, selected_frameworks
 
 from nbbatch.metrics import HISTORY_MIME, METRICS_MIME, metrics_from_notebook
 
@@ -76,7 +76,10 @@ def is_number(value) -> bool:
 
 def kernel_environment(monkeypatch, home: Path) -> None:
     """Keep what frameworks write at import (``~/.keras``, caches) out of the user's home, and the notebook's
-    outputs (its model) in ``home/outputs``; no checkpoints unless a test asks for them."""
+    outputs (its model) in ``home/outputs``; no checkpoints unless a test asks for them. One thread per kernel
+    (:func:`support.frameworks.one_thread_each`): several kernels share CI's two cores."""
+    for name, value in one_thread_each().items():
+        monkeypatch.setenv(name, value)
     monkeypatch.setenv("KERAS_HOME", str(home / "keras"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(home / "cache"))
     monkeypatch.setenv("MPLCONFIGDIR", str(home / "matplotlib"))
@@ -209,7 +212,7 @@ def test_notebook_trains_data_parallel_over_two_devices(framework, framework_env
     # 12 without), so the devices' ops run single-threaded here. If a rendezvous still waits, XLA gives up after 300 s
     # with its own message rather than at pytest's timeout.
     monkeypatch.setenv("JAX_CPU_ENABLE_ASYNC_DISPATCH", "false")
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false "
+    monkeypatch.setenv("XLA_FLAGS", f"{one_thread_each()['XLA_FLAGS']} --xla_force_host_platform_device_count=2 "
                        "--xla_cpu_collective_call_warn_stuck_timeout_seconds=60 "
                        "--xla_cpu_collective_call_terminate_timeout_seconds=300")
     executed = run_notebook(fw, tmp_path, "two-devices", MAX_SAMPLES=512, EPOCHS=2, BATCHSIZE=16)

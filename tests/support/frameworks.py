@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from nbbatch.backends.local.cores import THREAD_VARIABLES
 from nbbatch.errors import NbbatchError
 from nbbatch.execute.envs import build_env, env_status
 from nbbatch.spec.frameworks import Framework, list_frameworks
@@ -28,6 +29,14 @@ from nbbatch.spec.project import Project
 from support.machine import REPO
 
 BUILD_PARALLEL = 2  # the test machines have two cores, and pip is CPU-bound
+
+
+def one_thread_each() -> dict[str, str]:
+    """What a kernel's environment gets so that it starts one compute thread: the tests run several kernels at once
+    on CI's two cores, and a kernel that sizes its pools to every core runs about 1.6 times slower beside the others
+    (the PyTorch notebook on digits: 59 s with its own pools, 36 s with one thread, on a loaded 2-core machine). The
+    thread variables nbbatch sets for a CPU run's share of the cores, and XLA's Eigen pool (JAX) off."""
+    return {**{name: "1" for name in THREAD_VARIABLES}, "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}
 
 
 def selected_frameworks(all_names: Iterable[str]) -> list[str]:
