@@ -211,3 +211,13 @@ def test_a_search_without_segments_has_no_segment_columns(tmp_path: Path) -> Non
     records = status_view(share, "plain").records
     text = _render(status_table(records, search={"metric": "accuracy", "mode": "max"}))
     assert "trial·segment" not in text and "·" not in text
+
+
+def test_check_measures_a_continued_trial_by_its_latest_segment(share: Path) -> None:
+    """`check` matches runs on their parameters: a trial's segments share them, and only its latest segment's value
+    is a measurement (the others stopped at a rung), never their mean."""
+    frame = compare.collect(share, "asha")
+    result = compare.check(frame, frame, "accuracy")
+    measured = result.table[result.table["current"].notna()]
+    assert list(measured["current"]) == [0.95] and list(measured["baseline"]) == [0.95]
+    assert result.passed
