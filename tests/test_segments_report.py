@@ -221,3 +221,18 @@ def test_check_measures_a_continued_trial_by_its_latest_segment(share: Path) -> 
     measured = result.table[result.table["current"].notna()]
     assert list(measured["current"]) == [0.95] and list(measured["baseline"]) == [0.95]
     assert result.passed
+
+
+def test_the_pareto_front_holds_trials_by_their_latest_segment(tmp_path: Path) -> None:
+    """A segment that stopped early at a rung (high accuracy, little time) would dominate every trial; the front is
+    of the trials as they ended, and every segment of a trial on it is marked so."""
+    objectives = {"metric": ["accuracy", "train_seconds"], "mode": ["max", "min"]}
+    runs = _segments("front", 0, [(3, "promoted", "succeeded", 0.99), (9, "complete", "succeeded", 0.9)],
+                     {"LR": 0.01, "MOMENTUM": 0.1})
+    runs += _segments("front", 1, [(9, "complete", "succeeded", 0.8)], {"LR": 0.001, "MOMENTUM": 0.5})
+    for record, _ in runs:
+        record.metrics["train_seconds"] = {0.99: 1.0, 0.9: 10.0, 0.8: 5.0}[record.metrics["accuracy"]]
+    frame = compare.collect(_write(tmp_path / "share", "front", runs, objectives), "front")
+    assert frame["pareto"].tolist() == [True, True, True]
+    html = compare.render_report(frame, tmp_path / "r.html")
+    assert re.search(r"2 trial\(s\) on the Pareto front .*?trial 0, 1;", html, re.S)
