@@ -117,15 +117,15 @@ def sort_search(frame: pd.DataFrame, search: Mapping[str, Any]) -> pd.DataFrame:
         return frame
     values = _pandas().to_numeric(frame[column], errors="coerce")
     mode = search.get("mode", "min")
-    ranks: dict[Any, Any] = dict(zip(frame.index, (search_rank(status, value, mode) for status, value in
-                                                   zip(frame["status"], values, strict=True)), strict=True))
+    ranks: list[Any] = [search_rank(status, value, mode) for status, value in zip(frame["status"], values, strict=True)]
     if has_segments(frame):  # a continued trial's segments together, in order, where its latest segment ranks
+        frame, values = frame.reset_index(drop=True), values.reset_index(drop=True)
         latest = latest_segments(frame)
         for group, (index, members) in enumerate(segment_groups(frame).items()):
             rank = search_rank(latest.loc[index, "status"], values[index], mode)
-            ranks.update((member, (rank, group, position)) for position, member in enumerate(members))
-    order = sorted(range(len(frame)), key=lambda i: ranks[frame.index[i]])
-    ranked = frame.iloc[order].reset_index(drop=True)  # stable
+            for position, member in enumerate(members):
+                ranks[member] = (rank, group, position)  # every row is in one group: all ranks alike
+    ranked = frame.iloc[sorted(range(len(frame)), key=ranks.__getitem__)].reset_index(drop=True)  # stable
     ranked.attrs["order"] = order_caption(search=search)
     return ranked
 
