@@ -236,3 +236,16 @@ def test_the_pareto_front_holds_trials_by_their_latest_segment(tmp_path: Path) -
     assert frame["pareto"].tolist() == [True, True, True]
     html = compare.render_report(frame, tmp_path / "r.html")
     assert re.search(r"2 trial\(s\) on the Pareto front .*?trial 0, 1;", html, re.S)
+
+
+def test_a_stages_best_run_is_a_trial_that_completed_not_a_segment_stopped_at_a_rung(share: Path) -> None:
+    """``${train.best…}`` and the end-of-search notice read the best run: trial 1's first segment has the highest
+    accuracy, but it stopped at its first rung (promoted, then pruned); trial 0's last segment is the result."""
+    from nbbatch.drivers.notify import best_line
+    from nbbatch.results.pipeline import best_record
+    from nbbatch.spec.pipeline import Select
+
+    records = status_view(open_share(share), "asha").records
+    best = best_record(records, Select("accuracy", "max"))
+    assert best is not None and best.run_id == _run_id(0, 2)
+    assert _run_id(0, 2) in (best_line(records, "accuracy", "max") or "")
