@@ -35,6 +35,16 @@ def history_points(data: bytes | str) -> list[dict[str, Any]]:
     return [by_step[step] for step in sorted(by_step)]
 
 
+def joined_history(segments: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One curve of a trial continued over several runs: its segments' points (each :func:`history_points`'s), in
+    segment order. A segment records only the steps after the previous one's; should two record a step, the later
+    segment's point is the one that counts (as a later attempt's does)."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for points in segments:
+        by_step.update((int(point["step"]), point) for point in points)
+    return [by_step[step] for step in sorted(by_step)]
+
+
 def read_history(share: Share, experiment: str, run_id: str) -> list[dict[str, Any]]:
     """The run's points (see :func:`history_points`); ``[]`` when it recorded none (yet)."""
     try:

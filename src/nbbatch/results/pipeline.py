@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from nbbatch.errors import NbbatchError
-from nbbatch.results.status import format_metric, summary_counts
+from nbbatch.results.status import format_metric, segment_of, summary_counts
 from nbbatch.spec.pipeline import Select
 from nbbatch.store.layout import experiment_paths, run_paths
 from nbbatch.store.runfiles import load_records
@@ -35,10 +35,16 @@ def metric_value(record: RunRecord, metric: str) -> float | None:
     return float(value)
 
 
+def finished(record: RunRecord) -> bool:
+    """Whether a run's metrics are a result: it succeeded, and when it is a segment of a search's trial continued over
+    several runs, its trial completed there (a segment promoted, paused or pruned at a rung stopped part-way)."""
+    return record.status == Status.SUCCEEDED and (segment_of(record) is None or record.trial.get("state") == "complete")
+
+
 def best_record(records: Sequence[RunRecord], select: Select) -> RunRecord | None:
-    """The succeeded run with the best ``select.metric`` (the first in the list on a tie), or None."""
+    """The finished run (:func:`finished`) with the best ``select.metric`` (the first in the list on a tie), or None."""
     scored = [(v, i, r) for i, r in enumerate(records)
-              if r.status == Status.SUCCEEDED and (v := metric_value(r, select.metric)) is not None]
+              if finished(r) and (v := metric_value(r, select.metric)) is not None]
     if not scored:
         return None
     sign = -1 if select.mode == "max" else 1

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 # One colour per status, for every view (terminal tables, widgets, the HTML report).
 STATUS_STYLE = {Status.QUEUED: "dim", Status.RUNNING: "bold blue", Status.SUCCEEDED: "green", Status.FAILED: "bold red",
                 Status.CANCELLED: "yellow", Status.TIMED_OUT: "magenta", Status.PRUNED: "cyan",
+                # a continued trial's segment at its rung: waiting, or continued by a later one
+                "paused": "bold cyan", "promoted": "green",
                 # what `compare` says of an executed notebook found without a run record
                 "incomplete": "yellow", "unreadable": "magenta"}
 KEY_METRICS = ("accuracy", "train_seconds", "images_per_second")
@@ -228,6 +230,47 @@ def search_rank(status: Any, value: Any, mode: str) -> tuple[bool, bool, float]:
             0.0 if number is None else number if mode == "min" else -number)
 
 
+# what a continued trial's segment's recorded state says of its trial, as a status the views know; a state missing
+# here (``open``, ``promoted``, ``failed``) leaves the run's own status
+_STATE_STATUS = {"complete": "succeeded", "pruned": "pruned", "paused": "paused"}
+
+
+def trial_status(run_status: Any, state: Any) -> str:
+    """The status a trial's latest segment stands for: ``succeeded`` once it completed, ``pruned`` when the search
+    ended without continuing it, ``paused`` while it waits at its rung; else its run's status (running, failed…)."""
+    return _STATE_STATUS.get(str(state), str(run_status))
+
+
+def segment_of(record: RunRecord) -> int | None:
+    """Which segment of its trial a run is (``trial.segment``: 0, 1, … for a trial continued over several runs);
+    None for a run that is all of its trial, or no trial."""
+    segment = (record.trial or {}).get("segment")
+    return segment if isinstance(segment, int) and not isinstance(segment, bool) else None
+
+
+def _search_order(records: Sequence[RunRecord], search: Mapping[str, Any]) -> list[RunRecord]:
+    """A search's runs by :func:`search_rank`; a continued trial's segments together, in order, where its latest
+    segment ranks."""
+    mode, metric = search.get("mode", "min"), search["metric"]
+    latest: dict[tuple[str, Any], RunRecord] = {}
+    for record in records:
+        if segment_of(record) is not None:
+            key = (str(record.trial.get("study")), record.trial.get("number"))
+            if key not in latest or (segment_of(latest[key]) or 0) < (segment_of(record) or 0):
+                latest[key] = record
+
+    def rank(record: RunRecord) -> tuple[Any, ...]:
+        segment = segment_of(record)
+        if segment is None:
+            return (search_rank(record.status, record.metrics.get(metric), mode), "", 0, 0)
+        key = (str(record.trial.get("study")), record.trial.get("number"))
+        trial = latest[key]
+        status = trial_status(trial.status, trial.trial.get("state"))
+        return (search_rank(status, trial.metrics.get(metric), mode), *map(str, key), segment)
+
+    return sorted(records, key=rank)
+
+
 def order_caption(by: Sequence[str] = (), search: Mapping[str, Any] | None = None) -> str | None:
     """The line under a runs table that says its row order (``rows by framework, C, PENALTY``; of a search
     ``rows by loss, lowest first``); None when nothing orders the rows."""
@@ -241,9 +284,7 @@ def ordered_records(records: Sequence[RunRecord], search: Mapping[str, Any] | No
     """The records in the order every table shows runs (``compare``'s too), and the caption that says it: by
     framework (when they differ), then by each parameter that varies (by name); a search's by :func:`search_rank`."""
     if search:
-        mode = search.get("mode", "min")
-        return (sorted(records, key=lambda r: search_rank(r.status, r.metrics.get(search["metric"]), mode)),
-                order_caption(search=search))
+        return _search_order(records, search), order_caption(search=search)
     varying = sorted(varying_parameters(records))
     several = len({_label(r) for r in records}) > 1
     ordered = sorted(records, key=lambda r: (_label(r), [order_value(r.parameters.get(k)) for k in varying],
@@ -397,12 +438,27 @@ def _pruned_reason(record: RunRecord) -> str:
     return (record.error.reason or record.error.evalue or "") if record.error else ""
 
 
+# a continued trial's segment that stopped at its rung: what became of it there (its run's status says less)
+SEGMENT_STATES = ("promoted", "paused", "pruned")
+
+
 def _status_text(record: RunRecord) -> str:
-    """The status cell: ``running 5/12`` (cells done of all), ``pruned at step 4``, else the status."""
+    """The status cell: ``running 5/12`` (cells done of all), ``pruned at step 4``, a continued trial's segment
+    ``paused at step 9`` (or promoted, or pruned, at its rung), else the status."""
     if record.cells_total and record.status == Status.RUNNING:
         return f"{record.status} {record.cells_done}/{record.cells_total}"
+    state = _segment_state(record)
+    if state:
+        rung = record.trial.get("resource", record.trial.get("step"))
+        return f"{state} at step {rung}" if rung is not None else state
     step = (record.trial or {}).get("step") if _pruned(record) else None
     return f"{record.status} at step {step}" if step is not None else str(record.status)
+
+
+def _segment_state(record: RunRecord) -> str | None:
+    """A segment's state at its rung (:data:`SEGMENT_STATES`), or None (no segment, or one running or ended)."""
+    state = (record.trial or {}).get("state") if segment_of(record) is not None else None
+    return state if state in SEGMENT_STATES else None
 
 
 def _columns(records: list[RunRecord], max_metrics: int, now: datetime,
@@ -426,13 +482,12 @@ def _columns(records: list[RunRecord], max_metrics: int, now: datetime,
             80 - index, numeric=all(_is_number(v) for v in values))
     status = add("status", [_status_text(r) for r in records], ALWAYS)
     for cell, record in zip(status.cells, records, strict=True):
-        cell.stylize(STATUS_STYLE.get(record.status, ""))
+        cell.stylize(STATUS_STYLE.get(_segment_state(record) or record.status, ""))
     if searched:  # what a search is about comes first and is never left out: its trials and the metric it optimises
         columns.insert(first, columns.pop())
         trials = [(r.trial or {}).get("number") for r in records]
         if any(t is not None for t in trials):
-            columns.insert(first + 1, fit_column("trial", ["" if t is None else str(t) for t in trials], ALWAYS,
-                                                 numeric=True))
+            columns.insert(first + 1, _trial_column(records))
         for index, metric in enumerate(searched):  # every objective's value, the first first
             values = [r.metrics.get(metric) for r in records]
             columns.insert(first + 1 + any(t is not None for t in trials) + index,
@@ -470,6 +525,16 @@ def _columns(records: list[RunRecord], max_metrics: int, now: datetime,
         error.short = [Text(" ".join(r.error_summary(with_cell=False).splitlines()) if e else text)
                        for text, e, r in zip(errors, failed, records, strict=True)]
     return columns
+
+
+def _trial_column(records: list[RunRecord]) -> FitColumn:
+    """A search's trial numbers; where a trial continued over several runs, ``7·1``: trial 7, its segment 1."""
+    segmented = any(segment_of(r) is not None for r in records)
+    texts = []
+    for record in records:
+        number, segment = (record.trial or {}).get("number"), segment_of(record)
+        texts.append("" if number is None else f"{number}·{segment}" if segment is not None else str(number))
+    return fit_column("trial·segment" if segmented else "trial", texts, ALWAYS, numeric=True)
 
 
 def summary_counts(records: Iterable[RunRecord]) -> dict[str, int]:

@@ -14,6 +14,7 @@ from typing import Any
 from nbbatch.errors import NbbatchError
 from nbbatch.results.compare import (
     FAILING_OUTCOMES,
+    best_trial,
     check,
     collect_targets,
     display_columns,
@@ -27,6 +28,7 @@ from nbbatch.results.compare import (
     sort_runs,
     sort_search,
     terminal,
+    trials_summary,
     with_step_columns,
     write_report,
     write_table,
@@ -135,8 +137,10 @@ def cli_compare(args: argparse.Namespace) -> int:
     shown = group_runs(frame, args.group_by, args.agg) if args.group_by else frame
     if args.csv:
         console.print(f"wrote {write_table(shown, args.csv)}", **_PLAIN)
-    if args.json:  # a search's: an object, with the search and which parameters matter beside its runs
-        about = {"search": search, "importance": parameter_importance(frame)} if search else None
+    if args.json:  # a search's: an object, with the search, its trials (one each, however many runs it took), the
+        # best of them and which parameters matter beside its runs
+        about = {"search": search, "trials": trials_summary(frame, search["metric"]),
+                 "best": best_trial(frame, search), "importance": parameter_importance(frame)} if search else None
         console.print(f"wrote {write_table(shown, args.json, about)}", **_PLAIN)
     columns = [c for c in args.columns.split(",") if c.strip()] if args.columns else None
     if args.group_by:

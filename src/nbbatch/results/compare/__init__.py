@@ -17,7 +17,8 @@ the metrics the runs recorded with ``step=`` at a step, or at their best, instea
 The modules, by concern: :mod:`~nbbatch.results.compare.collect` (finding and reading runs),
 :mod:`~nbbatch.results.compare.query` (filter, sort, group, CSV/JSON),
 :mod:`~nbbatch.results.compare.table` (the terminal table), :mod:`~nbbatch.results.compare.steps`
-(metric histories in the table), :mod:`~nbbatch.results.compare.plots`,
+(metric histories in the table), :mod:`~nbbatch.results.compare.trials` (a search's trials, one row each however
+many runs a trial took), :mod:`~nbbatch.results.compare.plots`,
 :mod:`~nbbatch.results.compare.importance` (which parameters matter),
 :mod:`~nbbatch.results.compare.report` (HTML) and :mod:`~nbbatch.results.compare.check`. The
 command line (``nbbatch compare``/``check``) is :mod:`nbbatch.ui.results_commands`.
@@ -74,6 +75,7 @@ from nbbatch.results.compare.query import (
     write_table,
 )
 from nbbatch.results.compare.report import render_report, write_report
+from nbbatch.results.compare.search_plots import best_trial
 from nbbatch.results.compare.steps import (
     HISTORY_MODES,
     LOWER_IS_BETTER,
@@ -85,17 +87,20 @@ from nbbatch.results.compare.steps import (
     with_step_columns,
 )
 from nbbatch.results.compare.table import display_columns, runs_table, terminal
+from nbbatch.results.compare.trials import joined_histories, latest_segments, trials_of, trials_summary
 
 __all__ = [
     "FAILING_OUTCOMES", "HISTORY_MODES", "LEADING_COLUMNS", "LOCATION_COLUMNS", "LOWER_IS_BETTER", "METRIC", "PARAM",
     "STEP", "TELEMETRY", "TRAILING_COLUMNS",
-    "CheckResult", "check", "collect", "collect_targets", "default_best_mode", "default_check_key", "default_metric",
-    "default_time", "display_columns", "figure_png", "filter_runs", "group_runs", "leaders", "line_styles",
+    "CheckResult", "best_trial", "check", "collect", "collect_targets", "default_best_mode", "default_check_key",
+    "default_metric", "default_time", "display_columns", "figure_png", "filter_runs", "group_runs", "joined_histories",
+    "latest_segments", "leaders", "line_styles",
     "load_baseline", "load_histories", "load_telemetry", "parameter_importance", "parse_best_modes", "parse_tolerance",
     "plot_gpu_telemetry",
     "plot_metric_by_framework", "plot_metric_by_step", "plot_metric_vs_param", "plot_metric_vs_time", "plot_trials",
     "read_histories", "read_table", "render_report", "resolve_column", "run_labels", "runs_table", "select_history",
-    "sort_runs", "sort_search", "swept_parameters", "terminal", "with_step_columns",
+    "sort_runs", "sort_search", "swept_parameters", "terminal", "trials_of", "trials_summary",
+    "with_step_columns",
     "write_report",
     "write_table",
 ]

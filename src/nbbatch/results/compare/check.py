@@ -12,6 +12,7 @@ from nbbatch.errors import NbbatchError, did_you_mean
 from nbbatch.results.compare.collect import METRIC, _pandas, collect_targets
 from nbbatch.results.compare.plots import _numeric, swept_parameters
 from nbbatch.results.compare.query import _text, read_table, resolve_column
+from nbbatch.results.compare.trials import latest_segments
 from nbbatch.store.share import Share
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -87,8 +88,8 @@ def check(current: pd.DataFrame, baseline: pd.DataFrame, metrics: str | Sequence
     A metric passes when ``|current - baseline| <= max(tolerance, rel_tolerance * |baseline|)``
     (both default to 0: any change fails). ``direction``: ``both``; ``decrease`` (only drops fail,
     for accuracy-like metrics) or ``increase`` (only rises fail, for loss/time). ``key`` defaults to
-    :func:`default_check_key`; several runs with the same key are averaged. Baseline runs that did not
-    succeed are left out.
+    :func:`default_check_key`; several runs with the same key are averaged (a search's trial continued over several
+    runs is one, its latest segment). Baseline runs that did not succeed are left out.
     """
     pd = _pandas()
     if direction not in ("both", "decrease", "increase"):
@@ -96,6 +97,8 @@ def check(current: pd.DataFrame, baseline: pd.DataFrame, metrics: str | Sequence
     names = [m.strip() for m in (metrics.split(",") if isinstance(metrics, str) else metrics) if m.strip()]
     if not names:
         raise NbbatchError("check needs a metric, e.g. --metric accuracy")
+    # a trial continued over several runs is measured once, by its latest segment (its earlier ones stopped at a rung)
+    current, baseline = latest_segments(current), latest_segments(baseline)
     abs_tol = float(tolerance or 0.0)
     rel_tol = float(rel_tolerance or 0.0)
     if abs_tol < 0 or rel_tol < 0:
@@ -118,8 +121,8 @@ def check(current: pd.DataFrame, baseline: pd.DataFrame, metrics: str | Sequence
         if "status" in base:  # a baseline run that did not succeed is no reference
             base = base[base["status"].isna() | (base["status"] == "succeeded")]
         cur = current.assign(_k=keyed(current), _v=_numeric(current, cur_col))
-        if "status" in cur:  # a search's pruned runs stopped as meant, at a partial value: no measurement
-            cur = cur[cur["status"].astype(str) != "pruned"]
+        if "status" in cur:  # a search's pruned (or paused) runs stopped as meant, at a partial value: no measurement
+            cur = cur[~cur["status"].astype(str).isin(["pruned", "paused"])]
         base_values = base.dropna(subset=["_v"]).groupby("_k")["_v"].mean().to_dict()
         base_display = {k: g.iloc[0] for k, g in base.groupby("_k")[keys]}
         seen = set()

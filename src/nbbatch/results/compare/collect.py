@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from nbbatch.errors import NbbatchError
 from nbbatch.metrics import metrics_from_notebook
+from nbbatch.results.compare.trials import latest_segments, segment_groups
 from nbbatch.results.status import no_runs_message, order_caption, order_value, planned_run_ids, search_of
 from nbbatch.spec.project import find_project
 from nbbatch.store.known import open_experiment_share
@@ -240,8 +241,7 @@ def _row_from_record(record: RunRecord) -> dict[str, Any]:
         "attempts": record.attempts,
         "error": record.error_summary() or None,
         "source": RUN_RECORD,
-        **({"trial": record.trial.get("number")} if record.trial else {}),  # a search's trial number
-        **({"pruned_at": record.trial.get("step")} if record.trial and record.trial.get("state") == "pruned" else {}),
+        **_trial_columns(record.trial or {}),
     }
     _flatten(PARAM, record.parameters or {}, row)
     _flatten(METRIC, record.metrics or {}, row)
@@ -250,6 +250,21 @@ def _row_from_record(record: RunRecord) -> dict[str, Any]:
                      if k not in ("gpu_ids", "unavailable") and v is not None}
         _flatten(TELEMETRY, telemetry, row)
     return row
+
+
+def _trial_columns(trial: Mapping[str, Any]) -> dict[str, Any]:
+    """A search's trial in the runs table: its number, where a pruned one was stopped (``pruned_at``) and, for a
+    trial continued over several runs, this run's ``segment`` and the trial's state it recorded (``trial_state``)."""
+    if not trial:
+        return {}
+    columns: dict[str, Any] = {"trial": trial.get("number")}
+    if "segment" in trial:  # a segment stops at its rung (``resource``): a pruned trial was stopped there
+        columns.update(segment=trial.get("segment"), trial_state=trial.get("state"))
+        if trial.get("state") == "pruned":
+            columns["pruned_at"] = trial.get("resource", trial.get("step"))
+    elif trial.get("state") == "pruned":
+        columns["pruned_at"] = trial.get("step")
+    return columns
 
 
 def share_location(share: Share, path: str) -> str:
@@ -358,9 +373,10 @@ def collect(share_or_path: str | os.PathLike[str] | Share,
 
 def pareto_column(frame: pd.DataFrame, objectives: list[list[str]]) -> list[bool | None]:
     """Per run of a multi-objective search: whether its trial is on the Pareto front (it succeeded, and no other
-    succeeded trial is as good in every objective and better in one); None for a run that is no trial."""
-    points: dict[int, list[float]] = {}
-    for index, (_, row) in enumerate(frame.iterrows()):
+    succeeded trial is as good in every objective and better in one; a continued trial by its latest segment, and
+    every segment of it marked alike); None for a run that is no trial."""
+    points: dict[Hashable, list[float]] = {}
+    for index, row in latest_segments(frame).iterrows():
         values = [row.get(f"{METRIC}{metric}") for metric, _ in objectives]
         if row.get("status") == "succeeded" and all(_finite(v) for v in values) and not _missing(row.get("trial")):
             points[index] = [float(v) if mode == "min" else -float(v)  # every objective made one to minimise
@@ -370,8 +386,9 @@ def pareto_column(frame: pd.DataFrame, objectives: list[list[str]]) -> list[bool
         return any(all(o <= p for o, p in zip(other, point, strict=True)) and other != point
                    for other in points.values())
 
-    front = {index for index, point in points.items() if not dominated(point)}
-    return [None if _missing(trial) else index in front for index, trial in enumerate(frame["trial"])]
+    groups = segment_groups(frame)
+    front = {run for index, point in points.items() if not dominated(point) for run in groups[index]}
+    return [None if _missing(trial) else index in front for index, trial in zip(frame.index, frame["trial"], strict=True)]
 
 
 def _finite(value: Any) -> bool:

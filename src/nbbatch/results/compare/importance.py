@@ -7,7 +7,9 @@ from its values among all of them. It was chosen over fANOVA because it needs no
 forest needs scikit-learn), has no randomness (the same runs give the same importances on every machine) and is fast
 (3,000 trials in well under a second, where fANOVA took minutes: docs/benchmarks.md).
 Only trials that finished with a finite value count, as Optuna counts its COMPLETE trials: pruned and failed runs
-are left out. The best trials are the best 10 %, or the best 5 when that is more (PED-ANOVA's own advice: at least 5).
+are left out, and a trial continued over several runs counts once, by its latest segment (complete, or still
+paused or stopped at a rung, then left out like a pruned one). The best trials are the best 10 %, or the best 5
+when that is more (PED-ANOVA's own advice: at least 5).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from nbbatch.results.compare.collect import METRIC, PARAM, _pandas, varies
 from nbbatch.results.compare.plots import default_metric
 from nbbatch.results.compare.query import resolve_column
 from nbbatch.results.compare.steps import default_best_mode
+from nbbatch.results.compare.trials import trials_of
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -54,7 +57,7 @@ def parameter_importance(frame: pd.DataFrame, search: Mapping[str, Any] | None =
         objectives = search.get("objectives") or [(search["metric"], search.get("mode", "min"))]
         metrics, modes = [str(m) for m, _ in objectives], [str(m) for _, m in objectives]
         columns = [f"{METRIC}{m}" for m in metrics]
-        rows = frame[frame["trial"].notna()] if "trial" in frame else frame
+        rows = trials_of(frame) if "trial" in frame else frame  # a continued trial once, by its latest segment
     else:
         column = resolve_column(frame, metric) if metric else default_metric(frame)
         if column is None:

@@ -11,6 +11,7 @@ from nbbatch.execute.telemetry import read_series
 from nbbatch.results.compare.collect import METRIC, PARAM, _pandas, read_run_files, varies
 from nbbatch.results.compare.query import _numeric_columns, resolve_column
 from nbbatch.results.compare.steps import default_best_mode, read_histories
+from nbbatch.results.compare.trials import joined_histories, latest_segments
 from nbbatch.results.history import metric_series
 from nbbatch.results.status import format_metric, order_value
 from nbbatch.store.share import Share
@@ -232,7 +233,9 @@ def _draw_spread(ax: Any, data: pd.DataFrame, others: Sequence[str]) -> None:
 
 def plot_trials(frame: pd.DataFrame, metric: str | None = None, param: str | None = None) -> Figure | None:
     """A search's trials: the metric against each searched parameter (or ``param``), one dot per trial coloured by
-    its trial number (a colour bar), pruned ones as ×. No line: a search draws its points where it chose them."""
+    its trial number (a colour bar), pruned (or paused) ones as ×; a trial continued over several runs once, at its
+    latest segment's value. No line: a search draws its points where it chose them."""
+    frame = latest_segments(frame)
     metric = resolve_column(frame, metric) if metric else default_metric(frame)
     params = [resolve_column(frame, param)] if param else swept_parameters(frame)[:4]
     if metric is None or not params:
@@ -242,7 +245,7 @@ def plot_trials(frame: pd.DataFrame, metric: str | None = None, param: str | Non
         return None
     fig = _figure(width=max(6.4, 3.4 * len(params) + 1.2), height=4.0)
     axes = fig.subplots(1, len(params), sharey=True, squeeze=False)[0]
-    pruned = data["status"].astype(str) == "pruned"
+    pruned = data["status"].astype(str).isin(["pruned", "paused"])
     low, high = float(data["_trial"].min()), float(data["_trial"].max())
     dots = None
     for ax, column in zip(axes, params, strict=True):
@@ -259,7 +262,8 @@ def plot_trials(frame: pd.DataFrame, metric: str | None = None, param: str | Non
         ax.grid(True, alpha=0.3)
     axes[0].set_ylabel(_label(metric))
     axes[0].set_title(f"{_label(metric)} vs. " + ", ".join(_label(c) for c in params)
-                      + (" (×: pruned)" if pruned.any() else ""), loc="left")
+                      + ((" (×: pruned or paused)" if (data["status"].astype(str) == "paused").any() else
+                          " (×: pruned)") if pruned.any() else ""), loc="left")
     fig.colorbar(dots, ax=list(axes), label="trial", pad=0.02)
     return fig
 
@@ -331,10 +335,12 @@ def load_histories(frame: pd.DataFrame, share: str | os.PathLike[str] | Share | 
                    ) -> dict[str, list[dict[str, Any]]]:
     """The metric histories of the runs that have one: ``{run label: points}`` (labels: :func:`run_labels`).
 
-    Reads each run's ``metrics.jsonl`` (see :func:`~nbbatch.results.compare.steps.read_histories`).
+    Reads each run's ``metrics.jsonl`` (see :func:`~nbbatch.results.compare.steps.read_histories`). A search's trial
+    continued over several runs is one history, its segments' points in segment order, under one label (:func:`
+    ~nbbatch.results.compare.trials.joined_histories`).
     """
-    labels = run_labels(frame)
-    return {labels[index]: points for index, points in read_histories(frame, share).items()}
+    labels = run_labels(latest_segments(frame))
+    return {labels[index]: points for index, points in joined_histories(frame, read_histories(frame, share)).items()}
 
 
 _MAX_LEGEND = 24  # more runs than this: a legend would be longer than the plot

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from nbbatch.artifacts import atomic_path
 from nbbatch.errors import NbbatchError, did_you_mean
 from nbbatch.results.compare.collect import LOCATION_COLUMNS, METRIC, PARAM, TELEMETRY, _pandas
+from nbbatch.results.compare.trials import has_segments, latest_segments, segment_groups
 from nbbatch.results.status import order_caption, search_rank
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -109,13 +110,21 @@ def filter_runs(frame: pd.DataFrame, where: str | Iterable[str]) -> pd.DataFrame
 
 def sort_search(frame: pd.DataFrame, search: Mapping[str, Any]) -> pd.DataFrame:
     """A search's runs: those that succeeded first, best first by the search's metric (its ``mode``), then the others
-    (pruned ones at the value they were stopped at) the same way."""
+    (pruned ones at the value they were stopped at) the same way; a trial continued over several runs where its
+    latest segment ranks, its segments together in order."""
     column = f"{METRIC}{search['metric']}"
     if column not in frame or "status" not in frame:
         return frame
     values = _pandas().to_numeric(frame[column], errors="coerce")
     mode = search.get("mode", "min")
-    ranks = [search_rank(status, value, mode) for status, value in zip(frame["status"], values, strict=True)]
+    ranks: list[Any] = [search_rank(status, value, mode) for status, value in zip(frame["status"], values, strict=True)]
+    if has_segments(frame):  # a continued trial's segments together, in order, where its latest segment ranks
+        frame, values = frame.reset_index(drop=True), values.reset_index(drop=True)
+        latest = latest_segments(frame)
+        for group, (index, members) in enumerate(segment_groups(frame).items()):
+            rank = search_rank(latest.loc[index, "status"], values[index], mode)
+            for position, member in enumerate(members):
+                ranks[member] = (rank, group, position)  # every row is in one group: all ranks alike
     ranked = frame.iloc[sorted(range(len(frame)), key=ranks.__getitem__)].reset_index(drop=True)  # stable
     ranked.attrs["order"] = order_caption(search=search)
     return ranked

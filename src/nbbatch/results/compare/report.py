@@ -34,6 +34,7 @@ from nbbatch.results.compare.search_plots import (
 )
 from nbbatch.results.compare.steps import with_step_columns
 from nbbatch.results.compare.table import _cell_text, column_header, display_columns
+from nbbatch.results.compare.trials import has_segments, trials_of
 from nbbatch.results.history import history_metrics
 from nbbatch.results.render import render_template
 from nbbatch.results.status import format_duration, format_metric
@@ -143,6 +144,7 @@ def report_context(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, 
         not_plotted=not_plotted,
         search=search,
         best=best,
+        continued=_continued(frame) if search else None,
         pareto=_front(frame),
         best_parameters=[f"{k}={format_metric(v)}" for k, v in best["parameters"].items()] if best else [],
         importance=importance,
@@ -158,12 +160,23 @@ def report_context(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, 
     )
 
 
+def _continued(frame: pd.DataFrame) -> dict[str, int] | None:
+    """How many trials and how many of their runs a search whose trials continue over several runs has; None when
+    each trial is one run."""
+    if not has_segments(frame):
+        return None
+    trials = trials_of(frame)
+    return {"trials": len(trials), "runs": int(frame["trial"].notna().sum()),
+            "paused": int((trials["status"].astype(str) == "paused").sum())}
+
+
 def _front(frame: pd.DataFrame) -> list[int]:
     """The trial numbers on a multi-objective search's Pareto front (its ``pareto`` column), in order."""
     if "pareto" not in frame:
         return []
     # str(): the column holds bools (numpy's where every run is a trial) and None for a run that is no trial
-    return sorted(int(t) for t, on in zip(frame["trial"], frame["pareto"], strict=True) if str(on) == "True")
+    # a set: every segment of a continued trial is marked alike
+    return sorted({int(t) for t, on in zip(frame["trial"], frame["pareto"], strict=True) if str(on) == "True"})
 
 
 WIDE_FIGURE_IN = 8.0  # a figure wider than this (panels side by side) gets a row of its own, at its own size

@@ -1,7 +1,8 @@
 """A search's part of the report: its best trial, the best value by trial, the parameters against the metric
 (parallel coordinates), every trial's curve with the pruned runs marked where they stopped, for several objectives
 the Pareto front (the first objective is the one the other figures show), and which parameters matter (also drawn
-for a sweep)."""
+for a sweep). Each shows one point or line per trial: a trial continued over several runs by its latest segment
+(:mod:`nbbatch.results.compare.trials`), its curve the segments' joined."""
 
 from __future__ import annotations
 
@@ -11,32 +12,41 @@ from typing import TYPE_CHECKING, Any
 
 from nbbatch.results.compare.collect import METRIC, PARAM
 from nbbatch.results.compare.plots import _figure, _numeric, run_labels
+from nbbatch.results.compare.trials import latest_segments, trials_of
 from nbbatch.results.history import metric_series
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
     from matplotlib.figure import Figure
 
-PRUNED, FINISHED, FRONT = "tab:red", "tab:blue", "tab:orange"
+PRUNED, FINISHED, FRONT, PAUSED = "tab:red", "tab:blue", "tab:orange", "tab:gray"
+STOPPED = ("pruned", "paused")  # a trial stopped at a step: for good, or until the search continues it
 
 
 def _trials(frame: pd.DataFrame, metric: str) -> pd.DataFrame:
-    """The search's trials (runs with a trial number), by trial number, with their metric value as ``value``."""
+    """The search's trials (one row per trial: a continued one's latest segment, :func:`trials_of`), by trial
+    number, with their metric value as ``value``."""
     if "trial" not in frame or f"{METRIC}{metric}" not in frame:
         return frame.iloc[0:0]
-    trials = frame[frame["trial"].notna()].assign(value=_numeric(frame, f"{METRIC}{metric}"))
-    return trials.sort_values("trial", kind="stable")
+    trials = trials_of(frame)
+    return trials.assign(value=_numeric(trials, f"{METRIC}{metric}")).sort_values("trial", kind="stable")
 
 
 def best_trial(frame: pd.DataFrame, search: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The trial whose run succeeded with the best value of the search's metric: run id, trial, value, parameters."""
+    """The trial that completed with the best value of the search's metric (a continued trial by its latest
+    segment): its run id (the latest segment's), trial number, value and parameters."""
     trials = _trials(frame, search["metric"])
     done = trials[(trials["status"].astype(str) == "succeeded") & trials["value"].notna()]
     if done.empty:
         return None
     row = done.loc[done["value"].idxmin() if search.get("mode", "min") == "min" else done["value"].idxmax()]
-    params = {str(c).removeprefix(PARAM): row[c] for c in frame.columns if str(c).startswith(PARAM)}
+    params = {str(c).removeprefix(PARAM): _plain(row[c]) for c in frame.columns if str(c).startswith(PARAM)}
     return {"run_id": row["run_id"], "trial": int(row["trial"]), "value": float(row["value"]), "parameters": params}
+
+
+def _plain(value: Any) -> Any:
+    """A cell as JSON holds it: numpy's numbers as Python's."""
+    return value.item() if hasattr(value, "item") and callable(value.item) else value
 
 
 def plot_best_by_trial(frame: pd.DataFrame, search: Mapping[str, Any]) -> Figure | None:
@@ -48,10 +58,14 @@ def plot_best_by_trial(frame: pd.DataFrame, search: Mapping[str, Any]) -> Figure
     fig = _figure()
     ax = fig.add_subplot()
     pruned = trials["status"].astype(str) == "pruned"
+    paused = trials["status"].astype(str) == "paused"
     finished = trials[~pruned & (trials["status"].astype(str) == "succeeded")]
     ax.scatter(finished["trial"], finished["value"], color=FINISHED, s=18, label="finished")
     ax.scatter(trials[pruned]["trial"], trials[pruned]["value"], color=PRUNED, marker="x", s=22,
                label="pruned (last value)")
+    if paused.any():  # waiting at a rung while the search goes on
+        ax.scatter(trials[paused]["trial"], trials[paused]["value"], color=PAUSED, marker="x", s=22,
+                   label="paused (value at its rung)")
     best, xs, ys = math.inf if minimise else -math.inf, [], []
     for number, value in zip(finished["trial"], finished["value"], strict=True):
         if not math.isnan(value) and (value < best if minimise else value > best):
@@ -91,7 +105,7 @@ def plot_parallel_coordinates(frame: pd.DataFrame, search: Mapping[str, Any]) ->
     cmap = colormaps["viridis_r" if search.get("mode", "min") == "min" else "viridis"]
     for i, (_, row) in enumerate(trials.iterrows()):
         shade = 0.5 if high == low else (values[i] - low) / (high - low)
-        pruned = str(row["status"]) == "pruned"
+        pruned = str(row["status"]) in STOPPED
         ax.plot(range(len(names)), [a[i] for a in axes], color=cmap(shade), alpha=0.5 if pruned else 0.9,
                 linestyle="--" if pruned else "-", linewidth=1.0)
     ax.set_xticks(range(len(names)), names)
@@ -100,7 +114,8 @@ def plot_parallel_coordinates(frame: pd.DataFrame, search: Mapping[str, Any]) ->
         ax.annotate(high_text, (x, 1.0), textcoords="offset points", xytext=(0, 4), ha="center", fontsize="x-small")
         ax.annotate(low_text, (x, 0.0), textcoords="offset points", xytext=(0, -10), ha="center", fontsize="x-small")
     ax.set_ylim(-0.08, 1.08)
-    ax.set_title(f"search: parameters and {metric} (dashed: pruned)")
+    stopped = "pruned or paused" if (trials["status"].astype(str) == "paused").any() else "pruned"
+    ax.set_title(f"search: parameters and {metric} (dashed: {stopped})")
     return fig
 
 
@@ -129,11 +144,13 @@ def _scaled(series: pd.Series) -> list[float]:
 
 def plot_trial_curves(frame: pd.DataFrame, histories: Mapping[str, Sequence[Mapping[str, Any]]],
                       search: Mapping[str, Any]) -> Figure | None:
-    """The search's metric by step for every trial; a pruned trial's curve ends in a × where it was stopped."""
+    """The search's metric by step for every trial (a continued trial's segments joined into one curve, as
+    :func:`~nbbatch.results.compare.plots.load_histories` gives them); a pruned trial's curve ends in a × where it
+    was stopped, a paused one's (grey) where it waits."""
     metric = search["metric"]
     trials = _trials(frame, metric)
     curves = []
-    labels = run_labels(frame)
+    labels = run_labels(latest_segments(frame))
     for index, row in trials.iterrows():
         steps, values = metric_series(list(histories.get(labels[index], [])), metric)
         at = row.get("pruned_at")
@@ -141,16 +158,18 @@ def plot_trial_curves(frame: pd.DataFrame, histories: Mapping[str, Sequence[Mapp
             cut = steps.index(int(at)) + 1
             steps, values = steps[:cut], values[:cut]
         if steps:
-            curves.append((str(row["status"]) == "pruned", steps, values))
+            curves.append((str(row["status"]), steps, values))
     if not any(len(steps) >= 2 for _, steps, _ in curves):
         return None
     fig = _figure()
     ax = fig.add_subplot()
-    for pruned, steps, values in curves:
-        ax.plot(steps, values, color=PRUNED if pruned else FINISHED, alpha=0.6, linewidth=1.0)
-        if pruned:
-            ax.scatter([steps[-1]], [values[-1]], color=PRUNED, marker="x", s=24)
-    ax.set_xlabel(f"step ({len(curves)} trials; red: pruned)")
+    colours = {"pruned": PRUNED, "paused": PAUSED}
+    for status, steps, values in curves:
+        ax.plot(steps, values, color=colours.get(status, FINISHED), alpha=0.6, linewidth=1.0)
+        if status in STOPPED:
+            ax.scatter([steps[-1]], [values[-1]], color=colours[status], marker="x", s=24)
+    paused = "; grey: paused" if any(status == "paused" for status, _, _ in curves) else ""
+    ax.set_xlabel(f"step ({len(curves)} trials; red: pruned{paused})")
     ax.set_ylabel(metric)
     ax.set_title(f"search: every trial's {metric}")
     ax.grid(True, alpha=0.3)
@@ -164,8 +183,8 @@ def plot_pareto_front(frame: pd.DataFrame, search: Mapping[str, Any]) -> Figure 
     if len(objectives) < 2 or "pareto" not in frame:
         return None
     (x_metric, x_mode), (y_metric, y_mode) = objectives[:2]
-    trials = frame[frame["trial"].notna()].assign(x=_numeric(frame, f"{METRIC}{x_metric}"),
-                                                  y=_numeric(frame, f"{METRIC}{y_metric}"))
+    trials = trials_of(frame)
+    trials = trials.assign(x=_numeric(trials, f"{METRIC}{x_metric}"), y=_numeric(trials, f"{METRIC}{y_metric}"))
     trials = trials[(trials["status"].astype(str) == "succeeded") & trials["x"].notna() & trials["y"].notna()]
     if len(trials) < 2:
         return None

@@ -26,7 +26,7 @@ def display_columns(frame: pd.DataFrame) -> list[str]:
     shown: list[str] = []
     if "experiment" in frame and frame["experiment"].nunique(dropna=False) > 1:
         shown.append("experiment")
-    shown += [c for c in ("run_id", "trial", "pareto", "framework", "status") if c in frame]
+    shown += [c for c in ("run_id", "trial", "segment", "trial_state", "pareto", "framework", "status") if c in frame]
     shown += [c for c in frame.columns if str(c).startswith(PARAM) and varies(frame[c])]
     for column in frame.columns:
         # a metric named like a column that names the run (`nbbatch.record(framework="PyTorch")`) only relabels
