@@ -23,7 +23,7 @@ from typing import Any
 from nbbatch.drivers.base import SubmitResult, lock_path
 from nbbatch.drivers.notify import Outcome, send_notifications
 from nbbatch.errors import NbbatchError
-from nbbatch.results.pipeline import best_record, outputs_location, read_pipeline_state, run_summary
+from nbbatch.results.pipeline import best_record, finished, outputs_location, read_pipeline_state, run_summary
 from nbbatch.results.status import summary_counts
 from nbbatch.spec.experiment import Experiment
 from nbbatch.spec.pipeline import Pipeline, Reference, referring_value, substitute
@@ -251,7 +251,7 @@ class PipelineDriver:
         upstream = self.outcomes[ref.stage]
         records = self._records(ref.stage)
         if ref.path == ("runs",):
-            chosen = [r for r in records if r.status == Status.SUCCEEDED]
+            chosen = [r for r in records if finished(r)]  # a continued trial's runs: its last, complete one
             return [run_summary(self.share, r) for r in chosen], [r.run_id for r in chosen]
         if ref.path == ("outputs",):
             [record] = records  # checked when the file was read: a stage of one run
