@@ -57,7 +57,6 @@ class PromotingSearchDriver(SearchDriver):
             study.schedule.restore(frozen.number, attrs[BRACKET], values, running, frozen.state.is_finished())
             for run_id in attrs.get(SEGMENTS, []):
                 self._note_run(run_id)
-        study.schedule.decide(no_more_trials=False)  # a synchronous rung decided before: its promotions stand again
 
     # --- trials and their segments -------------------------------------------------------------------
 
@@ -66,7 +65,9 @@ class PromotingSearchDriver(SearchDriver):
 
     def _resume(self, study: _Study) -> None:
         super()._resume(study)
-        self._decide(study)  # an ASHA search whose last driver stopped with every trial paused ends now
+        # decided again: a synchronous rung's promotions stand (and those the last driver decided but did not tell
+        # are told now); an ASHA search whose last driver stopped with every trial paused ends now
+        self._decide(study)
 
     def _busy(self) -> bool:
         return any(s.running or not self._halted() and (s.schedule.busy() or self._left(s) > 0) for s in self.studies)
