@@ -85,6 +85,11 @@ def _write(folder: Path, data: dict) -> Path:
      "after `best.` comes one of outputs, parameters, metrics, framework, run_id (did you mean `parameters`?)"),
     (lambda d: d["stages"]["train"].update(select={"metric": "accuracy"}), "needs `mode: max` or `mode: min`"),
     (lambda d: d["stages"]["train"].update(share="elsewhere"), "`share:` belongs to the pipeline"),
+    (lambda d: d["stages"]["train"].update(select={"metric": "accuracy", "mode": "max", "where": {"seconds": 60}}),
+     "select.where.seconds is {min: NUMBER}, {max: NUMBER} or both"),
+    (lambda d: d["stages"]["train"].update(select={"metric": "accuracy", "mode": "max",
+                                                   "where": {"seconds": {"min": 9, "max": 1}}}),
+     "select.where.seconds has min 9 above max 1: no run could count"),
     (lambda d: d.update(stagse={}), "pipeline key `stagse` is not known (did you mean `stages`?)"),
     (lambda d: d["stages"]["train"].update(sweep={"grid": {"LR": "${prep.outputs}"}}),
      "references go in parameters, inputs, env, frameworks only"),
@@ -103,6 +108,25 @@ def test_a_multi_objective_search_stage_has_a_best_by_its_select(tmp_path):
     data = _pipeline(tmp_path, [0.01])
     _multi_objective_train(data, select={"metric": "seconds", "mode": "min"})
     assert pipeline_from_dict(data, base_dir=tmp_path).stages["train"].select == Select("seconds", "min")
+
+
+def test_a_best_under_a_rule_is_the_best_run_within_the_bounds_on_other_metrics(tmp_path):
+    """`select.where` weighs the objectives of a search against each other: the most accurate run under 60 s."""
+    from nbbatch.results.pipeline import best_record
+    from nbbatch.store.runjson import RunRecord, Status
+
+    _notebooks(tmp_path)
+    data = _pipeline(tmp_path, [0.01])
+    _multi_objective_train(data, select={"metric": "accuracy", "mode": "max", "where": {"seconds": {"max": 60}}})
+    select = pipeline_from_dict(data, base_dir=tmp_path).stages["train"].select
+    assert select == Select("accuracy", "max", {"seconds": {"max": 60.0}})
+    assert select.describe() == "max accuracy where seconds ≤ 60.0"
+    runs = [RunRecord(f"r{i}", "e", "nb", "k", status=Status.SUCCEEDED, metrics=m) for i, m in enumerate(
+        [{"accuracy": 0.99, "seconds": 90}, {"accuracy": 0.95, "seconds": 50}, {"accuracy": 0.97}, {"accuracy": 0.9,
+                                                                                                    "seconds": 10}])]
+    assert best_record(runs, select).run_id == "r1", "the most accurate of those that recorded seconds ≤ 60"
+    assert best_record(runs, Select("accuracy", "max")).run_id == "r0"
+    assert best_record(runs[:1], select) is None
 
 
 def test_references_imply_needs_and_the_order_follows_them(tmp_path):

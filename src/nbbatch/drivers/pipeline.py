@@ -260,7 +260,9 @@ class PipelineDriver:
         best = best_record(records, select) if select else None
         if best is None:
             raise NbbatchError(f"{ref.text}: no run of stage `{ref.stage}` succeeded with a number for "
-                               f"`{select.metric if select else '?'}` ({_counts(upstream.counts)})")
+                               f"`{select.metric if select else '?'}`"
+                               + (f" within select.where ({select.describe()})" if select and select.where else "")
+                               + f" ({_counts(upstream.counts)})")
         summary = run_summary(self.share, best)
         field_name = ref.path[1]
         if field_name in ("parameters", "metrics"):

@@ -42,9 +42,10 @@ def finished(record: RunRecord) -> bool:
 
 
 def best_record(records: Sequence[RunRecord], select: Select) -> RunRecord | None:
-    """The finished run (:func:`finished`) with the best ``select.metric`` (the first in the list on a tie), or None."""
+    """The finished run (:func:`finished`) with the best ``select.metric`` among those within ``select.where`` (the
+    first in the list on a tie), or None."""
     scored = [(v, i, r) for i, r in enumerate(records)
-              if finished(r) and (v := metric_value(r, select.metric)) is not None]
+              if finished(r) and (v := metric_value(r, select.metric)) is not None and select.admits(r.metrics)]
     if not scored:
         return None
     sign = -1 if select.mode == "max" else 1

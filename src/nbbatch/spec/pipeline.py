@@ -21,6 +21,7 @@ This module reads and checks the file (:func:`load_pipeline`); :mod:`nbbatch.dri
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -58,10 +59,29 @@ class Reference:
 
 @dataclass(frozen=True)
 class Select:
-    """What ``best`` means for a stage: the metric and whether more (max) or less (min) is better."""
+    """What ``best`` means for a stage: the metric, whether more (max) or less (min) is better, and bounds a run's
+    other metrics must keep to count (``where``: ``{train_seconds: {max: 60}}``: the most accurate run under a
+    minute, a rule that weighs one objective of a search against another)."""
 
     metric: str
     mode: str
+    where: dict[str, dict[str, float]] = field(default_factory=dict)  # metric → {min: x, max: y} (one or both)
+
+    def admits(self, metrics: Mapping[str, Any]) -> bool:
+        """Whether a run's ``metrics`` keep to every bound of :attr:`where` (a metric missing, or no number, does not)."""
+        for name, bounds in self.where.items():
+            value = metrics.get(name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                return False
+            if value < bounds.get("min", -math.inf) or value > bounds.get("max", math.inf):
+                return False
+        return True
+
+    def describe(self) -> str:
+        """The rule for people: ``max accuracy where train_seconds ≤ 60``."""
+        bounds = [f"{low} ≤ {name}" if high is None else f"{name} ≤ {high}" if low is None else f"{low} ≤ {name} ≤ {high}"
+                  for name, b in self.where.items() for low, high in [(b.get("min"), b.get("max"))]]
+        return f"{self.mode} {self.metric}" + (f" where {' and '.join(bounds)}" if bounds else "")
 
 
 @dataclass(frozen=True)
@@ -268,12 +288,32 @@ def _select(stage: str, data: Mapping[str, Any]) -> Select | None:
         if isinstance(search, Mapping) and isinstance(search.get("metric"), str):  # a search has its own metric
             return Select(search["metric"], str(search.get("mode", "max")))
         return None
-    if not isinstance(select, Mapping) or set(select) - {"metric", "mode"} or not isinstance(select.get("metric"), str):
-        raise SpecError(f"stage `{stage}`: `select:` is {{metric: NAME, mode: max|min}} (what `best` means)")
+    if not isinstance(select, Mapping) or set(select) - {"metric", "mode", "where"} or not isinstance(
+            select.get("metric"), str):
+        raise SpecError(f"stage `{stage}`: `select:` is {{metric: NAME, mode: max|min}} (what `best` means), with "
+                        "`where: {OTHER_METRIC: {max: N}}` to count only the runs within bounds")
     if select.get("mode") not in MODES:
         raise SpecError(f"stage `{stage}`: `select:` needs `mode: max` or `mode: min` for metric "
                         f"`{select['metric']}` (is more better, or less?)")
-    return Select(select["metric"], select["mode"])
+    return Select(select["metric"], select["mode"], _where(stage, select.get("where") or {}))
+
+
+def _where(stage: str, where: Any) -> dict[str, dict[str, float]]:
+    """``select.where``: each metric's bounds, ``{min: x}``, ``{max: y}`` or both, finite numbers with min ≤ max."""
+    example = "e.g. where: {train_seconds: {max: 60}}"
+    if not isinstance(where, Mapping):
+        raise SpecError(f"stage `{stage}`: select.where maps metrics to bounds ({example}); got {where!r}")
+    checked: dict[str, dict[str, float]] = {}
+    for name, bounds in where.items():
+        if not isinstance(bounds, Mapping) or not bounds or set(bounds) - {"min", "max"} or any(
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in bounds.values()):
+            raise SpecError(f"stage `{stage}`: select.where.{name} is {{min: NUMBER}}, {{max: NUMBER}} or both "
+                            f"({example}); got {bounds!r}")
+        if bounds.get("min", -math.inf) > bounds.get("max", math.inf):
+            raise SpecError(f"stage `{stage}`: select.where.{name} has min {bounds['min']} above max {bounds['max']}: "
+                            "no run could count")
+        checked[str(name)] = {k: float(v) for k, v in bounds.items()}
+    return checked
 
 
 def _objectives(stage: Stage) -> int:
