@@ -279,3 +279,40 @@ def test_a_pbt_search_stopped_mid_way_goes_on_where_it_was(project, write_experi
     assert sorted(by_member) == [0, 1, 2, 3] and sum(len(s) for s in by_member.values()) == len(launches) == 12
     for trial in _study(project, "again").trials:  # the decisions kept before the stop stand
         assert trial.user_attrs["pbt_schedule"][:len(schedules[trial.number])] == schedules[trial.number]
+
+
+@pytest.mark.slow
+def test_a_pbt_search_of_the_pytorch_notebook_copies_checkpoints_between_members(pytorch_env, tmp_path, monkeypatch):
+    """The real PyTorch notebook on digits, a population of 4 (LR × MOMENTUM), interval 1 up to 3 epochs: every
+    segment resumed from the epoch of the run it continues (its own, or the member's it copied) and trained only the
+    epochs after it."""
+    from support.machine import REPO
+
+    from nbbatch.store.jsonl import JsonlTail
+    from nbbatch.store.layout import run_paths
+    from nbbatch.store.share import FileShare
+
+    monkeypatch.setenv("NBBATCH_PROJECT", str(REPO))  # the real frameworks and their envs
+    block = {"metric": "accuracy", "mode": "max", "trials": 4, "sampler": "random", "seed": 2, "resource": "EPOCHS",
+             "pruner": {"pbt": {"interval": 1, "max_resource": 3, "resample": 0.0}},
+             "params": {"LR": {"loguniform": [1.0e-3, 0.3]}, "MOMENTUM": {"uniform": [0.5, 0.95]}}}
+    exp = tmp_path / "pbt.yaml"
+    exp.write_text(json.dumps({"experiment": "pbt", "frameworks": ["pytorch"], "search": block,
+                               "parameters": {"DATASET": "digits", "MAX_SAMPLES": 300},
+                               "resources": {"max_parallel": 2}, "share": "results"}))
+    result = submit(exp, progress=False)
+    assert result.ok, [(r.run_id, r.status, r.error) for r in result.records]
+    share = FileShare(tmp_path / "results")
+    records = {r.run_id: r for r in load_records(share, "pbt")[0]}
+    assert len(records) == 4 * 3
+    copies = [r for r in records.values() if r.trial.get("exploited")]
+    assert len(copies) == 2, "one member copied another in each decided generation"
+    for record in records.values():
+        if record.trial["segment"] == 0:
+            continue
+        source = records[record.trial["continues"]]
+        assert record.continues["run_id"] == source.run_id and record.continues["checkpoint"]["files"] >= 1
+        assert record.metrics.get("resumed_from_epoch") == source.parameters["EPOCHS"], record.metrics
+        steps = [p["step"] for p in JsonlTail(share, run_paths("pbt", record.run_id).metrics).read()]
+        assert steps == [record.parameters["EPOCHS"]], steps
+        assert record.parameters["LR"] == record.trial["params"]["LR"]
