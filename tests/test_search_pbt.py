@@ -316,3 +316,28 @@ def test_a_pbt_search_of_the_pytorch_notebook_copies_checkpoints_between_members
         steps = [p["step"] for p in JsonlTail(share, run_paths("pbt", record.run_id).metrics).read()]
         assert steps == [record.parameters["EPOCHS"]], steps
         assert record.parameters["LR"] == record.trial["params"]["LR"]
+
+
+def test_a_member_asked_but_never_drawn_before_its_driver_stopped_is_failed_and_the_rest_go_on(
+        project, write_experiment, monkeypatch):
+    import nbbatch.drivers.pbt as pbt_driver
+
+    launches: list = []
+    _fake_training(monkeypatch, launches)
+    draws = []
+
+    def stopped_mid_ask(trial, search):  # the driver is killed between asking for member 2 and drawing it
+        draws.append(trial.number)
+        if trial.number == 2 and draws.count(2) == 1:
+            raise KeyboardInterrupt
+        return suggest(trial, search)
+
+    from nbbatch.search.study import suggest
+
+    monkeypatch.setattr(pbt_driver, "suggest", stopped_mid_ask)
+    exp = _search(project, write_experiment, "lost", BLOCK)
+    with pytest.raises(KeyboardInterrupt):
+        submit(exp, progress=False)
+    submit(exp, progress=False)
+    states = {t.number: t.state.name for t in _study(project, "lost").trials}
+    assert states == {0: "COMPLETE", 1: "COMPLETE", 2: "FAIL", 3: "COMPLETE"}, states

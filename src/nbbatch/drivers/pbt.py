@@ -95,6 +95,8 @@ class PbtSearchDriver(SearchDriver):
         member = study.schedule.members.get(frozen.number)
         if member is None:  # its driver stopped before it was given its parameters: it never ran
             study.study.tell(live, state=optuna_module().trial.TrialState.FAIL)
+            # a member of the population all the same, out of it: the generations wait for the whole population
+            study.schedule.restore(frozen.number, [Segment({})], {}, running=False, failed=True)
             return None
         if not member.running:
             return None  # paused, or its next segment waits to be launched
