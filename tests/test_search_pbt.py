@@ -341,3 +341,30 @@ def test_a_member_asked_but_never_drawn_before_its_driver_stopped_is_failed_and_
     submit(exp, progress=False)
     states = {t.number: t.state.name for t in _study(project, "lost").trials}
     assert states == {0: "COMPLETE", 1: "COMPLETE", 2: "FAIL", 3: "COMPLETE"}, states
+
+
+CANDIDATES = [-1, 0, 0.25, 0.5, 0.6, 1, 1.5, 2, 3, float("inf"), float("nan"), True, "3", None, [], [1.2], [0, 1]]
+
+
+@pytest.mark.parametrize("key", list(PBT))
+def test_each_pbt_setting_is_refused_exactly_when_it_is_out_of_its_range(key):
+    def valid(value) -> bool:
+        real = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if key in ("interval", "max_resource"):
+            return real and value == int(value) and 1 <= value <= 3 and (key == "interval" or value >= 1)
+        if key == "fraction":
+            return real and 0 < value <= 0.5
+        if key == "resample":
+            return real and 0 <= value <= 1
+        return isinstance(value, list) and value == [1.2]
+
+    for value in CANDIDATES:
+        settings = {**PBT, key: value} if key != "max_resource" else {**PBT, "interval": 1, key: value}
+        try:
+            parse_search({**BLOCK, "pruner": {"pbt": settings}})
+        except SpecError as exc:
+            assert str(exc).startswith((f"search.pruner.pbt.{key} must be", f"search.pruner.pbt needs {key}:")), \
+                (value, str(exc))
+            assert not valid(value), (key, value, str(exc))
+        else:
+            assert valid(value), (key, value)

@@ -256,7 +256,8 @@ def _pruner(data: Any) -> tuple[str, dict[str, Any]]:
         given = {} if given is None else given
     else:
         raise SpecError("search.pruner is a name (none, median, percentile, asha, hyperband) or one name with its "
-                        "settings, e.g. {hyperband: {min_resource: 1, max_resource: 27, reduction_factor: 3}}")
+                        "settings, e.g. {hyperband: {min_resource: 1, max_resource: 27, reduction_factor: 3}} or "
+                        "{pbt: {interval: 3, max_resource: 27}}")
     if name not in PRUNERS:
         raise SpecError(f"search.pruner: unknown pruner `{name}`{did_you_mean(str(name), PRUNERS)}; use one of "
                         f"{', '.join(PRUNERS)}")
