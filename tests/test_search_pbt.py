@@ -18,6 +18,7 @@ from nbbatch.drivers import search_driver
 from nbbatch.drivers.pbt import PbtSearchDriver
 from nbbatch.errors import SpecError
 from nbbatch.search.pbt import Population
+from nbbatch.search.study import SearchError
 from nbbatch.spec.search import SearchParam, parse_search
 from nbbatch.store.runfiles import load_records
 
@@ -368,3 +369,8 @@ def test_each_pbt_setting_is_refused_exactly_when_it_is_out_of_its_range(key):
             assert not valid(value), (key, value, str(exc))
         else:
             assert valid(value), (key, value)
+
+
+def test_rebuilding_a_pbt_study_is_refused_saying_what_to_do(project, write_experiment):
+    with pytest.raises(SearchError, match="cannot rebuild a population-based training study yet.*--force"):
+        submit(_search(project, write_experiment, "rebuilt", BLOCK), progress=False, rebuild_search=True)

@@ -23,7 +23,7 @@ from typing import Any
 from nbbatch.drivers.search import SearchDriver, _is_number, _Study, _Trial
 from nbbatch.plan.runs import Run
 from nbbatch.search.pbt import Population, Segment
-from nbbatch.search.study import RUN_ID, optuna_module, suggest, trial_of
+from nbbatch.search.study import RUN_ID, SearchError, optuna_module, suggest, trial_of
 from nbbatch.spec.search import SEED_LIMIT
 from nbbatch.store.jsonl import JsonlTail
 from nbbatch.store.layout import run_paths
@@ -38,6 +38,13 @@ SEED = "pbt_seed"  # the study's user attribute: the decisions' seed, when the s
 
 class PbtSearchDriver(SearchDriver):
     """A :class:`SearchDriver` of population-based training; see the module's docstring."""
+
+    def __init__(self, *args: Any, rebuild: bool = False, **kwargs: Any) -> None:
+        if rebuild:  # the records hold every segment, but rebuilding the population's decisions from them is not done
+            raise SearchError("--rebuild-search cannot rebuild a population-based training study yet (its journal "
+                              "holds each member's decisions): submit with --force to start the search afresh (a "
+                              "segment that draws the same parameters reuses its run)")
+        super().__init__(*args, **kwargs)
 
     def _open(self, template: Run) -> _Study:
         study = super()._open(template)
