@@ -17,7 +17,7 @@ from nbbatch.api import submit
 from nbbatch.drivers import search_driver
 from nbbatch.drivers.pbt import PbtSearchDriver
 from nbbatch.errors import SpecError
-from nbbatch.search.pbt import Population
+from nbbatch.search.pbt import Population, Segment
 from nbbatch.search.study import SearchError
 from nbbatch.spec.search import SearchParam, parse_search
 from nbbatch.store.runfiles import load_records
@@ -374,3 +374,24 @@ def test_each_pbt_setting_is_refused_exactly_when_it_is_out_of_its_range(key):
 def test_rebuilding_a_pbt_study_is_refused_saying_what_to_do(project, write_experiment):
     with pytest.raises(SearchError, match="cannot rebuild a population-based training study yet.*--force"):
         submit(_search(project, write_experiment, "rebuilt", BLOCK), progress=False, rebuild_search=True)
+
+
+def test_no_two_segments_of_a_generation_are_the_same_run():
+    """A copy's run is known by its parameters and the run it resumes from: two copiers drawing the same source and
+    factor, or a copy clipped to its source's parameters, would be one run for two members."""
+    space = (SearchParam("LR", "uniform", (0.1, 1.0)),)
+    for seed in range(30):
+        population = Population(space, 3, 8, "max", fraction=0.5, perturb=(0.8, 1.2), resample=0.0, seed=seed)
+        for n in range(8):
+            population.join(n, {"LR": 1.0 if n >= 4 else 0.5})  # the best at the top of the range: ×1.2 clips to it
+            population.paused(n, float(n))
+        decided = population.decide()
+        runs = [(n if s.exploits is None else s.exploits, s.params) for n, s in decided.items()]
+        assert all(runs.count(run) == 1 for run in runs), (seed, runs)
+        assert sum(s.exploits is not None for s in decided.values()) >= 2
+    single = Population((SearchParam("OPT", "choice", ("sgd",)),), 3, 2, "max", fraction=0.5, perturb=(0.8, 1.2),
+                        resample=0.5, seed=1)
+    for n in range(2):
+        single.join(n, {"OPT": "sgd"})
+        single.paused(n, float(n))
+    assert single.decide() == {0: Segment({"OPT": "sgd"}), 1: Segment({"OPT": "sgd"})}, "nothing to copy differently"

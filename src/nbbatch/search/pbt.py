@@ -21,6 +21,8 @@ from typing import Any
 
 from nbbatch.spec.search import SearchParam
 
+_TRIES = 20  # perturbations drawn for a member before it gives up copying (see Population.draw)
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -135,9 +137,18 @@ class Population:
         share = max(1, math.floor(len(ranked) * self.fraction)) if len(ranked) >= 2 else 0
         top, bottom = ranked[:share], ranked[len(ranked) - share:]
         segments = {n: Segment(dict(params[n])) for n in ranked}
+        # a segment's run is known by its parameters and the run it resumes from: two alike would be one run
+        taken = [(n, segments[n].params) for n in ranked if n not in bottom]
         for number in bottom:
-            source = rng.choice(top)
-            segments[number] = Segment(self.explore(params[source], rng), exploits=source)
+            for _ in range(_TRIES):
+                source = rng.choice(top)
+                moved = self.explore(params[source], rng)
+                if (source, moved) not in taken:
+                    taken.append((source, moved))
+                    segments[number] = Segment(moved, exploits=source)
+                    break
+            else:  # no perturbation differs (a space of one point, or its bounds): it continues as it is
+                taken.append((number, segments[number].params))
         return segments
 
     def explore(self, params: Mapping[str, Any], rng: random.Random) -> dict[str, Any]:
