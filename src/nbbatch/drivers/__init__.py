@@ -7,14 +7,19 @@ as asked), and report the records as a :class:`~nbbatch.drivers.base.SubmitResul
 * :class:`~nbbatch.drivers.submission.SubmissionDriver`: a planned batch, started once;
 * :class:`~nbbatch.drivers.search.SearchDriver`: a search, whose runs Optuna draws as it goes;
 * :class:`~nbbatch.drivers.promoting.PromotingSearchDriver`: a search whose trials pause at rungs and continue from
-  their checkpoints (:func:`~nbbatch.drivers.promoting.search_driver` picks it or the one above).
+  their checkpoints;
+* :class:`~nbbatch.drivers.pbt.PbtSearchDriver`: population-based training, whose worse members continue from the
+  better members' checkpoints with perturbed parameters (:func:`~nbbatch.drivers.promoting.search_driver` picks one
+  of the three search drivers).
 
 :func:`nbbatch.api.submit` picks one for the experiment and hands it the plan, backend and share.
 """
 
 from nbbatch.drivers.base import Driver, SubmitResult
+from nbbatch.drivers.pbt import PbtSearchDriver
 from nbbatch.drivers.promoting import PromotingSearchDriver, search_driver
 from nbbatch.drivers.search import SearchDriver
 from nbbatch.drivers.submission import SubmissionDriver
 
-__all__ = ["Driver", "PromotingSearchDriver", "SearchDriver", "SubmissionDriver", "SubmitResult", "search_driver"]
+__all__ = ["Driver", "PbtSearchDriver", "PromotingSearchDriver", "SearchDriver", "SubmissionDriver", "SubmitResult",
+           "search_driver"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from nbbatch.drivers.pbt import PbtSearchDriver
 from nbbatch.drivers.search import SearchDriver, _is_number, _Study, _Trial
 from nbbatch.errors import ShareError
 from nbbatch.plan.runs import Run
@@ -193,6 +194,9 @@ class PromotingSearchDriver(SearchDriver):
 
 
 def search_driver(search: Any) -> type[SearchDriver]:
-    """The driver of a search: a promoting one when its trials pause and continue (``resource:``)."""
+    """The driver of a search: population-based training's (``pruner: {pbt: ...}``), a promoting one when its trials
+    pause and continue (``resource:``), else the plain one."""
+    if search is not None and search.pbt:
+        return PbtSearchDriver
     return PromotingSearchDriver if search is not None and search.promotes else SearchDriver
 

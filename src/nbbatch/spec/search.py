@@ -19,7 +19,7 @@ from nbbatch.metrics import POINT_KEYS
 from nbbatch.spec.sweep import distribution
 
 SAMPLERS = ("tpe", "random", "grid", "cmaes", "qmc", "nsga2")
-PRUNERS = ("none", "median", "percentile", "asha", "hyperband")
+PRUNERS = ("none", "median", "percentile", "asha", "hyperband", "pbt")
 DISTRIBUTIONS = ("uniform", "loguniform", "randint", "choice")
 MODES = ("min", "max")
 _NUMERIC_ONLY = ("cmaes", "qmc")  # samplers that draw numbers only
@@ -31,10 +31,13 @@ PRUNER_SETTINGS: dict[str, dict[str, Any]] = {
     "percentile": {"percentile": 25.0, "startup_trials": 5, "warmup_steps": 0, "interval_steps": 1},
     "asha": {"min_resource": 1, "max_resource": None, "reduction_factor": 3, "min_early_stopping_rate": 0},
     "hyperband": {"min_resource": 1, "max_resource": None, "reduction_factor": 3},
+    # population-based training (nbbatch's own schedule, :mod:`nbbatch.search.pbt`): checked by _check_pbt
+    "pbt": {"interval": None, "max_resource": None, "fraction": 0.25, "perturb": [0.8, 1.2], "resample": 0.25},
 }
+_PBT_SAMPLERS = ("random", "tpe", "qmc")  # the initial population's draw
 # The least value of each whole-number setting: what Optuna's pruners accept (they raise ValueError in the driver,
 # after the lock is taken, on anything less). `percentile` is any number from 0 to 100, both included.
-LEAST_SETTING = {"startup_trials": 0, "warmup_steps": 0, "interval_steps": 1, "min_resource": 1, "max_resource": 1,
+LEAST_SETTING = {"interval": 1, "startup_trials": 0, "warmup_steps": 0, "interval_steps": 1, "min_resource": 1, "max_resource": 1,
                  "reduction_factor": 2, "min_early_stopping_rate": 0}
 SETTING_LIMIT = 2**31 - 1  # the most a pruner's whole-number setting may be (far above any budget of trials or steps)
 SEED_LIMIT = 2**32  # a sampler's seed seeds numpy's RandomState: 0 ≤ seed < 2**32
@@ -81,10 +84,19 @@ class Search:
         return self.resource is not None
 
     @property
+    def pbt(self) -> bool:
+        """Whether the search is population-based training (``pruner: {pbt: ...}``)."""
+        return self.pruner == "pbt"
+
+    @property
     def rungs(self) -> tuple[int, ...]:
         """The values of :attr:`resource` at which a promoting search pauses its trials, the last the full run's:
-        min_resource × reduction_factor^k below max_resource, then max_resource (e.g. 1, 3, 9, 27)."""
+        min_resource × reduction_factor^k below max_resource, then max_resource (e.g. 1, 3, 9, 27). PBT's: each
+        generation's, interval × (g + 1) up to max_resource (e.g. 3, 6, 9)."""
         s = self.pruner_settings
+        if self.pbt:
+            interval, most = int(s["interval"]), int(s["max_resource"])
+            return tuple(min(interval * g, most) for g in range(1, -(-most // interval) + 1))
         least, most, factor = int(s["min_resource"]), int(s["max_resource"]), int(s["reduction_factor"])
         steps = [least]
         while steps[-1] * factor < most:
@@ -150,6 +162,9 @@ def parse_search(data: Any, fixed: Mapping[str, Any] | None = None, sweep: Mappi
     sampler, seed = _sampler(data.get("sampler", "tpe"), data.get("seed"))
     pruner, settings = _pruner(data.get("pruner", "none"))
     (metric, mode), *more = objectives
+    if pruner == "pbt" and data.get("resource") is None:
+        raise SpecError("search.pruner pbt trains its population in generations of search.resource: add resource "
+                        "(the notebook parameter that sets how far a run trains, e.g. resource: EPOCHS)")
     resource = _resource(data.get("resource"), pruner, settings, fixed or {}, params)
     search = Search(metric, mode, trials, params, sampler, seed, pruner, settings, tuple(more), resource)
     _check_fit(search)
@@ -241,7 +256,8 @@ def _pruner(data: Any) -> tuple[str, dict[str, Any]]:
         given = {} if given is None else given
     else:
         raise SpecError("search.pruner is a name (none, median, percentile, asha, hyperband) or one name with its "
-                        "settings, e.g. {hyperband: {min_resource: 1, max_resource: 27, reduction_factor: 3}}")
+                        "settings, e.g. {hyperband: {min_resource: 1, max_resource: 27, reduction_factor: 3}} or "
+                        "{pbt: {interval: 3, max_resource: 27}}")
     if name not in PRUNERS:
         raise SpecError(f"search.pruner: unknown pruner `{name}`{did_you_mean(str(name), PRUNERS)}; use one of "
                         f"{', '.join(PRUNERS)}")
@@ -252,8 +268,11 @@ def _pruner(data: Any) -> tuple[str, dict[str, Any]]:
         if key not in defaults:
             raise SpecError(f"search.pruner.{name}: unknown setting `{key}`{did_you_mean(str(key), list(defaults))}; "
                             f"{name} takes {', '.join(defaults) or 'no settings'}")
-        _check_setting(name, key, value)
+        if name != "pbt":
+            _check_setting(name, key, value)
     settings = {**defaults, **given}
+    if name == "pbt":
+        _check_pbt(settings)
     if name == "hyperband" and settings["max_resource"] is None:
         raise SpecError("search.pruner.hyperband needs max_resource: the last step a run reaches (e.g. its EPOCHS), "
                         "so the brackets can be laid out before any run")
@@ -272,7 +291,7 @@ def _resource(name: Any, pruner: str, settings: dict[str, Any], fixed: Mapping[s
     if not isinstance(name, str) or not name.isidentifier():
         raise SpecError(f"search.resource names the notebook parameter that sets how far a run trains, e.g. "
                         f"resource: EPOCHS (got {name!r})")
-    if pruner not in ("asha", "hyperband"):
+    if pruner not in ("asha", "hyperband", "pbt"):
         raise SpecError(f"search.resource pauses trials at the rungs of a successive-halving schedule: use pruner asha "
                         f"or hyperband with it (got pruner {pruner}), or drop resource")
     if name in fixed or name in {p.name for p in params}:
@@ -281,10 +300,38 @@ def _resource(name: Any, pruner: str, settings: dict[str, Any], fixed: Mapping[s
     if settings["max_resource"] is None:
         raise SpecError(f"search.pruner.{pruner} needs max_resource with search.resource: the {name} of a trial "
                         "that is never stopped (e.g. {asha: {min_resource: 1, max_resource: 27}})")
-    if settings["max_resource"] < settings["min_resource"]:
+    if pruner != "pbt" and settings["max_resource"] < settings["min_resource"]:
         raise SpecError(f"search.pruner.{pruner}.max_resource must be ≥ min_resource ({settings['min_resource']}): "
                         f"the {name} of a trial that is never stopped")
     return name
+
+
+def _check_pbt(settings: dict[str, Any]) -> None:
+    """Population-based training's settings: whole-number generations, the share that exploits, the perturbations."""
+    where = "search.pruner.pbt"
+    needs = {"interval": "the resource each generation trains, between two exploits (e.g. interval: 3)",
+             "max_resource": "the resource every member reaches at the end (e.g. its EPOCHS: max_resource: 27)"}
+    for key, what in needs.items():
+        if settings[key] is None:
+            raise SpecError(f"{where} needs {key}: {what}")
+        _check_setting("pbt", key, settings[key])
+    if settings["max_resource"] < settings["interval"]:
+        raise SpecError(f"{where}.max_resource must be ≥ interval ({settings['interval']}): at least one generation")
+    fraction, perturb, resample = settings["fraction"], settings["perturb"], settings["resample"]
+    if not _real(fraction) or not 0 < fraction <= 0.5:
+        raise SpecError(f"{where}.fraction must be a number above 0 and at most 0.5: the share of the population that "
+                        f"copies the best members (got {fraction!r})")
+    if (not isinstance(perturb, list) or not perturb
+            or not all(_real(f) and 0 < f < float("inf") for f in perturb) or all(f == 1 for f in perturb)):
+        raise SpecError(f"{where}.perturb must be a list of positive factors, not all 1, a copied parameter is "
+                        f"multiplied by one of (e.g. [0.8, 1.2]; got {perturb!r})")
+    if not _real(resample) or not 0 <= resample <= 1:
+        raise SpecError(f"{where}.resample must be a probability from 0 to 1: how often a copied parameter is drawn "
+                        f"afresh instead of perturbed (got {resample!r})")
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check_setting(pruner: str, key: str, value: Any) -> None:
@@ -342,6 +389,13 @@ def _check_fit(search: Search) -> None:
     if search.pruner == "hyperband" and search.pruner_settings["max_resource"] < search.pruner_settings["min_resource"]:
         raise SpecError("search.pruner.hyperband.max_resource must be a whole number ≥ min_resource "
                         f"({search.pruner_settings['min_resource']}): the last step a run reaches")
+    if search.pbt:
+        if search.sampler not in _PBT_SAMPLERS:
+            raise SpecError(f"search.sampler {search.sampler}: population-based training draws its first population "
+                            f"with {', '.join(_PBT_SAMPLERS)}, then perturbs it: use one of those")
+        if search.trials < 2:
+            raise SpecError(f"search.trials is {search.trials}, the population of pbt: at least 2, so that one "
+                            "member can copy a better one (e.g. trials: 8)")
     least = smallest_budget(search)
     if search.trials < least:
         raise SpecError(f"search.trials is {search.trials}, below what pruner {search.pruner} needs to ever stop a run "
