@@ -286,3 +286,14 @@ def test_a_promoting_search_of_the_pytorch_notebook_continues_each_trial_from_it
         last = segments[-1]  # a trial stopped at a rung keeps its checkpoints, as a pruned run does
         kept = (tmp_path / "results" / "pro" / last.run_id / "checkpoints").is_dir()
         assert kept == (last.trial["state"] == "pruned"), (last.trial, kept)
+
+
+def test_a_promoting_study_is_not_rebuilt_from_its_records_but_started_afresh(project, write_experiment, monkeypatch):
+    from nbbatch.search.study import SearchError
+
+    launches: list = []
+    _fake_training(monkeypatch, launches)
+    exp = _search(project, write_experiment, "rb", BLOCK)
+    with pytest.raises(SearchError, match="cannot rebuild a study whose trials pause and continue yet.*--force"):
+        submit(exp, progress=False, rebuild_search=True)
+    assert not launches

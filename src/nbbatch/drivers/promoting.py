@@ -22,7 +22,7 @@ from nbbatch.drivers.search import SearchDriver, _is_number, _Study, _Trial
 from nbbatch.errors import ShareError
 from nbbatch.plan.runs import Run
 from nbbatch.search.rungs import Decision, Promotions
-from nbbatch.search.study import RUN_ID, optuna_module, suggest, trial_of
+from nbbatch.search.study import RUN_ID, SearchError, optuna_module, suggest, trial_of
 from nbbatch.store.jsonl import JsonlTail
 from nbbatch.store.layout import run_paths
 from nbbatch.store.runfiles import read_record_or_none, write_record
@@ -35,6 +35,13 @@ RUNG_VALUES = "rung_values"  # a trial's user attribute: {rung index: the metric
 
 class PromotingSearchDriver(SearchDriver):
     """A :class:`SearchDriver` whose trials pause and continue; see the module's docstring."""
+
+    def __init__(self, *args: Any, rebuild: bool = False, **kwargs: Any) -> None:
+        if rebuild:  # the records hold every segment, but not each trial's bracket: the schedule cannot be rebuilt
+            raise SearchError("--rebuild-search cannot rebuild a study whose trials pause and continue yet (its "
+                              "journal holds each trial's bracket and rungs): submit with --force to start the search "
+                              "afresh (a run that draws the same parameters reuses its run)")
+        super().__init__(*args, **kwargs)
 
     def _open(self, template: Run) -> _Study:
         study = super()._open(template)
