@@ -276,6 +276,17 @@ def test_the_outcome_of_an_experiment(project):
     assert outcome.headline() == "experiment e cancelled (1/3 runs succeeded; 1 failed, 1 cancelled)"
 
 
+def test_the_outcome_of_a_search_of_several_objectives_names_its_pareto_front():
+    from nbbatch.store.runjson import RunRecord, Status
+
+    values = [(0.99, 90.0), (0.95, 50.0), (0.95, 60.0), (0.9, 10.0), (0.8, 12.0)]  # r2 and r4 are dominated
+    records = [RunRecord(f"r{i}", "e", "nb", "k", status=Status.SUCCEEDED, metrics={"accuracy": a, "seconds": t})
+               for i, (a, t) in enumerate(values)]
+    outcome = experiment_outcome("e", "/share/", records, "accuracy", "max", [("accuracy", "max"), ("seconds", "min")])
+    assert outcome.lines == ["Pareto front of accuracy (max) and seconds (min), 3 run(s): run r0 (accuracy 0.99, "
+                             "seconds 90); run r1 (accuracy 0.95, seconds 50); run r3 (accuracy 0.9, seconds 10)"]
+
+
 WAIT_FOR_RELEASE = "import pathlib, time\nwhile not pathlib.Path('release').exists():\n    time.sleep(0.05)"
 
 

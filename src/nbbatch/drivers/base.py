@@ -119,7 +119,8 @@ class Driver(ABC):
         if not result.records or not all(r.final for r in result.records):  # another driver took over: it tells
             return []
         outcome = experiment_outcome(self.experiment, self.share.url, result.records,
-                                     search.metric if search else None, search.mode if search else "max")
+                                     search.metric if search else None, search.mode if search else "max",
+                                     list(zip(search.metrics, search.modes, strict=True)) if search else ())
         return send_notifications(notify, outcome)
 
     def submit_options(self, **more: Any) -> SubmitOptions:
