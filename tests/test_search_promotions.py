@@ -56,6 +56,15 @@ def test_a_parameter_fixed_and_the_resource_is_refused(project, write_experiment
                                             "search": BLOCK})), progress=False)
 
 
+def test_a_resource_the_notebook_does_not_take_is_refused_at_plan_time(project, write_experiment):
+    from nbbatch.errors import ValidationError
+
+    make_notebook(project / "nb.ipynb", ["x = 1"], parameters="LR = 0.1\nEPOCH_COUNT = 1")
+    with pytest.raises(ValidationError, match="parameter `EPOCHS` is not in nb.ipynb's parameters cell"):
+        submit(write_experiment(json.dumps({"experiment": "r", "notebooks": ["nb.ipynb"], "search": BLOCK})),
+               progress=False)
+
+
 # --- the schedule -------------------------------------------------------------------------------------------
 
 

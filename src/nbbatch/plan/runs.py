@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from nbbatch.errors import ValidationError, did_you_mean
 from nbbatch.plan.inputs import check_inputs, input_identities
-from nbbatch.plan.notebook import inspect_notebook, validate_parameters
+from nbbatch.plan.notebook import NotebookInfo, inspect_notebook, validate_parameters
 from nbbatch.spec.environments import require_ready
 from nbbatch.spec.frameworks import Framework, get_framework, list_frameworks
 from nbbatch.spec.gpu_sharing import recognise, shared_gpu_env
@@ -28,6 +28,7 @@ from nbbatch.spec.resources import Distribution
 if TYPE_CHECKING:
     from nbbatch.spec.experiment import Experiment
     from nbbatch.spec.project import Project
+    from nbbatch.spec.search import Search
 
 
 RunIdMaker = Callable[..., str]  # (parameters, resume_from=None) -> run id: what run_id_maker gives
@@ -182,6 +183,18 @@ def _known_kernels() -> dict[str, str]:
     return KernelSpecManager().find_kernel_specs()
 
 
+def _search_warnings(search: Search, info: NotebookInfo) -> list[str]:
+    """Check what a search can give the notebook against its parameters cell: every value a trial can draw has the
+    type of one of the examples, and the resource a promoting search sets is a whole number."""
+    warnings: list[str] = []
+    given = [{param.name: value} for param in search.params for value in param.examples()]
+    if search.resource:
+        given.append({search.resource: search.rungs[-1]})
+    for parameters in given:
+        warnings.extend(w for w in validate_parameters(info, parameters) if w not in warnings)
+    return warnings
+
+
 def plan(experiment: Experiment, project: Project | None = None, check_kernels: bool = True) -> Plan:
     """Turn an experiment into runs, checking every notebook, kernel, env and parameter first.
 
@@ -246,13 +259,8 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
                                   "List them with `jupyter kernelspec list`.")
         run_id = run_id_maker(label, info.content, target.env_lock, experiment.env, experiment.resources.gpus, identities,
                               experiment.resources.distribution)
-        if experiment.search:  # every value a trial can draw has the type of one of these
-            for param in experiment.search.params:
-                for value in param.examples():
-                    warnings.extend(w for w in validate_parameters(info, {param.name: value}) if w not in warnings)
-            if experiment.search.resource:  # a promoting search sets it to each rung (whole numbers)
-                resource = {experiment.search.resource: experiment.search.rungs[-1]}
-                warnings.extend(w for w in validate_parameters(info, resource) if w not in warnings)
+        if experiment.search:
+            warnings.extend(w for w in _search_warnings(experiment.search, info) if w not in warnings)
         checked: set[tuple[str, int]] = set()  # (name, id(value)): a grid's values recur in many runs, checked once
         notebook_path, rel = str(notebook), notebook_rel(notebook)
         for params in combos:
