@@ -14,6 +14,7 @@ in ``harness`` and the few lines that make its harness.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -341,3 +342,30 @@ def test_a_pruned_run_stops_pruned_at_its_last_step(harness):
     [ended] = harness.final("pruned", 1).values()
     assert ended.status == Status.PRUNED and ended.error.kind == ErrorKind.PRUNED, ended.error
     assert ended.error.reason == PRUNE.reason and ended.metrics["loss"] <= 0.5  # kept at its last step (>= 2)
+
+
+CONTINUING = ("import os, pathlib, nbbatch\nfolder = pathlib.Path(os.environ['NBBATCH_CHECKPOINT_DIR'])\n"
+              "done = int((folder / 'epoch.txt').read_text()) if (folder / 'epoch.txt').exists() else 0\n"
+              "for epoch in range(done + 1, EPOCHS + 1):\n    (folder / 'epoch.txt').write_text(str(epoch))\n"
+              "    nbbatch.record(step=epoch, loss=1.0 / (epoch * LR))\n"
+              "nbbatch.record(loss=1.0 / (EPOCHS * LR), resumed_from=done)")
+
+
+def test_a_paused_trial_continues_from_its_checkpoint(harness):
+    """A search whose trials pause at rungs (ASHA with promotions): the promoted trial's next run, on this backend,
+    starts from a copy of its paused run's checkpoints and trains only the epoch after them."""
+    make_notebook(harness.project / "resume.ipynb", [CONTINUING], parameters="LR = 1.0\nEPOCHS = 1")
+    search = {"metric": "loss", "mode": "min", "trials": 2, "sampler": "random", "seed": 0, "resource": "EPOCHS",
+              "pruner": {"asha": {"min_resource": 1, "max_resource": 2, "reduction_factor": 2}},
+              "params": {"LR": {"uniform": [0.5, 2.0]}}}
+    result = api.submit({"experiment": "promoted", "notebooks": [{"path": "resume.ipynb", "kernel": "python3"}],
+                         "search": search, "backend": harness.backend, "share": harness.share,
+                         "resources": {"max_parallel": 1}}, progress=False)
+    assert result.ok and len(result.records) == 3, [(r.run_id, r.status, r.error) for r in result.records]
+    [continued] = [r for r in result.records if r.parameters["EPOCHS"] == 2]
+    paused = next(r for r in result.records if r.run_id == continued.trial["continues"])
+    assert continued.backend == harness.name and continued.continues["run_id"] == paused.run_id
+    assert continued.continues["checkpoint"]["files"] == 1 and continued.metrics["resumed_from"] == 1
+    assert paused.trial["state"] == "promoted" and continued.trial["state"] == "complete"
+    history = open_share(harness.share).read_bytes(run_paths("promoted", continued.run_id).metrics).decode()
+    assert [json.loads(line)["step"] for line in history.splitlines() if '"step"' in line] == [2]
