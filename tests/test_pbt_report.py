@@ -10,6 +10,7 @@ member, ``exploited``.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -105,8 +106,15 @@ def test_the_report_draws_each_members_parameters_with_its_exploits(share: Path)
         ((3, 3), (0.01, 0.008)), ((6, 6), (0.001, 0.0012))]
     steps = [line for line in lr.lines if line.get_linestyle() == "-"]
     assert len(steps) == 4  # one line per member
-    member_3 = next(line for line in steps if list(line.get_ydata()) == [0.0002, 0.0002, 0.008, 0.008, 0.008, 0.008])
-    assert list(member_3.get_xdata()) == [0, 3, 3, 6, 6, 9]
+    # a step per generation; its own line breaks where it copied another member (the connector goes on from that one)
+    member_3 = next(line for line in steps if line.get_ydata()[0] == 0.0002)
+    assert _gaps(member_3.get_xdata()) == [0, 3, None, 3, 6, 6, 9]
+    assert _gaps(member_3.get_ydata()) == [0.0002, 0.0002, None, 0.008, 0.008, 0.008, 0.008]
+
+
+def _gaps(values: Any) -> list[float | None]:
+    """A line's coordinates with its breaks (NaN) as None."""
+    return [None if math.isnan(v) else float(v) for v in values]
 
 
 def test_the_report_shows_the_figure_and_a_table_per_member_saying_whom_it_copied(share: Path) -> None:

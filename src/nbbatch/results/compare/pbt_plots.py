@@ -71,17 +71,22 @@ def plot_pbt_schedule(frame: pd.DataFrame, search: Mapping[str, Any]) -> Figure 
         ax = fig.add_subplot(rows, columns, number + 1)
         values, labels = _axis_values([s["params"][name] for m in members for s in m["schedule"]])
         at = iter(values)
+        lines = []
         for member in members:
             xs, ys = [], []
             for segment in member["schedule"]:
                 y = next(at)
                 if segment["exploited"] and xs:  # the copied member's value where it was copied, to the new one
+                    xs.append(math.nan)  # its own line breaks: it goes on from the member it copied
+                    ys.append(math.nan)
                     source = _copied_value(by_run, segment, name, labels)
                     if source is not None:
                         ax.plot([segment["from"]] * 2, [source, y], color=COPIED, linestyle="--", linewidth=0.9)
                         ax.scatter([segment["from"]], [y], color=COPIED, marker="v", s=16, zorder=3)
                 xs += [segment["from"], segment["to"]]
                 ys += [y, y]
+            lines.append((member, xs, ys))
+        for member, xs, ys in reversed(lines):  # the best drawn last, on top
             colour = "lightgray" if member["value"] is None else cmap(norm(member["value"]))
             ax.plot(xs, ys, color=colour, linewidth=1.3, alpha=0.9)
             if len(members) <= LABELLED_MEMBERS and xs:
