@@ -12,6 +12,7 @@ from urllib.parse import quote
 
 from nbbatch import __version__
 from nbbatch.results.compare.importance import parameter_importance
+from nbbatch.results.compare.pbt_plots import pbt_caption, pbt_members, plot_pbt_schedule
 from nbbatch.results.compare.plots import (
     figure_png,
     group_title,
@@ -24,7 +25,6 @@ from nbbatch.results.compare.plots import (
     plot_metric_vs_param,
     plot_metric_vs_time,
 )
-from nbbatch.results.compare.pbt_plots import pbt_caption, pbt_members, plot_pbt_schedule
 from nbbatch.results.compare.search_plots import (
     best_trial,
     plot_best_by_trial,
