@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from nbbatch.errors import NbbatchError
 from nbbatch.metrics import metrics_from_notebook
-from nbbatch.results.compare.trials import latest_segments, segment_groups
+from nbbatch.results.compare.trials import PARAM, latest_segments, segment_groups
 from nbbatch.results.status import no_runs_message, order_caption, order_value, planned_run_ids, search_of
 from nbbatch.spec.project import find_project
 from nbbatch.store.known import open_experiment_share
@@ -30,7 +30,6 @@ from nbbatch.store.share import Share, open_share
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
-PARAM = "param."
 METRIC = "metric."
 TELEMETRY = "telemetry."
 # the old single JSON document, and telemetry.csv: GpuSampler.write_series's CSV
@@ -252,6 +251,12 @@ def _row_from_record(record: RunRecord) -> dict[str, Any]:
     return row
 
 
+def _is_pbt(search: Mapping[str, Any]) -> bool:
+    """Whether a search block's pruner is population-based training (``pruner: {pbt: {...}}``)."""
+    pruner = search.get("pruner")
+    return isinstance(pruner, Mapping) and "pbt" in pruner
+
+
 def _trial_columns(trial: Mapping[str, Any]) -> dict[str, Any]:
     """A search's trial in the runs table: its number, where a pruned one was stopped (``pruned_at``) and, for a
     trial continued over several runs, this run's ``segment`` and the trial's state it recorded (``trial_state``)."""
@@ -260,6 +265,10 @@ def _trial_columns(trial: Mapping[str, Any]) -> dict[str, Any]:
     columns: dict[str, Any] = {"trial": trial.get("number")}
     if "segment" in trial:  # a segment stops at its rung (``resource``): a pruned trial was stopped there
         columns.update(segment=trial.get("segment"), trial_state=trial.get("state"))
+        if "params" in trial:  # population-based training: its rung, and the member it copied (exploited) there
+            exploited = trial.get("exploited") or {}
+            columns.update(resource=trial.get("resource"), exploited=exploited.get("trial"),
+                           exploited_run=exploited.get("run_id"))
         if trial.get("state") == "pruned":
             columns["pruned_at"] = trial.get("resource", trial.get("step"))
     elif trial.get("state") == "pruned":
@@ -365,7 +374,8 @@ def collect(share_or_path: str | os.PathLike[str] | Share,
         search = searches[0]
         frame.attrs["search"] = {"metric": search["metric"], "mode": search.get("mode", "min"),
                                  **({"objectives": search["objectives"]} if search.get("objectives") else {}),
-                                 "params": search.get("params") or {}}  # its space: how importance reads them
+                                 "params": search.get("params") or {},  # its space: how importance reads them
+                                 **({"pbt": True, "resource": search.get("resource")} if _is_pbt(search) else {})}
         if search.get("objectives") and "trial" in frame:
             frame["pareto"] = pareto_column(frame, search["objectives"])
     return frame

@@ -12,6 +12,7 @@ from urllib.parse import quote
 
 from nbbatch import __version__
 from nbbatch.results.compare.importance import parameter_importance
+from nbbatch.results.compare.pbt_plots import pbt_caption, pbt_members, plot_pbt_schedule
 from nbbatch.results.compare.plots import (
     figure_png,
     group_title,
@@ -101,7 +102,8 @@ def report_context(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, 
     search_builds = [("Pareto front", lambda: plot_pareto_front(frame, search)),
                      ("best by trial", lambda: plot_best_by_trial(frame, search)),
                      ("parameters", lambda: plot_parallel_coordinates(frame, search)), by_param,
-                     ("curves", lambda: plot_trial_curves(frame, load_histories(frame, share), search))
+                     ("curves", lambda: plot_trial_curves(frame, load_histories(frame, share), search)),
+                     (pbt_caption(search), lambda: plot_pbt_schedule(frame, search))
                      ] if search else [by_param]
     for caption, build in (
         *search_builds,
@@ -145,6 +147,7 @@ def report_context(frame: pd.DataFrame, report_path: str | os.PathLike[str], *, 
         search=search,
         best=best,
         continued=_continued(frame) if search else None,
+        pbt=pbt_members(frame, search) if search else None,
         pareto=_front(frame),
         best_parameters=[f"{k}={format_metric(v)}" for k, v in best["parameters"].items()] if best else [],
         importance=importance,

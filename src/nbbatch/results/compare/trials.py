@@ -6,6 +6,10 @@ The runs table keeps one row per run, with its ``segment`` and ``trial_state``; 
 (the best trial, the value by trial, the parameters, the Pareto front, which parameters matter, the trials' curves)
 reads one row per trial instead: its latest segment (the highest segment number), whose value is the trial's, with
 the status the trial's state gives it (:func:`trial_status`). A search whose trials are one run each is unchanged.
+
+Population-based training's members are such trials too; each segment records its parameters and the member it
+copied, if any (``resource``, ``exploited`` and ``exploited_run`` in the runs table): :func:`member_schedules` reads a
+member's schedule of parameters from them.
 """
 
 from __future__ import annotations
@@ -21,8 +25,12 @@ from nbbatch.results.status import trial_status
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
+PARAM = "param."  # a run's parameter's column: param.<name> (the runs table's, :mod:`...collect`)
 SEGMENT = "segment"
 TRIAL_STATE = "trial_state"
+RESOURCE, EXPLOITED, EXPLOITED_RUN = "resource", "exploited", "exploited_run"  # a PBT segment's rung and copy
+
+
 def _missing(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
@@ -98,11 +106,61 @@ def joined_histories(frame: pd.DataFrame, histories: Mapping[Hashable, Sequence[
     return joined
 
 
+def is_pbt(frame: pd.DataFrame) -> bool:
+    """Whether ``frame``'s trials are population-based training's members (their segments say whom they copied)."""
+    return EXPLOITED in frame and has_segments(frame)
+
+
+def searched_names(frame: pd.DataFrame) -> list[str]:
+    """The searched parameters' names: the search's space, or else the parameters that vary but the resource."""
+    space = (frame.attrs.get("search") or {}).get("params")
+    if space:
+        return [n for n in space if f"{PARAM}{n}" in frame]
+    rungs = frame[RESOURCE].astype(str) if RESOURCE in frame else None
+    return [str(c).removeprefix(PARAM) for c in frame.columns if str(c).startswith(PARAM)
+            and frame[c].astype(str).nunique() > 1 and (rungs is None or not frame[c].astype(str).equals(rungs))]
+
+
+def _plain(value: Any) -> Any:
+    """A cell as JSON holds it: numpy's numbers as Python's, a missing value as None."""
+    value = value.item() if hasattr(value, "item") and callable(value.item) else value
+    return None if _missing(value) else value
+
+
+def member_schedules(frame: pd.DataFrame) -> dict[Hashable, list[dict[str, Any]]]:
+    """Each population-based training member's schedule, under its latest segment's index (:func:`segment_groups`):
+    one ``{segment, from, to, params, exploited}`` per segment, in order. ``from``..``to``: the resource it trained
+    over (its previous segment's rung, 0 for the first, to its own); ``params``: its searched parameters;
+    ``exploited``: ``{trial, run_id}`` of the member whose run it copied, or None. Empty unless :func:`is_pbt`."""
+    if not is_pbt(frame):
+        return {}
+    names = searched_names(frame)
+    schedules = {}
+    for index, members in segment_groups(frame).items():
+        if _missing(frame.loc[index].get(SEGMENT)):
+            continue
+        schedule, start = [], 0
+        for member in members:
+            row = frame.loc[member]
+            copied = _plain(row.get(EXPLOITED))
+            end = _plain(row.get(RESOURCE))
+            end = int(end) if isinstance(end, float) and end.is_integer() else end  # a column with gaps is float
+            schedule.append({"segment": int(row[SEGMENT]), "from": start, "to": end,
+                             "params": {n: _plain(row[f"{PARAM}{n}"]) for n in names},
+                             "exploited": None if copied is None else {"trial": int(copied),
+                                                                       "run_id": _plain(row.get(EXPLOITED_RUN))}})
+            start = end if end is not None else start
+        schedules[index] = schedule
+    return schedules
+
+
 def trials_summary(frame: pd.DataFrame, metric: str) -> list[dict[str, Any]]:
     """One JSON-able object per trial, by trial number (``compare --json``'s ``trials``): its ``trial`` number,
     ``state`` (complete, pruned, paused, or its run's status), ``value`` of ``metric`` (its latest segment's),
-    ``run_id`` (its latest segment's) and, for a continued trial, ``segments`` (its runs, in order)."""
+    ``run_id`` (its latest segment's), for a continued trial ``segments`` (its runs, in order) and for a member of
+    population-based training its ``schedule`` (:func:`member_schedules`)."""
     groups = segment_groups(frame)
+    schedules = member_schedules(frame)
     column = f"metric.{metric}"
     rows = []
     for index, row in trials_of(frame).iterrows():
@@ -117,5 +175,7 @@ def trials_summary(frame: pd.DataFrame, metric: str) -> list[dict[str, Any]]:
         }
         if not _missing(row.get(SEGMENT)):
             summary["segments"] = [str(frame.loc[m, "run_id"]) for m in groups[index]]
+        if index in schedules:
+            summary["schedule"] = schedules[index]
         rows.append(summary)
     return sorted(rows, key=lambda r: r["trial"])
