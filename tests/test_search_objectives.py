@@ -186,3 +186,22 @@ def test_status_compare_and_the_report_show_every_objective_and_the_pareto_front
     assert f"{len(front)} trial(s) on the Pareto front (none better in every objective): trial {numbers}" in \
         " ".join(html.split())
     assert "search: Pareto front of accuracy and seconds" in html and "search: best accuracy by trial" in html
+
+
+def test_a_trial_told_by_a_driver_killed_before_it_wrote_the_record_gets_its_decision_on_resume(
+        project, write_experiment, monkeypatch):
+    """A driver killed between telling the study and writing the run's record left a record without `trial:`; the
+    next submit finds the study's decision and writes it (the trial is not run or told again)."""
+    from nbbatch.store.runfiles import read_record_or_none, write_record
+    from nbbatch.store.share import FileShare
+
+    _fake_launch(monkeypatch, lambda lr: {"accuracy": lr, "seconds": 1.0})
+    exp, first = _submit(project, write_experiment, "told", _block(trials=3))
+    share = FileShare(project / "results")
+    lost = first.records[1]
+    decided = dict(lost.trial)
+    lost.trial = None
+    write_record(share, lost)
+    again = submit(exp, progress=False)
+    assert again.ok and read_record_or_none(share, "told", lost.run_id).trial == decided
+    assert len(_study(project, "told")[0].trials) == 3

@@ -251,6 +251,7 @@ class SearchDriver(Driver):
                 study.metric_seen = True
             if frozen.state != state.RUNNING:
                 self._note_run(frozen.user_attrs.get(RUN_ID))
+                self._note_decision(study, frozen)
                 continue
             live = trial_of(study.study, frozen.number)
             # a driver killed between asking and naming the run left some of its parameters undrawn: drawn now (those
@@ -274,6 +275,26 @@ class SearchDriver(Driver):
                 self._launch(trial)
             else:
                 self.say(f"trial {trial.number} of {study.label}: adopted run {run.run_id} ({record.status})")
+
+    def _note_decision(self, study: _Study, frozen: Any) -> None:
+        """A trial told to the study whose run's record does not say so (its driver was killed between telling the
+        study and writing the record): the record gets the study's decision now."""
+        run_id = frozen.user_attrs.get(RUN_ID)
+        record = read_record_or_none(self.share, self.experiment, run_id) if run_id else None
+        if record is None or record.trial is not None or not record.final:
+            return
+        state = frozen.state.name.lower()
+        decision: dict[str, Any] = {"state": {"fail": "failed"}.get(state, state)}
+        if frozen.values is not None:
+            decision.update({"values": dict(zip(self.search.metrics, frozen.values, strict=True))} if self.search.multi
+                            else {"value": frozen.values[0]})
+        elif frozen.intermediate_values:  # pruned: where it was stopped
+            step = max(frozen.intermediate_values)
+            decision.update({"step": step, "value": frozen.intermediate_values[step]})
+        if FAILURE in frozen.user_attrs:
+            decision["reason"] = frozen.user_attrs[FAILURE]
+        record.trial = {"study": study.study.study_name, "number": frozen.number, **decision}
+        write_record(self.share, record)
 
     def _current_run(self, study: _Study, frozen: Any, live: Any) -> tuple[Run, dict[str, Any]] | None:
         """The run of a trial a previous driver left running, and its segment (none here: a trial is one run)."""
