@@ -40,6 +40,11 @@ from machine import bench_kernel, describe, median
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def experiment_name(pruner: str, round_: int) -> str:
+    """The search's experiment name: a folder on the share, so ``asha+promote`` is written ``asha-promote``."""
+    return f"search-{pruner.replace('+', '-')}-{round_}"
+
+
 def experiment(folder: Path, name: str, args: argparse.Namespace, pruner: str, seed: int) -> Path:
     schedule, promote = pruner.removesuffix("+promote"), pruner.endswith("+promote")
     settings = {"hyperband": {"hyperband": {"min_resource": 1, "max_resource": args.epochs, "reduction_factor": 3}},
@@ -118,7 +123,7 @@ def main() -> None:
         for round_ in range(args.rounds):
             order = list(results) if round_ % 2 == 0 else list(results)[::-1]
             for pruner in order:
-                name = f"search-{pruner.replace('+', '-')}-{round_}"  # a folder name: no '+'
+                name = experiment_name(pruner, round_)
                 result = search(experiment(folder, name, args, pruner, seed=args.first_seed + round_), name,
                                 folder / "share", args.epochs)
                 results[pruner].append(result)
