@@ -1,7 +1,7 @@
 """What pruning saves: the same LR search of the PyTorch notebook on digits with and without a pruner.
 
     python benchmarks/search.py [--trials 24] [--epochs 9] [--pruner hyperband[,asha,median,asha+promote,...]]
-                                [--rounds 2] [--parallel 2] [--gpus 0] [--max-samples 1797] [--data-dir DIR]
+                                [--rounds 2] [--parallel 2] [--gpus 0] [--max-samples 1797 (0: all)] [--data-dir DIR]
                                 [--kernel-here] [--momentum] [--metric loss]
 
 Needs the pytorch framework venv (``nbbatch envs create pytorch``) and Optuna (``nbbatch[search]``); with
@@ -15,7 +15,9 @@ table per round and the medians:
 - wall time of the search;
 - the best test accuracy of a trial that ran to its end;
 - how many trials were pruned, and the epochs they ran after the pruner's decision (while their stop took effect);
-- run-seconds: the runs' durations summed (the time they held a run slot, on the GPU with ``--gpus``).
+- run-seconds: the runs' durations summed (the time they held a run slot, on the GPU with ``--gpus``);
+- train-seconds: the epochs' own seconds (the notebook's ``train_seconds``), summed over the trials: run-seconds less
+  the kernels' starts, data loading and evaluation.
 
 ``hyperband+promote`` and ``asha+promote`` are the same schedules with trials that pause at each rung and continue
 from their checkpoints (``search.resource: EPOCHS``); a trial's epochs are then counted once, over its segments.
@@ -36,6 +38,11 @@ from pathlib import Path
 from machine import bench_kernel, describe, median
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def experiment_name(pruner: str, round_: int) -> str:
+    """The search's experiment name: a folder on the share, so ``asha+promote`` is written ``asha-promote``."""
+    return f"search-{pruner.replace('+', '-')}-{round_}"
 
 
 def experiment(folder: Path, name: str, args: argparse.Namespace, pruner: str, seed: int) -> Path:
@@ -82,9 +89,14 @@ def search(path: Path, name: str, share: Path, full: int) -> dict[str, float]:
     finished = [r["metrics"].get("accuracy") for r in records
                 if r["status"] == "succeeded" and r["parameters"].get("EPOCHS", full) == full]
     trials = {r["trial"]["number"] for r in records}
-    return {"wall_s": wall, "epochs": epochs, "best_accuracy": max(a for a in finished if a is not None),
+    trained: dict[int, float] = {}  # a trial's training seconds: its last segment's train_seconds counts them all
+    for r in records:
+        seconds = r["metrics"].get("train_seconds") or 0.0
+        trained[r["trial"]["number"]] = max(trained.get(r["trial"]["number"], 0.0), seconds)
+    return {"wall_s": wall, "epochs": epochs, "best_accuracy": max((a for a in finished if a is not None), default=float("nan")),
             "pruned": sum(r["trial"]["state"] == "pruned" for r in records), "overrun": overrun, "trials": len(trials),
-            "runs": len(records), "run_s": sum(r.get("duration_s") or 0.0 for r in records)}
+            "runs": len(records), "run_s": sum(r.get("duration_s") or 0.0 for r in records),
+            "train_s": sum(trained.values())}
 
 
 def main() -> None:
@@ -97,7 +109,7 @@ def main() -> None:
     parser.add_argument("--first-seed", type=int, default=0, help="round r's sampler seed is this + r")
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--gpus", type=int, default=0)
-    parser.add_argument("--max-samples", type=int, default=1797, help="digits has 1797 images")
+    parser.add_argument("--max-samples", type=int, default=1797, help="digits has 1797 images; 0: all of them")
     parser.add_argument("--data-dir", help="digits written as CIFAR-10 batches here (a machine without scikit-learn)")
     parser.add_argument("--kernel-here", action="store_true", help="run the notebook in a kernel of this Python")
     parser.add_argument("--momentum", action="store_true", help="search MOMENTUM beside LR")
@@ -111,21 +123,23 @@ def main() -> None:
         for round_ in range(args.rounds):
             order = list(results) if round_ % 2 == 0 else list(results)[::-1]
             for pruner in order:
-                name = f"search-{pruner}-{round_}"
+                name = experiment_name(pruner, round_)
                 result = search(experiment(folder, name, args, pruner, seed=args.first_seed + round_), name,
                                 folder / "share", args.epochs)
                 results[pruner].append(result)
                 print(f"round {round_} {pruner}: {json.dumps({k: round(v, 4) for k, v in result.items()})}",
                       flush=True)
-    print(f"\n{args.trials} trials of LR, {args.epochs} epochs each at most, {args.parallel} at once, "
+    searched = "LR × MOMENTUM" if args.momentum else "LR"
+    print(f"\n{args.trials} trials of {searched}, {args.epochs} epochs each at most, {args.parallel} at once, "
           f"MAX_SAMPLES {args.max_samples}, gpus {args.gpus} (runs_per_gpu {args.parallel if args.gpus else '-'}); "
           f"medians of {args.rounds} rounds\n")
-    print("| pruner | epochs run | run-seconds | wall time | best accuracy (finished trials) | runs | pruned | "
-          "epochs after the decision |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| pruner | epochs run | run-seconds | train-seconds | wall time | best accuracy (finished trials) | runs | "
+          "pruned | epochs after the decision |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for pruner, rows in results.items():
         print(f"| {pruner} | {median([r['epochs'] for r in rows]):.0f} | {median([r['run_s'] for r in rows]):.1f} s | "
-              f"{median([r['wall_s'] for r in rows]):.1f} s | {median([r['best_accuracy'] for r in rows]):.4f} | "
+              f"{median([r['train_s'] for r in rows]):.1f} s | {median([r['wall_s'] for r in rows]):.1f} s | "
+              f"{median([r['best_accuracy'] for r in rows]):.4f} | "
               f"{median([r['runs'] for r in rows]):.0f} | {median([r['pruned'] for r in rows]):.0f} | "
               f"{median([r['overrun'] for r in rows]):.0f} |")
     base = results["none"]
@@ -133,7 +147,8 @@ def main() -> None:
         for round_, (row, full) in enumerate(zip(results[name], base, strict=True)):
             lost = row["best_accuracy"] - full["best_accuracy"]
             print(f"round {round_} {name}: epochs saved {1 - row['epochs'] / full['epochs']:.0%}, run-seconds saved "
-                  f"{1 - row['run_s'] / full['run_s']:.0%}, best accuracy − none {lost:+.4f}")
+                  f"{1 - row['run_s'] / full['run_s']:.0%}, train-seconds saved {1 - row['train_s'] / full['train_s']:.0%}, "
+                  f"best accuracy − none {lost:+.4f}")
 
 
 if __name__ == "__main__":
