@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -120,6 +121,7 @@ def main() -> int:
                 raise SystemExit(f"no Slurm here: {reason}")
             cluster = SlurmCluster(root / "slurm")
             cluster.start()
+            os.environ.update(cluster.env)  # SLURM_CONF: the commands of the backend reach this cluster
             backends["slurm"] = {"name": "slurm", "max_parallel": 1, "cpus": 1, "memory": "1G"}
         for name in args.backends:
             results[name] = measure(name, backends[name], root, args)
