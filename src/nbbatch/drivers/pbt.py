@@ -20,14 +20,12 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from nbbatch.drivers.search import SearchDriver, _is_number, _Study, _Trial
+from nbbatch.drivers.search import _is_number, _Study, _Trial
+from nbbatch.drivers.segments import SegmentedSearchDriver
 from nbbatch.plan.runs import Run
 from nbbatch.search.pbt import Population, Segment
 from nbbatch.search.study import RUN_ID, SearchError, optuna_module, suggest, trial_of
 from nbbatch.spec.search import SEED_LIMIT
-from nbbatch.store.jsonl import JsonlTail
-from nbbatch.store.layout import run_paths
-from nbbatch.store.runfiles import read_record_or_none, write_record
 from nbbatch.store.runjson import RunRecord, Status
 
 SEGMENTS = "segments"  # a member's user attribute: its runs' ids, one per generation, in order
@@ -36,7 +34,7 @@ VALUES = "generation_values"  # a member's user attribute: {generation: the metr
 SEED = "pbt_seed"  # the study's user attribute: the decisions' seed, when the search gives none
 
 
-class PbtSearchDriver(SearchDriver):
+class PbtSearchDriver(SegmentedSearchDriver):
     """A :class:`SearchDriver` of population-based training; see the module's docstring."""
 
     def __init__(self, *args: Any, rebuild: bool = False, **kwargs: Any) -> None:
@@ -78,25 +76,9 @@ class PbtSearchDriver(SearchDriver):
 
     # --- members and their segments ------------------------------------------------------------------
 
-    def _resume(self, study: _Study) -> None:
-        super()._resume(study)
-        self._decide(study)  # a driver stopped once the population paused: the next generation is decided now
-
-    def _busy(self) -> bool:
-        return any(s.running or not self._halted() and (s.schedule.busy() or self._left(s) > 0) for s in self.studies)
-
-    def _launch_more(self) -> None:
-        if self._halted():
-            return
-        for study in self.studies:
-            while len(self._in_flight()) < self.parallel:
-                waiting = study.schedule.waiting()
-                if waiting:
-                    self._continue(study, waiting[0])
-                elif self._left(study) > 0:
-                    self._ask(study)
-                else:
-                    break
+    def _next_to_continue(self, study: _Study) -> int | None:
+        waiting = study.schedule.waiting()
+        return waiting[0] if waiting else None
 
     def _current_run(self, study: _Study, frozen: Any, live: Any) -> tuple[Run, dict[str, Any]] | None:
         member = study.schedule.members.get(frozen.number)
@@ -156,10 +138,6 @@ class PbtSearchDriver(SearchDriver):
                  f"{self.search.rungs[generation]}) {how}")
         self._start_segment(study, live, run, about)
 
-    def _start_segment(self, study: _Study, live: Any, run: Run, about: dict[str, Any]) -> None:
-        tail = JsonlTail(self.share, run_paths(self.experiment, run.run_id).metrics)
-        self._start(study, _Trial(live.number, run, live, tail, segment=about), about["params"])
-
     # --- a segment's end -------------------------------------------------------------------------------
 
     def _end(self, study: _Study, trial: _Trial, record: RunRecord | None) -> None:
@@ -179,15 +157,7 @@ class PbtSearchDriver(SearchDriver):
                 schedule.failed(trial.number)
         else:
             assert record is not None
-            del study.running[trial.number]
-            schedule.paused(trial.number, reached)
-            values = dict(study.study.get_trials(deepcopy=False)[trial.number].user_attrs.get(VALUES, {}))
-            trial.trial.set_user_attr(VALUES, {**values, str(member.generation): reached})
-            record.trial = {"study": study.study.study_name, "number": trial.number, **trial.segment,
-                            "state": "paused", "value": reached}
-            write_record(self.share, record)
-            self.say(f"trial {trial.number} of {study.label}: paused at {self.search.resource}="
-                     f"{trial.segment['resource']} with {self.search.metric} {reached:.6g} ({record.run_id})")
+            self._pause(study, trial, record, reached, VALUES, member.generation)
         self._decide(study)
 
     def _decide(self, study: _Study) -> None:
@@ -201,10 +171,3 @@ class PbtSearchDriver(SearchDriver):
             continues = self._segments(study, source)[generation - 1]
             entry = {"params": segment.params, "exploits": segment.exploits, "continues": continues}
             trial_of(study.study, number).set_user_attr(SCHEDULE, [*self._schedule(study, number), entry])
-
-    def _mark(self, run_id: str | None, **fields: Any) -> None:
-        """Update a segment's record (``trial``)."""
-        record = read_record_or_none(self.share, self.experiment, run_id) if run_id else None
-        if record is not None and record.trial is not None:
-            record.trial = {**record.trial, **fields}
-            write_record(self.share, record)

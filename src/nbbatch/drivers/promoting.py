@@ -19,13 +19,12 @@ from typing import Any
 
 from nbbatch.drivers.pbt import PbtSearchDriver
 from nbbatch.drivers.search import SearchDriver, _is_number, _Study, _Trial
+from nbbatch.drivers.segments import SegmentedSearchDriver
 from nbbatch.errors import ShareError
 from nbbatch.plan.runs import Run
 from nbbatch.search.rungs import Decision, Promotions
 from nbbatch.search.study import RUN_ID, SearchError, optuna_module, suggest, trial_of
-from nbbatch.store.jsonl import JsonlTail
 from nbbatch.store.layout import run_paths
-from nbbatch.store.runfiles import read_record_or_none, write_record
 from nbbatch.store.runjson import RunRecord, Status
 
 SEGMENTS = "segments"  # a trial's user attribute: its runs' ids, one per segment, in order
@@ -33,7 +32,7 @@ BRACKET = "bracket"  # a trial's user attribute: its bracket of the schedule
 RUNG_VALUES = "rung_values"  # a trial's user attribute: {rung index: the metric when it paused there}
 
 
-class PromotingSearchDriver(SearchDriver):
+class PromotingSearchDriver(SegmentedSearchDriver):
     """A :class:`SearchDriver` whose trials pause and continue; see the module's docstring."""
 
     def __init__(self, *args: Any, rebuild: bool = False, **kwargs: Any) -> None:
@@ -71,27 +70,8 @@ class PromotingSearchDriver(SearchDriver):
     def _left(self, study: _Study) -> int:
         return super()._left(study) if study.schedule.can_start() else 0
 
-    def _resume(self, study: _Study) -> None:
-        super()._resume(study)
-        # decided again: a synchronous rung's promotions stand (and those the last driver decided but did not tell
-        # are told now); an ASHA search whose last driver stopped with every trial paused ends now
-        self._decide(study)
-
-    def _busy(self) -> bool:
-        return any(s.running or not self._halted() and (s.schedule.busy() or self._left(s) > 0) for s in self.studies)
-
-    def _launch_more(self) -> None:
-        if self._halted():
-            return
-        for study in self.studies:
-            while len(self._in_flight()) < self.parallel:
-                number = study.schedule.promotion()
-                if number is not None:
-                    self._continue(study, number)
-                elif self._left(study) > 0:
-                    self._ask(study)
-                else:
-                    break
+    def _next_to_continue(self, study: _Study) -> int | None:
+        return study.schedule.promotion()
 
     def _current_run(self, study: _Study, frozen: Any, live: Any) -> tuple[Run, dict[str, Any]] | None:
         trial = study.schedule.trials.get(frozen.number)
@@ -137,10 +117,6 @@ class PromotingSearchDriver(SearchDriver):
                  f"continuing from run {segments[-1]}")
         self._start_segment(study, live, run, about)
 
-    def _start_segment(self, study: _Study, live: Any, run: Run, about: dict[str, Any]) -> None:
-        tail = JsonlTail(self.share, run_paths(self.experiment, run.run_id).metrics)
-        self._start(study, _Trial(live.number, run, live, tail, segment=about), dict(live.params))
-
     # --- a segment's end -------------------------------------------------------------------------------
 
     def _end(self, study: _Study, trial: _Trial, record: RunRecord | None) -> None:
@@ -156,15 +132,7 @@ class PromotingSearchDriver(SearchDriver):
                 schedule.held(trial.number)
         else:
             assert record is not None and rung is not None
-            del study.running[trial.number]
-            schedule.paused(trial.number, float(value))
-            values = dict(study.study.get_trials(deepcopy=False)[trial.number].user_attrs.get(RUNG_VALUES, {}))
-            trial.trial.set_user_attr(RUNG_VALUES, {**values, str(rung): float(value)})
-            record.trial = {"study": study.study.study_name, "number": trial.number, **trial.segment,
-                            "state": "paused", "value": float(value)}
-            write_record(self.share, record)
-            self.say(f"trial {trial.number} of {study.label}: paused at {self.search.resource}="
-                     f"{trial.segment['resource']} with {self.search.metric} {float(value):.6g} ({record.run_id})")
+            self._pause(study, trial, record, float(value), RUNG_VALUES, rung)
         self._drop_copied_checkpoints(record)
         self._decide(study)
 
@@ -192,12 +160,6 @@ class PromotingSearchDriver(SearchDriver):
         self._mark(frozen.user_attrs.get(RUN_ID), state="pruned", reason=decision.reason, value=decision.value)
         self.say(f"trial {decision.number} of {study.label}: {decision.reason}")
 
-    def _mark(self, run_id: str | None, **fields: Any) -> None:
-        """Update the decision in a segment's record (``trial``)."""
-        record = read_record_or_none(self.share, self.experiment, run_id) if run_id else None
-        if record is not None and record.trial is not None:
-            record.trial = {**record.trial, **fields}
-            write_record(self.share, record)
 
 
 def search_driver(search: Any) -> type[SearchDriver]:
