@@ -305,6 +305,9 @@ PartitionName=gpu Nodes={node_list} Default=NO MaxTime=60 State=UP
         if process is not None and process.poll() is None:
             _stop_process(process)
         started_before = self._node_field(node, "SlurmdStartTime")
+        # SlurmdStartTime is to the second: a slurmd started again within the second the killed one started in (a
+        # node killed just after the cluster started) would look unregistered for good
+        time.sleep(1.1)
         self._spawn(f"slurmd-{node}", ["slurmd", "-D", "-N", node])
         deadline = time.monotonic() + timeout
         while self._node_field(node, "SlurmdStartTime") == started_before:

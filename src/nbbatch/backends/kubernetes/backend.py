@@ -322,7 +322,7 @@ class KubernetesBackend(Backend):
         pods = self.api.pods(selector)
         for record, job in open_runs:
             self._sync_one(share, record, job, jobs.get(job.job), pods)
-        self._delete_finished(experiment, share, jobs)
+        self._delete_finished(experiment, share, jobs, pods)
 
     def _sync_one(self, share: Share, record: RunRecord, job: KubernetesJob, found: Mapping[str, Any] | None,
                   pods: Sequence[Mapping[str, Any]]) -> None:
@@ -372,10 +372,16 @@ class KubernetesBackend(Backend):
         else:
             self.finalize(share, current, Status.FAILED, error)
 
-    def _delete_finished(self, experiment: str, share: Share, jobs: Mapping[str, Mapping[str, Any]]) -> None:
-        """Delete a Job that still has pods although every run of it is final (pods that can never start)."""
+    def _delete_finished(self, experiment: str, share: Share, jobs: Mapping[str, Mapping[str, Any]],
+                         pods: Sequence[Mapping[str, Any]]) -> None:
+        """Delete a Job that still has pods although every run of it is final: pods that can never start. A pod still
+        running is left to end (its launcher wrote the final record and is exiting), so a Job that is finishing is
+        not deleted under it."""
+        running = {(p["metadata"].get("labels") or {}).get("batch.kubernetes.io/job-name") for p in pods
+                   if (p.get("status") or {}).get("phase") == "Running"}
         for name, found in jobs.items():
-            if found["metadata"].get("deletionTimestamp") or not (found.get("status") or {}).get("active"):
+            if found["metadata"].get("deletionTimestamp") or not (found.get("status") or {}).get("active") \
+                    or name in running:
                 continue
             if all(r.final for r in self._runs_of_job(experiment, share, name)):
                 self.api.delete_job(name, self.settings.termination_grace_s)
