@@ -12,6 +12,10 @@ the pipe folder in their environment. So :meth:`MpsDaemon.stop` waits for the da
 daemon's process tree before ``quit``, and waits for all of it, killing only what outlives ``stop_timeout``. A
 daemon or server that an nbbatch which has gone left running anyway is stopped by the next :func:`check_mps`.
 
+`nvidia-cuda-mps-control -d` daemonizes: its daemon would be re-parented to the nearest subreaper or init, and a
+container's first process that reaps nobody keeps it a zombie once it quits. So this process adopts it (a child
+subreaper while the daemon starts) and reaps it when it is stopped.
+
 The daemon sees only the driven GPUs (``CUDA_VISIBLE_DEVICES``); MPS renumbers them from 0 for its
 clients, so a client names its GPUs by their position in the daemon's list.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import logging
 import os
 import shutil
@@ -28,7 +33,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
 
 from nbbatch.backends.local.gpus import GpuInfo
@@ -199,9 +204,10 @@ class MpsDaemon:
         try:
             with open(out_path, "wb") as out:
                 # a session of its own: a Ctrl-C in the terminal must not reach it before we stop it cleanly
-                done = subprocess.run([control, "-d"], env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                      stderr=subprocess.STDOUT, start_new_session=True, timeout=self.start_timeout,
-                                      check=False)
+                with _adopting_orphans():  # the daemonized daemon becomes our child, reaped when it is stopped
+                    done = subprocess.run([control, "-d"], env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                          stderr=subprocess.STDOUT, start_new_session=True,
+                                          timeout=self.start_timeout, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise BackendError(f"cannot start CUDA MPS (`{MPS_CONTROL} -d`): {exc}{self._diagnosis(out_path)}") from exc
         if done.returncode != 0:
@@ -272,6 +278,8 @@ class MpsDaemon:
                 logger.warning("CUDA MPS clients %s still run %g s after the batch: stopping the daemon anyway",
                                clients, self.stop_timeout)
         _shut_down(pid, pipe, self._control or shutil.which(MPS_CONTROL), self.stop_timeout)
+        if pid is not None:
+            _reap(pid)
 
     def __enter__(self) -> MpsDaemon:
         return self.start()
@@ -292,6 +300,32 @@ def _stop_live_daemons() -> None:
         daemons = [d for d, pid in _live.items() if pid == os.getpid()]
     for daemon in daemons:
         daemon.stop()
+
+
+_PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37  # prctl(2), Linux 3.4
+
+
+@contextlib.contextmanager
+def _adopting_orphans() -> Iterator[None]:
+    """While inside, this process is a child subreaper: a process its children orphan (the daemon that
+    ``nvidia-cuda-mps-control -d`` forks) becomes its child. Where prctl cannot do it, nothing changes."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    before = ctypes.c_int(0)
+    if libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(before), 0, 0, 0) != 0 or before.value:
+        yield  # not Linux, or already a subreaper (kept)
+        return
+    adopted = libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    try:
+        yield
+    finally:
+        if adopted:
+            libc.prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+
+def _reap(pid: int) -> None:
+    """Collect ``pid``'s exit if it is a child of this process that has exited (else leave it)."""
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
 
 
 def _private_folder() -> str:
