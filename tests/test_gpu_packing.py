@@ -333,9 +333,9 @@ def test_auto_packs_a_new_notebook_at_once_then_by_what_it_measured(project, wri
     records = submit(exp, progress=False).records
     assert [r.status for r in records] == ["succeeded"] * 8, [r.error for r in records]
     assert not any(r.gpu_share.exclusive for r in records)
-    assert {r.gpu_share.need_from for r in records if r.notebook.endswith("/nb.ipynb")} == {"framework"}
-    assert {r.recognised_as for r in records if r.notebook.endswith("/nb.ipynb")} == {"pytorch"}
-    hidden = sorted((r for r in records if r.notebook.endswith("hidden.ipynb")), key=lambda r: r.started_at)
+    plain = [r for r in records if Path(r.notebook).stem == "nb"]
+    assert {r.gpu_share.need_from for r in plain} == {"framework"} and {r.recognised_as for r in plain} == {"pytorch"}
+    hidden = sorted((r for r in records if Path(r.notebook).stem == "hidden"), key=lambda r: r.started_at)
     assert hidden[0].gpu_share.need_from == "guess" and hidden[0].recognised_as is None
     assert all(r.telemetry["memory_run_max_mb"] >= 256 for r in records), [r.telemetry for r in records]
     again = submit(exp, progress=False, force=True).records

@@ -102,7 +102,11 @@ if sys.argv[1:] == ["-d"]:
             f.write("[fake] no CUDA-capable device is detected\\n")
         sys.exit(1)
     if mode != "nopid":
-        spawn("--daemon")
+        spawn("--fork")
+    sys.exit(0)
+if sys.argv[1:2] == ["--fork"]:  # like the real one: the fork of `-d` forks the daemon and exits
+    rename("nvidia-cuda-mps-control")
+    spawn("--daemon")
     sys.exit(0)
 if sys.argv[1:2] == ["--daemon"]:
     if os.environ.get("FAKE_MPS_NAME"):  # opt-in: a test session beside this one would see it as another MPS
@@ -683,8 +687,9 @@ daemon.stop()
 
 
 def test_the_daemon_is_reaped_under_a_first_process_that_reaps_nobody(fake):
-    """`-d` daemonizes: its daemon, re-parented to a container's first process that never reaps, was left a
-    zombie after every batch. nbbatch adopts the daemon while starting it and reaps it when it stops it."""
+    """`-d` daemonizes through an intermediate process: re-parented to a container's first process that never
+    reaps, one was left a zombie after every batch (seen on an H200). nbbatch adopts the intermediate process and
+    the daemon while starting it and reaps them."""
     done = subprocess.run([sys.executable, "-c", NON_REAPING_INIT, DRIVER.format(src=str(SRC)), "1.0"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
