@@ -110,6 +110,42 @@ def datastore_path(datastore: str, prefix: str) -> str:
     return f"azureml://datastores/{datastore}/paths/{path}"
 
 
+@cache
+def _refused_path_chars() -> tuple[tuple[str, bool, str], ...]:
+    """``(chars, whitespace, why)`` of each entry of ``datastore_path_refused`` in ``rules.yaml``."""
+    return tuple((str(entry.get("chars", "")), bool(entry.get("whitespace", False)), " ".join(entry["why"].split()))
+                 for entry in _data()["datastore_path_refused"])  # type: ignore[attr-defined]
+
+
+def _refused_char(char: str) -> str | None:
+    """Why ``char`` may not be in a datastore path; None when the SDK and the data runtime read it alike."""
+    for chars, whitespace, why in _refused_path_chars():
+        if char in chars or (whitespace and char != " " and (char.isspace() or not char.isprintable())):
+            return why
+    return None
+
+
+def _visible(text: str) -> str:
+    """``text`` with each whitespace or control character but the plain space written as its escape (``\\t``)."""
+    return "".join(c if c == " " or (c.isprintable() and not c.isspace()) else ascii(c)[1:-1] for c in text)
+
+
+def check_datastore_folder(location: AzureFilesLocation, where: str) -> None:
+    """Raise :class:`ValidationError` when a folder of ``location`` holds a character that the SDK and the data
+    runtime read differently in ``azureml://datastores/<name>/paths/<folder>/`` (``rules.yaml``,
+    ``datastore_path_refused``): the job would mount another folder than the one the driver reads."""
+    for char in dict.fromkeys(location.prefix):
+        why = _refused_char(char)
+        if why is None:
+            continue
+        folder = next(part for part in location.prefix.split("/") if char in part)
+        renamed = "".join("-" if _refused_char(c) else c for c in folder)
+        raise ValidationError(
+            f"the folder `{_visible(folder)}` of {where} ({_visible(location.url)}) holds `{_visible(char)}`, which Azure ML cannot carry in a "
+            f"datastore path: {why}. Rename the folder (e.g. to `{renamed}`) and write the new name in the azfiles:// "
+            "URL. Nothing was created in Azure ML")
+
+
 def check_datastore_path(uri: str, where: str) -> None:
     """Raise :class:`ValidationError` unless the SDK's own parser (``AzureMLDatastorePathUri``) reads ``uri`` back whole."""
     try:
@@ -172,6 +208,7 @@ def check_location(location: AzureFilesLocation, datastore: str, where: str) -> 
     check_name("storage_account", location.account, f"the storage account of {where} ({location.url})")
     check_name("file_share", location.share, f"the file share of {where} ({location.url})")
     check_name("datastore", datastore, f"the datastore of {where}")
+    check_datastore_folder(location, where)
     check_datastore_path(datastore_path(datastore, location.prefix), where)
 
 
