@@ -438,9 +438,29 @@ def test_missing_datastore_without_key_says_how(aml, runs, files, monkeypatch, s
     monkeypatch.delenv("AZURE_STORAGE_KEY")
     backend = AzureMLBackend(ml_client=aml.ml_client(), poll_seconds=0)
     _queue(share, runs)  # the share object was opened with the key; the backend no longer sees it
-    with pytest.raises(BackendError, match="az ml datastore create"):
+    with pytest.raises(BackendError, match="az ml datastore create") as refused:
         _submit(backend, runs, share, _options())
     assert not aml.jobs
+    text = str(refused.value)  # Azure File datastores take a key or a SAS only: keyless users go `direct`
+    assert "no credentials" not in text and "identity-based access" not in text
+    assert "credentials.account_key or credentials.sas_token" in text and "set `share_mode: direct` under `backend:`" in text
+
+
+def test_an_azure_file_datastore_without_credentials_is_refused(aml, monkeypatch):
+    """Issue 50 item 2: Azure ML mounts an Azure File datastore with an account key or SAS only."""
+    from nbbatch.backends.azureml import ensure_datastore
+
+    monkeypatch.delenv("AZURE_STORAGE_KEY", raising=False)
+    aml.datastores[DATASTORE] = {
+        "id": f"{aml.ws_path}/datastores/{DATASTORE}", "name": DATASTORE,
+        "type": "Microsoft.MachineLearningServices/workspaces/datastores",
+        "properties": {"datastoreType": "AzureFile", "accountName": ACCOUNT, "fileShareName": "results",
+                       "endpoint": "core.windows.net", "protocol": "https", "credentials": {"credentialsType": "None"}}}
+    with pytest.raises(BackendError, match=rf"datastore `{DATASTORE}` \({ACCOUNT}/results\) has no account key or SAS "
+                                           r"token.*every job would fail to mount it.*set `share_mode: direct`"):
+        ensure_datastore(aml.ml_client(), DATASTORE, ACCOUNT, "results")
+    aml.datastores[DATASTORE]["properties"]["credentials"] = {"credentialsType": "AccountKey"}
+    ensure_datastore(aml.ml_client(), DATASTORE, ACCOUNT, "results")  # one with a key is used as it is
 
 
 def test_stream_log_follows_the_job(aml, backend, share, runs, files, env_upload, monkeypatch):

@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from azure.ai.ml import MLClient
-from azure.ai.ml.entities import AccountKeyConfiguration, AzureFileDatastore, BuildContext, Environment
+from azure.ai.ml.entities import (
+    AccountKeyConfiguration,
+    AzureFileDatastore,
+    BuildContext,
+    Environment,
+    SasTokenConfiguration,
+)
 from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
 
 import nbbatch
@@ -102,6 +108,12 @@ def ensure_environment(ml_client: MLClient, framework: Any, dockerfiles_dir: Pat
                                f"{error_text(exc)}") from exc
 
 
+# Where no storage key may be used: the job reaches the results share with its cluster's identity, no datastore.
+KEYLESS_FIX = ("set `share_mode: direct` under `backend:`: the job then writes the results share with its cluster's "
+               "managed identity (Storage File Data Privileged Contributor on the account; inputs are still mounted "
+               "through datastores, so keep inputs on a share that has one)")
+
+
 def datastore_name_for(account: str, share: str) -> str:
     """The default datastore name of a file share: ``nbbatch_<account>_<share>``."""
     return re.sub(r"[^a-z0-9_]", "_", f"nbbatch_{account}_{share}".lower())[:255]
@@ -114,7 +126,8 @@ def ensure_datastore(ml_client: MLClient, name: str, account: str, share: str) -
     account in ``AZURE_STORAGE_ACCOUNT``: :func:`nbbatch.store.azfiles_client.storage_key`), checked against the
     service first so a datastore is never registered with another account's key. Azure ML keeps the key in the
     workspace's key vault, and workspace Readers can read it back through the datastore. Without a key, say how
-    to register the datastore by hand (with a key, or identity-based: no credentials).
+    to register the datastore by hand or to go without one (``share_mode: direct``). An Azure File datastore takes an
+    account key or a SAS token only, so one registered without credentials is refused: every job would fail to mount it.
     """
     try:
         found = ml_client.datastores.get(name)
@@ -127,15 +140,22 @@ def ensure_datastore(ml_client: MLClient, name: str, account: str, share: str) -
         if (found.account_name, found.file_share_name) != (account, share):
             raise BackendError(f"datastore `{name}` points at {found.account_name}/{found.file_share_name}, "
                                f"not the experiment's share {account}/{share}; name another with `datastore:`")
+        if not isinstance(found.credentials, (AccountKeyConfiguration, SasTokenConfiguration)):
+            raise BackendError(
+                f"datastore `{name}` ({account}/{share}) has no account key or SAS token, and Azure ML mounts an Azure "
+                "File datastore with one of those only (identity-based access is for blob and Data Lake datastores): "
+                f"every job would fail to mount it. Register it again with credentials.account_key or "
+                f"credentials.sas_token, or, to go without a key, {KEYLESS_FIX}")
         return
     key = storage_key(account)
     if not key:
         raise BackendError(
             f"the workspace has no datastore `{name}` for the file share {account}/{share}. Register it once "
             f"with `az ml datastore create --file <yaml>` (type: azure_file, name: {name}, account_name: {account}, "
-            f"file_share_name: {share}, and credentials.account_key, or no credentials for identity-based access; "
-            f"see docs/azure.md), or set {account_key_env(account)} to that account's key for this command and "
-            "nbbatch registers it (Azure ML keeps the key in the workspace's key vault; workspace Readers can read it)"
+            f"file_share_name: {share}, credentials.account_key or credentials.sas_token: Azure File datastores take "
+            f"no other credentials; see docs/azure.md), or set {account_key_env(account)} to that account's key for "
+            "this command and nbbatch registers it (Azure ML keeps the key in the workspace's key vault; workspace "
+            f"Readers can read it). To go without a key, {KEYLESS_FIX}"
         )
     try:
         check_account_key(account, share, key)
