@@ -63,7 +63,7 @@ def azproject(project):
 
 
 def _image_version(azproject) -> str:
-    return image_spec(get_framework("toy", Project(azproject)), azproject / "dockerfiles").fingerprint
+    return image_spec(get_framework("toy", Project(azproject)), azproject / "dockerfiles", run_as="root").fingerprint
 
 
 def _run(root, run_id: str, lr: float, gpus: int = 1) -> Run:
@@ -334,7 +334,7 @@ def test_submit_statuses_cancel_resubmit(aml, backend, share, runs, files, env_u
     assert {"Dockerfile", "frameworks/toy/framework.yaml", "frameworks/toy/requirements.txt", "context/uv",
             "context/nbbatch-requirements.txt", "src/nbbatch/ui/cli.py"} <= set(uploaded)
     staged_dockerfile = render((azproject / "dockerfiles/Dockerfile").read_text(), image_spec(
-        get_framework("toy", Project(azproject)), azproject / "dockerfiles").args)
+        get_framework("toy", Project(azproject)), azproject / "dockerfiles", run_as="root").args)
     for source in copy_sources(staged_dockerfile):
         assert source in uploaded or any(f.startswith(source.rstrip("/") + "/") for f in uploaded), source
     assert len(aml.jobs) == 3 and len(updates) == 3

@@ -2,12 +2,13 @@
 
 One template, ``dockerfiles/Dockerfile``, filled from each ``framework.yaml``: a base pinned by tag (the
 framework's ``base_image``), the pins installed by ``nbbatch envs create`` (GPU builds only as listed in
-``gpu_packages``, each the same package at the same version), a non-root final user, and a build
+``gpu_packages``, each the same package at the same version), a non-root final user (root for Azure ML's builds), and a build
 context, as the azureml backend stages it, that holds every path the Dockerfile copies.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -94,19 +95,53 @@ def test_gpu_builds_are_the_same_packages_at_the_same_versions(frameworks):
             assert fw.fingerprint(gpu=True) != fw.fingerprint()
 
 
+def final_user(text: str) -> str:
+    """The user a filled-in Dockerfile's last ``USER`` names, its ARGs' defaults substituted; after its last RUN."""
+    steps = instructions(text)
+    defaults = {name.strip(): json.loads(value) if value.startswith('"') else value
+                for name, _, value in (args.partition("=") for kw, args in steps if kw == "ARG")}
+    users = [(i, args) for i, (kw, args) in enumerate(steps) if kw == "USER"]
+    assert users and users[-1][0] > max(i for i, (kw, _) in enumerate(steps) if kw == "RUN")
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: defaults[m.group(1) or m.group(2)], users[-1][1]).split(":")[0]
+
+
 def test_runs_as_a_non_root_user(spec):
-    steps = instructions(spec.text)
-    users = [(i, args.split(":")[0]) for i, (kw, args) in enumerate(steps) if kw == "USER"]
-    assert users and users[-1][1] not in {"root", "0"}, "the image would run as root"
-    assert users[-1][0] > max(i for i, (kw, _) in enumerate(steps) if kw == "RUN")
+    assert final_user(spec.text) == "nbbatch", "the image would run as root"
+
+
+def test_azure_ml_images_run_as_root_and_say_so(spec, tmp_path):
+    """Issue 50 item 3: Azure ML's curated images run as root (job setup, data mounts, MPI's ssh): the azureml
+    backend's images (built there, or pushed with `--run-as root` for `registry:`) are another build of the template."""
+    pytest.importorskip("azure.ai.ml")
+    from nbbatch.backends.azureml.images import IMAGE_USER, framework_environment
+
+    root = image_spec(spec.framework, DOCKERFILES, run_as="root")
+    assert IMAGE_USER == "root" and final_user(root.text) == "root" and root.user == "root"
+    assert root.fingerprint != spec.fingerprint and root.variant == f"{spec.variant} as root"
+    assert root.build_command == f"{spec.build_command} --run-as root"
+    env = framework_environment(spec.framework, DOCKERFILES, registry="myacr.azurecr.io/nbbatch")
+    assert env.version == root.fingerprint and env.image.endswith(f":{root.fingerprint}")
+
+
+def test_an_own_dockerfile_without_the_user_arg_cannot_run_as_another_user(frameworks, tmp_path):
+    own = tmp_path / "dockerfiles" / "chainer"
+    own.mkdir(parents=True)
+    (own / "Dockerfile").write_text("ARG BASE_IMAGE=ubuntu:24.04\nFROM ${BASE_IMAGE}\nUSER 1000\n")
+    image_spec(frameworks["chainer"], own.parent)  # its own user, as it says
+    with pytest.raises(ContainerError, match=r"cannot run as `root`: it has no `ARG RUN_AS`.*`USER \$\{RUN_AS\}` last"):
+        image_spec(frameworks["chainer"], own.parent, run_as="root")
+    with pytest.raises(ContainerError, match="is not a user an image can run as"):
+        image_spec(frameworks["chainer"], DOCKERFILES, run_as="root; rm -rf /")
 
 
 def test_the_staged_context_holds_everything_the_dockerfile_copies(spec, tmp_path):
     """What the azureml backend uploads for Azure ML's image build: every COPY source must be in it."""
     pytest.importorskip("azure.ai.ml")
-    from nbbatch.backends.azureml.images import framework_environment  # the azure extra: loaded only when installed
+    from nbbatch.backends.azureml.images import IMAGE_USER, framework_environment  # the azure extra: only when installed
 
     env = framework_environment(spec.framework, DOCKERFILES, build_dir=tmp_path / "ctx")
+    spec = image_spec(spec.framework, DOCKERFILES, run_as=IMAGE_USER)  # what Azure ML builds: its jobs run as root
+    assert final_user((Path(env.build.path) / "Dockerfile").read_text()) == "root"
     context = Path(env.build.path)
     sources = copy_sources((context / "Dockerfile").read_text())
     assert {"context/uv", "context/nbbatch-requirements.txt", "src/nbbatch", f"frameworks/{spec.framework.name}"} <= set(sources)

@@ -33,12 +33,16 @@ from nbbatch.spec.project import Project, find_project
 from nbbatch.store.azfiles_client import account_key_env, check_account_key, storage_key
 
 KEY_ENV = "AZURE_STORAGE_KEY"
+# The user Azure ML jobs run as: root, as in Azure ML's curated images, for which its job setup, the data runtime's
+# mounts and MPI's ssh between nodes are made (the image template's default, uid 10001, is for Kubernetes).
+IMAGE_USER = "root"
 
 
 def framework_environment(framework: Any, dockerfiles_dir: Path, build_dir: Path | None = None,
                           registry: str | None = None) -> Environment:
-    """The Azure ML environment of a framework: its GPU image (:mod:`nbbatch.containers.images`), versioned by
-    the image's fingerprint (its pins, the filled-in Dockerfile, uv and nbbatch's requirements).
+    """The Azure ML environment of a framework: its GPU image (:mod:`nbbatch.containers.images`) running as
+    :data:`IMAGE_USER`, versioned by the image's fingerprint (its pins, the filled-in Dockerfile, uv and nbbatch's
+    requirements).
 
     With ``registry`` the environment is the image pushed there (``nbbatch images push``):
     ``image: REGISTRY/nbbatch-<framework>:<fingerprint>``, nothing built by Azure ML. Else, with ``build_dir``, the
@@ -46,7 +50,7 @@ def framework_environment(framework: Any, dockerfiles_dir: Path, build_dir: Path
     framework's values, and everything it copies), for the linux/x86_64 nodes Azure ML runs.
     """
     try:
-        spec = image_spec(framework, Path(dockerfiles_dir))
+        spec = image_spec(framework, Path(dockerfiles_dir), run_as=IMAGE_USER)
         path = Path(dockerfiles_dir)
         if build_dir is not None and registry is None:
             path = stage_context(spec, build_dir, find_project(), arch="x86_64")
@@ -72,7 +76,7 @@ def check_pushed(framework: Any, dockerfiles_dir: Path, registry: str) -> None:
     only when its node pulls). Refused when the registry says it has no such tag; where this machine cannot ask it
     (no container engine, no login, not reachable from here, where the workspace may still reach it), a warning."""
     try:
-        spec = image_spec(framework, Path(dockerfiles_dir))
+        spec = image_spec(framework, Path(dockerfiles_dir), run_as=IMAGE_USER)
     except ContainerError as exc:
         raise BackendError(str(exc)) from exc
     ref = registry_ref(spec, registry)

@@ -141,8 +141,8 @@ def check_datastore_folder(location: AzureFilesLocation, where: str) -> None:
         folder = next(part for part in location.prefix.split("/") if char in part)
         renamed = "".join("-" if _refused_char(c) else c for c in folder)
         raise ValidationError(
-            f"the folder `{_visible(folder)}` of {where} ({_visible(location.url)}) holds `{_visible(char)}`, which Azure ML cannot carry in a "
-            f"datastore path: {why}. Rename the folder (e.g. to `{renamed}`) and write the new name in the azfiles:// "
+            f"the folder `{_visible(folder)}` of {where} ({_visible(location.url)}) holds `{_visible(char)}`, which "
+            f"Azure ML cannot carry in a datastore path: {why}. Rename the folder (e.g. to `{renamed}`) and write the new name in the azfiles:// "
             "URL. Nothing was created in Azure ML")
 
 
