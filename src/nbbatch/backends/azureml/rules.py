@@ -142,8 +142,8 @@ def check_datastore_folder(location: AzureFilesLocation, where: str) -> None:
         renamed = "".join("-" if _refused_char(c) else c for c in folder)
         raise ValidationError(
             f"the folder `{_visible(folder)}` of {where} ({_visible(location.url)}) holds `{_visible(char)}`, which "
-            f"Azure ML cannot carry in a datastore path: {why}. Rename the folder (e.g. to `{renamed}`) and write the new name in the azfiles:// "
-            "URL. Nothing was created in Azure ML")
+            f"Azure ML cannot carry in a datastore path: {why}. Rename the folder (e.g. to `{renamed}`) and write the "
+            "new name in the azfiles:// URL. Nothing was created in Azure ML")
 
 
 def check_datastore_path(uri: str, where: str) -> None:
