@@ -876,3 +876,55 @@ def test_registry_images_are_used_not_built(aml, share, runs, files, env_upload,
     with pytest.raises(ValidationError, match="has a scheme"):
         AzureMLBackend(ml_client=aml.ml_client(), registry="https://registry.example.com").check(runs)
     assert not aml.transport.unmatched
+
+
+# --- issue 50 item 11: a user-assigned identity and sovereign clouds reach the job --------------------------------
+
+CLIENT_ID = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
+
+
+def test_a_user_assigned_identity_reaches_the_job_as_azure_client_id(aml, runs, tmp_path, monkeypatch):
+    """`direct` mode with a user-assigned identity: DefaultAzureCredential in the job picks it by AZURE_CLIENT_ID."""
+    monkeypatch.delenv("AZUREML_CURRENT_CLOUD", raising=False)
+    backend = AzureMLBackend(ml_client=aml.ml_client(), share_mode="direct", identity_client_id=CLIENT_ID)
+    job = backend.build_job(runs[0], "azureml:e:1", tmp_path, datastore="ds", share_url=SHARE_URL)
+    loaded = load_job(source=io.StringIO(job_yaml(job)))
+    assert loaded.environment_variables["AZURE_CLIENT_ID"] == CLIENT_ID
+    plain = AzureMLBackend(ml_client=aml.ml_client(), share_mode="direct")
+    monkeypatch.delenv("AZUREML_CURRENT_CLOUD", raising=False)  # MLClient sets it: a job gets only what was asked
+    assert "AZURE_CLIENT_ID" not in (plain.build_job(runs[0], "azureml:e:1", tmp_path, datastore="ds",
+                                                     share_url=SHARE_URL).environment_variables or {})
+    with pytest.raises(ValidationError, match=r"`identity_client_id:` under `backend:` `my-identity` is not a valid "
+                                              r"managed identity client id.*clientId"):
+        AzureMLBackend(ml_client=aml.ml_client(), identity_client_id="my-identity").check(runs)
+
+
+@pytest.mark.parametrize(("cloud", "suffix"), [("AzureCloud", "core.windows.net"),
+                                               ("AzureChinaCloud", "core.chinacloudapi.cn"),
+                                               ("AzureUSGovernment", "core.usgovcloudapi.net")])
+def test_a_sovereign_cloud_gives_its_own_azure_files_endpoint(aml, runs, tmp_path, monkeypatch, cloud, suffix):
+    from nbbatch.backends.azureml import ensure_datastore
+    from nbbatch.store import azfiles_client
+
+    monkeypatch.delenv("NBBATCH_AZFILES_ENDPOINT", raising=False)
+    monkeypatch.setenv("AZUREML_CURRENT_CLOUD", cloud)  # what MLClient(cloud=…) sets
+    assert azfiles_client.default_endpoint("acct") == f"https://acct.file.{suffix}"
+    job = AzureMLBackend(ml_client=aml.ml_client(), share_mode="direct").build_job(
+        runs[0], "azureml:e:1", tmp_path, datastore="ds", share_url=SHARE_URL)
+    assert job.environment_variables["AZUREML_CURRENT_CLOUD"] == cloud  # the job opens the same cloud's endpoint
+    monkeypatch.setenv("AZURE_STORAGE_KEY", "a2V5")
+    monkeypatch.setattr("nbbatch.backends.azureml.images.check_account_key", lambda *args: None)
+    ensure_datastore(aml.ml_client(), "nbbatch_acct_results", "acct", "results")
+    assert aml.datastores["nbbatch_acct_results"]["properties"]["endpoint"] == suffix
+
+
+def test_an_unknown_cloud_names_the_endpoint_variable(monkeypatch):
+    from nbbatch.errors import ShareError
+    from nbbatch.store.azfiles_client import default_endpoint
+
+    monkeypatch.delenv("NBBATCH_AZFILES_ENDPOINT", raising=False)
+    monkeypatch.setenv("AZUREML_CURRENT_CLOUD", "AzureGermanCloud")
+    with pytest.raises(ShareError, match=r"`AzureGermanCloud`.*set NBBATCH_AZFILES_ENDPOINT"):
+        default_endpoint("acct")
+    monkeypatch.setenv("NBBATCH_AZFILES_ENDPOINT", "https://{account}.file.core.cloudapi.de")
+    assert default_endpoint("acct") == "https://acct.file.core.cloudapi.de"

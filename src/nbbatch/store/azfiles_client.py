@@ -36,13 +36,18 @@ from nbbatch.errors import ShareError
 ENDPOINT_ENV = "NBBATCH_AZFILES_ENDPOINT"
 KEY_ENV = "AZURE_STORAGE_KEY"
 ACCOUNT_ENV = "AZURE_STORAGE_ACCOUNT"
+CLOUD_ENV = "AZUREML_CURRENT_CLOUD"  # azure-ai-ml's name for the cloud in use (MLClient(cloud=…) sets it)
+# Storage endpoint suffixes of the clouds azure-ai-ml knows by name (azure.ai.ml._azure_environments, storage_endpoint)
+STORAGE_SUFFIXES = {"AzureCloud": "core.windows.net", "AzureChinaCloud": "core.chinacloudapi.cn",
+                    "AzureUSGovernment": "core.usgovcloudapi.net"}
 MAX_RETRY_WAIT_S = 30.0  # the most one request waits on a busy service before its caller hears of it
 # The keywords ShareClient hands its default retry policy: they configure ThrottleRetry instead.
 RETRY_OPTIONS = ("retry_total", "retry_connect", "retry_read", "retry_status", "retry_to_secondary",
                  "initial_backoff", "increment_base", "random_jitter_range")
 
-__all__ = ["ENDPOINT_ENV", "KEY_ENV", "ACCOUNT_ENV", "MAX_RETRY_WAIT_S", "ThrottleRetry", "account_key_env",
-           "storage_key", "resolve_credential", "default_endpoint", "retry_policy", "key_hint", "check_account_key"]
+__all__ = ["ENDPOINT_ENV", "KEY_ENV", "ACCOUNT_ENV", "CLOUD_ENV", "MAX_RETRY_WAIT_S", "ThrottleRetry",
+           "account_key_env", "storage_key", "resolve_credential", "default_endpoint", "storage_suffix", "retry_policy",
+           "key_hint", "check_account_key"]
 
 
 def account_key_env(account: str) -> str:
@@ -69,12 +74,25 @@ def key_hint(account: str) -> str:
             "Privileged Contributor' role on that account")
 
 
+def storage_suffix() -> str:
+    """The storage endpoints' suffix of the cloud in use: ``core.windows.net``, or a sovereign cloud's, by the cloud
+    name in ``AZUREML_CURRENT_CLOUD`` (what ``MLClient(cloud=…)`` sets; the names azure-ai-ml knows)."""
+    cloud = os.environ.get(CLOUD_ENV) or "AzureCloud"
+    for name, suffix in STORAGE_SUFFIXES.items():
+        if name.lower() == cloud.lower():
+            return suffix
+    raise ShareError(f"{CLOUD_ENV} names the cloud `{cloud}`, whose Azure Files endpoint nbbatch does not know (it "
+                     f"knows {', '.join(STORAGE_SUFFIXES)}); set {ENDPOINT_ENV} to it, e.g. "
+                     "https://{account}.file.<storage suffix>")
+
+
 def default_endpoint(account: str) -> str:
-    """The account's File service URL: ``NBBATCH_AZFILES_ENDPOINT`` (``{account}`` in it is replaced), else the public one."""
+    """The account's File service URL: ``NBBATCH_AZFILES_ENDPOINT`` (``{account}`` in it is replaced), else the
+    cloud's (:func:`storage_suffix`)."""
     override = os.environ.get(ENDPOINT_ENV)
     if override:
         return override.replace("{account}", account)
-    return f"https://{account}.file.core.windows.net"
+    return f"https://{account}.file.{storage_suffix()}"
 
 
 def resolve_credential(account: str, endpoint: str) -> tuple[Any, bool]:

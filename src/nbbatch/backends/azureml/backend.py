@@ -50,7 +50,7 @@ from nbbatch.backends.azureml.rules import (
     job_timeout_s,
     normal_shm_size,
 )
-from nbbatch.backends.azureml.workspace import connect, error_text
+from nbbatch.backends.azureml.workspace import connect, error_text, job_environment
 from nbbatch.backends.base import Backend, Capabilities, Compute, SubmitOptions
 from nbbatch.backends.settings import setting
 from nbbatch.errors import BackendError, NbbatchError, ShareError, ValidationError
@@ -93,7 +93,8 @@ class AzureMLSettings(ClusterSettings):
     instead of building the framework's image from ``dockerfiles/``; ``registry`` uses the framework images pushed
     there (``nbbatch images push REGISTRY``) instead of building them. ``poll_seconds`` is how often waiting
     reads job states. ``share_mode`` is ``mount`` (the share is the job's rw_mount output) or
-    ``direct`` (the job opens ``azfiles://`` itself with the cluster's managed identity).
+    ``direct`` (the job opens ``azfiles://`` itself with the cluster's managed identity; ``identity_client_id``
+    names a user-assigned one, which the job's credential then uses as ``AZURE_CLIENT_ID``).
     ``ml_client``/``credential``/``client_kwargs`` are for Python callers and tests.
     """
 
@@ -110,6 +111,7 @@ class AzureMLSettings(ClusterSettings):
     shm_size: str | None = None
     launcher: str = DEFAULT_LAUNCHER
     share_mode: str = field(default="mount", metadata=setting(choices=("mount", "direct")))
+    identity_client_id: str | None = None  # the cluster's user-assigned identity: the job's AZURE_CLIENT_ID
     ml_client: MLClient | None = field(default=None, metadata=setting(python_only=True))
     credential: Any = field(default=None, metadata=setting(python_only=True))
     client_kwargs: Mapping[str, Any] | None = field(default=None, metadata=setting(python_only=True))
@@ -186,7 +188,8 @@ class AzureMLBackend(Backend):
         """Fail before anything starts when a run has no environment to run in, the cluster cannot hold it, or Azure ML
         would refuse its job (names, shm_size, datastore paths, time limit: :mod:`nbbatch.backends.azureml.rules`)."""
         super().check(runs, options)
-        check_settings(datastore=self.settings.datastore, shm_size=self.settings.shm_size)
+        check_settings(datastore=self.settings.datastore, shm_size=self.settings.shm_size,
+                       identity_client_id=self.settings.identity_client_id)
         for run in runs:
             environment = self._environment_for(run, register=False)
             for name, location in run.inputs.items():
@@ -460,6 +463,7 @@ class AzureMLBackend(Backend):
             distribution=distribution,
             shm_size=normal_shm_size(self.settings.shm_size),
             timeout=job_timeout_s(run),  # every attempt of the runner inside, not one
+            environment_variables=job_environment(self.settings.identity_client_id),
         )
 
     def _environment_for(self, run: Run, register: bool) -> str:

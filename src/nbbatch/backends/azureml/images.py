@@ -30,7 +30,7 @@ from nbbatch.errors import BackendError, ContainerError, ShareError
 from nbbatch.plan.runs import Run
 from nbbatch.spec.frameworks import list_frameworks
 from nbbatch.spec.project import Project, find_project
-from nbbatch.store.azfiles_client import account_key_env, check_account_key, storage_key
+from nbbatch.store.azfiles_client import account_key_env, check_account_key, storage_key, storage_suffix
 
 KEY_ENV = "AZURE_STORAGE_KEY"
 # The user Azure ML jobs run as: root, as in Azure ML's curated images, for which its job setup, the data runtime's
@@ -167,7 +167,7 @@ def ensure_datastore(ml_client: MLClient, name: str, account: str, share: str) -
         raise BackendError(f"cannot register datastore `{name}`: {exc}") from exc
     ml_client.datastores.create_or_update(
         AzureFileDatastore(
-            name=name, account_name=account, file_share_name=share,
+            name=name, account_name=account, file_share_name=share, endpoint=storage_suffix(),
             description="nbbatch results share", credentials=AccountKeyConfiguration(account_key=key),
         )
     )

@@ -188,13 +188,15 @@ def check_job_timeout(run: Run, tier: str) -> None:
         "resume in a later submission instead). Nothing was created in Azure ML")
 
 
-def check_settings(*, datastore: str | None, shm_size: str | None) -> None:
-    """Refuse a ``datastore:`` or ``shm_size:`` setting the service would refuse (the cluster's name is checked by
-    :class:`~nbbatch.backends.azureml.cluster.ClusterSettings`)."""
+def check_settings(*, datastore: str | None, shm_size: str | None, identity_client_id: str | None = None) -> None:
+    """Refuse a ``datastore:``, ``shm_size:`` or ``identity_client_id:`` setting the service would refuse (the
+    cluster's name is checked by :class:`~nbbatch.backends.azureml.cluster.ClusterSettings`)."""
     if datastore is not None:
         check_name("datastore", datastore, "`datastore:` under `backend:`")
     if shm_size is not None:
         check_name("shm_size", str(shm_size), "`shm_size:` under `backend:`")
+    if identity_client_id is not None:
+        check_name("client_id", str(identity_client_id), "`identity_client_id:` under `backend:`")
 
 
 def normal_shm_size(value: str | None) -> str | None:

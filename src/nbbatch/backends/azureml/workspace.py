@@ -9,6 +9,7 @@ from typing import Any
 from azure.ai.ml import MLClient
 
 from nbbatch.errors import BackendError
+from nbbatch.store.azfiles_client import CLOUD_ENV
 
 
 def connect(
@@ -39,6 +40,17 @@ def connect(
             "AZUREML_WORKSPACE, or download the workspace's config.json (Azure ML studio → workspace → "
             f"Download config file) into the project ({exc})"
         ) from exc
+
+
+def job_environment(identity_client_id: str | None) -> dict[str, str]:
+    """The variables a job gets besides its run's: the user-assigned identity ``DefaultAzureCredential`` must pick
+    (``AZURE_CLIENT_ID``: without it a managed-identity token names no identity, and a cluster with only a
+    user-assigned one answers none), and the sovereign cloud this driver uses (``AZUREML_CURRENT_CLOUD``, set by
+    ``MLClient(cloud=…)`` or by hand), so the job reaches the same cloud's Azure Files endpoint as the driver."""
+    environment = {"AZURE_CLIENT_ID": identity_client_id} if identity_client_id else {}
+    if cloud := os.environ.get(CLOUD_ENV):
+        environment[CLOUD_ENV] = cloud
+    return environment
 
 
 def error_text(exc: BaseException) -> str:
