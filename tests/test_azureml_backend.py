@@ -928,3 +928,30 @@ def test_an_unknown_cloud_names_the_endpoint_variable(monkeypatch):
         default_endpoint("acct")
     monkeypatch.setenv("NBBATCH_AZFILES_ENDPOINT", "https://{account}.file.core.cloudapi.de")
     assert default_endpoint("acct") == "https://acct.file.core.cloudapi.de"
+
+
+@pytest.mark.parametrize(("message", "inner", "cause"), [
+    ("The subscription has no quota for the NCASv3_T4 family.", "QuotaExceeded", "lacks quota for this VM family"),
+    ("The requested VM size Standard_NC4as_T4_v3 is not available in westeurope.", "VmSizeNotSupported",
+     "VM size is not offered"),
+    ("The client does not have authorization to perform action computes/write.", "AuthorizationFailed",
+     "may not create computes"),
+    ("Subnet /subscriptions/…/subnets/ml is not found in the virtual network.", "InvalidSubnet", None),
+])
+def test_a_cluster_create_refusal_names_the_services_cause(aml, message, inner, cause):
+    """Issue 50 item 11: not every refusal is VM size or quota: the service's answer, and advice only where it fits."""
+    import re as regex
+
+    from fakes.azureml_transport import service_error
+
+    refusal = service_error(400, message, inner=inner)
+    aml.transport.routes.insert(0, ("PUT", regex.compile(r".*/computes/[^/]+/?$"), lambda call: refusal))
+    with pytest.raises(BackendError) as refused:
+        AzureMLCluster(aml.ml_client(), ClusterSettings(compute="gpu-t4")).create()
+    text = str(refused.value)
+    assert f"cannot create cluster `gpu-t4` (Standard_NC4as_T4_v3), the service answered: (UserError) {message}" in text
+    assert f"inner error: BadArgument/{inner}" in text
+    if cause:
+        assert cause in text.split("Likely cause: ", 1)[1]
+    else:
+        assert "Likely cause" not in text and "quota" not in text.lower()

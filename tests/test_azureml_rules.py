@@ -79,10 +79,12 @@ def test_an_experiment_name_with_a_dot_is_refused_before_anything_is_created(wri
     assert not aml.transport.calls and not aml.computes and not aml.datastores and not aml.jobs
 
 
-@pytest.mark.parametrize("name", ["ab", "gpu-", "gpu-1", "1gpu", "gpu_a100", "g" * 33])
+@pytest.mark.parametrize("name", ["ab", "gpu-", "gpu-1", "1gpu", "gpu_a100", "g" * 33, "g" * 25,
+                                  "nbbatch-a100-lowpriority-x"])
 def test_compute_names_the_service_refuses(name):
+    """Issue 50 item 11: 25 to 32 characters are refused too (the REST API's pattern caps names at 24)."""
     with pytest.raises(ValidationError, match=rf"cluster name `{re.escape(name)}` is not a valid Azure ML compute "
-                                              r"cluster name.*3 to 32 characters"):
+                                              r"cluster name.*3 to 24 characters.*at most 24 characters"):
         ClusterSettings(name)
     aml = FakeAzureML()
     from nbbatch.ui.cli import build_parser
@@ -92,8 +94,15 @@ def test_compute_names_the_service_refuses(name):
     with pytest.raises(NbbatchError, match="not a valid Azure ML compute cluster name"):
         AzureMLBackend(ml_client=aml.ml_client(), compute=name)
     assert not aml.transport.calls and not aml.computes
-    for good in ("gpu-t4", "nbbatch-gpu", "abc", "g" * 32):
+    for good in ("gpu-t4", "nbbatch-gpu", "abc", "g" * 24, "nbbatch-probe2"):
         assert ClusterSettings(good).name == good
+
+
+def test_a_long_cluster_name_is_refused_with_a_shortened_example():
+    with pytest.raises(ValidationError, match=r"\(e.g. `nbbatch-a100-lowpriority`\)"):
+        ClusterSettings("nbbatch-a100-lowpriority-x")
+    with pytest.raises(ValidationError, match=r"\(e.g. `g{24}`\)"):
+        ClusterSettings("g" * 30)
 
 
 @pytest.mark.parametrize(("setting", "value", "rule"), [

@@ -42,6 +42,7 @@ class NameRule:
     fix: str
     source: str
     lowercase: bool = False
+    max_length: int | None = None  # an example is cut to this length
 
     def allows(self, value: str) -> bool:
         """Whether the service takes ``value``."""
@@ -54,6 +55,8 @@ class NameRule:
         if self.replace:
             text = re.sub(f"{re.escape(self.replace)}+", self.replace, text).strip(self.replace)
         text = text.lstrip("0123456789") if self.key == "compute" else text
+        if self.max_length:
+            text = text[:self.max_length].rstrip(self.replace or "")
         return text if text != value and self.allows(text) else None
 
     def refusal(self, value: str, where: str) -> ValidationError:
@@ -78,7 +81,7 @@ def name_rules() -> dict[str, NameRule]:
         rules[key] = NameRule(key=key, what=entry["what"], pattern=re.compile(entry["pattern"]), chars=entry["chars"],
                               replace=entry.get("replace", ""), says=" ".join(entry["says"].split()),
                               fix=" ".join(entry["fix"].split()), source=entry["source"],
-                              lowercase=bool(entry.get("lowercase", False)))
+                              lowercase=bool(entry.get("lowercase", False)), max_length=entry.get("max_length"))
     return rules
 
 
@@ -166,6 +169,16 @@ def job_timeout_s(run: Run) -> int | None:
         return None
     attempts = run.retries + 1
     return int(attempts * (float(run.timeout_s) + ATTEMPT_SLACK_S) + SETUP_SLACK_S)
+
+
+def cluster_create_hint(codes: list[str]) -> str | None:
+    """The advice of ``rules.yaml``'s ``cluster_create_hints`` for a refusal carrying ``codes``; None: none fits."""
+    hints = dict(_data().get("cluster_create_hints") or {})  # type: ignore[call-overload]
+    lowered = [code.lower() for code in codes]
+    for word, hint in hints.items():
+        if any(word in code for code in lowered):
+            return " ".join(str(hint).split())
+    return None
 
 
 def job_lifetime_s(tier: str) -> int:

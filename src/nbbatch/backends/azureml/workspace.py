@@ -64,6 +64,25 @@ def error_text(exc: BaseException) -> str:
     return " ".join(str(text).split())[:2000]
 
 
+def error_codes(exc: BaseException) -> list[str]:
+    """The codes of the service's answer that ``exc`` carries: its error's, its details', its inner errors'
+    (and azure-core's ``error_code``, e.g. from ``x-ms-error-code``)."""
+    codes = [str(exc.error_code)] if getattr(exc, "error_code", None) else []  # type: ignore[attr-defined]
+    try:
+        error = json.loads(exc.response.text())["error"]  # type: ignore[attr-defined]
+    except (AttributeError, TypeError, KeyError, ValueError):
+        return codes
+    if not isinstance(error, dict):
+        return codes
+    codes += [str(error["code"])] if error.get("code") else []
+    codes += [str(d["code"]) for d in error.get("details") or [] if isinstance(d, dict) and d.get("code")]
+    inner = error.get("innerError")
+    while isinstance(inner, dict) and inner.get("code"):
+        codes.append(str(inner["code"]))
+        inner = inner.get("innerError")
+    return codes
+
+
 def _service_answer(exc: BaseException) -> str | None:
     """``(code) message`` with the details and inner error codes of the body of the response that ``exc`` carries."""
     try:
