@@ -40,12 +40,17 @@ CLOUD_ENV = "AZUREML_CURRENT_CLOUD"  # azure-ai-ml's name for the cloud in use (
 # Storage endpoint suffixes of the clouds azure-ai-ml knows by name (azure.ai.ml._azure_environments, storage_endpoint)
 STORAGE_SUFFIXES = {"AzureCloud": "core.windows.net", "AzureChinaCloud": "core.chinacloudapi.cn",
                     "AzureUSGovernment": "core.usgovcloudapi.net"}
-MAX_RETRY_WAIT_S = 30.0  # the most one request waits on a busy service before its caller hears of it
+MAX_RETRY_WAIT_S = 30.0
+RETRIED_CONFLICTS = ("SharingViolation",)  # 409s that pass: "The specified resource is in use by an SMB client"
+# The File service takes OAuth (Entra ID) on share-level calls (create, properties) from this REST version on
+# (azure-storage-file-share 12.18.0's "service version 2024-11-04: Entra ID authentication for all data plane file
+# operations"): a token client asks for at least this version.
+OAUTH_API_VERSION = "2024-11-04"  # the most one request waits on a busy service before its caller hears of it
 # The keywords ShareClient hands its default retry policy: they configure ThrottleRetry instead.
 RETRY_OPTIONS = ("retry_total", "retry_connect", "retry_read", "retry_status", "retry_to_secondary",
                  "initial_backoff", "increment_base", "random_jitter_range")
 
-__all__ = ["ENDPOINT_ENV", "KEY_ENV", "ACCOUNT_ENV", "CLOUD_ENV", "MAX_RETRY_WAIT_S", "ThrottleRetry",
+__all__ = ["ENDPOINT_ENV", "KEY_ENV", "ACCOUNT_ENV", "CLOUD_ENV", "MAX_RETRY_WAIT_S", "OAUTH_API_VERSION", "ThrottleRetry",
            "account_key_env", "storage_key", "resolve_credential", "default_endpoint", "storage_suffix", "retry_policy",
            "key_hint", "check_account_key"]
 
@@ -162,6 +167,20 @@ class ThrottleRetry(ExponentialRetry):
 
     def get_backoff_time(self, settings: dict[str, Any]) -> float:
         return float(settings.get("next_wait") or 0.0)
+
+    def send(self, request: Any) -> Any:
+        """Send with the SDK's retries; then also retry, with the same backoff and ``max_wait_s``, a 409
+        ``SharingViolation`` (an SMB client, e.g. a job's mount of the share, holds the file open for a moment), which
+        the SDK treats as final."""
+        settings = None
+        while True:
+            response = super().send(request)
+            if response.http_response.headers.get("x-ms-error-code") not in RETRIED_CONFLICTS:
+                return response
+            settings = settings or self.configure_retries(request)
+            if not self.increment(settings, request=request.http_request, response=response.http_response):
+                return response
+            self.sleep(settings, request.context.transport)
 
 
 def retry_policy(client_options: dict[str, Any]) -> None:
