@@ -955,3 +955,14 @@ def test_a_cluster_create_refusal_names_the_services_cause(aml, message, inner, 
         assert cause in text.split("Likely cause: ", 1)[1]
     else:
         assert "Likely cause" not in text and "quota" not in text.lower()
+
+
+def test_base_mirror_reaches_the_environment(aml, runs, azproject):
+    from nbbatch.containers.registry import mirrored
+
+    toy = get_framework("toy", Project(azproject))
+    backend = AzureMLBackend(ml_client=aml.ml_client(), base_mirror="myacr.azurecr.io")
+    expected = image_spec(toy, azproject / "dockerfiles", base=mirrored(toy.base_image, "myacr.azurecr.io") or None,
+                          run_as="root")
+    assert backend._environment_for(runs[0], register=False) == f"azureml:nbbatch-toy:{expected.fingerprint}"
+    assert not [c for c in aml.transport.calls if c.method != "GET"]

@@ -239,3 +239,33 @@ def test_a_wheelhouse_needs_a_step_running_nbbatch_envs_create(tmp_path):
         "export UV_FIND_LINKS=/run/nbbatch/wheelhouse && python -m nbbatch envs create fw")
     assert instructions(text)[2] == ("RUN", "true")
 
+
+
+def test_a_base_mirror_replaces_docker_hub_bases_only():
+    """Issue 50 item 11: ACR builds pull Docker Hub bases anonymously (rate limits); `base_mirror:` names a
+    registry holding copies (`az acr import --source docker.io/<base> --image <base>`)."""
+    from nbbatch.containers.registry import mirrored
+
+    mirror = "myacr.azurecr.io"
+    assert mirrored("nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04", mirror) == (
+        "myacr.azurecr.io/nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04")
+    assert mirrored("ubuntu:24.04", mirror) == "myacr.azurecr.io/ubuntu:24.04"
+    assert mirrored("docker.io/library/ubuntu:24.04", mirror) == "myacr.azurecr.io/library/ubuntu:24.04"
+    for other in ("nvcr.io/nvidia/pytorch:24.01-py3", "mcr.microsoft.com/azureml/openmpi4.1.0-ubuntu22.04",
+                  "localhost/base:1", "registry:5000/base:1"):
+        assert mirrored(other, mirror) == other  # not Docker Hub's: pulled where it is
+    assert mirrored("ubuntu:24.04", None) == "ubuntu:24.04"
+
+
+def test_azure_ml_builds_pull_the_base_from_the_mirror(frameworks):
+    pytest.importorskip("azure.ai.ml")
+    from nbbatch.backends.azureml.images import framework_environment
+
+    fw = frameworks["pytorch"]
+    plain = framework_environment(fw, DOCKERFILES)
+    mirrored_env = framework_environment(fw, DOCKERFILES, base_mirror="myacr.azurecr.io")
+    spec = image_spec(fw, DOCKERFILES, base=f"myacr.azurecr.io/{fw.base_image}", run_as="root")
+    assert mirrored_env.version == spec.fingerprint != plain.version  # another base: another environment version
+    assert f'ARG BASE_IMAGE="myacr.azurecr.io/{fw.base_image}"' in spec.text
+    pushed = framework_environment(fw, DOCKERFILES, registry="myacr.azurecr.io/nbbatch", base_mirror="myacr.azurecr.io")
+    assert pushed.version == plain.version  # `registry:` images were built here, on their own base

@@ -107,6 +107,7 @@ class AzureMLSettings(ClusterSettings):
     environments: Mapping[str, str] | None = None
     dockerfiles: str | os.PathLike | None = None
     registry: str | None = None  # the images pushed there (`nbbatch images push`), not built by Azure ML
+    base_mirror: str | None = None  # a registry holding copies of Docker Hub base images (az acr import)
     poll_seconds: float = field(default=30.0, metadata=setting(minimum=0))
     shm_size: str | None = None
     launcher: str = DEFAULT_LAUNCHER
@@ -479,13 +480,15 @@ class AzureMLBackend(Backend):
         root = project_root_of(run)
         framework = get_framework(run.framework, Project(root))
         dockerfiles = Path(self.settings.dockerfiles) if self.settings.dockerfiles else root / "dockerfiles"
-        env = framework_environment(framework, dockerfiles, registry=self.settings.registry)
+        env = framework_environment(framework, dockerfiles, registry=self.settings.registry,
+                                    base_mirror=self.settings.base_mirror)
         if not register:
             if self.settings.registry and key not in self._registry_checked:
                 check_pushed(framework, dockerfiles, self.settings.registry)
                 self._registry_checked.add(key)
             return f"azureml:{env.name}:{env.version}"
-        registered = ensure_environment(self.ml_client, framework, dockerfiles, registry=self.settings.registry)
+        registered = ensure_environment(self.ml_client, framework, dockerfiles, registry=self.settings.registry,
+                                        base_mirror=self.settings.base_mirror)
         ref = f"azureml:{registered.name}:{registered.version}"
         self._environment_refs[key] = ref
         return ref

@@ -25,7 +25,7 @@ import nbbatch
 from nbbatch.backends.azureml.workspace import error_text
 from nbbatch.containers.engines import find_engine
 from nbbatch.containers.images import IGNORE, image_spec, stage_context
-from nbbatch.containers.registry import ImageNotInRegistry, registry_ref, require_remote_image
+from nbbatch.containers.registry import ImageNotInRegistry, mirrored, registry_ref, require_remote_image
 from nbbatch.errors import BackendError, ContainerError, ShareError
 from nbbatch.plan.runs import Run
 from nbbatch.spec.frameworks import list_frameworks
@@ -39,7 +39,7 @@ IMAGE_USER = "root"
 
 
 def framework_environment(framework: Any, dockerfiles_dir: Path, build_dir: Path | None = None,
-                          registry: str | None = None) -> Environment:
+                          registry: str | None = None, base_mirror: str | None = None) -> Environment:
     """The Azure ML environment of a framework: its GPU image (:mod:`nbbatch.containers.images`) running as
     :data:`IMAGE_USER`, versioned by the image's fingerprint (its pins, the filled-in Dockerfile, uv and nbbatch's
     requirements).
@@ -47,10 +47,12 @@ def framework_environment(framework: Any, dockerfiles_dir: Path, build_dir: Path
     With ``registry`` the environment is the image pushed there (``nbbatch images push``):
     ``image: REGISTRY/nbbatch-<framework>:<fingerprint>``, nothing built by Azure ML. Else, with ``build_dir``, the
     build context is staged there, the same context ``nbbatch images build`` builds from (the Dockerfile with the
-    framework's values, and everything it copies), for the linux/x86_64 nodes Azure ML runs.
+    framework's values, and everything it copies), for the linux/x86_64 nodes Azure ML runs; with ``base_mirror``
+    a Docker Hub base image is pulled from that registry's copy (``az acr import``), not from Docker Hub.
     """
     try:
-        spec = image_spec(framework, Path(dockerfiles_dir), run_as=IMAGE_USER)
+        base = mirrored(framework.base_image, base_mirror) if registry is None else None
+        spec = image_spec(framework, Path(dockerfiles_dir), base=base or None, run_as=IMAGE_USER)
         path = Path(dockerfiles_dir)
         if build_dir is not None and registry is None:
             path = stage_context(spec, build_dir, find_project(), arch="x86_64")
@@ -91,20 +93,21 @@ def check_pushed(framework: Any, dockerfiles_dir: Path, registry: str) -> None:
 
 
 def ensure_environment(ml_client: MLClient, framework: Any, dockerfiles_dir: Path,
-                       registry: str | None = None) -> Environment:
+                       registry: str | None = None, base_mirror: str | None = None) -> Environment:
     """The framework's environment: reused when its name and version (the pins) exist, else registered.
 
     Registering uploads the staged build context; Azure ML builds the image on first use (a job waits
     in Preparing meanwhile) and keeps it in the workspace's container registry. With ``registry`` it names the
     image pushed there instead, which the nodes pull (nothing is uploaded or built).
     """
-    wanted = framework_environment(framework, dockerfiles_dir, registry=registry)
+    wanted = framework_environment(framework, dockerfiles_dir, registry=registry, base_mirror=base_mirror)
     try:
         return ml_client.environments.get(wanted.name, version=wanted.version)
     except ResourceNotFoundError:
         pass
     with tempfile.TemporaryDirectory(prefix="nbbatch-image-") as tmp:
-        staged = framework_environment(framework, dockerfiles_dir, build_dir=Path(tmp) / "context", registry=registry)
+        staged = framework_environment(framework, dockerfiles_dir, build_dir=Path(tmp) / "context", registry=registry,
+                                       base_mirror=base_mirror)
         try:
             return ml_client.environments.create_or_update(staged)
         except HttpResponseError as exc:
