@@ -211,6 +211,10 @@ def test_a_folder_the_datastore_path_cannot_carry_is_refused_with_the_rename(fol
     with pytest.raises(ValidationError, match=expected):
         backend.check([_run(inputs={"DATA_DIR": f"azfiles://{ACCOUNT}/datasets/{folder}"})])
     assert not aml.transport.calls
+    direct = _backend(aml, share_mode="direct")  # the job opens the share by its URL: no datastore path to carry
+    direct.check_share(_share(f"{SHARE_URL}/{folder}/sub"))
+    with pytest.raises(ValidationError, match=expected):  # inputs are mounted all the same
+        direct.check([_run(inputs={"DATA_DIR": f"azfiles://{ACCOUNT}/datasets/{folder}"})])
 
 
 @pytest.mark.parametrize("folder", ["my data", "données", "数据集", "a&b", "cifar-10_v2 (copy)", "x=1,y=2;z~!$'[]{}^`"])

@@ -183,7 +183,7 @@ class AzureMLBackend(Backend):
         """Jobs write to an Azure File share: refuse any other share, or one Azure ML cannot mount, before anything starts."""
         location = _azure_files_location(share)
         check_location(location, self.settings.datastore or datastore_name_for(location.account, location.share),
-                       "the experiment's share")
+                       "the experiment's share", mounted=self.settings.share_mode == "mount")
 
     def check(self, runs: Sequence[Run], options: SubmitOptions | None = None) -> None:
         """Fail before anything starts when a run has no environment to run in, the cluster cannot hold it, or Azure ML

@@ -217,11 +217,14 @@ def normal_shm_size(value: str | None) -> str | None:
     return None if value is None else str(value).lower()
 
 
-def check_location(location: AzureFilesLocation, datastore: str, where: str) -> None:
-    """Refuse a share (or a folder of one) whose account or share name the service refuses, or whose datastore name
-    or path would be refused; ``datastore`` is the datastore it is mounted through."""
+def check_location(location: AzureFilesLocation, datastore: str, where: str, mounted: bool = True) -> None:
+    """Refuse a share (or a folder of one) whose account or share name the service refuses, or, when it is
+    ``mounted`` through ``datastore``, whose datastore name or path would be refused (unmounted, as the results
+    share in ``share_mode: direct``, the job opens it by its azfiles:// URL: no datastore path is written)."""
     check_name("storage_account", location.account, f"the storage account of {where} ({location.url})")
     check_name("file_share", location.share, f"the file share of {where} ({location.url})")
+    if not mounted:
+        return
     check_name("datastore", datastore, f"the datastore of {where}")
     check_datastore_folder(location, where)
     check_datastore_path(datastore_path(datastore, location.prefix), where)
