@@ -269,3 +269,16 @@ def test_azure_ml_builds_pull_the_base_from_the_mirror(frameworks):
     assert f'ARG BASE_IMAGE="myacr.azurecr.io/{fw.base_image}"' in spec.text
     pushed = framework_environment(fw, DOCKERFILES, registry="myacr.azurecr.io/nbbatch", base_mirror="myacr.azurecr.io")
     assert pushed.version == plain.version  # `registry:` images were built here, on their own base
+
+
+def test_a_push_of_another_variant_names_the_run_as_option(frameworks):
+    """`images push` of the default build, when only the root build is here, says to push with `--run-as root`."""
+    import types
+
+    from nbbatch.ui.images_commands import _other_builds
+
+    root = image_spec(frameworks["chainer"], DOCKERFILES, run_as="root")
+    engine = types.SimpleNamespace(images_labelled=lambda labels: [(root.ref, "sha256:1")],
+                                   query=lambda *args: types.SimpleNamespace(stdout=root.variant + "\n"))
+    said = _other_builds(engine, image_spec(frameworks["chainer"], DOCKERFILES))
+    assert "built here with other options (`--run-as root`)" in said
