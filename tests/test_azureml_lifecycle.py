@@ -70,7 +70,9 @@ def share(monkeypatch):
 
 @pytest.fixture
 def aml():
-    return FakeAzureML()
+    fake = FakeAzureML()
+    fake.register_environment("nbbatch-toy", "1")  # ENVIRONMENT: the workspace has it, as the service checks
+    return fake
 
 
 def _backend(aml: FakeAzureML, **settings) -> AzureMLBackend:
@@ -110,6 +112,8 @@ def test_the_fake_refuses_a_job_the_service_refuses(aml, field, value, message):
     body = _body(caught.value)
     assert body["code"] == "UserError" and body["message"] == message and body["details"][0]["message"] == message
     assert message in error_text(caught.value)  # what nbbatch shows: the service's words, not "invalid status"
+    aml.register_environment("e", "1")
+    aml.add_compute("gpu-t4")
     aml.ml_client().jobs.create_or_update(command(command="echo", environment="azureml:e:1", **fields))  # valid: taken
 
 
