@@ -32,6 +32,7 @@ from rich.console import Console  # noqa: E402
 from support.azure import make_toy_azure_project  # noqa: E402
 
 import nbbatch.backends.azureml.backend as backend_module  # noqa: E402
+import nbbatch.backends.azureml.polling as polling_module  # noqa: E402
 from nbbatch.backends import SubmitOptions  # noqa: E402
 from nbbatch.backends.azureml import JOB_FILE, AzureMLBackend, AzureMLCluster, ClusterSettings  # noqa: E402
 from nbbatch.backends.azureml.workspace import error_text  # noqa: E402
@@ -139,7 +140,7 @@ def test_jobs_the_service_refuses_fail_their_runs_with_its_answer(aml, share, az
     message = {"experiment": EXPERIMENT_NAME_MESSAGE, "job name": JOB_NAME_MESSAGE.format(name="bad:name"),
                "shm_size": SHM_SIZE_MESSAGE.format(value="16 gb")}[bad]
     if bad == "job name":
-        monkeypatch.setattr(backend_module, "new_job_name", lambda run_id: "bad:name")
+        monkeypatch.setattr(polling_module, "attempt_job_name", lambda experiment, run_id, attempt: "bad:name")
     backend = _backend(aml, shm_size="16 GB" if bad == "shm_size" else None)
     _queue(share, runs)
     with pytest.raises(BackendError, match=r"Azure ML refused every job \(2\), so nothing runs: run toy-000000: "
