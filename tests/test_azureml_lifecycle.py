@@ -31,7 +31,6 @@ from fakes.azureml_transport import (  # noqa: E402
 from rich.console import Console  # noqa: E402
 from support.azure import make_toy_azure_project  # noqa: E402
 
-import nbbatch.backends.azureml.backend as backend_module  # noqa: E402
 import nbbatch.backends.azureml.polling as polling_module  # noqa: E402
 from nbbatch.backends import SubmitOptions  # noqa: E402
 from nbbatch.backends.azureml import JOB_FILE, AzureMLBackend, AzureMLCluster, ClusterSettings  # noqa: E402
