@@ -164,6 +164,7 @@ def test_a_poll_reads_every_job_in_one_paged_list(aml, share, azproject):
     backend.sync("cifar", share)
     reads = _job_reads(aml, since)
     assert len(reads) == 2 and all(r.path.endswith("/jobs") for r in reads)  # two pages, no read per job
+    assert len(aml.transport.calls) == since + 2  # and nothing else
     assert reads[0].query["properties"] == ["nbbatch_experiment=cifar"]
     assert {read_record(share, "cifar", r.run_id).status for r in runs} == {"running"}
 
