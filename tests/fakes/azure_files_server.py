@@ -338,10 +338,10 @@ class _Handler(BaseHTTPRequestHandler):
                 if len(segments) < 2:
                     raise _Error(400, "InvalidUri", "no share in the URL")
                 share_name = segments[1]
+                path = _trim("/".join(segments[2:]), request)
+                self._check_auth(request, bool(path) or query.get("restype") == "directory")  # who asks, first
                 if not SHARE_NAME.fullmatch(share_name):
                     raise _Error(*(NAME_TOO_LONG if not 3 <= len(share_name) <= 63 else INVALID_NAME))
-                path = _trim("/".join(segments[2:]), request)
-                self._check_auth(request, bool(path) or query.get("restype") == "directory")
                 injected = fake.fault(request) if fake.fault else None
                 if injected:
                     raise _Error(injected[0], injected[1], "injected by the test")
