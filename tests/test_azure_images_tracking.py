@@ -272,7 +272,11 @@ def test_cancelling_a_finished_job_reports_the_services_answer(smoke, tmp_path):
     client = aml.ml_client()
     run = Run(run_id="probe", experiment="azure-smoke", notebook=str(tmp_path / "probe.ipynb"),
               notebook_rel="probe.ipynb", kernel="python3")
-    job = AzureMLBackend(ml_client=client).build_job(run, "azureml:nbbatch-pytorch:1", tmp_path,
+    backend = AzureMLBackend(ml_client=client)
+    aml.register_environment("nbbatch-pytorch", "1")  # what the job names must exist: the fake checks, as the service
+    aml.add_compute(backend.cluster_settings.name)
+    aml.add_datastore("nbbatch_acct_results")
+    job = backend.build_job(run, "azureml:nbbatch-pytorch:1", tmp_path,
                                                      datastore="nbbatch_acct_results",
                                                      share_url="azfiles://acct/results/nbbatch")
     name = client.jobs.create_or_update(job).name

@@ -178,6 +178,7 @@ def _azureml(request, project, tmp_path) -> Iterator[Harness]:
 
     monkeypatch = request.getfixturevalue("monkeypatch")
     aml = FakeAzureML()
+    aml.register_environment("nbbatch-contract", "1")  # the fake checks a job's environment exists
     monkeypatch.setitem(backends._REGISTRY, "azureml",
                         lambda **settings: AzureMLBackend(ml_client=aml.ml_client(), **settings))
     backend = {"name": "azureml", "compute": "gpu-t4", "max_nodes": 1, "poll_seconds": 0, "share_mode": "direct",

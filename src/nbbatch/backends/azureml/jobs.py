@@ -5,14 +5,12 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from azure.ai.ml import MpiDistribution, PyTorchDistribution, TensorFlowDistribution
 from azure.ai.ml.entities import Command
 
-from nbbatch.backends.azureml.rules import job_name
 from nbbatch.errors import BackendError
 from nbbatch.spec.resources import Distribution
 from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status
@@ -92,6 +90,7 @@ class JobState:
     note: str | None = None
     submitted_at: str | None = None
     updated_at: str | None = None
+    attempt: int = 0  # the run's jobs so far, this one included (its name: polling.attempt_job_name); 0: unknown
 
     def __post_init__(self) -> None:
         self.status = Status(self.status)
@@ -157,12 +156,6 @@ def job_distribution(
     if kind == "mpi":
         return nodes, MpiDistribution(process_count_per_instance=distribution.processes_per_node)
     raise BackendError(f"distribution `{kind}` has no Azure ML job form (torch, jax, tensorflow or mpi)")
-
-
-def new_job_name(run_id: str) -> str:
-    """A fresh job name for a run (job names are unique in a workspace, and a rerun is a new job): ``<run id>-<8 hex>``,
-    the run id written as the service allows (:func:`nbbatch.backends.azureml.rules.job_name`)."""
-    return job_name(run_id, uuid.uuid4().hex[:8])
 
 
 def job_yaml(job: Command) -> str:
