@@ -176,24 +176,26 @@ PROBE = ("import os, nbbatch\n"
          "                              if 'run-token-' in v))")
 
 
-def _as_azure_ml_sends_it(run: Run) -> Run:
-    """The run as the azureml backend puts it in its job's command (``run-one '<launch JSON>'``)."""
+def _as_azure_ml_sends_it(run: Run, code: Path) -> Run:
+    """The run as the azureml backend hands it to its job (``run-one '<launch JSON>'``, the run in the code ``code``)."""
     pytest.importorskip("azure.ai.ml")
     from nbbatch.backends.azureml import AzureMLBackend  # the azure extra: loaded only when installed
 
-    job = AzureMLBackend().build_job(run, "azureml:e:1", "/tmp", datastore="nbbatch_acct_results",
+    job = AzureMLBackend().build_job(run, "azureml:e:1", code, datastore="nbbatch_acct_results",
                                      share_url="azfiles://acct/results/nbbatch")
     words = shlex.split(job.command)
-    return LaunchSpec.from_json(words[words.index("run-one") + 1]).run
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(code)  # where Azure ML starts the job's command
+        return LaunchSpec.from_json(words[words.index("run-one") + 1]).run
 
 
 @pytest.mark.kernel
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("tracking", [None, "mlflow"])
-def test_an_azure_ml_jobs_kernel_sees_the_run_token_only_with_tracking(project, monkeypatch, tracking):
+def test_an_azure_ml_jobs_kernel_sees_the_run_token_only_with_tracking(project, monkeypatch, tracking, tmp_path):
     make_notebook(project / "nb.ipynb", [PROBE])
     run = _as_azure_ml_sends_it(Run(run_id=f"probe-{tracking}", experiment="tokens", notebook=str(project / "nb.ipynb"),
-                                    notebook_rel="nb.ipynb", kernel="python3", tracking=tracking))
+                                    notebook_rel="nb.ipynb", kernel="python3", tracking=tracking), tmp_path / "code")
     for name, value in AZUREML_JOB_ENV.items():
         monkeypatch.setenv(name, value)
     record = execute_run(run, FileShare(project / "results"), AttemptContext(backend="azureml", project_root=project))

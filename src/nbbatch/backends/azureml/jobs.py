@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from azure.ai.ml import MpiDistribution, PyTorchDistribution, TensorFlowDistribution
@@ -14,10 +16,12 @@ from azure.ai.ml.entities import Command
 
 from nbbatch.backends.azureml.rules import job_name
 from nbbatch.errors import BackendError
+from nbbatch.execute.launch import LaunchSpec
 from nbbatch.spec.resources import Distribution
 from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status
 
 JOB_FILE = "azureml.json"  # in the run's folder: run_paths(experiment, run_id).file(JOB_FILE)
+RUN_FILES = "nbbatch-runs"  # in the job's code snapshot: one <run id>.json per run, what its launch's run_file names
 
 _QUEUED = ("NotStarted", "Queued", "Preparing", "Provisioning", "Starting")
 _RUNNING = ("Running", "Finalizing")
@@ -77,6 +81,29 @@ def job_status_text(status: Any) -> str:
     """A job's status as the SDK gives it (an enum or text), as text."""
     value = getattr(status, "value", status)
     return str(value) if value is not None else "NotStarted"
+
+
+@dataclass(frozen=True)
+class JobLaunch:
+    """What one run's job hands ``run-one``: ``spec`` on the command line, with ``bindings`` (the entries whose
+    ``${{…}}`` Azure ML replaces), and its run in a file of the job's code snapshot (a run's parameters have no bound,
+    and Linux holds one argument to 128 KiB: ``MAX_ARG_STRLEN``)."""
+
+    spec: LaunchSpec
+    bindings: frozenset[str]
+
+    @property
+    def run_file(self) -> str:
+        """The run's file, relative to the code snapshot (the job's working directory)."""
+        return f"{RUN_FILES}/{self.spec.run.run_id}.json"
+
+    def write_run_file(self, code: str | os.PathLike[str]) -> str:
+        """Write the run's file into the code snapshot ``code``; return its relative path (the same bytes every time,
+        so a snapshot written for every run before the first job is uploaded once)."""
+        target = Path(code, self.run_file)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(self.spec.run_json() + "\n", encoding="utf-8")
+        return self.run_file
 
 
 @dataclass
