@@ -181,6 +181,17 @@ def test_job_yaml_roundtrip(backend, runs, tmp_path):
     assert job.name.startswith("toy-000000-")
 
 
+def test_every_job_sets_the_mount_settings_nbbatch_relies_on(backend, runs, tmp_path):
+    """The data runtime caches a file's attributes for ever and gives unmount 30 s to flush by default: the job would
+    never see a cancel marker, and a large output written at the end could be dropped (docs/azure.md)."""
+    loaded = load_job(source=io.StringIO(job_yaml(backend.build_job(runs[0], "azureml:e:1", tmp_path,
+                                                                     datastore=DATASTORE, share_url=SHARE_URL))))
+    env = loaded.environment_variables
+    assert 0 < int(env["DATASET_MOUNT_ATTRIBUTE_CACHE_TTL"]) <= 10_000  # milliseconds: markers seen within seconds
+    assert int(env["DATASET_UNMOUNT_TIMEOUT_SECONDS"]) >= 600
+    assert env["NBBATCH_LOG_ECHO"] == "1"  # the run's log in the job's own stream, which `logs -f` follows
+
+
 def test_direct_share_mode_passes_the_url(aml, runs, tmp_path):
     backend = AzureMLBackend(ml_client=aml.ml_client(), share_mode="direct")
     job = backend.build_job(runs[0], "azureml:e:1", tmp_path, datastore=DATASTORE, share_url=SHARE_URL)

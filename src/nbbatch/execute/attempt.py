@@ -15,6 +15,7 @@ import io
 import json
 import os
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -37,6 +38,7 @@ from nbbatch.execute.engine import NbbatchEngine, raise_for_cell_errors
 from nbbatch.execute.envs import env_packages
 from nbbatch.execute.folders import RunFolders, folder_env
 from nbbatch.execute.kernels import kill_kernel_group
+from nbbatch.execute.launch import LOG_ECHO_ENV
 from nbbatch.execute.live import LiveRecord, StreamedFile
 from nbbatch.execute.placement import Rank
 from nbbatch.execute.telemetry import GpuSampler
@@ -73,14 +75,20 @@ class _LogSink(io.TextIOBase):
     """A text stream the kernel's stdout/stderr go to: a local file, synced to remote shares.
 
     A write that fails (the share is full) never breaks the run's execution: the sink keeps the first
-    error in ``error`` and stops writing; the run is then failed with it.
+    error in ``error`` and stops writing; the run is then failed with it. The file is flushed to storage (``fsync``)
+    at most every :attr:`FLUSH_EVERY_S`: a share mounted through FUSE (Azure ML's data runtime) may upload what a
+    held-open file was given only then. With ``echo`` (run-one's stdout where ``NBBATCH_LOG_ECHO`` is set: a job
+    whose own log stream is what ``nbbatch logs -f`` follows) every line goes there too.
     """
 
-    def __init__(self, path: Path):
-        self.path = path
+    FLUSH_EVERY_S = 5.0
+
+    def __init__(self, path: Path, echo: IO[str] | None = None):
+        self.path, self.echo = path, echo
         self.error: OSError | None = None
         self._lock = threading.Lock()
         self._handle: IO[str] | None = None
+        self._synced_at = time.monotonic()
         try:
             self._handle = open(path, "a", encoding="utf-8", errors="replace")
         except OSError as exc:
@@ -93,8 +101,15 @@ class _LogSink(io.TextIOBase):
                     for start in range(0, len(text), _LOG_CHUNK):  # encoded a slice at a time, not as one copy
                         self._handle.write(text[start:start + _LOG_CHUNK])
                     self._handle.flush()
+                    if time.monotonic() - self._synced_at >= self.FLUSH_EVERY_S:
+                        os.fsync(self._handle.fileno())
+                        self._synced_at = time.monotonic()
                 except OSError as exc:
                     self.error = exc
+            if self.echo is not None:
+                with contextlib.suppress(OSError, ValueError):  # a closed or broken stdout loses the echo only
+                    self.echo.write(text)
+                    self.echo.flush()
         return len(text)
 
     def close(self) -> None:
@@ -287,7 +302,7 @@ class _Attempt:
         self.log_stream = StreamedFile(share, paths.log, self.log_path, remote=remote, fresh=fresh)
         self.metrics_stream = StreamedFile(share, paths.metrics, work / METRICS_FILE, remote=remote, fresh=fresh)
         self.telemetry_stream = StreamedFile(share, paths.telemetry, work / TELEMETRY_FILE, remote=remote, fresh=True)
-        self.log = _LogSink(self.log_path)
+        self.log = _LogSink(self.log_path, echo=sys.stdout if os.environ.get(LOG_ECHO_ENV) else None)
         self.log.write(f"=== nbbatch run {run.run_id} attempt {record.attempts} on {record.host} "
                        f"(kernel {run.kernel}{self.rank.describe() if self.rank is not None else ''}, "
                        f"GPUs {','.join(map(str, record.gpu_ids)) or 'none'}{_sharing(record.gpu_share)}"

@@ -31,6 +31,9 @@ LAUNCH_VERSION = 1  # bumped when a field changes meaning: run-one refuses a lau
 RUN_ONE = "run-one"  # the node launcher's subcommand
 RUN_ONE_NOT_DONE = 1  # run-one's exit code once it recorded the run failed, cancelled or timed out: never run it again
 RUN_ONE_REQUEUED = 75  # ... once its cluster stopped it and it went back in the queue (EX_TEMPFAIL: run it again)
+# Set (to anything) in the environment of a job whose own output stream is its live log (Azure ML's, which
+# `nbbatch logs -f` follows): run-one echoes the run's log to its stdout as well as writing log.txt
+LOG_ECHO_ENV = "NBBATCH_LOG_ECHO"
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from nbbatch.artifacts import fsync_path
 from nbbatch.errors import ShareError
 from nbbatch.store.runfiles import write_record
 from nbbatch.store.runjson import RunRecord
@@ -39,12 +40,14 @@ class StreamedFile:
     """
 
     WHOLE_EVERY_S = 30.0
+    FLUSH_EVERY_S = 5.0  # the share's own file: flushed at most this often (a mount uploads appends on fsync)
 
     def __init__(self, share: Share, path: str, local: Path, *, remote: bool, fresh: bool):
         self.share, self.path, self.local, self.remote = share, path, local, remote
         self.ranged = remote and isinstance(share, RangeStore)
         self.offset: int | None = None if fresh else 0  # None: the first push replaces the share's file
         self._last_whole = 0.0
+        self._flushed: tuple[int, float] = (0, 0.0)  # (size, when) at the last flush of the share's own file
         self._lock = threading.Lock()
         if fresh:
             local.unlink(missing_ok=True)
@@ -59,8 +62,11 @@ class StreamedFile:
             handle.write(data)
 
     def push(self, final: bool = False) -> None:
-        """Bring the share's copy up to date (remote shares; a no-op where the file is the share's own)."""
+        """Bring the share's copy up to date: a remote share's by writing it, the share's own file by flushing it
+        when it grew (a share mounted through FUSE, as Azure ML's data runtime mounts one, may upload appended lines
+        only on ``fsync`` or close: without it the driver would see a running job's log only once it ended)."""
         if not self.remote:
+            self._flush(final)
             return
         with self._lock:
             if not self.local.exists():
@@ -80,6 +86,19 @@ class StreamedFile:
                 data = self.local.read_bytes()
                 self.share.write_bytes(self.path, data)
                 self.offset, self._last_whole = len(data), time.monotonic()
+
+
+    def _flush(self, final: bool) -> None:
+        with self._lock:
+            try:
+                size = self.local.stat().st_size
+            except FileNotFoundError:
+                return
+            flushed_size, flushed_at = self._flushed
+            if size == flushed_size or (not final and time.monotonic() - flushed_at < self.FLUSH_EVERY_S):
+                return
+            fsync_path(self.local)
+            self._flushed = (size, time.monotonic())
 
 
 class LiveRecord:

@@ -16,11 +16,20 @@ from azure.ai.ml.entities import Command
 
 from nbbatch.backends.azureml.rules import job_name
 from nbbatch.errors import BackendError
-from nbbatch.execute.launch import LaunchSpec
+from nbbatch.execute.launch import LOG_ECHO_ENV, LaunchSpec
 from nbbatch.spec.resources import Distribution
 from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status
 
 JOB_FILE = "azureml.json"  # in the run's folder: run_paths(experiment, run_id).file(JOB_FILE)
+# The data runtime's mount settings nbbatch relies on, in every job's environment (Microsoft Learn, "Access data in a
+# job", *Available mount settings*); whether they hold live is what `make azure-smoke` measures (docs/azure.md).
+MOUNT_SETTINGS = {
+    # getattr answers are cached for ever by default: the job would never see the cancel marker the driver writes
+    "DATASET_MOUNT_ATTRIBUTE_CACHE_TTL": "5000",  # milliseconds
+    # unmount waits 30 s by default for pending flushes, then drops them: a large output written at the run's end
+    # (the runner fsyncs its outputs and record before it exits, see RunFolders.save) gets 10 minutes
+    "DATASET_UNMOUNT_TIMEOUT_SECONDS": "600",
+}
 RUN_FILES = "nbbatch-runs"  # in the job's code snapshot: one <run id>.json per run, what its launch's run_file names
 
 _QUEUED = ("NotStarted", "Queued", "Preparing", "Provisioning", "Starting")
@@ -184,6 +193,12 @@ def job_distribution(
     if kind == "mpi":
         return nodes, MpiDistribution(process_count_per_instance=distribution.processes_per_node)
     raise BackendError(f"distribution `{kind}` has no Azure ML job form (torch, jax, tensorflow or mpi)")
+
+
+def job_environment() -> dict[str, str]:
+    """The variables of every job: the mount settings, and run-one's echo of the run's log to the job's own stream
+    (which ``nbbatch logs -f`` follows: the mount may show log.txt's new lines late)."""
+    return {**MOUNT_SETTINGS, LOG_ECHO_ENV: "1"}
 
 
 def new_job_name(run_id: str) -> str:
