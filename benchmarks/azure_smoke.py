@@ -111,7 +111,7 @@ class Phase:
     """One phase's experiments, followed until their runs (and the raw jobs) are final, probing as they go."""
 
     api: Any
-    share: Any
+    shares: dict[str, Any]  # experiment -> its share
     files: dict[str, Path]
     obs: checks.Observations
     log: Callable[[str], None]
@@ -140,16 +140,16 @@ class Phase:
     def _probe(self, name: str, record: Any) -> None:
         from nbbatch.store.layout import run_paths
 
-        paths = run_paths(name, record.run_id)
-        state = self.backend.job_state(self.share, name, record.run_id)
+        paths, share = run_paths(name, record.run_id), self.shares[name]
+        state = self.backend.job_state(share, name, record.run_id)
         status = str(state.job_status) if state else ""
         if name == checks.ONE_NODE:
-            if not self.marked and self.share.exists(f"{paths.outputs}/{checks.WAITING_FILE}"):
-                self.share.write_bytes(f"{paths.outputs}/{checks.MARKER_FILE}", b"written as nbbatch cancel writes")
+            if not self.marked and share.exists(f"{paths.outputs}/{checks.WAITING_FILE}"):
+                share.write_bytes(f"{paths.outputs}/{checks.MARKER_FILE}", b"written as nbbatch cancel writes")
                 self.marked = True
                 self.log("the probe waits: marker written")
             if self.obs.log_delay_s is None and not record.final:
-                self._log_line(paths.log)
+                self._log_line(share, paths.log)
             if status == "Running" and not self.raw and state is not None:
                 environment = str(self.backend.ml_client.jobs.get(state.job_name).environment)
                 for kind in ("limit", "cancel"):
@@ -160,9 +160,9 @@ class Phase:
         elif status == "Finalizing" and "finalizing" not in self.obs.cancel and state is not None:
             self.obs.cancel = {**self.obs.cancel, "finalizing": cancel_job(self.backend.ml_client, state.job_name)}
 
-    def _log_line(self, log_path: str) -> None:
+    def _log_line(self, share: Any, log_path: str) -> None:
         try:
-            text = self.share.read_bytes(log_path).decode("utf-8", "replace")
+            text = share.read_bytes(log_path).decode("utf-8", "replace")
         except FileNotFoundError:
             return
         for line in text.splitlines():
@@ -198,6 +198,8 @@ def submit(api: Any, folder: Path, specs: Mapping[str, dict[str, Any]], obs: che
 
     files = {}
     for name, spec in specs.items():
+        if name in obs.refused:
+            continue
         files[name] = folder / f"{name}.yaml"
         files[name].write_text("# written by benchmarks/azure_smoke.py\n" + yaml.safe_dump(spec, sort_keys=False))
         log(f"submitting {name} ({files[name]})")
@@ -209,21 +211,40 @@ def submit(api: Any, folder: Path, specs: Mapping[str, dict[str, Any]], obs: che
     return files
 
 
+def prepare_shares(specs: Mapping[str, dict[str, Any]], obs: checks.Observations) -> dict[str, Any]:
+    """Each experiment's share, its probe input written beside it; an experiment whose share or input nbbatch refuses
+    (the odd folder name, should its rules refuse one) is noted in ``obs.refused`` and not submitted."""
+    from nbbatch.errors import NbbatchError
+    from nbbatch.store.share import open_share
+
+    shares = {}
+    for name, spec in specs.items():
+        try:
+            shares[name] = open_share(spec["share"])
+            for url in spec.get("inputs", {}).values():
+                folder = url[len(specs[checks.ONE_NODE]["share"]):].strip("/")
+                shares[checks.ONE_NODE].write_bytes(f"{folder}/{checks.INPUT_FILE}", checks.INPUT_TEXT.encode())
+        except NbbatchError as exc:
+            if name != checks.NAMES:  # the smoke test's own share: nothing can be asked without it
+                raise
+            obs.refused = {**obs.refused, name: str(exc).splitlines()[0][:300]}
+    return shares
+
+
 def run_smoke(folder: Path, share_url: str, vm_size: str, api: Any, log: Callable[[str], None] = print) -> list[Any]:
     """Both phases, then the verdicts (:func:`azure_smoke_checks.evaluate`)."""
     from nbbatch.backends.azureml import AzureMLBackend
     from nbbatch.backends.azureml.rules import QUEUE_AND_BUILD_SLACK_S
     from nbbatch.store.layout import run_paths
-    from nbbatch.store.share import open_share
 
     notebook = write_probe(folder / "probe.ipynb")
     specs = checks.smoke_experiments(share_url, vm_size, notebook.name)
-    share, obs = open_share(share_url), checks.Observations()
-    for where in (checks.PLAIN_INPUT, f"{checks.ODD_FOLDER}/{checks.PLAIN_INPUT}"):
-        share.write_bytes(f"{where}/{checks.INPUT_FILE}", checks.INPUT_TEXT.encode())
+    obs = checks.Observations()
+    shares = prepare_shares(specs, obs)
+    share = shares[checks.ONE_NODE]
     backend = AzureMLBackend()
     first = {name: specs[name] for name in (checks.ONE_NODE, checks.NAMES)}
-    phase = Phase(api, share, submit(api, folder, first, obs, log), obs, log, backend)
+    phase = Phase(api, shares, submit(api, folder, first, obs, log), obs, log, backend)
     phase.follow()
     records = dict(phase.records)
     one_node = records.get(checks.ONE_NODE) or []
@@ -238,8 +259,7 @@ def run_smoke(folder: Path, share_url: str, vm_size: str, api: Any, log: Callabl
     log(f"deleting cluster {checks.ONE_NODE_CLUSTER} before the two-node phase")
     AzureMLBackend(compute=checks.ONE_NODE_CLUSTER).cluster.delete()
     second = {checks.TWO_NODES: specs[checks.TWO_NODES]}
-    phase = Phase(api, open_share(specs[checks.TWO_NODES]["share"]), submit(api, folder, second, obs, log), obs, log,
-                  backend)
+    phase = Phase(api, shares, submit(api, folder, second, obs, log), obs, log, backend)
     phase.follow()
     obs.records = {**records, **phase.records}
     return checks.evaluate(obs, QUEUE_AND_BUILD_SLACK_S)

@@ -450,3 +450,24 @@ def test_make_azure_smoke_fails_when_a_probe_does_after_deleting_the_probe_clust
     probe = next(i for i, line in enumerate(said) if line.startswith("python benchmarks/azure_smoke.py --vm-size"))
     deleted = [line for line in said[probe:] if line.startswith("nbbatch cluster delete")]
     assert [line.split("/")[-1] for line in deleted] == ["azure-probe.yaml", "azure-probe-2node.yaml"]
+
+
+def test_the_probe_inputs_are_written_beside_the_share_on_azure_files(smoke, monkeypatch):
+    pytest.importorskip("azure.storage.fileshare")
+    from fakes.azure_files_server import ACCOUNT, FAKE_KEY, FakeAzureFiles
+
+    checks = smoke.checks
+    share_url = f"azfiles://{ACCOUNT}/results/nbbatch"
+    specs = checks.smoke_experiments(share_url, "Standard_NC4as_T4_v3", "probe.ipynb")
+    with FakeAzureFiles() as server:
+        monkeypatch.setenv("NBBATCH_AZFILES_ENDPOINT", server.endpoint)
+        monkeypatch.setenv("AZURE_STORAGE_KEY", FAKE_KEY)
+        obs = checks.Observations()
+        shares = smoke.prepare_shares(specs, obs)
+        root = shares[checks.ONE_NODE]
+        for name in (checks.ONE_NODE, checks.NAMES):
+            if name in obs.refused:  # nbbatch's rules refuse the odd folder's name: that row is skipped, not failed
+                continue
+            folder = specs[name]["inputs"]["PROBE_INPUT"][len(share_url) + 1:]
+            assert root.read_bytes(f"{folder}/{checks.INPUT_FILE}").decode() == checks.INPUT_TEXT
+        assert checks.ONE_NODE not in obs.refused and set(shares) >= {checks.ONE_NODE, checks.TWO_NODES}
