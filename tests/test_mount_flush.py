@@ -8,10 +8,9 @@ import os
 
 import pytest
 
-from nbbatch.execute import attempt as attempt_module
 from nbbatch.execute import live
 from nbbatch.execute.folders import RunFolders
-from nbbatch.execute.live import StreamedFile
+from nbbatch.execute.live import LogSink, StreamedFile
 from nbbatch.plan.runs import Run
 from nbbatch.store.share import FileShare
 
@@ -75,16 +74,16 @@ def test_the_shares_own_log_is_flushed_when_it_grew_at_most_every_few_seconds(tm
 
 def test_the_log_sink_flushes_its_own_handle_and_echoes_to_the_jobs_stream(tmp_path, synced, monkeypatch):
     clock = _Clock()
-    monkeypatch.setattr(attempt_module.time, "monotonic", clock)
+    monkeypatch.setattr(live.time, "monotonic", clock)
     echo = io.StringIO()
-    sink = attempt_module._LogSink(tmp_path / "log.txt", echo=echo)
+    sink = LogSink(tmp_path / "log.txt", echo=echo)
     sink.write("cell 1\n")
     assert synced == [] and echo.getvalue() == "cell 1\n"
-    clock.now += attempt_module._LogSink.FLUSH_EVERY_S
+    clock.now += LogSink.FLUSH_EVERY_S
     sink.write("cell 2\n")
     assert synced == [str((tmp_path / "log.txt").resolve())]
     sink.close()
     assert (tmp_path / "log.txt").read_text() == echo.getvalue() == "cell 1\ncell 2\n"
-    quiet = attempt_module._LogSink(tmp_path / "quiet.txt")
+    quiet = LogSink(tmp_path / "quiet.txt")
     quiet.write("only in the file\n")
     quiet.close()
