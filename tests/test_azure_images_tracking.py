@@ -471,3 +471,16 @@ def test_the_probe_inputs_are_written_beside_the_share_on_azure_files(smoke, mon
             folder = specs[name]["inputs"]["PROBE_INPUT"][len(share_url) + 1:]
             assert root.read_bytes(f"{folder}/{checks.INPUT_FILE}").decode() == checks.INPUT_TEXT
         assert checks.ONE_NODE not in obs.refused and set(shares) >= {checks.ONE_NODE, checks.TWO_NODES}
+
+
+@pytest.mark.kernel
+@pytest.mark.timeout(120)
+def test_an_azure_ml_job_echoes_the_runs_log_to_its_own_stream(project, monkeypatch, capfd, tmp_path):
+    """`nbbatch logs -f` follows the job's own output: the run's log lines must be there, not only in log.txt."""
+    make_notebook(project / "nb.ipynb", ["print('a line the notebook printed')"])
+    run = _as_azure_ml_sends_it(Run(run_id="echo", experiment="logs", notebook=str(project / "nb.ipynb"),
+                                    notebook_rel="nb.ipynb", kernel="python3"), tmp_path / "code")
+    monkeypatch.setenv("NBBATCH_LOG_ECHO", "1")  # as every Azure ML job of nbbatch sets it (job_environment)
+    record = execute_run(run, FileShare(project / "results"), AttemptContext(backend="azureml", project_root=project))
+    assert record.status == "succeeded", record.error
+    assert "a line the notebook printed" in capfd.readouterr().out
