@@ -78,6 +78,7 @@ def _launch_in(command: str, code: Path | None = None) -> LaunchSpec:
     words = shlex.split(command)
     data = json.loads(words[words.index("run-one") + 1])
     if code is None:
+        data = {key: value for key, value in data.items() if key != "run_file"}
         return LaunchSpec.from_dict({**data, "run": Run("stand-in", "e", "n.ipynb", "n.ipynb", "k").to_dict()})
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(code)  # where Azure ML starts the job's command

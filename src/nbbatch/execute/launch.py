@@ -105,7 +105,7 @@ class LaunchSpec:
                                f"({LAUNCH_VERSION}); install the submitting machine's nbbatch where the run starts")
         try:
             node, host = data.get("node"), data.get("host_gpu_ids")
-            run = data["run"] if "run" in data else _read_run_file(str(data["run_file"]), source)
+            run = _read_run_file(str(data["run_file"]), source) if "run_file" in data else data["run"]
             return cls(
                 run=Run.from_dict(run), share=str(data["share"]), backend=str(data.get("backend", "local")),
                 project=data.get("project"), gpus=tuple(int(g) for g in data.get("gpus") or ()),
