@@ -14,6 +14,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -485,3 +486,84 @@ def test_an_azure_ml_job_echoes_the_runs_log_to_its_own_stream(project, monkeypa
     record = execute_run(run, FileShare(project / "results"), AttemptContext(backend="azureml", project_root=project))
     assert record.status == "succeeded", record.error
     assert "a line the notebook printed" in capfd.readouterr().out
+
+
+class _Refused(Exception):
+    status_code = 400
+
+
+class _SmokeService:
+    """The smoke driver's view of Azure ML and nbbatch, scripted tick by tick: job statuses by name, run records."""
+
+    def __init__(self, ticks):
+        from types import SimpleNamespace
+
+        self.ticks, self.tick, self.cancelled, self.created = ticks, 0, [], []
+        self.ml_client = SimpleNamespace(jobs=SimpleNamespace(get=self.get, create_or_update=self.create,
+                                                              begin_cancel=self.cancel))
+
+    def now(self):
+        return self.ticks[min(self.tick, len(self.ticks) - 1)]
+
+    def status(self, path):  # api.status of an experiment file
+        from types import SimpleNamespace
+
+        name = Path(path).stem
+        if name == "azure-probe-names":
+            self.tick += 1  # the last experiment of the phase read: the next poll sees the next tick
+        final = self.now()["final"]
+        return [SimpleNamespace(run_id=f"{name}-1", final=final, status="succeeded" if final else "running")]
+
+    def job_state(self, share, name, run_id):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(job_name=f"job-{name}", job_status=self.now()["jobs"].get(f"job-{name}"))
+
+    def get(self, name):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(status=self.now()["jobs"].get(name, "Queued"), environment="azureml:nbbatch-pytorch:1")
+
+    def create(self, job):
+        self.created.append(job.name.split("-")[2])  # nbbatch-smoke-<kind>-<hex>
+        return job
+
+    def cancel(self, name):
+        from types import SimpleNamespace
+
+        if self.now()["jobs"].get(name) in ("Finalizing", "Completed"):
+            raise _Refused(f"job {name} cannot be cancelled")
+        self.cancelled.append(name)
+        return SimpleNamespace(result=lambda: None)
+
+
+def test_the_smoke_driver_probes_as_the_jobs_go(smoke, tmp_path, monkeypatch):
+    """The live driver's polling against a scripted service: the marker answered, the log line timed, the raw jobs
+    created once the first run's job runs, the running one cancelled, a finalizing job's cancel answer kept."""
+    from nbbatch.store.layout import run_paths
+    from nbbatch.store.share import FileShare
+
+    checks = smoke.checks
+    monkeypatch.setattr(smoke, "POLL_S", 0)
+    monkeypatch.setattr(smoke, "raw_job", lambda kind, env, compute: type("Job", (), {"name": f"nbbatch-smoke-{kind}-1"}))
+    share = FileShare(tmp_path / "share")
+    paths = run_paths(checks.ONE_NODE, f"{checks.ONE_NODE}-1")
+    share.write_bytes(f"{paths.outputs}/{checks.WAITING_FILE}", b"waiting")
+    share.write_bytes(paths.log, f"=== start\n{checks.LOG_LINE}{time.time() - 3:.3f}\n".encode())
+    one, names = f"job-{checks.ONE_NODE}", f"job-{checks.NAMES}"
+    service = _SmokeService([
+        {"final": False, "jobs": {one: "Running", names: "Queued"}},
+        {"final": False, "jobs": {one: "Running", names: "Finalizing", "nbbatch-smoke-cancel-1": "Running"}},
+        {"final": True, "jobs": {one: "Completed", names: "Completed", "nbbatch-smoke-cancel-1": "Canceled",
+                                 "nbbatch-smoke-limit-1": "Completed"}},
+    ])
+    obs = checks.Observations()
+    files = {checks.ONE_NODE: tmp_path / f"{checks.ONE_NODE}.yaml", checks.NAMES: tmp_path / f"{checks.NAMES}.yaml"}
+    phase = smoke.Phase(service, {checks.ONE_NODE: share, checks.NAMES: share}, files, obs, lambda _: None, service)
+    phase.follow()
+    assert share.exists(f"{paths.outputs}/{checks.MARKER_FILE}"), "the driver answered the probe's wait"
+    assert 3 <= obs.log_delay_s < 60
+    assert service.created == ["limit", "cancel"] and service.cancelled == ["nbbatch-smoke-cancel-1"]
+    assert obs.cancel["running"].startswith("accepted") and "Canceled after" in obs.cancel["running"]
+    assert obs.cancel["finalizing"].startswith("refused: _Refused (HTTP 400)")
+    assert obs.limit_probe == "Completed" and obs.limit_probe_queued_s is not None
