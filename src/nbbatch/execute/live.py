@@ -102,8 +102,8 @@ class StreamedFile:
             flushed_size, flushed_at = self._flushed
             if size == flushed_size or (not final and time.monotonic() - flushed_at < self.FLUSH_EVERY_S):
                 return
-            fsync_path(self.local)
             self._flushed = (size, time.monotonic())
+        fsync_path(self.local)  # outside the lock: an upload through a mount must not hold up the run's appends
 
 
 class LogSink(io.TextIOBase):
