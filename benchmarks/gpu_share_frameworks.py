@@ -13,8 +13,9 @@ Two batches of 9 runs, each a sweep over ``SEED`` of notebooks from ``notebooks/
   * ``pytorch18``: 18 × PyTorch_CIFAR, 9 at a time (``max_parallel: 9``) with 9 kernels started ahead
     (``prestart: 9``), so that the second 9 start warm under 9-way concurrency.
 
-The notebooks are recognised by their imports against this repo's ``frameworks/`` (``NBBATCH_FRAMEWORKS_DIR``),
-as in a project that has them.
+By default (``--where user``) the notebooks are copied to a folder of their own outside any project, as a user
+keeps them: they are recognised by their imports against the frameworks nbbatch ships. ``--where project``
+recognises them against this repo's ``frameworks/`` (``NBBATCH_FRAMEWORKS_DIR``), as in a project that has them.
 
 Each mode of ``--modes`` is one submission of the batch, in order: ``1`` (``runs_per_gpu: 1``, one after
 another: the baseline), ``auto`` (the first ``auto`` of a batch finds nothing measured: only what nbbatch
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -50,7 +52,7 @@ def submit_batch(names: list[str], tag: str, mode: str, args: argparse.Namespace
 
     per_gpu, mps = mode.removesuffix("+mps"), mode.endswith("+mps")
     counts = {n: names.count(n) for n in dict.fromkeys(names)}
-    notebooks = [{"path": str(ROOT / "notebooks" / f"{n}.ipynb"),
+    notebooks = [{"path": str(args.notebook_dir / f"{n}.ipynb"),
                   "kernel": OWN_KERNELS[n] if args.kernels == "own" else "python3"} for n in counts]
     spec = {"experiment": f"share-{tag}-{'seq' if per_gpu == '1' else 'auto'}", "notebooks": notebooks,
             "parameters": {"EPOCHS": args.epochs, "BATCHSIZE": args.batchsize, "MAX_SAMPLES": args.samples,
@@ -110,6 +112,9 @@ def main() -> None:
     parser.add_argument("--gpu", type=int, default=0, help="the GPU to use (NVML index)")
     parser.add_argument("--kernels", choices=["python3", "own"], default="python3",
                         help="python3 (this Python; default) or the frameworks' own nbbatch-<name> kernels")
+    parser.add_argument("--where", choices=["user", "project"], default="user",
+                        help="user: the notebooks copied to a folder outside any project (default); project: beside "
+                             "this repo's frameworks/")
     parser.add_argument("--cells", action="store_true", help="print each cell's seconds for runs that started warm")
     parser.add_argument("--cpu", action="store_true", help="no GPU: runs on the CPU (checks the script only)")
     args = parser.parse_args()
@@ -122,7 +127,8 @@ def main() -> None:
         raise SystemExit(f"no GPU {args.gpu} here; --cpu checks the script without one")
     where = f"GPU {gpus[0].index}: {gpus[0].name}, {gpus[0].memory_mb} MiB" if gpus else "CPU only (a check, not a measurement)"
     print(describe(f"framework notebooks by path sharing one GPU: {', '.join(batches)} × {', '.join(modes)}"), end="")
-    print(f"- {where}; {args.samples} images × {args.epochs} epochs, batch {args.batchsize}; kernels: {args.kernels}\n",
+    print(f"- {where}; {args.samples} images × {args.epochs} epochs, batch {args.batchsize}; kernels: {args.kernels}; "
+          f"notebooks in: {args.where} folder\n",
           flush=True)
     import papermill  # noqa: F401 - imported before timing
 
@@ -135,7 +141,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         isolate(root)
-        os.environ["NBBATCH_FRAMEWORKS_DIR"] = str(ROOT / "frameworks")  # recognised as in a project that has them
+        args.notebook_dir = ROOT / "notebooks"
+        if args.where == "project":
+            os.environ["NBBATCH_FRAMEWORKS_DIR"] = str(ROOT / "frameworks")  # recognised as in a project that has them
+        else:  # a folder of the user's own: recognised against the frameworks nbbatch ships
+            args.notebook_dir = root / "my-notebooks"
+            args.notebook_dir.mkdir()
+            for name in {n for tag in batches for n in BATCHES[tag]}:
+                shutil.copy(ROOT / "notebooks" / f"{name}.ipynb", args.notebook_dir)
         data = write_data(root / "data", args.samples, 1000)
         backend = use_gpus(gpus)
         for tag in batches:

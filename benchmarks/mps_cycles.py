@@ -42,7 +42,8 @@ def write_notebooks(folder: Path, cell: str, count: int = 3) -> list[Path]:
 
 
 def mps_processes() -> list[dict]:
-    """Every MPS daemon or server running on this machine (zombies aside), read from /proc."""
+    """Every MPS daemon or server on this machine, read from /proc: running, or exited and never reaped (a zombie:
+    it holds nothing, but whoever should reap it did not)."""
     found = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -50,10 +51,9 @@ def mps_processes() -> list[dict]:
             if not comm.startswith("nvidia-cuda-mps"):
                 continue
             state, ppid = Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()[:2]
-            if state in ("Z", "X"):  # exited, waiting to be reaped: holds nothing
-                continue
-            environ = dict(item.partition("=")[::2] for item in
-                           Path(f"/proc/{entry}/environ").read_bytes().decode(errors="replace").split("\0") if item)
+            environ = {} if state in ("Z", "X") else dict(  # a zombie's environment cannot be read
+                item.partition("=")[::2] for item in
+                Path(f"/proc/{entry}/environ").read_bytes().decode(errors="replace").split("\0") if item)
         except OSError:  # gone meanwhile, or another user's
             continue
         found.append({"pid": int(entry), "ppid": int(ppid), "state": state,
@@ -134,14 +134,16 @@ def main() -> None:
             succeeded += ok
             print(f"batch {cycle}: {wall:.1f} s, {'ok' if ok else 'FAILED'}: {outcome}")
             for p in left:
-                print(f"  left running: pid {p['pid']}, ppid {p['ppid']}, state {p['state']}, "
+                print(f"  left {'a zombie' if p['state'] == 'Z' else 'running'}: pid {p['pid']}, ppid {p['ppid']}, "
+                      f"state {p['state']}, "
                       f"CUDA_MPS_PIPE_DIRECTORY={p['pipe']}")
             for line in warned.lines:
                 print(f"  warned: {line}")
             saved = root / "control.log"
             if (not ok or left) and saved.is_file():
                 print("  control.log:\n    " + saved.read_text(errors="replace")[-3000:].replace("\n", "\n    "))
-    print(f"\nbatches {args.batches}, all succeeded {succeeded}, leftovers after batch: {leftovers}")
+    print(f"\nbatches {args.batches}, all succeeded {succeeded}, MPS processes left (running or zombie) after each "
+          f"batch: {leftovers}")
 
 
 if __name__ == "__main__":

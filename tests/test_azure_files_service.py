@@ -286,3 +286,40 @@ def test_an_inputs_datastore_on_a_second_account_gets_that_accounts_key(server, 
 def test_the_docs_no_longer_say_the_key_goes_to_the_key_vault_only():
     text = (Path(__file__).parents[1] / "docs" / "azure.md").read_text()
     assert "key vault only" not in text and "Reader" in text
+
+
+# --- issue 50 item 11: a SharingViolation is waited out; OAuth asks for the REST version that takes it --------------
+
+
+def test_a_sharing_violation_is_retried_with_backoff_then_named(server, monkeypatch):
+    """409 SharingViolation (an SMB client, e.g. a job's mount, holds the file open) passes: it is retried like a
+    throttled call, within the same total wait, instead of failing the write at once."""
+    monkeypatch.setattr(HttpTransport, "sleep", lambda transport, seconds: None)
+    share = AzureFileShare(URL)
+    share.write_bytes("exp/run/run.json", b"{}")
+    server.sharing_violation(requests=2)
+    share.write_bytes("exp/run/run.json", b'{"status": "ok"}')  # two refusals, then it goes through
+    assert share.read_bytes("exp/run/run.json") == b'{"status": "ok"}'
+    server.sharing_violation(requests=None)  # held open for good: the caller hears of it after the retries
+    with pytest.raises(ShareError, match="SharingViolation"):
+        share.write_bytes("exp/run/run.json", b"{}")
+
+
+def test_an_oauth_client_asks_for_the_version_that_takes_oauth_on_shares():
+    """Share-level calls (create, properties) take Entra ID tokens from REST version 2024-11-04 on."""
+    from nbbatch.store.azfiles_client import OAUTH_API_VERSION
+
+    class Token:
+        def get_token(self, *scopes, **kwargs):  # never called: no request is sent
+            raise AssertionError("no request expected")
+
+    url = "https://acct.file.core.windows.net"
+    assert OAUTH_API_VERSION == "2024-11-04"
+    assert AzureFileShare("azfiles://acct/results", endpoint=url, credential=Token()).client.api_version >= OAUTH_API_VERSION
+    old = AzureFileShare("azfiles://acct/results", endpoint=url, credential=Token(), api_version="2023-11-03")
+    assert old.client.api_version == OAUTH_API_VERSION and old.client.file_request_intent == "backup"
+    from azure.core.credentials import AzureNamedKeyCredential
+
+    keyed = AzureFileShare("azfiles://acct/results", endpoint=url, credential=AzureNamedKeyCredential("acct", FAKE_KEY),
+                           api_version="2023-11-03")
+    assert keyed.client.api_version == "2023-11-03"  # a key works at any version: left as asked

@@ -482,7 +482,7 @@ def test_an_azure_ml_job_echoes_the_runs_log_to_its_own_stream(project, monkeypa
     make_notebook(project / "nb.ipynb", ["print('a line the notebook printed')"])
     run = _as_azure_ml_sends_it(Run(run_id="echo", experiment="logs", notebook=str(project / "nb.ipynb"),
                                     notebook_rel="nb.ipynb", kernel="python3"), tmp_path / "code")
-    monkeypatch.setenv("NBBATCH_LOG_ECHO", "1")  # as every Azure ML job of nbbatch sets it (job_environment)
+    monkeypatch.setenv("NBBATCH_LOG_ECHO", "1")  # as every Azure ML job of nbbatch sets it (runtime_environment)
     record = execute_run(run, FileShare(project / "results"), AttemptContext(backend="azureml", project_root=project))
     assert record.status == "succeeded", record.error
     assert "a line the notebook printed" in capfd.readouterr().out

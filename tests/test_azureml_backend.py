@@ -63,7 +63,7 @@ def azproject(project):
 
 
 def _image_version(azproject) -> str:
-    return image_spec(get_framework("toy", Project(azproject)), azproject / "dockerfiles").fingerprint
+    return image_spec(get_framework("toy", Project(azproject)), azproject / "dockerfiles", run_as="root").fingerprint
 
 
 def _run(root, run_id: str, lr: float, gpus: int = 1) -> Run:
@@ -352,7 +352,7 @@ def test_submit_statuses_cancel_resubmit(aml, backend, share, runs, files, env_u
     assert {"Dockerfile", "frameworks/toy/framework.yaml", "frameworks/toy/requirements.txt", "context/uv",
             "context/nbbatch-requirements.txt", "src/nbbatch/ui/cli.py"} <= set(uploaded)
     staged_dockerfile = render((azproject / "dockerfiles/Dockerfile").read_text(), image_spec(
-        get_framework("toy", Project(azproject)), azproject / "dockerfiles").args)
+        get_framework("toy", Project(azproject)), azproject / "dockerfiles", run_as="root").args)
     for source in copy_sources(staged_dockerfile):
         assert source in uploaded or any(f.startswith(source.rstrip("/") + "/") for f in uploaded), source
     assert len(aml.jobs) == 3 and len(updates) == 3
@@ -484,9 +484,29 @@ def test_missing_datastore_without_key_says_how(aml, runs, files, monkeypatch, s
     monkeypatch.delenv("AZURE_STORAGE_KEY")
     backend = AzureMLBackend(ml_client=aml.ml_client(), poll_seconds=0)
     _queue(share, runs)  # the share object was opened with the key; the backend no longer sees it
-    with pytest.raises(BackendError, match="az ml datastore create"):
+    with pytest.raises(BackendError, match="az ml datastore create") as refused:
         _submit(backend, runs, share, _options())
     assert not aml.jobs
+    text = str(refused.value)  # Azure File datastores take a key or a SAS only: keyless users go `direct`
+    assert "no credentials" not in text and "identity-based access" not in text
+    assert "credentials.account_key or credentials.sas_token" in text and "set `share_mode: direct` under `backend:`" in text
+
+
+def test_an_azure_file_datastore_without_credentials_is_refused(aml, monkeypatch):
+    """Issue 50 item 2: Azure ML mounts an Azure File datastore with an account key or SAS only."""
+    from nbbatch.backends.azureml import ensure_datastore
+
+    monkeypatch.delenv("AZURE_STORAGE_KEY", raising=False)
+    aml.datastores[DATASTORE] = {
+        "id": f"{aml.ws_path}/datastores/{DATASTORE}", "name": DATASTORE,
+        "type": "Microsoft.MachineLearningServices/workspaces/datastores",
+        "properties": {"datastoreType": "AzureFile", "accountName": ACCOUNT, "fileShareName": "results",
+                       "endpoint": "core.windows.net", "protocol": "https", "credentials": {"credentialsType": "None"}}}
+    with pytest.raises(BackendError, match=rf"datastore `{DATASTORE}` \({ACCOUNT}/results\) has no account key or SAS "
+                                           r"token.*every job would fail to mount it.*set `share_mode: direct`"):
+        ensure_datastore(aml.ml_client(), DATASTORE, ACCOUNT, "results")
+    aml.datastores[DATASTORE]["properties"]["credentials"] = {"credentialsType": "AccountKey"}
+    ensure_datastore(aml.ml_client(), DATASTORE, ACCOUNT, "results")  # one with a key is used as it is
 
 
 def test_stream_log_follows_the_job(aml, backend, share, runs, files, env_upload, monkeypatch):
@@ -903,3 +923,93 @@ def test_registry_images_are_used_not_built(aml, share, runs, files, env_upload,
     with pytest.raises(ValidationError, match="has a scheme"):
         AzureMLBackend(ml_client=aml.ml_client(), registry="https://registry.example.com").check(runs)
     assert not aml.transport.unmatched
+
+
+# --- issue 50 item 11: a user-assigned identity and sovereign clouds reach the job --------------------------------
+
+CLIENT_ID = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
+
+
+def test_a_user_assigned_identity_reaches_the_job_as_azure_client_id(aml, runs, tmp_path, monkeypatch):
+    """`direct` mode with a user-assigned identity: DefaultAzureCredential in the job picks it by AZURE_CLIENT_ID."""
+    monkeypatch.delenv("AZUREML_CURRENT_CLOUD", raising=False)
+    backend = AzureMLBackend(ml_client=aml.ml_client(), share_mode="direct", identity_client_id=CLIENT_ID)
+    job = backend.build_job(runs[0], "azureml:e:1", tmp_path, datastore="ds", share_url=SHARE_URL)
+    loaded = load_job(source=io.StringIO(job_yaml(job)))
+    assert loaded.environment_variables["AZURE_CLIENT_ID"] == CLIENT_ID
+    plain = AzureMLBackend(ml_client=aml.ml_client(), share_mode="direct")
+    monkeypatch.delenv("AZUREML_CURRENT_CLOUD", raising=False)  # MLClient sets it: a job gets only what was asked
+    assert "AZURE_CLIENT_ID" not in (plain.build_job(runs[0], "azureml:e:1", tmp_path, datastore="ds",
+                                                     share_url=SHARE_URL).environment_variables or {})
+    with pytest.raises(ValidationError, match=r"`identity_client_id:` under `backend:` `my-identity` is not a valid "
+                                              r"managed identity client id.*clientId"):
+        AzureMLBackend(ml_client=aml.ml_client(), identity_client_id="my-identity").check(runs)
+
+
+@pytest.mark.parametrize(("cloud", "suffix"), [("AzureCloud", "core.windows.net"),
+                                               ("AzureChinaCloud", "core.chinacloudapi.cn"),
+                                               ("AzureUSGovernment", "core.usgovcloudapi.net")])
+def test_a_sovereign_cloud_gives_its_own_azure_files_endpoint(aml, runs, tmp_path, monkeypatch, cloud, suffix):
+    from nbbatch.backends.azureml import ensure_datastore
+    from nbbatch.store import azfiles_client
+
+    monkeypatch.delenv("NBBATCH_AZFILES_ENDPOINT", raising=False)
+    monkeypatch.setenv("AZUREML_CURRENT_CLOUD", cloud)  # what MLClient(cloud=…) sets
+    assert azfiles_client.default_endpoint("acct") == f"https://acct.file.{suffix}"
+    job = AzureMLBackend(ml_client=aml.ml_client(), share_mode="direct").build_job(
+        runs[0], "azureml:e:1", tmp_path, datastore="ds", share_url=SHARE_URL)
+    assert job.environment_variables["AZUREML_CURRENT_CLOUD"] == cloud  # the job opens the same cloud's endpoint
+    monkeypatch.setenv("AZURE_STORAGE_KEY", "a2V5")
+    monkeypatch.setattr("nbbatch.backends.azureml.images.check_account_key", lambda *args: None)
+    ensure_datastore(aml.ml_client(), "nbbatch_acct_results", "acct", "results")
+    assert aml.datastores["nbbatch_acct_results"]["properties"]["endpoint"] == suffix
+
+
+def test_an_unknown_cloud_names_the_endpoint_variable(monkeypatch):
+    from nbbatch.errors import ShareError
+    from nbbatch.store.azfiles_client import default_endpoint
+
+    monkeypatch.delenv("NBBATCH_AZFILES_ENDPOINT", raising=False)
+    monkeypatch.setenv("AZUREML_CURRENT_CLOUD", "AzureGermanCloud")
+    with pytest.raises(ShareError, match=r"`AzureGermanCloud`.*set NBBATCH_AZFILES_ENDPOINT"):
+        default_endpoint("acct")
+    monkeypatch.setenv("NBBATCH_AZFILES_ENDPOINT", "https://{account}.file.core.cloudapi.de")
+    assert default_endpoint("acct") == "https://acct.file.core.cloudapi.de"
+
+
+@pytest.mark.parametrize(("message", "inner", "cause"), [
+    ("The subscription has no quota for the NCASv3_T4 family.", "QuotaExceeded", "lacks quota for this VM family"),
+    ("The requested VM size Standard_NC4as_T4_v3 is not available in westeurope.", "VmSizeNotSupported",
+     "VM size is not offered"),
+    ("The client does not have authorization to perform action computes/write.", "AuthorizationFailed",
+     "may not create computes"),
+    ("Subnet /subscriptions/…/subnets/ml is not found in the virtual network.", "InvalidSubnet", None),
+])
+def test_a_cluster_create_refusal_names_the_services_cause(aml, message, inner, cause):
+    """Issue 50 item 11: not every refusal is VM size or quota: the service's answer, and advice only where it fits."""
+    import re as regex
+
+    from fakes.azureml_transport import service_error
+
+    refusal = service_error(400, message, inner=inner)
+    aml.transport.routes.insert(0, ("PUT", regex.compile(r".*/computes/[^/]+/?$"), lambda call: refusal))
+    with pytest.raises(BackendError) as refused:
+        AzureMLCluster(aml.ml_client(), ClusterSettings(compute="gpu-t4")).create()
+    text = str(refused.value)
+    assert f"cannot create cluster `gpu-t4` (Standard_NC4as_T4_v3), the service answered: (UserError) {message}" in text
+    assert f"inner error: BadArgument/{inner}" in text
+    if cause:
+        assert cause in text.split("Likely cause: ", 1)[1]
+    else:
+        assert "Likely cause" not in text and "quota" not in text.lower()
+
+
+def test_base_mirror_reaches_the_environment(aml, runs, azproject):
+    from nbbatch.containers.registry import mirrored
+
+    toy = get_framework("toy", Project(azproject))
+    backend = AzureMLBackend(ml_client=aml.ml_client(), base_mirror="myacr.azurecr.io")
+    expected = image_spec(toy, azproject / "dockerfiles", base=mirrored(toy.base_image, "myacr.azurecr.io") or None,
+                          run_as="root")
+    assert backend._environment_for(runs[0], register=False) == f"azureml:nbbatch-toy:{expected.fingerprint}"
+    assert not [c for c in aml.transport.calls if c.method != "GET"]

@@ -79,10 +79,12 @@ def test_an_experiment_name_with_a_dot_is_refused_before_anything_is_created(wri
     assert not aml.transport.calls and not aml.computes and not aml.datastores and not aml.jobs
 
 
-@pytest.mark.parametrize("name", ["ab", "gpu-", "gpu-1", "1gpu", "gpu_a100", "g" * 33])
+@pytest.mark.parametrize("name", ["ab", "gpu-", "gpu-1", "1gpu", "gpu_a100", "g" * 33, "g" * 25,
+                                  "nbbatch-a100-lowpriority-x"])
 def test_compute_names_the_service_refuses(name):
+    """Issue 50 item 11: 25 to 32 characters are refused too (the REST API's pattern caps names at 24)."""
     with pytest.raises(ValidationError, match=rf"cluster name `{re.escape(name)}` is not a valid Azure ML compute "
-                                              r"cluster name.*3 to 32 characters"):
+                                              r"cluster name.*3 to 24 characters.*at most 24 characters"):
         ClusterSettings(name)
     aml = FakeAzureML()
     from nbbatch.ui.cli import build_parser
@@ -92,8 +94,15 @@ def test_compute_names_the_service_refuses(name):
     with pytest.raises(NbbatchError, match="not a valid Azure ML compute cluster name"):
         AzureMLBackend(ml_client=aml.ml_client(), compute=name)
     assert not aml.transport.calls and not aml.computes
-    for good in ("gpu-t4", "nbbatch-gpu", "abc", "g" * 32):
+    for good in ("gpu-t4", "nbbatch-gpu", "abc", "g" * 24, "nbbatch-probe2"):
         assert ClusterSettings(good).name == good
+
+
+def test_a_long_cluster_name_is_refused_with_a_shortened_example():
+    with pytest.raises(ValidationError, match=r"\(e.g. `nbbatch-a100-lowpriority`\)"):
+        ClusterSettings("nbbatch-a100-lowpriority-x")
+    with pytest.raises(ValidationError, match=r"\(e.g. `g{24}`\)"):
+        ClusterSettings("g" * 30)
 
 
 @pytest.mark.parametrize(("setting", "value", "rule"), [
@@ -182,6 +191,49 @@ def test_the_root_of_a_share_is_a_path_the_sdk_parses(tmp_path):
     assert loaded.outputs["share"].path == "azureml://datastores/ds/paths/./"
 
 
+# --- issue 50 item 1: folder names the datastore path cannot carry are refused, the others sent as they are --------
+
+
+@pytest.mark.parametrize(("folder", "char", "shown"), [
+    ("run#1", "#", "#"), ("50%off", "%", "%"), ("my%20data", "%", "%"), ("a+b", "+", "+"), ("me@home", "@", "@"),
+    ("tab\there", "\t", "\\t"),
+    ("no\u00a0break", "\u00a0", "\\xa0"), ("ideo\u3000space", "\u3000", "\\u3000"),
+])
+def test_a_folder_the_datastore_path_cannot_carry_is_refused_with_the_rename(folder, char, shown):
+    aml = FakeAzureML()
+    backend = _backend(aml)
+    renamed = folder.replace(char, "-")
+    visible = folder.replace(char, shown)
+    expected = (rf"the folder `{re.escape(visible)}` of (the experiment's share|input `DATA_DIR`) \(azfiles://.*\) holds "
+                rf"`{re.escape(shown)}`, which Azure ML cannot carry in a datastore path: .*Rename the folder \(e.g. to "
+                rf"`{re.escape(renamed)}`\)")
+    with pytest.raises(ValidationError, match=expected) as refused:
+        backend.check_share(_share(f"{SHARE_URL}/{folder}/sub"))
+    assert "\n" not in str(refused.value) and "Nothing was created in Azure ML" in str(refused.value)
+    with pytest.raises(ValidationError, match=expected):
+        backend.check([_run(inputs={"DATA_DIR": f"azfiles://{ACCOUNT}/datasets/{folder}"})])
+    assert not aml.transport.calls
+    direct = _backend(aml, share_mode="direct")  # the job opens the share by its URL: no datastore path to carry
+    direct.check_share(_share(f"{SHARE_URL}/{folder}/sub"))
+    with pytest.raises(ValidationError, match=expected):  # inputs are mounted all the same
+        direct.check([_run(inputs={"DATA_DIR": f"azfiles://{ACCOUNT}/datasets/{folder}"})])
+
+
+@pytest.mark.parametrize("folder", ["my data", "données", "数据集", "a&b", "cifar-10_v2 (copy)", "x=1,y=2;z~!$'[]{}^`"])
+def test_a_folder_both_parsers_read_alike_is_sent_as_it_is(folder, tmp_path):
+    """A space inside a name, non-ASCII letters and `&` are sent unescaped: the SDK reads the path as plain text."""
+    backend = _backend(FakeAzureML())
+    share_url = f"{SHARE_URL}/{folder}"
+    backend.check_share(_share(share_url))
+    run = _run(inputs={"DATA_DIR": f"azfiles://{ACCOUNT}/datasets/{folder}"})
+    backend.check([run])
+    job = backend.build_job(run, "azureml:e:1", tmp_path, datastore="ds", share_url=share_url,
+                            share_prefix=f"nbbatch/{folder}")
+    loaded = load_job(source=io.StringIO(job_yaml(job)))
+    assert AzureMLDatastorePathUri(loaded.outputs["share"].path).path == f"nbbatch/{folder}/"
+    assert AzureMLDatastorePathUri(loaded.inputs["DATA_DIR"].path).path == f"{folder}/"
+
+
 # --- every job the backend can build satisfies the rules (property-based) ---------------------------------------
 
 IDENTIFIER = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,12}", fullmatch=True).filter(
@@ -225,7 +277,9 @@ def _allowed(run: Run, compute: str, shm_size: str | None, share_url: str) -> bo
     from nbbatch.store.azfiles import parse_azfiles_url
 
     places = [parse_azfiles_url(share_url), *(parse_azfiles_url(u) for u in run.inputs.values())]
-    return (RULES["experiment"].allows(run.experiment) and RULES["compute"].allows(compute)
+    carried = all(c == " " or (c not in "#%+?@" and c.isprintable() and not c.isspace())
+                  for place in places for c in place.prefix)
+    return (carried and RULES["experiment"].allows(run.experiment) and RULES["compute"].allows(compute)
             and (shm_size is None or RULES["shm_size"].allows(shm_size))
             and all(RULES["storage_account"].allows(p.account) and RULES["file_share"].allows(p.share) for p in places))
 
@@ -238,7 +292,8 @@ def test_every_job_the_backend_builds_satisfies_the_rules(tmp_path_factory, valu
     aml = FakeAzureML()
     if not _allowed(run, compute, shm_size, share_url):
         event("refused")
-        with pytest.raises(ValidationError, match="which the service refuses.*Nothing was created in Azure ML"):
+        with pytest.raises(ValidationError, match="(which the service refuses|cannot carry in a datastore path)"
+                                                  ".*Nothing was created in Azure ML"):
             backend = _backend(aml, compute=compute, shm_size=shm_size, datastore=datastore)
             backend.check_share(_share(share_url))
             backend.check([run])

@@ -2,12 +2,13 @@
 
 One template, ``dockerfiles/Dockerfile``, filled from each ``framework.yaml``: a base pinned by tag (the
 framework's ``base_image``), the pins installed by ``nbbatch envs create`` (GPU builds only as listed in
-``gpu_packages``, each the same package at the same version), a non-root final user, and a build
+``gpu_packages``, each the same package at the same version), a non-root final user (root for Azure ML's builds), and a build
 context, as the azureml backend stages it, that holds every path the Dockerfile copies.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -94,19 +95,53 @@ def test_gpu_builds_are_the_same_packages_at_the_same_versions(frameworks):
             assert fw.fingerprint(gpu=True) != fw.fingerprint()
 
 
+def final_user(text: str) -> str:
+    """The user a filled-in Dockerfile's last ``USER`` names, its ARGs' defaults substituted; after its last RUN."""
+    steps = instructions(text)
+    defaults = {name.strip(): json.loads(value) if value.startswith('"') else value
+                for name, _, value in (args.partition("=") for kw, args in steps if kw == "ARG")}
+    users = [(i, args) for i, (kw, args) in enumerate(steps) if kw == "USER"]
+    assert users and users[-1][0] > max(i for i, (kw, _) in enumerate(steps) if kw == "RUN")
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: defaults[m.group(1) or m.group(2)], users[-1][1]).split(":")[0]
+
+
 def test_runs_as_a_non_root_user(spec):
-    steps = instructions(spec.text)
-    users = [(i, args.split(":")[0]) for i, (kw, args) in enumerate(steps) if kw == "USER"]
-    assert users and users[-1][1] not in {"root", "0"}, "the image would run as root"
-    assert users[-1][0] > max(i for i, (kw, _) in enumerate(steps) if kw == "RUN")
+    assert final_user(spec.text) == "nbbatch", "the image would run as root"
+
+
+def test_azure_ml_images_run_as_root_and_say_so(spec, tmp_path):
+    """Issue 50 item 3: Azure ML's curated images run as root (job setup, data mounts, MPI's ssh): the azureml
+    backend's images (built there, or pushed with `--run-as root` for `registry:`) are another build of the template."""
+    pytest.importorskip("azure.ai.ml")
+    from nbbatch.backends.azureml.images import IMAGE_USER, framework_environment
+
+    root = image_spec(spec.framework, DOCKERFILES, run_as="root")
+    assert IMAGE_USER == "root" and final_user(root.text) == "root" and root.user == "root"
+    assert root.fingerprint != spec.fingerprint and root.variant == f"{spec.variant} as root"
+    assert root.build_command == f"{spec.build_command} --run-as root"
+    env = framework_environment(spec.framework, DOCKERFILES, registry="myacr.azurecr.io/nbbatch")
+    assert env.version == root.fingerprint and env.image.endswith(f":{root.fingerprint}")
+
+
+def test_an_own_dockerfile_without_the_user_arg_cannot_run_as_another_user(frameworks, tmp_path):
+    own = tmp_path / "dockerfiles" / "chainer"
+    own.mkdir(parents=True)
+    (own / "Dockerfile").write_text("ARG BASE_IMAGE=ubuntu:24.04\nFROM ${BASE_IMAGE}\nUSER 1000\n")
+    image_spec(frameworks["chainer"], own.parent)  # its own user, as it says
+    with pytest.raises(ContainerError, match=r"cannot run as `root`: it has no `ARG RUN_AS`.*`USER \$\{RUN_AS\}` last"):
+        image_spec(frameworks["chainer"], own.parent, run_as="root")
+    with pytest.raises(ContainerError, match="is not a user an image can run as"):
+        image_spec(frameworks["chainer"], DOCKERFILES, run_as="root; rm -rf /")
 
 
 def test_the_staged_context_holds_everything_the_dockerfile_copies(spec, tmp_path):
     """What the azureml backend uploads for Azure ML's image build: every COPY source must be in it."""
     pytest.importorskip("azure.ai.ml")
-    from nbbatch.backends.azureml.images import framework_environment  # the azure extra: loaded only when installed
+    from nbbatch.backends.azureml.images import IMAGE_USER, framework_environment  # the azure extra: only when installed
 
     env = framework_environment(spec.framework, DOCKERFILES, build_dir=tmp_path / "ctx")
+    spec = image_spec(spec.framework, DOCKERFILES, run_as=IMAGE_USER)  # what Azure ML builds: its jobs run as root
+    assert final_user((Path(env.build.path) / "Dockerfile").read_text()) == "root"
     context = Path(env.build.path)
     sources = copy_sources((context / "Dockerfile").read_text())
     assert {"context/uv", "context/nbbatch-requirements.txt", "src/nbbatch", f"frameworks/{spec.framework.name}"} <= set(sources)
@@ -204,3 +239,46 @@ def test_a_wheelhouse_needs_a_step_running_nbbatch_envs_create(tmp_path):
         "export UV_FIND_LINKS=/run/nbbatch/wheelhouse && python -m nbbatch envs create fw")
     assert instructions(text)[2] == ("RUN", "true")
 
+
+
+def test_a_base_mirror_replaces_docker_hub_bases_only():
+    """Issue 50 item 11: ACR builds pull Docker Hub bases anonymously (rate limits); `base_mirror:` names a
+    registry holding copies (`az acr import --source docker.io/<base> --image <base>`)."""
+    from nbbatch.containers.registry import mirrored
+
+    mirror = "myacr.azurecr.io"
+    assert mirrored("nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04", mirror) == (
+        "myacr.azurecr.io/nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04")
+    assert mirrored("ubuntu:24.04", mirror) == "myacr.azurecr.io/ubuntu:24.04"
+    assert mirrored("docker.io/library/ubuntu:24.04", mirror) == "myacr.azurecr.io/library/ubuntu:24.04"
+    for other in ("nvcr.io/nvidia/pytorch:24.01-py3", "mcr.microsoft.com/azureml/openmpi4.1.0-ubuntu22.04",
+                  "localhost/base:1", "registry:5000/base:1"):
+        assert mirrored(other, mirror) == other  # not Docker Hub's: pulled where it is
+    assert mirrored("ubuntu:24.04", None) == "ubuntu:24.04"
+
+
+def test_azure_ml_builds_pull_the_base_from_the_mirror(frameworks):
+    pytest.importorskip("azure.ai.ml")
+    from nbbatch.backends.azureml.images import framework_environment
+
+    fw = frameworks["pytorch"]
+    plain = framework_environment(fw, DOCKERFILES)
+    mirrored_env = framework_environment(fw, DOCKERFILES, base_mirror="myacr.azurecr.io")
+    spec = image_spec(fw, DOCKERFILES, base=f"myacr.azurecr.io/{fw.base_image}", run_as="root")
+    assert mirrored_env.version == spec.fingerprint != plain.version  # another base: another environment version
+    assert f'ARG BASE_IMAGE="myacr.azurecr.io/{fw.base_image}"' in spec.text
+    pushed = framework_environment(fw, DOCKERFILES, registry="myacr.azurecr.io/nbbatch", base_mirror="myacr.azurecr.io")
+    assert pushed.version == plain.version  # `registry:` images were built here, on their own base
+
+
+def test_a_push_of_another_variant_names_the_run_as_option(frameworks):
+    """`images push` of the default build, when only the root build is here, says to push with `--run-as root`."""
+    import types
+
+    from nbbatch.ui.images_commands import _other_builds
+
+    root = image_spec(frameworks["chainer"], DOCKERFILES, run_as="root")
+    engine = types.SimpleNamespace(images_labelled=lambda labels: [(root.ref, "sha256:1")],
+                                   query=lambda *args: types.SimpleNamespace(stdout=root.variant + "\n"))
+    said = _other_builds(engine, image_spec(frameworks["chainer"], DOCKERFILES))
+    assert "built here with other options (`--run-as root`)" in said

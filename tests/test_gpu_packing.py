@@ -194,7 +194,7 @@ def test_a_resubmitted_run_reserves_what_it_used_last_time(project, write_experi
     exp = write_experiment("experiment: again\nnotebooks: [nb.ipynb]\nsweep: {grid: {A: [1, 2]}}\n"
                            "resources: {gpus: 1}\n")
     first = submit(exp, progress=False).records
-    assert all(r.gpu_share.need_from == "unknown" for r in first)
+    assert all(r.gpu_share.need_from == "guess" for r in first)
     share = open_share(str(project / "results"))
     for record, peak in zip(first, (100.0, 200.0), strict=True):  # as NVML would have measured them
         record.telemetry["memory_run_max_mb"] = peak
@@ -206,16 +206,19 @@ def test_a_resubmitted_run_reserves_what_it_used_last_time(project, write_experi
 
 
 @pytest.mark.kernel
-def test_a_notebook_never_measured_runs_alone_on_its_gpu(project, write_experiment, one_gpu):
-    make_notebook(project / "nb.ipynb", [TOGETHER], parameters="A = 1\nFOLDER = ''\nWANT = 1")
-    exp = write_experiment(f"experiment: alone\nnotebooks: [nb.ipynb]\nparameters: {{FOLDER: '{project / 'marks'}'}}\n"
+def test_a_notebook_never_measured_shares_its_gpu_from_the_start(project, write_experiment, one_gpu):
+    """Of no known framework and never measured: each run reserves a first guess, a quarter of the GPU's 1 000 MiB,
+    so three start at once (900 MiB less the margin), instead of the first alone until it ends."""
+    make_notebook(project / "nb.ipynb", [TOGETHER], parameters="A = 1\nFOLDER = ''\nWANT = 3")
+    exp = write_experiment(f"experiment: guess\nnotebooks: [nb.ipynb]\nparameters: {{FOLDER: '{project / 'marks'}'}}\n"
                            "sweep: {grid: {A: [1, 2, 3]}}\nresources: {gpus: 1}\n")
     records = submit(exp, progress=False).records
-    assert [r.status for r in records] == ["succeeded"] * 3
-    assert {r.metrics["together"] for r in records} == {1}
-    assert all(r.gpu_share.exclusive and r.gpu_share.need_from == "unknown" for r in records)
-    log = (project / "results" / "alone" / records[0].run_id / "log.txt").read_text()
-    assert "GPUs 0: runs per GPU auto, alone on it" in log
+    assert [r.status for r in records] == ["succeeded"] * 3, [r.error for r in records]
+    assert {r.metrics["together"] for r in records} == {3}
+    assert all(not r.gpu_share.exclusive and r.gpu_share.need_from == "guess" and r.gpu_share.need_mb == 250
+               for r in records)
+    log = (project / "results" / "guess" / records[0].run_id / "log.txt").read_text()
+    assert "GPUs 0: runs per GPU auto, 250 MiB reserved (guess)" in log
 
 
 OOM_ONCE = """
@@ -318,18 +321,26 @@ def _mps_processes() -> list[int]:
 
 @pytest.mark.kernel
 @pytest.mark.gpu
-def test_auto_measures_a_new_notebook_alone_then_packs_the_rest_by_it(project, write_experiment):
+def test_auto_packs_a_new_notebook_at_once_then_by_what_it_measured(project, write_experiment):
+    """A torch notebook from any folder is recognised (the bundled PyTorch estimate); one that hides its import is
+    of no known framework and starts under the first guess. Either way no run waits alone, and the peak each
+    measured (its own processes) is what a later batch reserves."""
     make_notebook(project / "nb.ipynb", [TORCH_ON_GPU])
-    exp = write_experiment("experiment: realauto\nnotebooks: [nb.ipynb]\nsweep: {grid: {A: [1, 2, 3, 4]}}\n"
-                           "resources: {gpus: 1}\n")
+    make_notebook(project / "hidden.ipynb", [TORCH_ON_GPU.replace("import os, time, torch",
+                                                                  "import os, time; torch = __import__('torch')")])
+    exp = write_experiment("experiment: realauto\nnotebooks: [nb.ipynb, hidden.ipynb]\n"
+                           "sweep: {grid: {A: [1, 2, 3, 4]}}\nresources: {gpus: 1}\n")
     records = submit(exp, progress=False).records
-    assert [r.status for r in records] == ["succeeded"] * 4, [r.error for r in records]
-    first = min(records, key=lambda r: r.started_at)
-    assert first.gpu_share.need_from == "unknown" and first.gpu_share.exclusive
-    assert first.telemetry["memory_run_max_mb"] >= 256, first.telemetry
-    later = [r for r in records if r is not first]
-    assert all(r.gpu_share.need_from == "measured" and not r.gpu_share.exclusive for r in later)
-    assert all(r.gpu_share.need_mb >= 256 * 1.2 for r in later)
+    assert [r.status for r in records] == ["succeeded"] * 8, [r.error for r in records]
+    assert not any(r.gpu_share.exclusive for r in records)
+    plain = [r for r in records if Path(r.notebook).stem == "nb"]
+    assert {r.gpu_share.need_from for r in plain} == {"framework"} and {r.recognised_as for r in plain} == {"pytorch"}
+    hidden = sorted((r for r in records if Path(r.notebook).stem == "hidden"), key=lambda r: r.started_at)
+    assert hidden[0].gpu_share.need_from == "guess" and hidden[0].recognised_as is None
+    assert all(r.telemetry["memory_run_max_mb"] >= 256 for r in records), [r.telemetry for r in records]
+    again = submit(exp, progress=False, force=True).records
+    assert {r.gpu_share.need_from for r in again} == {"measured"}
+    assert all(r.gpu_share.need_mb >= 256 * 1.2 for r in again)
 
 
 @pytest.mark.kernel

@@ -22,7 +22,7 @@ from support.waiting import wait_until
 from nbbatch.backends.base import SubmitOptions
 from nbbatch.backends.local import gpus as gpus_module
 from nbbatch.backends.local.backend import LocalBackend
-from nbbatch.backends.local.gpus import AUTO, HEADROOM, GpuInfo, GpuLease, MemoryNeeds, SlotPool
+from nbbatch.backends.local.gpus import AUTO, FIRST_GUESS, HEADROOM, GpuInfo, GpuLease, MemoryNeeds, SlotPool
 from nbbatch.backends.local.scheduler import SETTLE_QUIET_S, LocalScheduler
 from nbbatch.execute import telemetry
 from nbbatch.execute.telemetry import GpuSampler
@@ -177,7 +177,7 @@ def test_a_lease_held_alone_is_opened_to_others_by_its_measured_need() -> None:
     pool = SlotPool([GpuInfo(0, "Fake", 10_000)], AUTO, cap=8)  # budget 9000
     first = pool.acquire(1, need_mb=None)
     assert first is not None and first.exclusive and pool.acquire(1, need_mb=100) is None
-    pool.share(first, 3000.0)
+    pool.reserve(first, 3000.0)
     assert not first.exclusive and first.need_mb == 3000.0 and pool.reserved_mb[0] == 3000.0
     assert pool.acquire(1, need_mb=3000) is not None and pool.acquire(1, need_mb=3001) is None
     pool.release(first)
@@ -288,8 +288,10 @@ def eight_per_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gpus_module, "auto_cap", lambda count, cpus=None: 8)  # not the CI machine's 2 cores
 
 
-def _scheduler(share: Share, runs: list[Run], fake: FakeExecute, gpus: int = 1) -> LocalScheduler:
-    backend = LocalBackend(gpus=[GpuInfo(i, f"Fake {i}", 10_000) for i in range(gpus)], prestart=0)
+def _scheduler(share: Share, runs: list[Run], fake: FakeExecute, gpus: int = 1, memory_mb: int = 0) -> LocalScheduler:
+    """``memory_mb`` 0: GPUs whose memory is not known, so no first guess is made and a new notebook's first run
+    is held alone until its memory settles."""
+    backend = LocalBackend(gpus=[GpuInfo(i, f"Fake {i}", memory_mb) for i in range(gpus)], prestart=0)
     backend._execute = fake  # type: ignore[method-assign]
     for run in runs:
         write_record(share, new_record(run))
@@ -355,6 +357,52 @@ def test_the_next_runs_of_a_new_notebook_join_the_first_once_its_memory_settled(
     assert record.gpu_share.need_from == "unknown" and record.gpu_share.alone_for_s is not None
     assert {read_record(share, EXPERIMENT, r).status for r in ("r1", "r2")} == {Status.SUCCEEDED}
     assert scheduler.pool.reserved_mb[0] == 0 and not scheduler.needs._running
+
+
+def test_a_new_notebooks_runs_start_together_under_a_first_guess(share: FileShare) -> None:
+    """Short runs end before their memory could settle: they share the GPU from the start, each reserving a
+    quarter of it; a run's settled peak then replaces the guess for it and the runs after it."""
+    runs, fake = [_run(f"r{i}") for i in range(6)], FakeExecute()
+    scheduler = _scheduler(share, runs, fake, memory_mb=10_000)
+    guess = FIRST_GUESS * 10_000
+    _step(scheduler, fake)
+    # 10 000 MiB less the 10 % margin holds three guesses of 2 500, not four
+    assert fake.started() == {"r0", "r1", "r2"}
+    for run_id in ("r0", "r1", "r2"):
+        attempt = fake.attempt(run_id)
+        assert attempt.lease.need_mb == guess and not attempt.lease.exclusive and attempt.watched
+        assert attempt.info is not None and attempt.info.need_from == "guess" and attempt.info.shared
+    sampler = wait_until(lambda: scheduler.samplers.get("r0"), message="r0's sampler")
+    sampler.settled_mb = 1000.0
+    _step(scheduler, fake)
+    need = round(1000.0 * HEADROOM, 1)
+    assert fake.attempt("r0").lease.need_mb == need and not sampler.joined  # it never held the GPU alone
+    # r0 now reserves 1 200; the rest reserve what r0 measured: 2 × 2 500 + 1 200 + 3 × 1 200 = 9 800 > 9 000
+    assert fake.started() == {"r0", "r1", "r2", "r3", "r4"}
+    assert fake.attempt("r3").info.need_from == "measured (running)" and fake.attempt("r3").lease.need_mb == need
+    _finish(scheduler, fake)
+    record = read_record(share, EXPERIMENT, "r0")
+    assert record.gpu_share.need_from == "guess" and record.gpu_share.alone_for_s is None
+    assert {read_record(share, EXPERIMENT, r.run_id).status for r in runs} == {Status.SUCCEEDED}
+
+
+def test_a_notebook_out_of_memory_under_the_guess_is_measured_alone(share: FileShare) -> None:
+    runs, fake = [_run(f"r{i}") for i in range(4)], FakeExecute()
+    scheduler = _scheduler(share, runs, fake, memory_mb=10_000)
+    _step(scheduler, fake)
+    assert fake.started() == {"r0", "r1", "r2"}
+    fake.errors["r0"] = RunError("OutOfMemoryError", "CUDA out of memory. Tried to allocate 4.00 GiB")
+    fake.release("r0")
+    wait_until(lambda: "r0" not in scheduler.active, message="r0 to end")
+    assert scheduler.needs.source(runs[3]) == "unknown", "no guess for its notebook any more"
+    fake.release("r1", "r2")
+    wait_until(lambda: not scheduler.active, message="r1 and r2 to end")
+    # r1 and r2 measured 2 000 MiB: r0 (first in the queue again) reruns alone, r3 then reserves the measure
+    _finish(scheduler, fake)
+    retry = fake.attempt("r0", 1)
+    assert retry.lease.alone and retry.lease.exclusive
+    assert fake.attempt("r3").info.need_from == "measured"
+    assert read_record(share, EXPERIMENT, "r0").status == Status.SUCCEEDED
 
 
 def test_a_run_that_ends_before_it_settles_frees_its_gpu_when_it_ends(share: FileShare) -> None:

@@ -7,8 +7,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import tomllib
+import yaml
 from support.notebooks import make_notebook
 
 from nbbatch.api import submit
@@ -17,9 +20,10 @@ from nbbatch.errors import ValidationError
 from nbbatch.plan.notebook import inspect_notebook
 from nbbatch.plan.runs import plan
 from nbbatch.spec.experiment import load_experiment
-from nbbatch.spec.frameworks import list_frameworks
+from nbbatch.spec.frameworks import BUNDLED_FRAMEWORKS_DIR, bundled_frameworks, list_frameworks
 from nbbatch.spec.gpu_sharing import recognise, sharing_defaults
 
+REPO = Path(__file__).resolve().parents[1]
 SHARING = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "TF_FORCE_GPU_ALLOW_GROWTH": "true",
            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
@@ -95,6 +99,36 @@ def test_a_notebook_given_by_path_gets_its_recognised_frameworks_settings(framew
     (run,) = _runs(project, ["import torch"])
     assert run.recognised_as == "torchy" and run.gpu_memory_mb == 1500
     assert run.shared_gpu_env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,max_split_size_mb:64"  # its own wins
+
+
+def test_a_notebook_in_any_folder_is_recognised_against_the_bundled_frameworks(project):
+    """No frameworks/ of its own (the fixture's is empty): the frameworks nbbatch ships recognise it."""
+    shipped = yaml.safe_load((BUNDLED_FRAMEWORKS_DIR / "pytorch" / "framework.yaml").read_text())
+    (run,) = _runs(project, ["import torch"])
+    assert run.recognised_as == "pytorch" and run.framework is None
+    assert run.gpu_memory_mb == shipped["gpu_memory_mb"] and tuple(run.preload) == tuple(shipped["preload"])
+    (run,) = _runs(project, ["import torch\nimport pytorch_lightning as pl"])
+    assert run.recognised_as == "lightning"
+    (run,) = _runs(project, ["import jax\nimport flax.linen as nn"])
+    assert run.recognised_as == "jax-flax" and run.shared_gpu_env["XLA_PYTHON_CLIENT_MEM_FRACTION"]
+
+
+def test_a_projects_own_frameworks_win_over_the_bundled_ones(frameworks, project):
+    _framework(project, "pytorch", "[torch]", extra="gpu_memory_mb: 111\n")  # same name as a bundled one
+    assert "pytorch" not in bundled_frameworks(list_frameworks()) and "lightning" in bundled_frameworks(list_frameworks())
+    (run,) = _runs(project, ["import torch\nimport pytorch_lightning"])
+    assert run.recognised_as == "lightly"  # the project's fit, before the bundled Lightning
+    (project / "frameworks" / "lightly" / "framework.yaml").unlink()
+    (run,) = _runs(project, ["import torch\nimport pytorch_lightning"])
+    assert run.recognised_as == "lightning"  # now only a bundled one fits
+
+
+def test_the_bundled_frameworks_ship_with_the_package():
+    """The package's frameworks/ is the project's own (a link in a checkout) and is package data of the wheel."""
+    assert sorted(p.name for p in BUNDLED_FRAMEWORKS_DIR.iterdir()) == sorted(
+        p.name for p in (REPO / "frameworks").iterdir() if (p / "framework.yaml").exists())
+    package_data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["nbbatch"]
+    assert {"frameworks/*/framework.yaml", "frameworks/*/requirements.txt"} <= set(package_data)
 
 
 def test_an_unrecognised_notebook_still_gets_every_sharing_variable(project):

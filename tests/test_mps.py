@@ -102,7 +102,11 @@ if sys.argv[1:] == ["-d"]:
             f.write("[fake] no CUDA-capable device is detected\\n")
         sys.exit(1)
     if mode != "nopid":
-        spawn("--daemon")
+        spawn("--fork")
+    sys.exit(0)
+if sys.argv[1:2] == ["--fork"]:  # like the real one: the fork of `-d` forks the daemon and exits
+    rename("nvidia-cuda-mps-control")
+    spawn("--daemon")
     sys.exit(0)
 if sys.argv[1:2] == ["--daemon"]:
     if os.environ.get("FAKE_MPS_NAME"):  # opt-in: a test session beside this one would see it as another MPS
@@ -652,3 +656,42 @@ def test_check_still_refuses_a_server_of_a_folder_that_is_not_nbbatchs(fake, sho
     finally:
         server.kill()
         server.wait()
+
+
+NON_REAPING_INIT = '''
+import ctypes, subprocess, sys, time
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # a subreaper, like a container's first process, that reaps nobody
+driver = subprocess.Popen([sys.executable, "-c", sys.argv[1]])
+driver.wait()  # the driver itself is reaped: only what it orphaned is left
+time.sleep(float(sys.argv[2]))
+zombies = []
+import os
+for entry in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        with open(f"/proc/{entry}/stat") as f:
+            state, ppid = f.read().rpartition(")")[2].split()[:2]
+    except OSError:
+        continue
+    if int(ppid) == os.getpid():  # the fake daemon is named so only on request: any process it was left
+        zombies.append((int(entry), state))
+print(zombies)
+'''
+
+DRIVER = '''
+import sys
+sys.path.insert(0, {src!r})
+from nbbatch.backends.local.mps import MpsDaemon
+daemon = MpsDaemon([0]).start()
+daemon.stop()
+'''
+
+
+def test_the_daemon_is_reaped_under_a_first_process_that_reaps_nobody(fake):
+    """`-d` daemonizes through an intermediate process: re-parented to a container's first process that never
+    reaps, one was left a zombie after every batch (seen on an H200). nbbatch adopts the intermediate process and
+    the daemon while starting it and reaps them."""
+    done = subprocess.run([sys.executable, "-c", NON_REAPING_INIT, DRIVER.format(src=str(SRC)), "1.0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"processes left to the first process: {done.stdout}"
+    assert _lines(fake, "daemon")[-1] == "quit"

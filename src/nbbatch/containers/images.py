@@ -47,6 +47,7 @@ from nbbatch.store.share import write_file_atomic
 TEMPLATE = "Dockerfile"  # in the project's dockerfiles/ folder
 UV_VERSION = "0.13.8"  # the uv an image installs with (its PyPI wheel carries the binary)
 CPU_BASE_IMAGE = "ubuntu:24.04"  # the base of a CPU image (``--cpu``) unless another is named
+IMAGE_USER = "nbbatch"  # the user an image runs as (the Dockerfile's ARG RUN_AS) unless built ``--run-as`` another
 LABEL_FRAMEWORK = "nbbatch.framework"
 LABEL_FINGERPRINT = "nbbatch.fingerprint"
 LABEL_VARIANT = "nbbatch.variant"  # GPU builds or not, and the base: builds of one variant replace each other
@@ -88,7 +89,13 @@ class ImageSpec:
         """The command that builds this image."""
         default = image_spec_args(self.framework, self.gpu, None)["BASE_IMAGE"]
         return (f"nbbatch images build {self.framework.name}" + ("" if self.gpu or not self.framework.gpu else " --cpu")
-                + ("" if self.args["BASE_IMAGE"] == default else f" --base {self.args['BASE_IMAGE']}"))
+                + ("" if self.args["BASE_IMAGE"] == default else f" --base {self.args['BASE_IMAGE']}")
+                + ("" if self.user == IMAGE_USER else f" --run-as {self.user}"))
+
+    @property
+    def user(self) -> str:
+        """The user the image runs as (its Dockerfile's ``ARG RUN_AS``)."""
+        return self.args.get("RUN_AS", IMAGE_USER)
 
     @property
     def labels(self) -> dict[str, str]:
@@ -100,7 +107,9 @@ class ImageSpec:
 
     @property
     def variant(self) -> str:
-        return f"{'gpu' if self.gpu else 'cpu'}:{self.args['BASE_IMAGE']}"
+        """``gpu:<base>`` or ``cpu:<base>``, and `` as <user>`` when the image runs as another than :data:`IMAGE_USER`."""
+        user = "" if self.user == IMAGE_USER else f" as {self.user}"
+        return f"{'gpu' if self.gpu else 'cpu'}:{self.args['BASE_IMAGE']}{user}"
 
 
 @dataclass(frozen=True)
@@ -127,18 +136,25 @@ def dockerfile_of(framework: Framework, dockerfiles_dir: Path) -> Path:
 
 
 def image_spec(framework: Framework, dockerfiles_dir: Path, gpu: bool = True, base: str | None = None,
-               find_links: Sequence[Path] = ()) -> ImageSpec:
-    """The image of ``framework``: with its GPU builds (``gpu``) or the pins as they are, on ``base`` or its own.
+               find_links: Sequence[Path] = (), run_as: str | None = None) -> ImageSpec:
+    """The image of ``framework``: with its GPU builds (``gpu``) or the pins as they are, on ``base`` or its own,
+    running as ``run_as`` (default :data:`IMAGE_USER`; part of the fingerprint).
 
     ``find_links``: folders of wheel files the framework step may install from (a wheelhouse). They change
     the Dockerfile's framework step but not the fingerprint, which covers the pins (see the module's docstring).
     """
     gpu = gpu and framework.gpu
     dockerfile = dockerfile_of(framework, dockerfiles_dir)
-    args = image_spec_args(framework, gpu, base)
+    args = image_spec_args(framework, gpu, base, run_as)
     if not args["BASE_IMAGE"] and re.search(r"^\s*ARG\s+BASE_IMAGE\b", dockerfile.read_text(), re.MULTILINE):
         raise ContainerError(f"frameworks/{framework.name}/framework.yaml names no `base_image` for its image; "
                              "add one (e.g. nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04), or pass --base IMAGE")
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*|[0-9]+(:[0-9]+)?", args["RUN_AS"]):
+        raise ContainerError(f"`{args['RUN_AS']}` is not a user an image can run as; name one (e.g. root, nbbatch) "
+                             "or a uid[:gid]")
+    if args["RUN_AS"] != IMAGE_USER and not re.search(r"^\s*ARG\s+RUN_AS\b", dockerfile.read_text(), re.MULTILINE):
+        raise ContainerError(f"{dockerfile} cannot run as `{args['RUN_AS']}`: it has no `ARG RUN_AS`; end it as the "
+                             "template does (`ARG RUN_AS=nbbatch` among its ARGs, `USER ${RUN_AS}` last)")
     text = render(dockerfile.read_text(), args)
     digest = hashlib.sha256()
     for part in (framework.fingerprint(gpu=gpu), text, "\n".join(nbbatch_requirements()), UV_VERSION):
@@ -150,11 +166,13 @@ def image_spec(framework: Framework, dockerfiles_dir: Path, gpu: bool = True, ba
     return ImageSpec(framework, dockerfile, args, gpu, digest.hexdigest()[:16], text, wheels)
 
 
-def image_spec_args(framework: Framework, gpu: bool, base: str | None) -> dict[str, str]:
-    """The Dockerfile's ARG values for ``framework``: its base image (or ``base``), Python, GPU builds or not."""
+def image_spec_args(framework: Framework, gpu: bool, base: str | None, run_as: str | None = None) -> dict[str, str]:
+    """The Dockerfile's ARG values for ``framework``: its base image (or ``base``), Python, GPU builds or not, and
+    the user it runs as."""
     base = base or (framework.base_image if gpu or not framework.gpu else CPU_BASE_IMAGE) or ""
     return {"BASE_IMAGE": base, "FRAMEWORK": framework.name, "PYTHON_VERSION": framework.python,
-            "GPU": "1" if gpu else "0", "SYSTEM_PACKAGES": " ".join(framework.system_packages)}
+            "GPU": "1" if gpu else "0", "SYSTEM_PACKAGES": " ".join(framework.system_packages),
+            "RUN_AS": run_as or IMAGE_USER}
 
 
 def wheelhouse_files(folders: Sequence[Path]) -> tuple[Path, ...]:

@@ -63,6 +63,16 @@ def names_registry(ref: str) -> bool:
     return bool(slash) and ("." in first or ":" in first) and first != "localhost"
 
 
+def mirrored(base: str, mirror: str | None) -> str:
+    """``base`` pulled from ``mirror`` when it is a Docker Hub image (no registry host, or ``docker.io/``):
+    ``nvidia/cuda:12.8.1-…`` → ``MIRROR/nvidia/cuda:12.8.1-…``, the name ``az acr import --image`` gives a copy.
+    An image of another registry, or no mirror, is left as it is."""
+    if not mirror or not base:
+        return base
+    name = base.split("/", 1)[1] if base.startswith(("docker.io/", "index.docker.io/")) else base
+    return base if names_registry(name) or name.startswith("localhost/") else f"{check_registry(mirror)}/{name}"
+
+
 def push_command(spec: ImageSpec, registry: str) -> str:
     """The command that pushes ``spec``'s image (with its variant's options) to ``registry``."""
     return spec.build_command.replace("nbbatch images build ", f"nbbatch images push {registry} ", 1)

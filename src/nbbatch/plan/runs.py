@@ -19,7 +19,7 @@ from nbbatch.errors import ValidationError, did_you_mean
 from nbbatch.plan.inputs import check_inputs, input_identities
 from nbbatch.plan.notebook import NotebookInfo, inspect_notebook, validate_parameters
 from nbbatch.spec.environments import require_ready
-from nbbatch.spec.frameworks import Framework, get_framework, list_frameworks
+from nbbatch.spec.frameworks import Framework, bundled_frameworks, get_framework, list_frameworks
 from nbbatch.spec.gpu_sharing import recognise, shared_gpu_env
 from nbbatch.spec.notify import notify_warnings
 from nbbatch.spec.project import find_project
@@ -234,6 +234,7 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
         targets.append(_Target(name, framework.notebook, framework.kernel_name, framework.fingerprint(), framework,
                                declared=True))
     known = list_frameworks(project) if experiment.notebooks else {}
+    bundled = bundled_frameworks(known) if experiment.notebooks else {}
     for entry in experiment.notebooks:
         info = inspect_notebook(entry.path)
         kernel = entry.kernel or info.kernel
@@ -241,7 +242,7 @@ def plan(experiment: Experiment, project: Project | None = None, check_kernels: 
             raise ValidationError(f"{entry.path.name} names no kernel in its metadata; give one with "
                                   f"`kernel:` in the experiment (known kernels: {', '.join(sorted(kernels))})")
         targets.append(_Target(entry.label or entry.path.stem, entry.path, kernel, kernel,
-                               recognise(kernel, info.imports, known)))
+                               recognise(kernel, info.imports, known) or recognise(kernel, info.imports, bundled)))
 
     # What every run of a target shares is computed once, and its dicts are shared by the (frozen) runs: a sweep
     # of 10^5 runs costs one parameters dict and one hash of them per run.

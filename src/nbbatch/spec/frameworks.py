@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -221,14 +222,26 @@ def _memory_estimate(source: Path, value: Any) -> int | None:
 def list_frameworks(project: Project | None = None) -> dict[str, Framework]:
     """All frameworks of the project, by name."""
     project = project or find_project()
-    folder = project.frameworks_dir
+    return _frameworks_in(project.frameworks_dir, project)
+
+
+def _frameworks_in(folder: Path, project: Project) -> dict[str, Framework]:
     if not folder.is_dir():
         return {}
-    return {
-        sub.name: _load(sub, project)
-        for sub in sorted(folder.iterdir())
-        if (sub / FRAMEWORK_FILE).exists()
-    }
+    return {sub.name: _load(sub, project) for sub in sorted(folder.iterdir()) if (sub / FRAMEWORK_FILE).exists()}
+
+
+# The frameworks nbbatch ships: its source tree's frameworks/ (a link in a checkout, package data in a wheel).
+BUNDLED_FRAMEWORKS_DIR = Path(__file__).resolve().parent.parent / "frameworks"
+
+
+def bundled_frameworks(own: Iterable[str] = ()) -> dict[str, Framework]:
+    """The frameworks nbbatch ships, but for those named ``own`` (a project's frameworks override them by name):
+    a notebook given by path, in any folder, is recognised against them (their GPU memory estimate, sharing
+    variables and preload) after the project's own. Their ``notebook`` is not shipped: only their profile is used."""
+    own = set(own)
+    folder = BUNDLED_FRAMEWORKS_DIR
+    return {name: fw for name, fw in _frameworks_in(folder, Project(folder.parent)).items() if name not in own}
 
 
 def get_framework(name: str, project: Project | None = None) -> Framework:

@@ -47,7 +47,15 @@ from azure.core.exceptions import (
 from azure.storage.fileshare import ShareClient, ShareFileClient, ShareLeaseClient
 
 from nbbatch.errors import ShareError
-from nbbatch.store.azfiles_client import ENDPOINT_ENV, KEY_ENV, default_endpoint, key_hint, resolve_credential, retry_policy
+from nbbatch.store.azfiles_client import (
+    ENDPOINT_ENV,
+    KEY_ENV,
+    OAUTH_API_VERSION,
+    default_endpoint,
+    key_hint,
+    resolve_credential,
+    retry_policy,
+)
 from nbbatch.store.azfiles_lease import AzureFilesLeases
 from nbbatch.store.azfiles_names import check_name, refused_names
 from nbbatch.store.share import Share, register_share
@@ -131,10 +139,22 @@ class AzureFileShare(AzureFilesLeases):
         self._client = ShareClient(
             account_url=self.endpoint, share_name=self.location.share, credential=credential, **client_options
         )
+        if is_token and self._client.api_version < OAUTH_API_VERSION:  # "YYYY-MM-DD" strings order as dates
+            self._client = self._oauth_client(credential, client_options)
         self._create_share = create_share
         self._known_dirs: set[str] = set()
         self._leases: dict[str, ShareLeaseClient] = {}  # full path -> the lease this object holds on it
         self._lease_seen: dict[str, tuple[bytes, str]] = {}  # full path -> (holder, ETag) lease_read last saw
+
+    def _oauth_client(self, credential: Any, client_options: dict[str, Any]) -> ShareClient:
+        """A client at :data:`OAUTH_API_VERSION`: older versions refuse OAuth on share-level calls."""
+        try:
+            return ShareClient(account_url=self.endpoint, share_name=self.location.share, credential=credential,
+                               **{**client_options, "api_version": OAUTH_API_VERSION})
+        except ValueError as exc:  # an SDK that does not know the version
+            raise ShareError(f"signing in to Azure Files with Azure AD needs its REST version {OAUTH_API_VERSION}, "
+                             "which this azure-storage-file-share does not speak: pip install "
+                             "'azure-storage-file-share>=12.18' (or use a storage key)") from exc
 
     # --- properties ---------------------------------------------------------------------------
     @property

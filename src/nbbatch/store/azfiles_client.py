@@ -36,13 +36,23 @@ from nbbatch.errors import ShareError
 ENDPOINT_ENV = "NBBATCH_AZFILES_ENDPOINT"
 KEY_ENV = "AZURE_STORAGE_KEY"
 ACCOUNT_ENV = "AZURE_STORAGE_ACCOUNT"
-MAX_RETRY_WAIT_S = 30.0  # the most one request waits on a busy service before its caller hears of it
+CLOUD_ENV = "AZUREML_CURRENT_CLOUD"  # azure-ai-ml's name for the cloud in use (MLClient(cloud=…) sets it)
+# Storage endpoint suffixes of the clouds azure-ai-ml knows by name (azure.ai.ml._azure_environments, storage_endpoint)
+STORAGE_SUFFIXES = {"AzureCloud": "core.windows.net", "AzureChinaCloud": "core.chinacloudapi.cn",
+                    "AzureUSGovernment": "core.usgovcloudapi.net"}
+MAX_RETRY_WAIT_S = 30.0
+RETRIED_CONFLICTS = ("SharingViolation",)  # 409s that pass: "The specified resource is in use by an SMB client"
+# The File service takes OAuth (Entra ID) on share-level calls (create, properties) from this REST version on
+# (azure-storage-file-share 12.18.0's "service version 2024-11-04: Entra ID authentication for all data plane file
+# operations"): a token client asks for at least this version.
+OAUTH_API_VERSION = "2024-11-04"  # the most one request waits on a busy service before its caller hears of it
 # The keywords ShareClient hands its default retry policy: they configure ThrottleRetry instead.
 RETRY_OPTIONS = ("retry_total", "retry_connect", "retry_read", "retry_status", "retry_to_secondary",
                  "initial_backoff", "increment_base", "random_jitter_range")
 
-__all__ = ["ENDPOINT_ENV", "KEY_ENV", "ACCOUNT_ENV", "MAX_RETRY_WAIT_S", "ThrottleRetry", "account_key_env",
-           "storage_key", "resolve_credential", "default_endpoint", "retry_policy", "key_hint", "check_account_key"]
+__all__ = ["ENDPOINT_ENV", "KEY_ENV", "ACCOUNT_ENV", "CLOUD_ENV", "MAX_RETRY_WAIT_S", "OAUTH_API_VERSION", "ThrottleRetry",
+           "account_key_env", "storage_key", "resolve_credential", "default_endpoint", "storage_suffix", "retry_policy",
+           "key_hint", "check_account_key"]
 
 
 def account_key_env(account: str) -> str:
@@ -69,12 +79,25 @@ def key_hint(account: str) -> str:
             "Privileged Contributor' role on that account")
 
 
+def storage_suffix() -> str:
+    """The storage endpoints' suffix of the cloud in use: ``core.windows.net``, or a sovereign cloud's, by the cloud
+    name in ``AZUREML_CURRENT_CLOUD`` (what ``MLClient(cloud=…)`` sets; the names azure-ai-ml knows)."""
+    cloud = os.environ.get(CLOUD_ENV) or "AzureCloud"
+    for name, suffix in STORAGE_SUFFIXES.items():
+        if name.lower() == cloud.lower():
+            return suffix
+    raise ShareError(f"{CLOUD_ENV} names the cloud `{cloud}`, whose Azure Files endpoint nbbatch does not know (it "
+                     f"knows {', '.join(STORAGE_SUFFIXES)}); set {ENDPOINT_ENV} to it, e.g. "
+                     "https://{account}.file.<storage suffix>")
+
+
 def default_endpoint(account: str) -> str:
-    """The account's File service URL: ``NBBATCH_AZFILES_ENDPOINT`` (``{account}`` in it is replaced), else the public one."""
+    """The account's File service URL: ``NBBATCH_AZFILES_ENDPOINT`` (``{account}`` in it is replaced), else the
+    cloud's (:func:`storage_suffix`)."""
     override = os.environ.get(ENDPOINT_ENV)
     if override:
         return override.replace("{account}", account)
-    return f"https://{account}.file.core.windows.net"
+    return f"https://{account}.file.{storage_suffix()}"
 
 
 def resolve_credential(account: str, endpoint: str) -> tuple[Any, bool]:
@@ -144,6 +167,20 @@ class ThrottleRetry(ExponentialRetry):
 
     def get_backoff_time(self, settings: dict[str, Any]) -> float:
         return float(settings.get("next_wait") or 0.0)
+
+    def send(self, request: Any) -> Any:
+        """Send with the SDK's retries; then also retry, with the same backoff and ``max_wait_s``, a 409
+        ``SharingViolation`` (an SMB client, e.g. a job's mount of the share, holds the file open for a moment), which
+        the SDK treats as final."""
+        settings = None
+        while True:
+            response = super().send(request)
+            if response.http_response.headers.get("x-ms-error-code") not in RETRIED_CONFLICTS:
+                return response
+            settings = settings or self.configure_retries(request)
+            if not self.increment(settings, request=request.http_request, response=response.http_response):
+                return response
+            self.sleep(settings, request.context.transport)
 
 
 def retry_policy(client_options: dict[str, Any]) -> None:

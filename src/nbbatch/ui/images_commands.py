@@ -39,6 +39,9 @@ def add_images_parser(sub: Any) -> None:
     p.add_argument("--cpu", action="store_true",
                    help="the CPU image: the pins as the local environment has them, on a CPU base (default ubuntu:24.04)")
     p.add_argument("--base", help="build on this base image instead of framework.yaml's base_image")
+    p.add_argument("--run-as", metavar="USER", default=None,
+                   help="the user the image runs as (default nbbatch, uid 10001); `root` for Azure ML, whose jobs "
+                   "expect it (the azureml backend builds and wants its images so: docs/containers.md)")
     p.add_argument("--find-links", action="append", default=[], type=Path, metavar="DIR",
                    help="build and context: a folder of wheel files (*.whl) the framework's pins may install from "
                    "(uv's --find-links), e.g. a local CPU torch wheel; repeatable. The image's tag stays the same")
@@ -53,7 +56,7 @@ def cmd_images(args: argparse.Namespace) -> int:
         if len(args.names) != 2:
             raise NbbatchError("usage: nbbatch images context FRAMEWORK DIR (writes the build context of its image to DIR)")
         spec = image_spec(get_framework(args.names[0], project), dockerfiles, gpu=not args.cpu, base=args.base,
-                          find_links=args.find_links)
+                          find_links=args.find_links, run_as=args.run_as)
         dest = stage_context(spec, Path(args.names[1]), project)
         print(f"wrote the build context of {spec.ref} to {dest}: "
               f"`{args.engine if args.engine != 'auto' else 'docker'} build -t {spec.ref} {dest}`")
@@ -63,7 +66,7 @@ def cmd_images(args: argparse.Namespace) -> int:
     names = list(list_frameworks(project)) if args.all or not args.names else args.names
     find_links = args.find_links if args.action == "build" else []  # the tag is the same: list needs no wheels
     specs = [image_spec(get_framework(n, project), dockerfiles, gpu=not args.cpu, base=args.base,
-                        find_links=find_links) for n in names]
+                        find_links=find_links, run_as=args.run_as) for n in names]
     engine = find_engine(args.engine)
     if args.action == "list":
         _print_table(engine, specs)
@@ -94,8 +97,8 @@ def _push(args: argparse.Namespace, project: Project) -> int:
     registry = check_registry(args.names[0])
     named = args.names[1:] or (list(list_frameworks(project)) if args.all else [])
     candidates = named or list(list_frameworks(project))
-    specs = [image_spec(get_framework(n, project), project.root / "dockerfiles", gpu=not args.cpu, base=args.base)
-             for n in candidates]
+    specs = [image_spec(get_framework(n, project), project.root / "dockerfiles", gpu=not args.cpu, base=args.base,
+                        run_as=args.run_as) for n in candidates]
     engine = find_engine(args.engine)
     built = {spec.framework.name for spec in specs if image_status(engine, spec).state == "ready"}
     ready = [spec for spec in specs if spec.framework.name in built]
@@ -129,15 +132,17 @@ def _print_table(engine: Engine, specs: list[ImageSpec]) -> None:
 
 def _other_builds(engine: Engine, spec: ImageSpec) -> str:
     """A sentence naming the build options of the framework's images of other variants here (other ``--cpu`` /
-    ``--base``), which a push of ``spec``'s variant does not take; empty when there are none."""
+    ``--base`` / ``--run-as``), which a push of ``spec``'s variant does not take; empty when there are none."""
     options = set()
     for ref, _ in engine.images_labelled({LABEL_FRAMEWORK: spec.framework.name}):
         variant = engine.query("image", "inspect", "--format", f'{{{{index .Labels "{LABEL_VARIANT}"}}}}', ref).stdout.strip()
         if variant and variant != spec.variant:
-            kind, _, base = variant.partition(":")
+            kind, _, rest = variant.partition(":")
+            base, _, user = rest.partition(" as ")
             gpu = kind == "gpu"
             default = image_spec_args(spec.framework, gpu, None)["BASE_IMAGE"]
-            options.add(("--cpu " if spec.framework.gpu and not gpu else "") + (f"--base {base}" if base != default else ""))
+            options.add(("--cpu " if spec.framework.gpu and not gpu else "") + (f"--base {base} " if base != default else "")
+                        + (f"--run-as {user}" if user else ""))
     if not options:
         return ""
     said = " or ".join(f"`{o.strip()}`" if o.strip() else "no options" for o in sorted(options))

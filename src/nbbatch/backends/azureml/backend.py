@@ -35,12 +35,12 @@ from nbbatch.backends.azureml.jobs import (
     JobState,
     canonical_status,
     job_distribution,
-    job_environment,
     job_status_text,
     map_job_status,
     new_job_name,
     reconcile,
     refused_job_error,
+    runtime_environment,
 )
 from nbbatch.backends.azureml.logstream import stream_job
 from nbbatch.backends.azureml.placement import azureml_placement
@@ -52,7 +52,7 @@ from nbbatch.backends.azureml.rules import (
     job_timeout_s,
     normal_shm_size,
 )
-from nbbatch.backends.azureml.workspace import connect, error_text
+from nbbatch.backends.azureml.workspace import connect, error_text, job_environment
 from nbbatch.backends.base import Backend, Capabilities, Compute, SubmitOptions
 from nbbatch.backends.settings import setting
 from nbbatch.errors import BackendError, NbbatchError, ShareError, ValidationError
@@ -95,7 +95,8 @@ class AzureMLSettings(ClusterSettings):
     instead of building the framework's image from ``dockerfiles/``; ``registry`` uses the framework images pushed
     there (``nbbatch images push REGISTRY``) instead of building them. ``poll_seconds`` is how often waiting
     reads job states. ``share_mode`` is ``mount`` (the share is the job's rw_mount output) or
-    ``direct`` (the job opens ``azfiles://`` itself with the cluster's managed identity).
+    ``direct`` (the job opens ``azfiles://`` itself with the cluster's managed identity; ``identity_client_id``
+    names a user-assigned one, which the job's credential then uses as ``AZURE_CLIENT_ID``).
     ``ml_client``/``credential``/``client_kwargs`` are for Python callers and tests.
     """
 
@@ -108,10 +109,12 @@ class AzureMLSettings(ClusterSettings):
     environments: Mapping[str, str] | None = None
     dockerfiles: str | os.PathLike | None = None
     registry: str | None = None  # the images pushed there (`nbbatch images push`), not built by Azure ML
+    base_mirror: str | None = None  # a registry holding copies of Docker Hub base images (az acr import)
     poll_seconds: float = field(default=30.0, metadata=setting(minimum=0))
     shm_size: str | None = None
     launcher: str = DEFAULT_LAUNCHER
     share_mode: str = field(default="mount", metadata=setting(choices=("mount", "direct")))
+    identity_client_id: str | None = None  # the cluster's user-assigned identity: the job's AZURE_CLIENT_ID
     ml_client: MLClient | None = field(default=None, metadata=setting(python_only=True))
     credential: Any = field(default=None, metadata=setting(python_only=True))
     client_kwargs: Mapping[str, Any] | None = field(default=None, metadata=setting(python_only=True))
@@ -182,13 +185,14 @@ class AzureMLBackend(Backend):
         """Jobs write to an Azure File share: refuse any other share, or one Azure ML cannot mount, before anything starts."""
         location = _azure_files_location(share)
         check_location(location, self.settings.datastore or datastore_name_for(location.account, location.share),
-                       "the experiment's share")
+                       "the experiment's share", mounted=self.settings.share_mode == "mount")
 
     def check(self, runs: Sequence[Run], options: SubmitOptions | None = None) -> None:
         """Fail before anything starts when a run has no environment to run in, the cluster cannot hold it, or Azure ML
         would refuse its job (names, shm_size, datastore paths, time limit: :mod:`nbbatch.backends.azureml.rules`)."""
         super().check(runs, options)
-        check_settings(datastore=self.settings.datastore, shm_size=self.settings.shm_size)
+        check_settings(datastore=self.settings.datastore, shm_size=self.settings.shm_size,
+                       identity_client_id=self.settings.identity_client_id)
         for run in runs:
             environment = self._environment_for(run, register=False)
             for name, location in run.inputs.items():
@@ -445,12 +449,12 @@ class AzureMLBackend(Backend):
             compute=self.cluster_settings.name,
             inputs=inputs,
             outputs=outputs,
-            environment_variables=job_environment(),
             tags=tags,
             instance_count=instance_count,
             distribution=distribution,
             shm_size=normal_shm_size(self.settings.shm_size),
             timeout=job_timeout_s(run),  # every attempt of the runner inside, not one
+            environment_variables={**runtime_environment(), **job_environment(self.settings.identity_client_id)},
         )
 
     def _launch(self, run: Run, *, share_url: str) -> JobLaunch:
@@ -487,13 +491,15 @@ class AzureMLBackend(Backend):
         root = project_root_of(run)
         framework = get_framework(run.framework, Project(root))
         dockerfiles = Path(self.settings.dockerfiles) if self.settings.dockerfiles else root / "dockerfiles"
-        env = framework_environment(framework, dockerfiles, registry=self.settings.registry)
+        env = framework_environment(framework, dockerfiles, registry=self.settings.registry,
+                                    base_mirror=self.settings.base_mirror)
         if not register:
             if self.settings.registry and key not in self._registry_checked:
                 check_pushed(framework, dockerfiles, self.settings.registry)
                 self._registry_checked.add(key)
             return f"azureml:{env.name}:{env.version}"
-        registered = ensure_environment(self.ml_client, framework, dockerfiles, registry=self.settings.registry)
+        registered = ensure_environment(self.ml_client, framework, dockerfiles, registry=self.settings.registry,
+                                        base_mirror=self.settings.base_mirror)
         ref = f"azureml:{registered.name}:{registered.version}"
         self._environment_refs[key] = ref
         return ref

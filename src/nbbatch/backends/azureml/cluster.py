@@ -11,8 +11,8 @@ from azure.ai.ml import MLClient
 from azure.ai.ml.entities import AmlCompute
 from azure.core.exceptions import AzureError, HttpResponseError, ResourceNotFoundError
 
-from nbbatch.backends.azureml.rules import check_name
-from nbbatch.backends.azureml.workspace import error_text
+from nbbatch.backends.azureml.rules import check_name, cluster_create_hint
+from nbbatch.backends.azureml.workspace import error_codes, error_text
 from nbbatch.backends.settings import setting
 from nbbatch.errors import BackendError
 
@@ -182,9 +182,9 @@ class AzureMLCluster:
                 if wait:
                     poller.result()
             except HttpResponseError as exc:
-                raise BackendError(f"cannot create cluster `{self.name}` ({self.settings.vm_size}): {error_text(exc)}. "
-                                   "Check the VM size is offered in the workspace's region and that the "
-                                   "subscription has quota for its family (docs/azure.md)") from exc
+                hint = cluster_create_hint(error_codes(exc))
+                raise BackendError(f"cannot create cluster `{self.name}` ({self.settings.vm_size}), the service "
+                                   f"answered: {error_text(exc)}" + (f". Likely cause: {hint}" if hint else "")) from exc
         return self.status()
 
     def provision(self, wait: bool = True) -> str:

@@ -195,8 +195,8 @@ def job_distribution(
     raise BackendError(f"distribution `{kind}` has no Azure ML job form (torch, jax, tensorflow or mpi)")
 
 
-def job_environment() -> dict[str, str]:
-    """The variables of every job: the mount settings, and run-one's echo of the run's log to the job's own stream
+def runtime_environment() -> dict[str, str]:
+    """The variables of every job's runtime: the mount settings, and run-one's echo of the run's log to the job's own stream
     (which ``nbbatch logs -f`` follows: the mount may show log.txt's new lines late)."""
     return {**MOUNT_SETTINGS, LOG_ECHO_ENV: "1"}
 

@@ -46,6 +46,7 @@ class NameRule:
     fix: str
     source: str
     lowercase: bool = False
+    max_length: int | None = None  # an example is cut to this length
 
     def allows(self, value: str) -> bool:
         """Whether the service takes ``value``."""
@@ -58,6 +59,8 @@ class NameRule:
         if self.replace:
             text = re.sub(f"{re.escape(self.replace)}+", self.replace, text).strip(self.replace)
         text = text.lstrip("0123456789") if self.key == "compute" else text
+        if self.max_length:
+            text = text[:self.max_length].rstrip(self.replace or "")
         return text if text != value and self.allows(text) else None
 
     def refusal(self, value: str, where: str) -> ValidationError:
@@ -82,7 +85,7 @@ def name_rules() -> dict[str, NameRule]:
         rules[key] = NameRule(key=key, what=entry["what"], pattern=re.compile(entry["pattern"]), chars=entry["chars"],
                               replace=entry.get("replace", ""), says=" ".join(entry["says"].split()),
                               fix=" ".join(entry["fix"].split()), source=entry["source"],
-                              lowercase=bool(entry.get("lowercase", False)))
+                              lowercase=bool(entry.get("lowercase", False)), max_length=entry.get("max_length"))
     return rules
 
 
@@ -114,6 +117,42 @@ def datastore_path(datastore: str, prefix: str) -> str:
     return f"azureml://datastores/{datastore}/paths/{path}"
 
 
+@cache
+def _refused_path_chars() -> tuple[tuple[str, bool, str], ...]:
+    """``(chars, whitespace, why)`` of each entry of ``datastore_path_refused`` in ``rules.yaml``."""
+    return tuple((str(entry.get("chars", "")), bool(entry.get("whitespace", False)), " ".join(entry["why"].split()))
+                 for entry in _data()["datastore_path_refused"])  # type: ignore[attr-defined]
+
+
+def _refused_char(char: str) -> str | None:
+    """Why ``char`` may not be in a datastore path; None when the SDK and the data runtime read it alike."""
+    for chars, whitespace, why in _refused_path_chars():
+        if char in chars or (whitespace and char != " " and (char.isspace() or not char.isprintable())):
+            return why
+    return None
+
+
+def _visible(text: str) -> str:
+    """``text`` with each whitespace or control character but the plain space written as its escape (``\\t``)."""
+    return "".join(c if c == " " or (c.isprintable() and not c.isspace()) else ascii(c)[1:-1] for c in text)
+
+
+def check_datastore_folder(location: AzureFilesLocation, where: str) -> None:
+    """Raise :class:`ValidationError` when a folder of ``location`` holds a character that the SDK and the data
+    runtime read differently in ``azureml://datastores/<name>/paths/<folder>/`` (``rules.yaml``,
+    ``datastore_path_refused``): the job would mount another folder than the one the driver reads."""
+    for char in dict.fromkeys(location.prefix):
+        why = _refused_char(char)
+        if why is None:
+            continue
+        folder = next(part for part in location.prefix.split("/") if char in part)
+        renamed = "".join("-" if _refused_char(c) else c for c in folder)
+        raise ValidationError(
+            f"the folder `{_visible(folder)}` of {where} ({_visible(location.url)}) holds `{_visible(char)}`, which "
+            f"Azure ML cannot carry in a datastore path: {why}. Rename the folder (e.g. to `{renamed}`) and write the "
+            "new name in the azfiles:// URL. Nothing was created in Azure ML")
+
+
 def check_datastore_path(uri: str, where: str) -> None:
     """Raise :class:`ValidationError` unless the SDK's own parser (``AzureMLDatastorePathUri``) reads ``uri`` back whole."""
     try:
@@ -137,6 +176,16 @@ def job_timeout_s(run: Run) -> int | None:
     return int(attempts * (float(run.timeout_s) + ATTEMPT_SLACK_S) + SETUP_SLACK_S + QUEUE_AND_BUILD_SLACK_S)
 
 
+def cluster_create_hint(codes: list[str]) -> str | None:
+    """The advice of ``rules.yaml``'s ``cluster_create_hints`` for a refusal carrying ``codes``; None: none fits."""
+    hints = dict(_data().get("cluster_create_hints") or {})  # type: ignore[call-overload]
+    lowered = [code.lower() for code in codes]
+    for word, hint in hints.items():
+        if any(word in code for code in lowered):
+            return " ".join(str(hint).split())
+    return None
+
+
 def job_lifetime_s(tier: str) -> int:
     """The longest a job may run on a cluster of ``tier`` (``dedicated`` or ``low_priority``)."""
     lifetimes = dict(_data()["job_lifetime_s"])  # type: ignore[call-overload]
@@ -157,13 +206,15 @@ def check_job_timeout(run: Run, tier: str) -> None:
         "resume in a later submission instead). Nothing was created in Azure ML")
 
 
-def check_settings(*, datastore: str | None, shm_size: str | None) -> None:
-    """Refuse a ``datastore:`` or ``shm_size:`` setting the service would refuse (the cluster's name is checked by
-    :class:`~nbbatch.backends.azureml.cluster.ClusterSettings`)."""
+def check_settings(*, datastore: str | None, shm_size: str | None, identity_client_id: str | None = None) -> None:
+    """Refuse a ``datastore:``, ``shm_size:`` or ``identity_client_id:`` setting the service would refuse (the
+    cluster's name is checked by :class:`~nbbatch.backends.azureml.cluster.ClusterSettings`)."""
     if datastore is not None:
         check_name("datastore", datastore, "`datastore:` under `backend:`")
     if shm_size is not None:
         check_name("shm_size", str(shm_size), "`shm_size:` under `backend:`")
+    if identity_client_id is not None:
+        check_name("client_id", str(identity_client_id), "`identity_client_id:` under `backend:`")
 
 
 def normal_shm_size(value: str | None) -> str | None:
@@ -171,12 +222,16 @@ def normal_shm_size(value: str | None) -> str | None:
     return None if value is None else str(value).lower()
 
 
-def check_location(location: AzureFilesLocation, datastore: str, where: str) -> None:
-    """Refuse a share (or a folder of one) whose account or share name the service refuses, or whose datastore name
-    or path would be refused; ``datastore`` is the datastore it is mounted through."""
+def check_location(location: AzureFilesLocation, datastore: str, where: str, mounted: bool = True) -> None:
+    """Refuse a share (or a folder of one) whose account or share name the service refuses, or, when it is
+    ``mounted`` through ``datastore``, whose datastore name or path would be refused (unmounted, as the results
+    share in ``share_mode: direct``, the job opens it by its azfiles:// URL: no datastore path is written)."""
     check_name("storage_account", location.account, f"the storage account of {where} ({location.url})")
     check_name("file_share", location.share, f"the file share of {where} ({location.url})")
+    if not mounted:
+        return
     check_name("datastore", datastore, f"the datastore of {where}")
+    check_datastore_folder(location, where)
     check_datastore_path(datastore_path(datastore, location.prefix), where)
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from azure.ai.ml import MLClient
 
 from nbbatch.errors import BackendError
+from nbbatch.store.azfiles_client import CLOUD_ENV
 
 
 def connect(
@@ -41,6 +42,17 @@ def connect(
         ) from exc
 
 
+def job_environment(identity_client_id: str | None) -> dict[str, str]:
+    """The variables a job gets besides its run's: the user-assigned identity ``DefaultAzureCredential`` must pick
+    (``AZURE_CLIENT_ID``: without it a managed-identity token names no identity, and a cluster with only a
+    user-assigned one answers none), and the sovereign cloud this driver uses (``AZUREML_CURRENT_CLOUD``, set by
+    ``MLClient(cloud=…)`` or by hand), so the job reaches the same cloud's Azure Files endpoint as the driver."""
+    environment = {"AZURE_CLIENT_ID": identity_client_id} if identity_client_id else {}
+    if cloud := os.environ.get(CLOUD_ENV):
+        environment[CLOUD_ENV] = cloud
+    return environment
+
+
 def error_text(exc: BaseException) -> str:
     """An Azure error on one line, at most 2000 characters: the service's own answer when the response carries one.
 
@@ -50,6 +62,25 @@ def error_text(exc: BaseException) -> str:
     """
     text = _service_answer(exc) or getattr(exc, "message", None) or str(exc)
     return " ".join(str(text).split())[:2000]
+
+
+def error_codes(exc: BaseException) -> list[str]:
+    """The codes of the service's answer that ``exc`` carries: its error's, its details', its inner errors'
+    (and azure-core's ``error_code``, e.g. from ``x-ms-error-code``)."""
+    codes = [str(exc.error_code)] if getattr(exc, "error_code", None) else []  # type: ignore[attr-defined]
+    try:
+        error = json.loads(exc.response.text())["error"]  # type: ignore[attr-defined]
+    except (AttributeError, TypeError, KeyError, ValueError):
+        return codes
+    if not isinstance(error, dict):
+        return codes
+    codes += [str(error["code"])] if error.get("code") else []
+    codes += [str(d["code"]) for d in error.get("details") or [] if isinstance(d, dict) and d.get("code")]
+    inner = error.get("innerError")
+    while isinstance(inner, dict) and inner.get("code"):
+        codes.append(str(inner["code"]))
+        inner = inner.get("innerError")
+    return codes
 
 
 def _service_answer(exc: BaseException) -> str | None:

@@ -3,12 +3,13 @@
 A run asking for ``k`` GPUs takes a place on each of the ``k`` least-loaded GPUs that have room.
 Room is either a fixed number of runs per GPU (``runs_per_gpu: N``) or, with ``runs_per_gpu: auto``,
 memory: each run reserves what it needs (:class:`MemoryNeeds`: what an earlier run of the same
-notebook used, else its framework's estimate) against the GPU's free memory less a safety margin,
-never more than :data:`AUTO_CAP` runs per GPU (nor more than the CPU cores per GPU: each run's
-Python loop needs a core to keep the GPU fed). A run whose need is unknown gets its GPUs to itself
-until its memory stops growing (or it ends): its peak so far then tells the next runs of that notebook
-what to reserve, and they join it (:meth:`SlotPool.share`); its final peak replaces that measure once
-it ends. No GPU (or no NVML) means CPU-only runs, with ``CUDA_VISIBLE_DEVICES`` empty.
+notebook used, else its framework's estimate, else a first guess of :data:`FIRST_GUESS` of the GPU's memory)
+against the GPU's free memory less a safety margin, never more than :data:`AUTO_CAP` runs per GPU (nor more
+than the CPU cores per GPU: each run's Python loop needs a core to keep the GPU fed). Once the memory of a run
+reserving a guess (or, where no guess can be made, a run held alone) stops growing, its peak so far tells the
+next runs of that notebook what to reserve (:meth:`SlotPool.reserve`); its final peak replaces that measure
+once it ends. A notebook that ran out of memory under the guess gets no guess again: its next run is measured
+alone. No GPU (or no NVML) means CPU-only runs, with ``CUDA_VISIBLE_DEVICES`` empty.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ if TYPE_CHECKING:
 
 MEMORY_MARGIN = 0.10  # of each GPU's memory never reserved under `auto` (allocator slack, fragmentation)
 HEADROOM = 1.2  # a measured peak is reserved with this much to spare (data and batches vary)
+# What a run of a notebook never measured, of no known framework, reserves at first: this share of its GPU's
+# memory (of the smallest GPU's), so that short runs share a GPU from the start (4 at once) instead of waiting
+# alone for a measure they end before giving.
+FIRST_GUESS = 0.25
 
 
 @dataclass(frozen=True)
@@ -124,6 +129,7 @@ class SlotPool:
         self.cap = {g.index: (1 if g.compute_mode == "exclusive_process" and not mps else cap) if self.auto
                     else int(runs_per_gpu) for g in infos}
         self.budget_mb = {g.index: _budget_mb(g) for g in infos}
+        self.total_mb = {g.index: g.memory_mb for g in infos}
         self.load: dict[int, int] = {g.index: 0 for g in infos}
         self.reserved_mb: dict[int, float] = {g.index: 0.0 for g in infos}
         self.exclusive: set[int] = set()
@@ -173,14 +179,22 @@ class SlotPool:
                 if lease.exclusive:
                     self.exclusive.discard(gpu)
 
-    def share(self, lease: GpuLease, need_mb: float) -> None:
-        """Open the GPUs of a run held alone (its need was unknown) to other runs, reserving ``need_mb`` on each for
-        it: its memory was measured while it runs. The caller guarantees the lease is still held."""
+    def reserve(self, lease: GpuLease, need_mb: float) -> None:
+        """Reserve ``need_mb`` on each of the lease's GPUs instead of what it reserved, its memory having been
+        measured while it runs; a run held alone (its need was unknown) opens its GPUs to other runs. The
+        caller guarantees the lease is still held."""
         with self._lock:
             for gpu in lease.gpu_ids:
-                self.exclusive.discard(gpu)
-                self.reserved_mb[gpu] += need_mb
+                if lease.exclusive:
+                    self.exclusive.discard(gpu)
+                self.reserved_mb[gpu] = max(0.0, self.reserved_mb[gpu] + need_mb - (lease.need_mb or 0.0))
             lease.need_mb, lease.exclusive = need_mb, False
+
+    def first_guess_mb(self) -> float | None:
+        """What a never-measured run of no known framework reserves per GPU (:data:`FIRST_GUESS`); None where
+        a GPU's memory is not known (it then runs alone until measured)."""
+        sizes = [self.total_mb.get(g, 0) for g in self.load]
+        return round(FIRST_GUESS * min(sizes), 1) if sizes and all(sizes) else None
 
     def shared(self, lease: GpuLease) -> bool:
         """Whether the run must leave room for others (its framework's ``shared_gpu_env``: no grabbing all memory).
@@ -201,15 +215,20 @@ def _budget_mb(gpu: GpuInfo) -> float:
 
 class MemoryNeeds:
     """The GPU memory a run needs, per GPU: the peak an earlier run of it (or else of the same notebook) used,
-    measured on its own processes, with :data:`HEADROOM`; else its framework's ``gpu_memory_mb``; else unknown.
+    measured on its own processes, with :data:`HEADROOM`; else its framework's ``gpu_memory_mb``; else
+    ``first_guess_mb`` (:meth:`SlotPool.first_guess_mb`) until a run of its notebook ran out of memory under it;
+    else unknown.
 
     Only peaks of runs that shared their GPU count: alone, frameworks such as JAX and TensorFlow take most of
     a GPU's memory whether they need it or not."""
 
     MEASURED = "measured"
     RUNNING = "measured (running)"  # the peak so far of a run that still runs, once its memory stopped growing
+    GUESS = "guess"  # never measured, of no known framework: FIRST_GUESS of the GPU's memory
 
-    def __init__(self, records: Iterable[RunRecord] = ()):
+    def __init__(self, records: Iterable[RunRecord] = (), first_guess_mb: float | None = None):
+        self.first_guess_mb = first_guess_mb
+        self._short: set[str] = set()  # notebooks (or frameworks) a run of which ran out of memory beside others
         self._by_run: dict[str, float] = {}
         self._by_notebook: dict[str, float] = {}
         self._running: dict[str, tuple[str, float]] = {}  # run id -> (notebook or framework, peak per GPU so far)
@@ -238,6 +257,16 @@ class MemoryNeeds:
             self._running[run.run_id] = (run.framework or run.notebook_rel, per_gpu)
         return round(per_gpu * HEADROOM, 1)
 
+    def ran_short(self, run: Run) -> None:
+        """A run of ``run``'s notebook ran out of GPU memory beside others: its runs get no first guess any more."""
+        with self._lock:
+            self._short.add(run.framework or run.notebook_rel)
+
+    def _guess(self, run: Run) -> float | None:
+        with self._lock:
+            short = (run.framework or run.notebook_rel) in self._short
+        return None if short or run.gpu_memory_mb else self.first_guess_mb
+
     def forget_running(self, run_id: str) -> None:
         """The run ended: its final peak (:meth:`learn`), if it counts, replaces what it used while running."""
         with self._lock:
@@ -255,15 +284,15 @@ class MemoryNeeds:
         measured, _ = self._measured(run)
         if measured:
             return round(measured * HEADROOM, 1)
-        return float(run.gpu_memory_mb) if run.gpu_memory_mb else None
+        return float(run.gpu_memory_mb) if run.gpu_memory_mb else self._guess(run)
 
     def source(self, run: Run) -> str:
         """Where :meth:`need_mb` comes from: ``measured``, ``measured (running)`` (a run of the same notebook that
-        still runs), ``framework`` or ``unknown``."""
+        still runs), ``framework``, ``guess`` or ``unknown``."""
         measured, source = self._measured(run)
         if measured:
             return source
-        return "framework" if run.gpu_memory_mb else "unknown"
+        return "framework" if run.gpu_memory_mb else self.GUESS if self._guess(run) else "unknown"
 
 
 # How CUDA, cuDNN, XLA and the frameworks on them say that a GPU ran out of memory.

@@ -12,6 +12,10 @@ the pipe folder in their environment. So :meth:`MpsDaemon.stop` waits for the da
 daemon's process tree before ``quit``, and waits for all of it, killing only what outlives ``stop_timeout``. A
 daemon or server that an nbbatch which has gone left running anyway is stopped by the next :func:`check_mps`.
 
+`nvidia-cuda-mps-control -d` daemonizes: its daemon would be re-parented to the nearest subreaper or init, and a
+container's first process that reaps nobody keeps it a zombie once it quits. So this process adopts it (a child
+subreaper while the daemon starts) and reaps it when it is stopped.
+
 The daemon sees only the driven GPUs (``CUDA_VISIBLE_DEVICES``); MPS renumbers them from 0 for its
 clients, so a client names its GPUs by their position in the daemon's list.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import logging
 import os
 import shutil
@@ -28,7 +33,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
 
 from nbbatch.backends.local.gpus import GpuInfo
@@ -196,25 +201,29 @@ class MpsDaemon:
         env[OWNER_ENV] = str(os.getpid())
         # its output goes to a file, not a pipe: a daemonized child that kept the pipe open would block us
         out_path = os.path.join(self._folder or "", "start.out")
-        try:
-            with open(out_path, "wb") as out:
-                # a session of its own: a Ctrl-C in the terminal must not reach it before we stop it cleanly
-                done = subprocess.run([control, "-d"], env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                      stderr=subprocess.STDOUT, start_new_session=True, timeout=self.start_timeout,
-                                      check=False)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise BackendError(f"cannot start CUDA MPS (`{MPS_CONTROL} -d`): {exc}{self._diagnosis(out_path)}") from exc
-        if done.returncode != 0:
-            raise BackendError(f"cannot start CUDA MPS: `{MPS_CONTROL} -d` exited with {done.returncode}"
-                               f"{self._diagnosis(out_path)}")
-        deadline = time.monotonic() + self.start_timeout
-        # a pid file being written may hold the first digits alone: the pid must be a running daemon of this folder
-        while (pid := _read_pid(os.path.join(pipe, PID_FILE))) is None or not _is_mps(pid, pipe):
-            if time.monotonic() > deadline:
-                raise BackendError(f"cannot start CUDA MPS: no {PID_FILE} naming a running daemon after "
-                                   f"{self.start_timeout:g} s{self._diagnosis(out_path)}")
-            time.sleep(0.02)
-        self._pid = pid
+        # `-d` forks and its fork forks the daemon: adopted while it starts, this process reaps them (_reap_adopted)
+        with _adopting_orphans():
+            try:
+                with open(out_path, "wb") as out:
+                    # a session of its own: a Ctrl-C in the terminal must not reach it before we stop it cleanly
+                    done = subprocess.run([control, "-d"], env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                          stderr=subprocess.STDOUT, start_new_session=True, timeout=self.start_timeout,
+                                          check=False)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                raise BackendError(f"cannot start CUDA MPS (`{MPS_CONTROL} -d`): {exc}{self._diagnosis(out_path)}") from exc
+            if done.returncode != 0:
+                raise BackendError(f"cannot start CUDA MPS: `{MPS_CONTROL} -d` exited with {done.returncode}"
+                                   f"{self._diagnosis(out_path)}")
+            deadline = time.monotonic() + self.start_timeout
+            # a pid file being written may hold the first digits alone: the pid must be a running daemon of this folder
+            while (pid := _read_pid(os.path.join(pipe, PID_FILE))) is None or not _is_mps(pid, pipe):
+                if time.monotonic() > deadline:
+                    raise BackendError(f"cannot start CUDA MPS: no {PID_FILE} naming a running daemon after "
+                                       f"{self.start_timeout:g} s{self._diagnosis(out_path)}")
+                time.sleep(0.02)
+            self._pid = pid
+            _wait_adopted(pid)
+        _reap_adopted()  # `-d`'s intermediate process, gone once the daemon runs
 
     def _diagnosis(self, out_path: str) -> str:
         """What the daemon said: its output and the tail of control.log."""
@@ -272,6 +281,9 @@ class MpsDaemon:
                 logger.warning("CUDA MPS clients %s still run %g s after the batch: stopping the daemon anyway",
                                clients, self.stop_timeout)
         _shut_down(pid, pipe, self._control or shutil.which(MPS_CONTROL), self.stop_timeout)
+        if pid is not None:
+            _reap(pid)
+        _reap_adopted()
 
     def __enter__(self) -> MpsDaemon:
         return self.start()
@@ -292,6 +304,50 @@ def _stop_live_daemons() -> None:
         daemons = [d for d, pid in _live.items() if pid == os.getpid()]
     for daemon in daemons:
         daemon.stop()
+
+
+_PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37  # prctl(2), Linux 3.4
+
+
+@contextlib.contextmanager
+def _adopting_orphans() -> Iterator[None]:
+    """While inside, this process is a child subreaper: a process its children orphan (the daemon that
+    ``nvidia-cuda-mps-control -d`` forks) becomes its child. Where prctl cannot do it, nothing changes."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    before = ctypes.c_int(0)
+    if libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(before), 0, 0, 0) != 0 or before.value:
+        yield  # not Linux, or already a subreaper (kept)
+        return
+    adopted = libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    try:
+        yield
+    finally:
+        if adopted:
+            libc.prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+
+def _wait_adopted(daemon: int, timeout: float = 2.0) -> None:
+    """Wait (at most ``timeout`` s) until the daemon is this process's child: its parent, ``-d``'s intermediate process,
+    has exited while this process adopts orphans."""
+    deadline = time.monotonic() + timeout
+    while _parent_of(daemon) not in (os.getpid(), None) and _alive(daemon) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _reap_adopted() -> None:
+    """Collect the exit of each MPS process this process adopted that has exited (``-d``'s intermediate process, the
+    daemon once it quit). Only MPS-named ones: what :mod:`subprocess` started it collects itself."""
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and _parent_of(int(entry)) == os.getpid() and not _alive(int(entry)) \
+                    and _comm(int(entry)).startswith(MPS_COMM):
+                _reap(int(entry))
+
+
+def _reap(pid: int) -> None:
+    """Collect ``pid``'s exit if it is a child of this process that has exited (else leave it)."""
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
 
 
 def _private_folder() -> str:

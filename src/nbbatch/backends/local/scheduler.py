@@ -78,7 +78,7 @@ class LocalScheduler:
         prestart, container = backend.settings.prestart, backend.settings.container
         self.backend, self.share, self.options, self.daemon = backend, share, options, daemon
         self.pool = backend.slot_pool(options.runs_per_gpu, mps=daemon is not None)
-        self.needs = MemoryNeeds(options.earlier if self.pool.auto else ())
+        self.needs = MemoryNeeds(options.earlier if self.pool.auto else (), self.pool.first_guess_mb())
         limit = backend.parallel_limit(options)
         self.cpu_parallel = limit or (os.cpu_count() or 1)
         self.gpu_parallel = limit or max(self.pool.capacity, 1)
@@ -205,8 +205,8 @@ class LocalScheduler:
         self.backend.claim_queued(run.run_id)  # a queued record not written yet is left to its executor
         if run.gpus:
             self.gpu_runs.add(run.run_id)
-        if (self.pool.auto and lease.gpu_ids and lease.exclusive and lease.need_mb is None and not lease.alone
-                and not run.distribution):
+        if self.pool.auto and lease.gpu_ids and not lease.alone and not run.distribution and (
+                (lease.exclusive and lease.need_mb is None) or self.needs.source(run) == MemoryNeeds.GUESS):
             self.unmeasured[run.run_id] = (run, lease, time.monotonic())
         thread = threading.Thread(target=self.work, args=(run, lease), name=f"run-{run.run_id}", daemon=True)
         self.active[run.run_id] = thread
@@ -346,11 +346,12 @@ class LocalScheduler:
                 continue
             run, lease, started = self.unmeasured.pop(run_id)
             del self.samplers[run_id]
-            sampler.others_join()
-            self.pool.share(lease, self.needs.learn_running(run, peak_mb))
-            self.opened[run_id] = round(time.monotonic() - started, 1)
-            logger.info("run %s: its GPU memory settled at %.0f MiB after %.1f s; other runs may join its GPUs",
-                        run_id, peak_mb, self.opened[run_id])
+            if lease.exclusive:  # held alone until now (no guess could be made)
+                sampler.others_join()
+                self.opened[run_id] = round(time.monotonic() - started, 1)
+            self.pool.reserve(lease, self.needs.learn_running(run, peak_mb))
+            logger.info("run %s: its GPU memory settled at %.0f MiB after %.1f s; other runs of its notebook reserve "
+                        "that", run_id, peak_mb, time.monotonic() - started)
 
     def on_finished(self, run: Run, lease: GpuLease, record: RunRecord) -> bool:
         """Learn the run's memory need from its record; whether it ran out of GPU memory beside other runs, and so
@@ -371,6 +372,7 @@ class LocalScheduler:
         write_record(self.share, record)
         self.notify(record)
         self.out_of_memory[run.run_id] = summary
+        self.needs.ran_short(run)
         return True
 
     def out_of_memory_while_sharing(self, record: RunRecord, lease: GpuLease) -> bool:
