@@ -191,6 +191,9 @@ def test_every_job_sets_the_mount_settings_nbbatch_relies_on(backend, runs, tmp_
     assert 0 < int(env["DATASET_MOUNT_ATTRIBUTE_CACHE_TTL"]) <= 10_000  # milliseconds: markers seen within seconds
     assert int(env["DATASET_UNMOUNT_TIMEOUT_SECONDS"]) >= 600
     assert env["NBBATCH_LOG_ECHO"] == "1"  # the run's log in the job's own stream, which `logs -f` follows
+    with_identity = AzureMLBackend(ml_client=backend.ml_client, identity_client_id="0000-id").build_job(
+        runs[0], "azureml:e:1", tmp_path, datastore=DATASTORE, share_url=SHARE_URL).environment_variables
+    assert with_identity["AZURE_CLIENT_ID"] == "0000-id" and "DATASET_MOUNT_ATTRIBUTE_CACHE_TTL" in with_identity
 
 
 def test_direct_share_mode_passes_the_url(aml, runs, tmp_path):
