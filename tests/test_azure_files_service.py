@@ -106,6 +106,54 @@ def test_fake_speaks_oauth_only_with_the_backup_intent(server):
     assert server.dir_names("raw") == ["d"]
 
 
+def _request(server: FakeAzureFiles, method: str, path: str, **headers: str) -> tuple[int, str | None]:
+    connection = http.client.HTTPConnection("127.0.0.1", server.port)
+    connection.request(method, f"/{ACCOUNT}/{path}", headers={"Authorization": "Bearer fake-token", **headers})
+    answer = connection.getresponse()
+    answer.read()
+    connection.close()
+    return answer.status, answer.getheader("x-ms-error-code")
+
+
+def test_fake_takes_oauth_only_at_the_api_versions_that_have_it(server):
+    """Files and folders from 2022-11-02 (with the backup intent), share-level calls from 2024-11-04."""
+    server.create_share("raw")
+    intent = {"x-ms-file-request-intent": "backup"}
+    assert _request(server, "PUT", "raw/d?restype=directory", **{"x-ms-version": "2022-11-02"}, **intent)[0] == 201
+    assert _request(server, "PUT", "raw/e?restype=directory", **{"x-ms-version": "2021-12-02"}, **intent) == (
+        400, "InvalidAuthenticationInfo")
+    assert _request(server, "PUT", "oauth?restype=share", **{"x-ms-version": "2024-08-04"}) == (
+        409, "FileOAuthManagementApiRestrictedToSrp")
+    assert _request(server, "PUT", "oauth?restype=share", **{"x-ms-version": "2024-11-04"})[0] == 201
+    assert _request(server, "GET", "oauth?restype=share", **{"x-ms-version": "2025-11-05"})[0] == 200
+
+
+@pytest.mark.parametrize(("share", "code"), [("Results", "InvalidResourceName"), ("re--sults", "InvalidResourceName"),
+                                             ("-results", "InvalidResourceName"), ("re", "OutOfRangeInput"),
+                                             ("r" * 64, "OutOfRangeInput"), ("my_share", "InvalidResourceName")])
+def test_fake_refuses_share_names_the_service_refuses(server, share, code):
+    client = ShareClient.from_connection_string(server.connection_string(), share, retry_total=0)
+    with pytest.raises(HttpResponseError) as err:
+        client.create_share()
+    assert (err.value.status_code, err.value.error_code) == (400, code) and not server.shares
+    with pytest.raises(ShareError, match=rf"names file share `{share}`, which Azure Files refuses: a share name is "
+                                         r"3-63 lowercase letters.* Use e\.g\. `[a-z0-9-]{3,63}`$"):
+        AzureFileShare(f"azfiles://{ACCOUNT}/{share}/nbb", retry_total=0)  # nbbatch says so before any request
+
+
+@pytest.mark.parametrize(("path", "code"), [("d/CON", "InvalidResourceName"), ("lpt1/x", "InvalidResourceName"),
+                                            ("d/" + "n" * 256, "OutOfRangeInput"),
+                                            ("/".join(["d" * 250] * 9), "OutOfRangeInput")])
+def test_fake_refuses_device_names_and_names_too_long(server, path, code):
+    client = _raw(server)
+    with pytest.raises(HttpResponseError) as err:
+        client.get_file_client(path).upload_file(b"x")
+    assert (err.value.status_code, err.value.error_code) == (400, code)
+    share = AzureFileShare(URL, retry_total=0)
+    with pytest.raises(ShareError, match="Rename it"):  # nbbatch refuses it first, naming the rule and a fix
+        share.write_bytes(path, b"x")
+
+
 # --- item 8: names ----------------------------------------------------------------------------------------------
 
 

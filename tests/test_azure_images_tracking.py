@@ -292,6 +292,8 @@ def test_the_raw_probe_jobs_and_the_cancel_answers_against_the_azure_ml_fake(smo
 
     aml = FakeAzureML()
     client = aml.ml_client()
+    aml.register_environment("nbbatch-pytorch", "1")  # what the jobs name must exist: the fake checks, as the service
+    aml.add_compute(smoke.checks.ONE_NODE_CLUSTER)
     names = {}
     for kind in ("limit", "cancel"):
         job = smoke.raw_job(kind, "azureml:nbbatch-pytorch:1", smoke.checks.ONE_NODE_CLUSTER)

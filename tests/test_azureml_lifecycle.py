@@ -31,7 +31,7 @@ from fakes.azureml_transport import (  # noqa: E402
 from rich.console import Console  # noqa: E402
 from support.azure import make_toy_azure_project  # noqa: E402
 
-import nbbatch.backends.azureml.backend as backend_module  # noqa: E402
+import nbbatch.backends.azureml.polling as polling_module  # noqa: E402
 from nbbatch.backends import SubmitOptions  # noqa: E402
 from nbbatch.backends.azureml import JOB_FILE, AzureMLBackend, AzureMLCluster, ClusterSettings  # noqa: E402
 from nbbatch.backends.azureml.workspace import error_text  # noqa: E402
@@ -70,7 +70,9 @@ def share(monkeypatch):
 
 @pytest.fixture
 def aml():
-    return FakeAzureML()
+    fake = FakeAzureML()
+    fake.register_environment("nbbatch-toy", "1")  # ENVIRONMENT: the workspace has it, as the service checks
+    return fake
 
 
 def _backend(aml: FakeAzureML, **settings) -> AzureMLBackend:
@@ -110,6 +112,8 @@ def test_the_fake_refuses_a_job_the_service_refuses(aml, field, value, message):
     body = _body(caught.value)
     assert body["code"] == "UserError" and body["message"] == message and body["details"][0]["message"] == message
     assert message in error_text(caught.value)  # what nbbatch shows: the service's words, not "invalid status"
+    aml.register_environment("e", "1")
+    aml.add_compute("gpu-t4")
     aml.ml_client().jobs.create_or_update(command(command="echo", environment="azureml:e:1", **fields))  # valid: taken
 
 
@@ -135,7 +139,7 @@ def test_jobs_the_service_refuses_fail_their_runs_with_its_answer(aml, share, az
     message = {"experiment": EXPERIMENT_NAME_MESSAGE, "job name": JOB_NAME_MESSAGE.format(name="bad:name"),
                "shm_size": SHM_SIZE_MESSAGE.format(value="16 gb")}[bad]
     if bad == "job name":
-        monkeypatch.setattr(backend_module, "new_job_name", lambda run_id: "bad:name")
+        monkeypatch.setattr(polling_module, "attempt_job_name", lambda experiment, run_id, attempt: "bad:name")
     backend = _backend(aml, shm_size="16 GB" if bad == "shm_size" else None)
     _queue(share, runs)
     with pytest.raises(BackendError, match=r"Azure ML refused every job \(2\), so nothing runs: run toy-000000: "

@@ -180,6 +180,7 @@ def _azureml(request, project, tmp_path) -> Iterator[Harness]:
 
     monkeypatch = request.getfixturevalue("monkeypatch")
     aml = FakeAzureML()
+    aml.register_environment("nbbatch-contract", "1")  # the fake checks a job's environment exists
 
     def azureml(**settings: Any) -> AzureMLBackend:
         made = AzureMLBackend(ml_client=aml.ml_client(), **settings)

@@ -17,12 +17,15 @@ for a lease id sent to an unleased file. Acquiring a leased file is 409 ``LeaseA
 break ends an infinite lease at once (state ``broken``), after which the file can be acquired again.
 Properties and downloads carry ``x-ms-lease-state`` / ``x-ms-lease-status`` / ``x-ms-lease-duration``.
 
-Strict where the service is (issue 28): names are case-preserving but case-insensitive (``Cifar/x`` and
+Strict where the service is (issues 28, 50): names are case-preserving but case-insensitive (``Cifar/x`` and
 ``cifar/x`` are one file), trailing dots of a name are trimmed (unless ``x-ms-allow-trailing-dot: true``),
-and ``" \\ : | < > * ?`` or control characters in a name are 400 ``InvalidResourceName``. Requests are
+``" \\ : | < > * ?``, control characters or a device name (``CON``, ``LPT1`` …) in a name are 400
+``InvalidResourceName``, a name part over 255 characters or a path over 2,048 is 400 ``OutOfRangeInput``, and so is a
+share name that is not 3-63 lowercase letters, digits and single hyphens (or ``InvalidResourceName``). Requests are
 signed: a ``SharedKey`` signature is checked against the account's key (:data:`FAKE_KEY` unless
 ``keys`` says otherwise) with the SDK's own signing code, and OAuth (``Bearer``) is taken for files and
-folders only with ``x-ms-file-request-intent: backup``. A test can throttle (:meth:`FakeAzureFiles.throttle`:
+folders only with ``x-ms-file-request-intent: backup`` and API version 2022-11-02 or later, for share-level calls
+only from 2024-11-04 (409 ``FileOAuthManagementApiRestrictedToSrp`` before). A test can throttle (:meth:`FakeAzureFiles.throttle`:
 503 ``ServerBusy`` with ``Retry-After``) or inject any error (:meth:`FakeAzureFiles.inject`, e.g. 409
 ``SharingViolation``) for N requests or a time window of :attr:`FakeAzureFiles.clock`, which also stamps
 ``Date`` and last-modified times (a test may replace it with a fake clock).
@@ -67,6 +70,28 @@ MISSING_HEADER = (400, "MissingRequiredHeader", "An HTTP header that's mandatory
 AUTH_FAILED = (403, "AuthenticationFailed", "Server failed to authenticate the request. Make sure the value of "
                "Authorization header is formed correctly including the signature.")
 _INVALID_CHARS = re.compile(r'["\\:|<>*?\x00-\x1f]')
+# Microsoft's "Naming and referencing shares, directories, files, and metadata": a share name is 3-63 lowercase
+# letters, digits and hyphens, starting and ending with a letter or digit, no two hyphens in a row ("If you attempt
+# to create a share, directory, or file with a name that violates naming rules, the request fails with status code
+# 400"); a name part is at most 255 characters, a path at most 2,048; the device names below are not allowed as file
+# or directory names. The service's codes: InvalidResourceName for a refused name (above), OutOfRangeInput for a
+# length past its limits, in the words of the Storage error codes table (learn.microsoft.com, "Common REST API error
+# codes": "The specified resource name length is not within the permissible limits.").
+SHARE_NAME = re.compile(r"(?=.{3,63}$)[a-z0-9](?:[a-z0-9]|-(?=[a-z0-9]))*")
+NAME_TOO_LONG = (400, "OutOfRangeInput", "The specified resource name length is not within the permissible limits.")
+RESERVED_NAMES = frozenset({"CON", "PRN", "AUX", "NUL", "CLOCK$", *(f"COM{i}" for i in range(1, 10)),
+                            *(f"LPT{i}" for i in range(1, 10))})
+MAX_PART, MAX_PATH = 255, 2048
+# OAuth (a Bearer token): file and directory operations from API version 2022-11-02, share-level ones (create,
+# properties, delete of a share) from 2024-11-04 (learn.microsoft.com, "Access Azure file shares using Microsoft Entra
+# ID with Azure Files OAuth over REST", Limitations). Older share-level calls are refused as the service answered in
+# the azure-sdk-for-js recordings (409 FileOAuthManagementApiRestrictedToSrp, at x-ms-version 2022-11-02); an older
+# file call as the storage front end answers a scheme its version lacks (MicrosoftDocs/azure-docs#95050: "Authentication
+# scheme Bearer is not supported in this version."; the code is ours).
+OAUTH_FILES_VERSION, OAUTH_SHARES_VERSION = "2022-11-02", "2024-11-04"
+OAUTH_SHARE_REFUSED = (409, "FileOAuthManagementApiRestrictedToSrp", "This API does not support bearer tokens. For "
+                       "OAuth, use the Storage Resource Provider APIs instead. Learn more: https://aka.ms/azurefiles/restapi.")
+OAUTH_VERSION_REFUSED = (400, "InvalidAuthenticationInfo", "Authentication scheme Bearer is not supported in this version.")
 
 
 @dataclass
@@ -314,7 +339,9 @@ class _Handler(BaseHTTPRequestHandler):
                     raise _Error(400, "InvalidUri", "no share in the URL")
                 share_name = segments[1]
                 path = _trim("/".join(segments[2:]), request)
-                self._check_auth(request, bool(path) or query.get("restype") == "directory")
+                self._check_auth(request, bool(path) or query.get("restype") == "directory")  # who asks, first
+                if not SHARE_NAME.fullmatch(share_name):
+                    raise _Error(*(NAME_TOO_LONG if not 3 <= len(share_name) <= 63 else INVALID_NAME))
                 injected = fake.fault(request) if fake.fault else None
                 if injected:
                     raise _Error(injected[0], injected[1], "injected by the test")
@@ -351,6 +378,11 @@ class _Handler(BaseHTTPRequestHandler):
         if not request.headers.get("x-ms-version"):
             raise _Error(400, "MissingRequiredHeader", "x-ms-version is required")
         if auth.startswith("Bearer ") and auth[7:].strip():
+            version = request.headers["x-ms-version"]
+            if version < OAUTH_FILES_VERSION:
+                raise _Error(*OAUTH_VERSION_REFUSED)
+            if not data_operation and version < OAUTH_SHARES_VERSION:
+                raise _Error(*OAUTH_SHARE_REFUSED)
             if data_operation and request.headers.get("x-ms-file-request-intent", "").lower() != "backup":
                 raise _Error(*MISSING_HEADER, details={"HeaderName": "x-ms-file-request-intent"})
             return
@@ -655,9 +687,13 @@ def _trim(path: str, request: Request, header: str = "x-ms-allow-trailing-dot") 
 
 
 def _check_name(path: str) -> None:
-    """400 InvalidResourceName for a name with a character the service refuses."""
-    if _INVALID_CHARS.search(path):
+    """400 InvalidResourceName for a name with a character the service refuses or a device name; 400 OutOfRangeInput
+    for a name part over 255 characters or a path over 2,048."""
+    parts = path.split("/")
+    if _INVALID_CHARS.search(path) or any(part.upper() in RESERVED_NAMES for part in parts):
         raise _Error(*INVALID_NAME)
+    if len(path) > MAX_PATH or any(len(part) > MAX_PART for part in parts):
+        raise _Error(*NAME_TOO_LONG)
 
 
 def _props(item: _File | None = None) -> dict[str, str]:

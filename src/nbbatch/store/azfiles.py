@@ -57,7 +57,7 @@ from nbbatch.store.azfiles_client import (
     retry_policy,
 )
 from nbbatch.store.azfiles_lease import AzureFilesLeases
-from nbbatch.store.azfiles_names import check_name, refused_names
+from nbbatch.store.azfiles_names import check_name, check_share_name, refused_names
 from nbbatch.store.share import Share, register_share
 
 SCHEME = "azfiles"
@@ -127,6 +127,7 @@ class AzureFileShare(AzureFilesLeases):
         :class:`~nbbatch.store.azfiles_client.ThrottleRetry`).
         """
         self.location = parse_azfiles_url(url)
+        check_share_name(self.location.share, url)  # before any request: the service's answer names no rule
         self.url = self.location.url
         self.endpoint = (endpoint or default_endpoint(self.location.account)).rstrip("/")
         if credential is None:

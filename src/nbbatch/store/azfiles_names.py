@@ -24,7 +24,9 @@ RESERVED = frozenset({"CON", "PRN", "AUX", "NUL", "CLOCK$", *(f"COM{i}" for i in
                       *(f"LPT{i}" for i in range(1, 10))})
 _BAD_CHARS = re.compile(r'["\\:|<>*?\x00-\x1f]')
 
-__all__ = ["FORBIDDEN", "name_problem", "refused_names", "check_name", "suggest"]
+SHARE_NAME = re.compile(r"(?=.{3,63}$)[a-z0-9](?:[a-z0-9]|-(?=[a-z0-9]))*")  # 3-63 of a-z 0-9, single inner hyphens
+
+__all__ = ["FORBIDDEN", "name_problem", "refused_names", "check_name", "check_share_name", "suggest"]
 
 
 def _part_problem(part: str) -> str | None:
@@ -86,3 +88,16 @@ def check_name(path: str, where: str) -> None:
     why = name_problem(path)
     if why:
         raise ShareError(f"cannot write `{path}` to {where}: {why}. Rename it, e.g. to `{suggest(path)}`")
+
+
+def check_share_name(share: str, url: str) -> None:
+    """Raise :class:`ShareError` naming the rule and a name that works when Azure Files refuses file share ``share``
+    (3-63 lowercase letters, digits and hyphens, starting and ending with a letter or digit, no two hyphens in a row):
+    the service's own answer (400 InvalidResourceName or OutOfRangeInput) names neither the share nor the rule."""
+    if SHARE_NAME.fullmatch(share):
+        return
+    fixed = re.sub(r"-{2,}", "-", re.sub(r"[^a-z0-9-]", "-", share.lower())).strip("-")[:63].rstrip("-")
+    fixed = fixed if len(fixed) >= 3 else (fixed + "-share").lstrip("-")
+    raise ShareError(f"`{url}` names file share `{share}`, which Azure Files refuses: a share name is 3-63 lowercase "
+                     f"letters, digits and hyphens, starts and ends with a letter or digit and has no two hyphens in a "
+                     f"row. Use e.g. `{fixed}`")

@@ -17,7 +17,8 @@ This is deep_bait's Batch AI flow on today's service (Azure ML, SDK v2 ``azure-a
 
 The job name, its studio URL and the last job state seen are kept next to the run's files in
 ``<experiment>/<run id>/azureml.json`` (:class:`JobState`, :mod:`.jobs`); the backend's ``sync``
-maps job states onto run records (:func:`map_job_status`). Settings (the ``backend:`` mapping of the
+maps job states onto run records (:func:`map_job_status`), reading them in one paged list per poll, backing off
+when throttled, and naming each job the same for a run's attempt (:mod:`.polling`). Settings (the ``backend:`` mapping of the
 experiment file) are the fields of :class:`AzureMLSettings` (also :class:`AzureMLBackend`'s keyword arguments).
 
 The workspace comes from the settings (``subscription_id``, ``resource_group``, ``workspace``),

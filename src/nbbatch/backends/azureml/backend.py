@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from azure.ai.ml import Input, MLClient, Output, command
 from azure.ai.ml.entities import Command
-from azure.core.exceptions import AzureError, HttpResponseError, ResourceNotFoundError
+from azure.core.exceptions import AzureError, HttpResponseError, ResourceNotFoundError, ServiceRequestError
 
 from nbbatch.backends.azureml.cluster import AzureMLCluster, ClusterSettings, vm_gpus, vm_sizes_with
 from nbbatch.backends.azureml.images import (
@@ -30,20 +30,26 @@ from nbbatch.backends.azureml.images import (
 from nbbatch.backends.azureml.jobs import (
     CANCEL_REQUESTED,
     ENDED,
-    JOB_FILE,
     JobLaunch,
     JobState,
     canonical_status,
     job_distribution,
     job_status_text,
     map_job_status,
-    new_job_name,
-    reconcile,
     refused_job_error,
     runtime_environment,
 )
 from nbbatch.backends.azureml.logstream import stream_job
 from nbbatch.backends.azureml.placement import azureml_placement
+from nbbatch.backends.azureml.polling import (
+    EXPERIMENT_PROPERTY,
+    NEVER_CREATED,
+    Backoff,
+    JobPolling,
+    attempt_job_name,
+    create_job,
+    next_attempt,
+)
 from nbbatch.backends.azureml.rules import (
     check_location,
     check_run,
@@ -63,15 +69,11 @@ from nbbatch.redact import is_secret, is_secret_value
 from nbbatch.spec.frameworks import get_framework
 from nbbatch.spec.project import Project
 from nbbatch.store.azfiles import AzureFileShare, AzureFilesLocation, parse_azfiles_url
-from nbbatch.store.layout import run_paths
 from nbbatch.store.runfiles import (
     CANCEL_REQUEST,
     StopRequest,
     read_record,
-    read_record_or_none,
-    requested_outcome,
     write_cancel_markers,
-    write_record,
 )
 from nbbatch.store.runfiles import run_ids as list_run_ids
 from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status, utc_now
@@ -120,7 +122,7 @@ class AzureMLSettings(ClusterSettings):
     client_kwargs: Mapping[str, Any] | None = field(default=None, metadata=setting(python_only=True))
 
 
-class AzureMLBackend(Backend):
+class AzureMLBackend(JobPolling, Backend):
     """Runs each planned run as an Azure ML command job; see :mod:`nbbatch.backends.azureml`."""
 
     name: ClassVar[str] = "azureml"
@@ -138,6 +140,7 @@ class AzureMLBackend(Backend):
         self._cluster: AzureMLCluster | None = None
         self._environment_refs: dict[str, str] = {}
         self._registry_checked: set[str] = set()  # frameworks whose image was found in `registry:`
+        self._backoff = Backoff()  # when the service may be asked again after a throttled answer (sync)
 
     @property
     def poll_s(self) -> float:  # type: ignore[override]
@@ -275,13 +278,12 @@ class AzureMLBackend(Backend):
                     job = self.build_job(run, self._environment_for(run, register=True), code_dir,
                                          datastore=datastore, share_url=location.url, share_prefix=location.prefix)
                     tried.add(run.run_id)
-                    # The job's name is on the share before the job exists: when creating it times out (and Azure ML
-                    # creates it anyway), a resubmission finds this job (in_flight, sync) instead of making a second.
                     state = JobState(run.run_id, job.name, run.experiment, status=Status.QUEUED,
                                      note="being created in Azure ML", submitted_at=utc_now(), updated_at=utc_now())
-                    self._write_state(share, state)
+                    attempt = next_attempt(self.job_state(share, run.experiment, run.run_id))
                     try:
-                        created = self.ml_client.jobs.create_or_update(job)
+                        created, attempt = create_job(self.ml_client, job, experiment=run.experiment, run_id=run.run_id,
+                                                attempt=attempt, before=self._noting(share, state))
                     except HttpResponseError as exc:  # refused: this run fails with the service's answer, whole
                         error = refused_job_error(job.name, error_text(exc), exc.status_code)
                         state.status, state.note, state.updated_at = Status.FAILED, error.evalue, utc_now()
@@ -290,14 +292,17 @@ class AzureMLBackend(Backend):
                         refused.append(f"run {run.run_id}: {error_text(exc)}")
                         continue
                     except AzureError as exc:  # a timeout or a dropped connection: the job may exist all the same
+                        if isinstance(exc, ServiceRequestError):  # never sent: no job, the next submission makes it
+                            state.status, state.note = Status.FAILED, NEVER_CREATED
+                            self._write_state(share, state)
                         uncertain.append(f"creating Azure ML job {job.name} for run {run.run_id} failed ({exc})")
                         continue
                     job_status = job_status_text(created.status)
                     status, note = map_job_status(job_status)
                     self._write_state(share, JobState(run.run_id, created.name, run.experiment,
                                                       studio_url=created.studio_url, job_status=job_status,
-                                                      status=status, note=note, submitted_at=utc_now(),
-                                                      updated_at=utc_now()))
+                                                      status=status, note=note, submitted_at=state.submitted_at,
+                                                      updated_at=utc_now(), attempt=attempt))
         except (NbbatchError, AzureError) as exc:
             for run in runs:  # those without a job: failed with why, so neither status nor wait waits on them
                 if run.run_id not in tried:
@@ -313,37 +318,6 @@ class AzureMLBackend(Backend):
             raise BackendError(f"Azure ML refused every job ({len(runs)}), so nothing runs: {refused[0]}"
                                + (f" (and {len(refused) - 1} more: `nbbatch status` shows each)"
                                   if len(refused) > 1 else ""))
-
-    def sync(self, experiment: str, share: Share, run_ids: Sequence[str] | None = None) -> None:
-        """Map the jobs' states onto the records of runs that are not final (a job that ended first ends its run),
-        with the job's note (waiting for nodes, cancel requested, not responding) as the record's ``note``."""
-        clusters: dict[str, str | None] = {}  # one look at each cluster per sync, however many jobs wait on it
-        for run_id in run_ids if run_ids is not None else list_run_ids(share, experiment):
-            state = self.job_state(share, experiment, run_id)
-            if state is None:
-                continue
-            record = read_record_or_none(share, experiment, run_id)  # a damaged one: status names it
-            if record is not None and record.final and state.status.final:
-                continue
-            before = (state.job_status, state.note)
-            self._refresh_state(state, clusters)
-            if (state.job_status, state.note) != before:
-                self._write_state(share, state)
-            if record is None or record.final:
-                continue
-            change = reconcile(record, state)
-            if change is not None and change[0] == Status.CANCELLED and change[1] is not None:
-                change = requested_outcome(share, experiment, record.run_id, change[1].reason or "", change[1].evalue)
-            if change is not None and change[0].final:
-                self.finalize(share, record, *change)
-                continue
-            note = state.note if state.active else None
-            if change is None and record.note == note:
-                continue
-            if change is not None:
-                record.status = change[0]
-            record.note = note
-            write_record(share, record)
 
     def cancel(self, experiment: str, share: Share, run_ids: Sequence[str] | None = None,
                request: StopRequest = CANCEL_REQUEST) -> list[str]:
@@ -417,8 +391,9 @@ class AzureMLBackend(Backend):
         datastore: str,
         share_url: str,
         share_prefix: str = "",
+        attempt: int = 1,
     ) -> Command:
-        """The command job of one run (what :meth:`start` sends; also handy to inspect or dump as YAML)."""
+        """The command job of one run's ``attempt`` (what :meth:`start` sends; also handy to inspect or dump as YAML)."""
         launch = self._launch(run, share_url=share_url)
         run_file = launch.write_run_file(code)
         outputs = {}
@@ -438,7 +413,7 @@ class AzureMLBackend(Backend):
         if distribution is not None:
             tags["distribution"] = json.dumps(run.distribution.to_dict(), sort_keys=True)
         return command(
-            name=new_job_name(run.run_id),
+            name=attempt_job_name(run.experiment, run.run_id, attempt),
             display_name=run.run_id,
             experiment_name=run.experiment,
             description=f"nbbatch run {run.run_id}: {run.notebook_rel}",
@@ -450,6 +425,7 @@ class AzureMLBackend(Backend):
             inputs=inputs,
             outputs=outputs,
             tags=tags,
+            properties={EXPERIMENT_PROPERTY: run.experiment},  # the list of the experiment's jobs (sync) filters on it
             instance_count=instance_count,
             distribution=distribution,
             shm_size=normal_shm_size(self.settings.shm_size),
@@ -503,42 +479,6 @@ class AzureMLBackend(Backend):
         ref = f"azureml:{registered.name}:{registered.version}"
         self._environment_refs[key] = ref
         return ref
-
-    # --- job state --------------------------------------------------------------------------------
-    def job_state(self, share: Share, experiment: str, run_id: str) -> JobState | None:
-        """The run's ``azureml.json``, or None when it was never submitted to Azure ML."""
-        try:
-            return JobState.from_json(share.read_bytes(run_paths(experiment, run_id).file(JOB_FILE)))
-        except (FileNotFoundError, ValueError, TypeError):
-            return None
-
-    def _write_state(self, share: Share, state: JobState) -> None:
-        share.write_bytes(run_paths(state.experiment, state.run_id).file(JOB_FILE), state.to_json())
-
-    def _refresh_state(self, state: JobState, clusters: dict[str, str | None] | None = None) -> JobState:
-        """``state`` updated from the job's status in Azure ML (not written).
-
-        With ``clusters`` (a cache of notes by cluster, filled as it goes), a Queued job's note says what its cluster
-        reports while the job waits for nodes: allocation errors (quota exceeded …) or a resize under way.
-        """
-        try:
-            job = self.ml_client.jobs.get(state.job_name)
-        except ResourceNotFoundError:
-            note = ("the Azure ML job no longer exists" if state.job_status else
-                    "the Azure ML job was never created (its submission failed); submit again to rerun")
-            state.job_status, state.status, state.note = None, Status.FAILED, note
-            return state
-        state.job_status = job_status_text(job.status)
-        state.status, state.note = map_job_status(state.job_status)
-        if clusters is not None and canonical_status(state.job_status) == "Queued" and job.compute:
-            if job.compute not in clusters:
-                clusters[job.compute] = AzureMLCluster(self.ml_client, dataclasses.replace(
-                    self.cluster_settings, compute=job.compute)).allocation().waiting_note()
-            state.note = clusters[job.compute] or state.note
-        state.studio_url = job.studio_url or state.studio_url
-        state.updated_at = utc_now()
-        return state
-
 
 def command_json(value: Mapping[str, Any], bindings: Collection[str] = ()) -> str:
     """``value`` as compact JSON for a job's command, with every ``$`` written ``\\u0024`` except in the entries

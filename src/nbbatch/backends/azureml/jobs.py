@@ -6,7 +6,6 @@ import dataclasses
 import io
 import json
 import os
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,6 @@ from typing import Any
 from azure.ai.ml import MpiDistribution, PyTorchDistribution, TensorFlowDistribution
 from azure.ai.ml.entities import Command
 
-from nbbatch.backends.azureml.rules import job_name
 from nbbatch.errors import BackendError
 from nbbatch.execute.launch import LOG_ECHO_ENV, LaunchSpec
 from nbbatch.spec.resources import Distribution
@@ -128,6 +126,7 @@ class JobState:
     note: str | None = None
     submitted_at: str | None = None
     updated_at: str | None = None
+    attempt: int = 0  # the run's jobs so far, this one included (its name: polling.attempt_job_name); 0: unknown
 
     def __post_init__(self) -> None:
         self.status = Status(self.status)
@@ -196,15 +195,9 @@ def job_distribution(
 
 
 def runtime_environment() -> dict[str, str]:
-    """The variables of every job's runtime: the mount settings, and run-one's echo of the run's log to the job's own stream
-    (which ``nbbatch logs -f`` follows: the mount may show log.txt's new lines late)."""
+    """The variables of every job's runtime: the mount settings, and run-one's echo of the run's log to the job's own
+    stream (which ``nbbatch logs -f`` follows: the mount may show log.txt's new lines late)."""
     return {**MOUNT_SETTINGS, LOG_ECHO_ENV: "1"}
-
-
-def new_job_name(run_id: str) -> str:
-    """A fresh job name for a run (job names are unique in a workspace, and a rerun is a new job): ``<run id>-<8 hex>``,
-    the run id written as the service allows (:func:`nbbatch.backends.azureml.rules.job_name`)."""
-    return job_name(run_id, uuid.uuid4().hex[:8])
 
 
 def job_yaml(job: Command) -> str:

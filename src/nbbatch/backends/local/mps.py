@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import logging
 import os
 import shutil
@@ -33,10 +32,11 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from types import TracebackType
 
 from nbbatch.backends.local.gpus import GpuInfo
+from nbbatch.backends.local.orphans import adopting_orphans, reap, reap_exited_children
 from nbbatch.errors import BackendError, ValidationError
 from nbbatch.store.lock import pid_alive
 
@@ -202,7 +202,7 @@ class MpsDaemon:
         # its output goes to a file, not a pipe: a daemonized child that kept the pipe open would block us
         out_path = os.path.join(self._folder or "", "start.out")
         # `-d` forks and its fork forks the daemon: adopted while it starts, this process reaps them (_reap_adopted)
-        with _adopting_orphans():
+        with adopting_orphans():
             try:
                 with open(out_path, "wb") as out:
                     # a session of its own: a Ctrl-C in the terminal must not reach it before we stop it cleanly
@@ -282,7 +282,7 @@ class MpsDaemon:
                                clients, self.stop_timeout)
         _shut_down(pid, pipe, self._control or shutil.which(MPS_CONTROL), self.stop_timeout)
         if pid is not None:
-            _reap(pid)
+            reap(pid)
         _reap_adopted()
 
     def __enter__(self) -> MpsDaemon:
@@ -306,26 +306,6 @@ def _stop_live_daemons() -> None:
         daemon.stop()
 
 
-_PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37  # prctl(2), Linux 3.4
-
-
-@contextlib.contextmanager
-def _adopting_orphans() -> Iterator[None]:
-    """While inside, this process is a child subreaper: a process its children orphan (the daemon that
-    ``nvidia-cuda-mps-control -d`` forks) becomes its child. Where prctl cannot do it, nothing changes."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    before = ctypes.c_int(0)
-    if libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(before), 0, 0, 0) != 0 or before.value:
-        yield  # not Linux, or already a subreaper (kept)
-        return
-    adopted = libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    try:
-        yield
-    finally:
-        if adopted:
-            libc.prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
-
-
 def _wait_adopted(daemon: int, timeout: float = 2.0) -> None:
     """Wait (at most ``timeout`` s) until the daemon is this process's child: its parent, ``-d``'s intermediate process,
     has exited while this process adopts orphans."""
@@ -335,19 +315,9 @@ def _wait_adopted(daemon: int, timeout: float = 2.0) -> None:
 
 
 def _reap_adopted() -> None:
-    """Collect the exit of each MPS process this process adopted that has exited (``-d``'s intermediate process, the
-    daemon once it quit). Only MPS-named ones: what :mod:`subprocess` started it collects itself."""
-    with contextlib.suppress(OSError):
-        for entry in os.listdir("/proc"):
-            if entry.isdigit() and _parent_of(int(entry)) == os.getpid() and not _alive(int(entry)) \
-                    and _comm(int(entry)).startswith(MPS_COMM):
-                _reap(int(entry))
-
-
-def _reap(pid: int) -> None:
-    """Collect ``pid``'s exit if it is a child of this process that has exited (else leave it)."""
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)
+    """Collect the exit of each MPS process this process adopted (``-d``'s intermediate process, the daemon once it
+    quit); what :mod:`subprocess` started it collects itself."""
+    reap_exited_children(lambda pid: _comm(pid).startswith(MPS_COMM))
 
 
 def _private_folder() -> str:
