@@ -67,7 +67,8 @@ clean:
 AZURE_VM ?= Standard_NC4as_T4_v3
 AZURE_SMOKE := .nbbatch/azure-smoke.yaml
 
-azure-smoke: setup  ## one tiny GPU run, then the live probes' table, on a real Azure ML workspace (billed; docs/azure.md)
+azure-smoke: setup  ## one tiny GPU run, then the live probes held to thresholds, on a real Azure ML workspace (billed; docs/azure.md); fails when any probe does
+	@$(BIN)/python benchmarks/azure_smoke.py --cost-only --vm-size $(AZURE_VM)
 	@for v in AZURE_SUBSCRIPTION_ID AZURE_RESOURCE_GROUP AZUREML_WORKSPACE NBBATCH_AZURE_SHARE; do \
 	  if [ -z "$$(printenv $$v)" ]; then echo "azure-smoke: set $$v (see docs/azure.md)"; exit 2; fi; done
 	@mkdir -p .nbbatch

@@ -1,20 +1,22 @@
-"""``make azure-smoke``: what only a live Azure ML workspace can answer, asked of one, printed as a table.
+"""``make azure-smoke``: what only a live Azure ML workspace can answer, asked of one, each answer held to a threshold.
 
-Two experiments go to the workspace (``backend: azureml``, the framework image of PyTorch):
+Prints a cost estimate first, then runs two phases one after the other (so that the one-node and two-node clusters
+never hold nodes at once: a default T4 quota may not fit both), and prints a table of verdicts; exits 1 when any
+probe failed (a skipped one, where the service gave no occasion to ask, is no failure). The probes, the experiments
+and the thresholds are in ``azure_smoke_checks.py`` beside this file (tested offline); docs/azure.md says how to read
+the table.
 
-* ``azure-probe``: one run of a probe notebook on one node, with ``tracking: mlflow``. It answers, from
-  inside the job: rename, ``O_EXCL`` and ``pwrite`` on the share's ``rw_mount``; whether ``uv`` runs in the
-  built image; the job's user and ``HOME``; whether MLflow's URI and the run token reach a kernel that asked
-  for tracking. It then waits for a file this driver writes to the share the way ``nbbatch cancel`` writes its
-  marker (``Share.write_bytes``), and reports how long it took to appear in the job.
-* ``azure-probe-2node``: the same notebook over two nodes (``distribution: torch``) without tracking: node 1
-  writes a file to the run's outputs, node 0 waits for it; and whether the run token reached node 0's kernel.
-
-Afterwards the driver cancels the finished job of the first run and reports what the service answered, and
-looks for a low-priority preemption (a lost attempt in any run's record): it cannot provoke one.
+* Phase 1, cluster ``nbbatch-probe`` (one node): ``azure-probe`` (the probe notebook with ``tracking: mlflow``, a
+  read-only input, a logged line the driver times on the share, the driver's cancel marker, a hold so that jobs queue
+  behind it, and a 2 GiB output as its last act); ``azure-probe-names`` (its share folder and its input named with a
+  space and non-ASCII characters); two raw jobs: one with a short ``limits.timeout`` queued behind the first run
+  (what the limit counts), one the driver cancels while it runs. The driver also cancels a job it sees finalizing
+  and the finished first job, and records each answer. Then the cluster is deleted.
+* Phase 2, cluster ``nbbatch-probe2`` (two nodes): ``azure-probe-2node``, the notebook as a 2-node MPI job writing to
+  the share's root (``paths/./``): node 1 writes a file, node 0 waits for it.
 
 Refuses to start without ``AZURE_SUBSCRIPTION_ID``, ``AZURE_RESOURCE_GROUP``, ``AZUREML_WORKSPACE`` and
-``NBBATCH_AZURE_SHARE``. Billed: two small clusters' worth of node time (see docs/azure.md).
+``NBBATCH_AZURE_SHARE``. ``--cost-only`` prints the estimate and exits.
 """
 
 from __future__ import annotations
@@ -23,108 +25,22 @@ import argparse
 import os
 import sys
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its checks, beside it, however this module is loaded
+import azure_smoke_checks as checks  # noqa: E402
+
 REQUIRED = ("AZURE_SUBSCRIPTION_ID", "AZURE_RESOURCE_GROUP", "AZUREML_WORKSPACE", "NBBATCH_AZURE_SHARE")
-ONE_NODE, TWO_NODES = "azure-probe", "azure-probe-2node"
-WAITING_FILE, MARKER_FILE, NODE1_FILE = "probe-waiting", "driver-marker", "from-node-1"
-DEADLINE_S = 5400.0  # image builds and node allocation included
-POLL_S = 15.0
-
-# The probe notebook's cells. `import torch` makes it a PyTorch notebook (its image and kernel) where the project
-# has that framework; elsewhere (the tests) it runs in the notebook's own kernel. Only names and yes/no are
-# recorded, never a variable's value.
-PROBE_PARAMETERS = "MARKER_WAIT_S = 900\nNODE_WAIT_S = 600"
-PROBE_CELLS = [
-    """\
-import errno, getpass, os, shutil, subprocess, time
-from pathlib import Path
-import nbbatch
-from nbbatch.artifacts import output_dir
-try:
-    import torch  # noqa: F401  (only so that the notebook is recognised as a PyTorch one)
-except ImportError:
-    pass
-out = output_dir()
-rank = int(os.environ.get("NBBATCH_RANK", "0"))
-world = int(os.environ.get("NBBATCH_WORLD_SIZE", "1"))""",
-    """\
-def attempt(step):
-    try:
-        return step()
-    except OSError as exc:
-        return f"error: {errno.errorcode.get(exc.errno, exc.errno)} {exc.strerror}"
-
-def rename_over():
-    (out / "a.tmp").write_bytes(b"new"); (out / "a").write_bytes(b"old")
-    os.rename(out / "a.tmp", out / "a")
-    return "replaces an existing file" if (out / "a").read_bytes() == b"new" else "kept the old file"
-
-def exclusive():
-    flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY
-    os.close(os.open(out / "excl", flags))
-    try:
-        os.close(os.open(out / "excl", flags))
-    except FileExistsError:
-        return "second create refused (EEXIST)"
-    return "second create succeeded: O_EXCL not honoured"
-
-def pwrite():
-    fd = os.open(out / "pw", os.O_CREAT | os.O_RDWR | os.O_TRUNC)
-    try:
-        os.pwrite(fd, b"0123456789", 0); os.pwrite(fd, b"AB", 4)
-        return "in place" if os.pread(fd, 10, 0) == b"0123AB6789" else f"wrong bytes {os.pread(fd, 10, 0)!r}"
-    finally:
-        os.close(fd)
-
-def uv():
-    found = shutil.which("uv")
-    if not found:
-        return "not on PATH"
-    done = subprocess.run([found, "--version"], capture_output=True, text=True)
-    return done.stdout.strip() if done.returncode == 0 else f"exit {done.returncode}: {done.stderr.strip()[:200]}"
-
-if rank == 0:
-    nbbatch.record(rename=attempt(rename_over), o_excl=attempt(exclusive), pwrite=attempt(pwrite), uv=attempt(uv),
-                   user=f"{getpass.getuser()} (uid {os.getuid()})", home=os.environ.get("HOME", "(unset)"),
-                   mlflow_uri_in_kernel="MLFLOW_TRACKING_URI" in os.environ,
-                   run_token_in_kernel="AZUREML_RUN_TOKEN" in os.environ)""",
-    """\
-def wait_for(path, limit):
-    start = time.monotonic()
-    while time.monotonic() - start < limit:
-        if path.exists():
-            return f"seen after {time.monotonic() - start:.0f} s"
-        time.sleep(2)
-    return f"not seen within {limit:g} s"
-
-if world > 1:
-    if rank == 1:
-        (out / "from-node-1").write_text("written on node 1")
-    elif rank == 0:
-        nbbatch.record(node1_file_on_node0=wait_for(out / "from-node-1", NODE_WAIT_S))
-elif rank == 0:
-    (out / "probe-waiting").write_text("waiting for the driver's marker")
-    nbbatch.record(driver_marker=wait_for(out / "driver-marker", MARKER_WAIT_S))""",
-]
-
-QUESTIONS = [  # (question, experiment, metric)
-    ("rename over an existing file on the rw_mount", ONE_NODE, "rename"),
-    ("O_CREAT|O_EXCL on the rw_mount", ONE_NODE, "o_excl"),
-    ("pwrite at an offset on the rw_mount", ONE_NODE, "pwrite"),
-    ("a driver-written marker (as `nbbatch cancel`'s) seen in the job", ONE_NODE, "driver_marker"),
-    ("a file written on node 1 seen on node 0", TWO_NODES, "node1_file_on_node0"),
-    ("`uv --version` in the built image", ONE_NODE, "uv"),
-    ("the job's user", ONE_NODE, "user"),
-    ("the job's HOME", ONE_NODE, "home"),
-    ("MLflow's URI reaches a kernel with `tracking: mlflow`", ONE_NODE, "mlflow_uri_in_kernel"),
-    ("the run token reaches a kernel with `tracking: mlflow`", ONE_NODE, "run_token_in_kernel"),
-    ("the run token reaches a kernel without `tracking:`", TWO_NODES, "run_token_in_kernel"),
-]
+PHASE_DEADLINE_S = 5400.0  # image builds and node allocation included
+POLL_S = 5.0
+PROBE_EXPERIMENT = "nbbatch-smoke-raw-jobs"  # the Azure ML experiment of the two raw jobs
 
 
 def missing_variables(environ: Mapping[str, str]) -> list[str]:
@@ -132,44 +48,33 @@ def missing_variables(environ: Mapping[str, str]) -> list[str]:
     return [name for name in REQUIRED if not environ.get(name)]
 
 
-def smoke_experiments(share: str, vm_size: str, notebook: str) -> dict[str, dict[str, Any]]:
-    """The two experiments (as experiment-file dicts), each on a cluster of its own, deleted afterwards."""
-    backend = {"name": "azureml", "vm_size": vm_size, "min_nodes": 0, "idle_time_before_scale_down": 300}
-    return {
-        ONE_NODE: {"experiment": ONE_NODE, "notebooks": [notebook], "resources": {"gpus": 1}, "tracking": "mlflow",
-                   "timeout": {"run": 2700}, "share": share,
-                   "backend": {**backend, "compute": "nbbatch-probe", "max_nodes": 1}},
-        TWO_NODES: {"experiment": TWO_NODES, "notebooks": [notebook], "distribution": {"type": "torch"},
-                    "resources": {"nodes": 2, "processes_per_node": 1, "gpus_per_node": 1},
-                    "timeout": {"run": 2700}, "share": share,
-                    "backend": {**backend, "compute": "nbbatch-probe2", "max_nodes": 2}},
-    }
+def write_probe(path: Path) -> Path:
+    """Write the probe notebook (nbformat 4, the ``parameters`` cell first) to ``path``."""
+    import nbformat
+
+    cells = [nbformat.v4.new_code_cell(checks.PROBE_PARAMETERS, metadata={"tags": ["parameters"]})]
+    cells += [nbformat.v4.new_code_cell(source) for source in checks.PROBE_CELLS]
+    notebook = nbformat.v4.new_notebook(cells=cells, metadata={
+        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(notebook, path)
+    return path
 
 
-def answers(records: Mapping[str, Sequence[Any]], cancel_answer: str) -> list[tuple[str, str]]:
-    """The table's rows: each question and the live answer (``records``: experiment -> its run records)."""
-    rows = []
-    for question, experiment, metric in QUESTIONS:
-        runs = records.get(experiment) or []
-        if not runs:
-            rows.append((question, "no answer: the run never started"))
-            continue
-        record = runs[0]
-        value = (record.metrics or {}).get(metric)
-        if value is None:
-            why = record.error.summary() if record.error else record.status
-            value = f"no answer ({why})"
-        rows.append((question, "yes" if value is True else "no" if value is False else str(value)))
-    rows.append(("cancelling a finished job", cancel_answer))
-    lost = [f"{r.run_id} attempt {e.attempt}" for rs in records.values() for r in rs
-            for e in r.attempt_log if e.status == "lost"]
-    rows.append(("a low-priority preemption", f"observed: {', '.join(lost)} lost" if lost
-                 else "not observed (it cannot be provoked from here)"))
-    return rows
+def raw_job(kind: str, environment: str, compute: str) -> Any:
+    """A command job of no nbbatch run, on ``compute`` in ``environment``: ``limit`` sleeps 10 s under a limit of
+    ``LIMIT_PROBE_S`` (created while the one-node run holds the cluster's only node, it queues past its limit);
+    ``cancel`` sleeps half an hour, to be cancelled while it runs."""
+    from azure.ai.ml import command
+
+    sleep_s, limit_s = (10, checks.LIMIT_PROBE_S) if kind == "limit" else (1800, 3600)
+    return command(name=f"nbbatch-smoke-{kind}-{uuid.uuid4().hex[:8]}", display_name=f"nbbatch smoke: {kind} probe",
+                   experiment_name=PROBE_EXPERIMENT, command=f"echo started; sleep {sleep_s}",
+                   environment=environment, compute=compute, timeout=limit_s)
 
 
-def cancel_finished_job(ml_client: Any, job_name: str) -> str:
-    """Ask the service to cancel ``job_name`` (already finished); return what it answered, in one line."""
+def cancel_job(ml_client: Any, job_name: str) -> str:
+    """Ask the service to cancel ``job_name``; what it answered, in one line (``accepted …`` or ``refused: …``)."""
     from nbbatch.backends.azureml.workspace import error_text
 
     try:
@@ -180,66 +85,195 @@ def cancel_finished_job(ml_client: Any, job_name: str) -> str:
     return f"accepted (job now {ml_client.jobs.get(job_name).status})"
 
 
-def format_table(rows: Sequence[tuple[str, str]]) -> str:
-    width = max(len(q) for q, _ in rows)
-    lines = [f"{'question'.ljust(width)} | live answer", f"{'-' * width}-+-{'-' * 40}"]
-    return "\n".join([*lines, *(f"{q.ljust(width)} | {a}" for q, a in rows)])
+def big_file_on_share(share: Any, outputs: str, record: Any, size: int = checks.BIG_FILE_BYTES) -> str:
+    """``ok`` when the run's big output is on the share whole (its size and its last MiB), else what is wrong."""
+    path, count = f"{outputs}/{checks.BIG_FILE}", min(size, 1 << 20)
+    listed = {entry.name: entry.bytes for entry in record.outputs}
+    if listed.get(checks.BIG_FILE) != size:
+        return f"run.json lists {checks.BIG_FILE} with {listed.get(checks.BIG_FILE)} bytes, not {size}"
+    try:
+        tail = share.read_range(path, size - count)
+    except FileNotFoundError:
+        return f"{path} is not on the share"
+    if len(tail) != count:
+        return f"{path} holds {size - count + len(tail)} bytes, not {size}"
+    return "ok" if tail == checks.big_file_tail(size, count) else f"the end of {path} is not what was written"
 
 
-def write_probe(path: Path) -> Path:
-    """Write the probe notebook (nbformat 4, the ``parameters`` cell first) to ``path``."""
-    import nbformat
-
-    cells = [nbformat.v4.new_code_cell(PROBE_PARAMETERS, metadata={"tags": ["parameters"]})]
-    cells += [nbformat.v4.new_code_cell(source) for source in PROBE_CELLS]
-    notebook = nbformat.v4.new_notebook(cells=cells, metadata={
-        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    nbformat.write(notebook, path)
-    return path
+def _seconds_between(start: str | None, end: str | None) -> float | None:
+    if not start or not end:
+        return None
+    return (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds()
 
 
-def run_smoke(folder: Path, share_url: str, vm_size: str, api: Any, log: Callable[[str], None] = print) -> str:
-    """Submit both experiments, answer the probe's marker, wait for both, ask the rest; return the table."""
-    from nbbatch.backends.azureml import AzureMLBackend
-    from nbbatch.store.layout import run_paths
-    from nbbatch.store.share import open_share
+@dataclass
+class Phase:
+    """One phase's experiments, followed until their runs (and the raw jobs) are final, probing as they go."""
 
-    notebook = write_probe(folder / "probe.ipynb")
+    api: Any
+    shares: dict[str, Any]  # experiment -> its share
+    files: dict[str, Path]
+    obs: checks.Observations
+    log: Callable[[str], None]
+    backend: Any = None
+    raw: dict[str, tuple[str, float]] = field(default_factory=dict)  # kind -> (job name, created at)
+    raw_status: dict[str, str] = field(default_factory=dict)
+    marked: bool = False
+    cancelled_at: float | None = None  # when the driver cancelled the running probe job
+    records: dict[str, list[Any]] = field(default_factory=dict)
+
+    def follow(self) -> None:
+        deadline = time.monotonic() + PHASE_DEADLINE_S
+        while time.monotonic() < deadline:
+            self.records = {name: self.api.status(str(path)) for name, path in self.files.items()
+                            if name not in self.obs.refused}
+            for name, runs in self.records.items():
+                for record in runs:
+                    self._probe(name, record)
+            self._raw_jobs()
+            runs_done = all(r.final for rs in self.records.values() for r in rs) and all(self.records.values())
+            if runs_done and all(s in ("Completed", "Failed", "Canceled") for s in self.raw_status.values()):
+                return
+            time.sleep(POLL_S)
+        self.log(f"the phase did not end within {PHASE_DEADLINE_S:g} s: the table says what is missing")
+
+    def _probe(self, name: str, record: Any) -> None:
+        from nbbatch.store.layout import run_paths
+
+        paths, share = run_paths(name, record.run_id), self.shares[name]
+        state = self.backend.job_state(share, name, record.run_id)
+        status = str(state.job_status) if state else ""
+        if name == checks.ONE_NODE:
+            if not self.marked and share.exists(f"{paths.outputs}/{checks.WAITING_FILE}"):
+                share.write_bytes(f"{paths.outputs}/{checks.MARKER_FILE}", b"written as nbbatch cancel writes")
+                self.marked = True
+                self.log("the probe waits: marker written")
+            if self.obs.log_delay_s is None and not record.final:
+                self._log_line(share, paths.log)
+            if status == "Running" and not self.raw and state is not None:
+                environment = str(self.backend.ml_client.jobs.get(state.job_name).environment)
+                for kind in ("limit", "cancel"):
+                    job = self.backend.ml_client.jobs.create_or_update(raw_job(kind, environment,
+                                                                               checks.ONE_NODE_CLUSTER))
+                    self.raw[kind] = (job.name, time.monotonic())
+                    self.log(f"{kind} probe job {job.name} created")
+        elif status == "Finalizing" and "finalizing" not in self.obs.cancel and state is not None:
+            self.obs.cancel = {**self.obs.cancel, "finalizing": cancel_job(self.backend.ml_client, state.job_name)}
+
+    def _log_line(self, share: Any, log_path: str) -> None:
+        try:
+            text = share.read_bytes(log_path).decode("utf-8", "replace")
+        except FileNotFoundError:
+            return
+        for line in text.splitlines():
+            if line.startswith(checks.LOG_LINE):
+                self.obs.log_delay_s = max(0.0, time.time() - float(line[len(checks.LOG_LINE):].split()[0]))
+
+    def _raw_jobs(self) -> None:
+        client = self.backend.ml_client if self.raw else None
+        for kind, (name, created) in self.raw.items():
+            job_status = client.jobs.get(name).status
+            status = str(getattr(job_status, "value", job_status))
+            ended = status in ("Completed", "Failed", "Canceled")
+            if kind == "limit" and status not in ("NotStarted", "Queued", "Preparing", "Provisioning"):
+                if self.obs.limit_probe_queued_s is None:
+                    self.obs.limit_probe_queued_s = time.monotonic() - created
+                self.obs.limit_probe = status if ended else None
+            if kind == "cancel" and status == "Running" and "running" not in self.obs.cancel:
+                self.obs.cancel = {**self.obs.cancel, "running": cancel_job(client, name)}
+                self.cancelled_at = time.monotonic()
+            if kind == "cancel" and ended and self.raw_status.get(kind) != status and self.cancelled_at is not None:
+                took = time.monotonic() - self.cancelled_at
+                answer = self.obs.cancel["running"]
+                if status != "Canceled" or took > checks.CANCEL_WITHIN_S:
+                    answer = f"not honoured: the job ended {status} {took:.0f} s after the cancel ({answer})"
+                self.obs.cancel = {**self.obs.cancel, "running": f"{answer}; {status} after {took:.0f} s"}
+            self.raw_status[kind] = status
+
+
+def submit(api: Any, folder: Path, specs: Mapping[str, dict[str, Any]], obs: checks.Observations,
+           log: Callable[[str], None]) -> dict[str, Path]:
+    """Write and submit each experiment (without waiting); one nbbatch refuses is noted in ``obs.refused``."""
+    from nbbatch.errors import NbbatchError
+
     files = {}
-    for name, spec in smoke_experiments(share_url, vm_size, notebook.name).items():
+    for name, spec in specs.items():
+        if name in obs.refused:
+            continue
         files[name] = folder / f"{name}.yaml"
         files[name].write_text("# written by benchmarks/azure_smoke.py\n" + yaml.safe_dump(spec, sort_keys=False))
         log(f"submitting {name} ({files[name]})")
-        api.submit(str(files[name]), force=True, wait=False, progress=False)
-    share = open_share(share_url)
-    deadline, marked = time.monotonic() + DEADLINE_S, False
-    records: dict[str, list[Any]] = {}
-    while time.monotonic() < deadline:
-        records = {name: api.status(str(path)) for name, path in files.items()}
-        for record in records[ONE_NODE] if not marked else []:
-            outputs = run_paths(ONE_NODE, record.run_id).outputs
-            if share.exists(f"{outputs}/{WAITING_FILE}"):
-                share.write_bytes(f"{outputs}/{MARKER_FILE}", b"written by the smoke driver")  # as cancel markers
-                marked = True
-                log("the probe waits: marker written")
-        if all(r.final for rs in records.values() for r in rs) and all(records.values()):
-            break
-        time.sleep(POLL_S)
-    cancel_answer = "not asked: the one-node run has no job"
-    if records.get(ONE_NODE):
-        backend = AzureMLBackend()
-        state = backend.job_state(share, ONE_NODE, records[ONE_NODE][0].run_id)
+        try:
+            api.submit(str(files[name]), force=True, wait=False, progress=False)
+        except NbbatchError as exc:
+            obs.refused = {**obs.refused, name: str(exc).splitlines()[0][:300]}
+            log(f"{name} refused: {obs.refused[name]}")
+    return files
+
+
+def prepare_shares(specs: Mapping[str, dict[str, Any]], obs: checks.Observations) -> dict[str, Any]:
+    """Each experiment's share, its probe input written beside it; an experiment whose share or input nbbatch refuses
+    (the odd folder name, should its rules refuse one) is noted in ``obs.refused`` and not submitted."""
+    from nbbatch.errors import NbbatchError
+    from nbbatch.store.share import open_share
+
+    shares = {}
+    for name, spec in specs.items():
+        try:
+            shares[name] = open_share(spec["share"])
+            for url in spec.get("inputs", {}).values():
+                folder = url[len(specs[checks.ONE_NODE]["share"]):].strip("/")
+                shares[checks.ONE_NODE].write_bytes(f"{folder}/{checks.INPUT_FILE}", checks.INPUT_TEXT.encode())
+        except NbbatchError as exc:
+            if name != checks.NAMES:  # the smoke test's own share: nothing can be asked without it
+                raise
+            obs.refused = {**obs.refused, name: str(exc).splitlines()[0][:300]}
+    return shares
+
+
+def run_smoke(folder: Path, share_url: str, vm_size: str, api: Any, log: Callable[[str], None] = print) -> list[Any]:
+    """Both phases, then the verdicts (:func:`azure_smoke_checks.evaluate`)."""
+    from nbbatch.backends.azureml import AzureMLBackend
+    from nbbatch.backends.azureml.rules import QUEUE_AND_BUILD_SLACK_S
+    from nbbatch.store.layout import run_paths
+
+    notebook = write_probe(folder / "probe.ipynb")
+    specs = checks.smoke_experiments(share_url, vm_size, notebook.name)
+    obs = checks.Observations()
+    shares = prepare_shares(specs, obs)
+    share = shares[checks.ONE_NODE]
+    backend = AzureMLBackend()
+    first = {name: specs[name] for name in (checks.ONE_NODE, checks.NAMES)}
+    phase = Phase(api, shares, submit(api, folder, first, obs, log), obs, log, backend)
+    phase.follow()
+    records = dict(phase.records)
+    one_node = records.get(checks.ONE_NODE) or []
+    if one_node:
+        state = backend.job_state(share, checks.ONE_NODE, one_node[0].run_id)
         if state is not None:
-            cancel_answer = cancel_finished_job(backend.ml_client, state.job_name)
-    return format_table(answers(records, cancel_answer))
+            obs.cancel = {**obs.cancel, "finished": cancel_job(backend.ml_client, state.job_name)}
+            obs.setup_s = _seconds_between(state.submitted_at, one_node[0].started_at)
+        if one_node[0].final:
+            obs.big_file = big_file_on_share(share, run_paths(checks.ONE_NODE, one_node[0].run_id).outputs,
+                                             one_node[0])
+    log(f"deleting cluster {checks.ONE_NODE_CLUSTER} before the two-node phase")
+    AzureMLBackend(compute=checks.ONE_NODE_CLUSTER).cluster.delete()
+    second = {checks.TWO_NODES: specs[checks.TWO_NODES]}
+    phase = Phase(api, shares, submit(api, folder, second, obs, log), obs, log, backend)
+    phase.follow()
+    obs.records = {**records, **phase.records}
+    return checks.evaluate(obs, QUEUE_AND_BUILD_SLACK_S)
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--vm-size", default="Standard_NC4as_T4_v3")
     parser.add_argument("--folder", default=".nbbatch/azure-smoke", help="where the probe and experiments are written")
+    parser.add_argument("--cost-only", action="store_true", help="print the cost estimate and exit")
     args = parser.parse_args(argv)
+    print(checks.cost_estimate(args.vm_size), flush=True)
+    if args.cost_only:
+        return 0
     environ = os.environ if environ is None else environ
     missing = missing_variables(environ)
     if missing:
@@ -247,8 +281,9 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         return 2
     from nbbatch import api
 
-    print(run_smoke(Path(args.folder), environ["NBBATCH_AZURE_SHARE"], args.vm_size, api))
-    return 0
+    rows = run_smoke(Path(args.folder), environ["NBBATCH_AZURE_SHARE"], args.vm_size, api)
+    print(checks.format_table(rows))
+    return checks.exit_code(rows)
 
 
 if __name__ == "__main__":

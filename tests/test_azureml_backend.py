@@ -72,10 +72,17 @@ def _run(root, run_id: str, lr: float, gpus: int = 1) -> Run:
                framework="toy", gpus=gpus, timeout_s=900)
 
 
-def _launch_in(command: str) -> LaunchSpec:
-    """The launch a job's command hands ``run-one`` (its JSON, on the command line)."""
+def _launch_in(command: str, code: Path | None = None) -> LaunchSpec:
+    """The launch a job's command hands ``run-one`` (its JSON, on the command line), read where the job runs: in its
+    code snapshot ``code``, which holds the run's own file; without ``code``, the launch around a stand-in run."""
     words = shlex.split(command)
-    return LaunchSpec.from_json(words[words.index("run-one") + 1])
+    data = json.loads(words[words.index("run-one") + 1])
+    if code is None:
+        data = {key: value for key, value in data.items() if key != "run_file"}
+        return LaunchSpec.from_dict({**data, "run": Run("stand-in", "e", "n.ipynb", "n.ipynb", "k").to_dict()})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(code)  # where Azure ML starts the job's command
+        return LaunchSpec.from_dict(data)
 
 
 @pytest.fixture
@@ -166,13 +173,27 @@ def test_job_yaml_roundtrip(backend, runs, tmp_path):
     share_out = loaded.outputs["share"]
     assert share_out.mode == "rw_mount" and share_out.type == "uri_folder"
     assert share_out.path == f"azureml://datastores/{DATASTORE}/paths/nbbatch/"
-    assert loaded.command.startswith(f"{DEFAULT_LAUNCHER} run-one '{{")  # the launch JSON itself: all a node gets
-    launch = _launch_in(loaded.command)
+    assert loaded.command.startswith(f"{DEFAULT_LAUNCHER} run-one '{{")  # the launch JSON, its run in the code
+    launch = _launch_in(loaded.command, code)
     assert launch.share == "${{outputs.share}}" and launch.backend == "azureml" and launch.gpus == (0,)
     assert str(tmp_path) not in loaded.command  # the spec names notebooks by their project-relative path
     assert launch.run == Run.from_dict({**runs[0].to_dict(), "notebook": "notebooks/Toy.ipynb",
                                         "tracking": "none"})  # Azure ML tracks only when asked
     assert job.name.startswith("toy-000000-")
+
+
+def test_every_job_sets_the_mount_settings_nbbatch_relies_on(backend, runs, tmp_path):
+    """The data runtime caches a file's attributes for ever and gives unmount 30 s to flush by default: the job would
+    never see a cancel marker, and a large output written at the end could be dropped (docs/azure.md)."""
+    loaded = load_job(source=io.StringIO(job_yaml(backend.build_job(runs[0], "azureml:e:1", tmp_path,
+                                                                     datastore=DATASTORE, share_url=SHARE_URL))))
+    env = loaded.environment_variables
+    assert 0 < int(env["DATASET_MOUNT_ATTRIBUTE_CACHE_TTL"]) <= 10_000  # milliseconds: markers seen within seconds
+    assert int(env["DATASET_UNMOUNT_TIMEOUT_SECONDS"]) >= 600
+    assert env["NBBATCH_LOG_ECHO"] == "1"  # the run's log in the job's own stream, which `logs -f` follows
+    with_identity = AzureMLBackend(ml_client=backend.ml_client, identity_client_id="0000-id").build_job(
+        runs[0], "azureml:e:1", tmp_path, datastore=DATASTORE, share_url=SHARE_URL).environment_variables
+    assert with_identity["AZURE_CLIENT_ID"] == "0000-id" and "DATASET_MOUNT_ATTRIBUTE_CACHE_TTL" in with_identity
 
 
 def test_direct_share_mode_passes_the_url(aml, runs, tmp_path):
@@ -426,6 +447,34 @@ def test_submit_and_wait(aml, backend, share, runs, files, env_upload, azproject
     assert not aml.transport.unmatched
 
 
+MAX_ARG_STRLEN = 128 * 1024  # Linux's bound on one argument of a command (32 pages)
+
+
+def test_a_run_spec_over_128_kib_reaches_its_job_in_the_code_not_the_command(aml, backend, share, runs, files,
+                                                                               env_upload, azproject):
+    """Each run's parameters go in a file of the job's code snapshot: its command stays short whatever they hold, and
+    all the runs' files are in one snapshot, uploaded once."""
+    _existing_environment(aml, azproject)
+    big = [dataclasses.replace(r, parameters={**r.parameters, "LABELS": [f"label-{i}-{n}" for n in range(20_000)]})
+           for i, r in enumerate(runs)]
+    assert all(len(json.dumps(r.to_dict())) > MAX_ARG_STRLEN for r in big)
+    _queue(share, big)
+    original_create = backend.ml_client.jobs.create_or_update
+    received = {}
+
+    def create(job):  # what run-one reads where the job starts: its command, in the code snapshot
+        received[job.display_name] = _launch_in(job.command, Path(job.code))
+        return original_create(job)
+
+    backend.ml_client.jobs.create_or_update = create
+    _submit(backend, big, share, _options())
+    for run in big:
+        body = aml.jobs[_job_names(share, [run])[run.run_id]]["properties"]
+        assert len(body["command"].encode()) < 4096, "the command carries the launch, not the run"
+        assert received[run.run_id].run.parameters == run.parameters
+    assert len(set(aml.code_hashes)) == 1, "one snapshot for every run's job"
+
+
 def test_share_must_be_azure_files(aml, runs, tmp_path):
     from nbbatch.store.share import FileShare
 
@@ -534,9 +583,10 @@ def test_secret_looking_env_is_refused(backend, runs, tmp_path):
     leaky = dataclasses.replace(runs[0], env={"WANDB_API_KEY": "abc", "KERAS_BACKEND": "jax"})
     with pytest.raises(BackendError, match="WANDB_API_KEY"):
         backend.build_job(leaky, "azureml:e:1", tmp_path, datastore=DATASTORE, share_url=SHARE_URL)
+    assert not (tmp_path / "nbbatch-runs").exists(), "a refused run leaves nothing in the code to upload"
     fine = dataclasses.replace(runs[0], env={"KERAS_BACKEND": "jax"})
-    assert "KERAS_BACKEND" in backend.build_job(fine, "azureml:e:1", tmp_path, datastore=DATASTORE,
-                                                share_url=SHARE_URL).command
+    job = backend.build_job(fine, "azureml:e:1", tmp_path, datastore=DATASTORE, share_url=SHARE_URL)
+    assert _launch_in(job.command, tmp_path).run.env == {"KERAS_BACKEND": "jax"}
 
 
 def test_secret_looking_values_are_refused(backend, runs, tmp_path):
@@ -562,7 +612,7 @@ def test_a_binding_in_a_parameter_stays_text(backend, runs, tmp_path):
                             share_prefix="nbbatch")
     assert job.command.count("${{") == 1 and '"share":"${{outputs.share}}"' in job.command  # the share's own binding
     loaded = load_job(source=io.StringIO(job_yaml(job)))
-    spec = _launch_in(loaded.command).run
+    spec = _launch_in(loaded.command, code).run
     assert spec.parameters["NOTE"] == text and spec.env == {"LABEL": "${{name}}"}
 
 
@@ -721,7 +771,7 @@ def test_distributed_job_yaml_roundtrip(aml, runs, tmp_path, kind):
     assert type(loaded.distribution).__name__ == cls
     assert {k: getattr(loaded.distribution, k) for k in counts} == counts
     assert loaded.resources.instance_count == 2 and loaded.resources.shm_size == "16g"
-    launch = _launch_in(loaded.command)
+    launch = _launch_in(loaded.command, tmp_path)
     assert launch.gpus == (0, 1, 2, 3)  # the GPUs of each node
     assert launch.run.distribution.to_dict() == world  # the node launcher reads its gang from the run itself
     assert json.loads(loaded.tags["distribution"]) == world

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -175,12 +176,24 @@ def _azureml(request, project, tmp_path) -> Iterator[Harness]:
 
     import nbbatch.backends as backends
     from nbbatch.backends.azureml import AzureMLBackend
+    from nbbatch.backends.azureml.jobs import RUN_FILES
 
     monkeypatch = request.getfixturevalue("monkeypatch")
     aml = FakeAzureML()
     aml.register_environment("nbbatch-contract", "1")  # the fake checks a job's environment exists
-    monkeypatch.setitem(backends._REGISTRY, "azureml",
-                        lambda **settings: AzureMLBackend(ml_client=aml.ml_client(), **settings))
+
+    def azureml(**settings: Any) -> AzureMLBackend:
+        made = AzureMLBackend(ml_client=aml.ml_client(), **settings)
+        create = made.ml_client.jobs.create_or_update
+
+        def with_its_code(job: Any) -> Any:  # the node runs the command where it finds the job's run file, as in its code
+            shutil.copytree(Path(job.code) / RUN_FILES, project / RUN_FILES, dirs_exist_ok=True)
+            return create(job)
+
+        made.ml_client.jobs.create_or_update = with_its_code
+        return made
+
+    monkeypatch.setitem(backends._REGISTRY, "azureml", azureml)
     backend = {"name": "azureml", "compute": "gpu-t4", "max_nodes": 1, "poll_seconds": 0, "share_mode": "direct",
                "environments": {"*": "azureml:nbbatch-contract:1"},
                "launcher": f"{shlex.quote(sys.executable)} -m nbbatch"}

@@ -32,6 +32,20 @@ def test_every_field_survives_the_file(tmp_path):
     assert LaunchSpec.from_json(LaunchSpec(_run(), "/share").to_json()) == LaunchSpec(_run(), "/share")
 
 
+def test_a_launch_may_leave_its_run_in_a_file_beside_it(tmp_path, monkeypatch):
+    """A job's command holds the launch; the run (unbounded parameters) is a file where run-one starts."""
+    launch = LaunchSpec(_run(), "${{outputs.share}}", backend="azureml", gpus=(0,))
+    small = json.dumps(launch.to_dict(run_file="runs/r1.json"))
+    assert "run" not in json.loads(small) and '"A"' not in small
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(NbbatchError, match=r"^run-one: the launch JSON on its command line names the run file "
+                                           r"runs/r1.json, which cannot be read here"):
+        read_launch(small)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "r1.json").write_text(launch.run_json())
+    assert read_launch(small) == launch
+
+
 def test_the_command_is_run_one_and_the_launch():
     assert launch_command(["python", "-m", "nbbatch"], "/tmp/l.json") == ["python", "-m", "nbbatch", "run-one",
                                                                            "/tmp/l.json"]

@@ -19,20 +19,21 @@ from support.notebooks import make_notebook
 from nbbatch.api import submit
 from nbbatch.execute import attempt as one_attempt
 from nbbatch.execute.engine import ELIDED, execute_notebook_file
+from nbbatch.execute.live import LogSink
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def _slow_driver(monkeypatch, seconds: float) -> None:
     """Make the driver (its log writes) take ``seconds`` more per output message: slower than the kernel prints."""
-    write = one_attempt._LogSink.write
+    write = LogSink.write
 
     def slow_write(self, text):
         if not text.startswith("==="):
             time.sleep(seconds)
         return write(self, text)
 
-    monkeypatch.setattr(one_attempt._LogSink, "write", slow_write)
+    monkeypatch.setattr(LogSink, "write", slow_write)
 
 
 def _run(project, experiment: str, cells: list[str], **keys):

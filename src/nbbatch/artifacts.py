@@ -134,9 +134,9 @@ def _replaced_whole(target: Path, keep_suffix: bool) -> Iterator[Path]:
             os.replace(tmp, target)
             shutil.rmtree(old, ignore_errors=True)
         else:
-            _fsync(tmp)  # the data is on disk before the name points at it
+            fsync_path(tmp)  # the data is on disk before the name points at it
             os.replace(tmp, target)
-        _fsync(target.parent)  # and the rename itself survives a crash of the machine
+        fsync_path(target.parent)  # and the rename itself survives a crash of the machine
     finally:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -145,7 +145,17 @@ def _replaced_whole(target: Path, keep_suffix: bool) -> Iterator[Path]:
                 tmp.unlink()
 
 
-def _fsync(path: Path) -> None:
+def sync_tree(folder: str | os.PathLike[str]) -> None:
+    """Flush every file under ``folder``, then the folder itself: on a share mounted through FUSE (Azure ML's data
+    runtime) ``fsync`` is what uploads a file's pending writes, so a record written after this names files that
+    are there, not still on their way."""
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            fsync_path(Path(parent, name))
+        fsync_path(Path(parent))
+
+
+def fsync_path(path: Path) -> None:
     """Flush ``path`` (a file or a folder) to disk; nothing where the file system cannot (some network ones)."""
     try:
         fd = os.open(path, os.O_RDONLY)

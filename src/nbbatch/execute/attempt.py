@@ -11,17 +11,17 @@ from __future__ import annotations
 import contextlib
 import copy
 import html
-import io
 import json
 import os
 import socket
+import sys
 import tempfile
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import nbformat
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
@@ -37,7 +37,8 @@ from nbbatch.execute.engine import NbbatchEngine, raise_for_cell_errors
 from nbbatch.execute.envs import env_packages
 from nbbatch.execute.folders import RunFolders, folder_env
 from nbbatch.execute.kernels import kill_kernel_group
-from nbbatch.execute.live import LiveRecord, StreamedFile
+from nbbatch.execute.launch import LOG_ECHO_ENV
+from nbbatch.execute.live import LiveRecord, LogSink, StreamedFile
 from nbbatch.execute.placement import Rank
 from nbbatch.execute.telemetry import GpuSampler
 from nbbatch.execute.watchdog import REAPER, Watchdog
@@ -66,43 +67,6 @@ from nbbatch.store.share import Share
 SHARE_FAILED = "the share could not be written"
 _MAX_PARAMETERS_ENV = 64 * 1024  # an environment variable much larger than this can stop exec
 _FAILED_OUTPUT = ".failed-output.ipynb"  # papermill's own error write, removed after the attempt
-_LOG_CHUNK = 1 << 20  # characters
-
-
-class _LogSink(io.TextIOBase):
-    """A text stream the kernel's stdout/stderr go to: a local file, synced to remote shares.
-
-    A write that fails (the share is full) never breaks the run's execution: the sink keeps the first
-    error in ``error`` and stops writing; the run is then failed with it.
-    """
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.error: OSError | None = None
-        self._lock = threading.Lock()
-        self._handle: IO[str] | None = None
-        try:
-            self._handle = open(path, "a", encoding="utf-8", errors="replace")
-        except OSError as exc:
-            self.error = exc
-
-    def write(self, text: str) -> int:  # type: ignore[override]
-        with self._lock:
-            if self._handle is not None and self.error is None:
-                try:
-                    for start in range(0, len(text), _LOG_CHUNK):  # encoded a slice at a time, not as one copy
-                        self._handle.write(text[start:start + _LOG_CHUNK])
-                    self._handle.flush()
-                except OSError as exc:
-                    self.error = exc
-        return len(text)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._handle is not None:
-                with contextlib.suppress(OSError):
-                    self._handle.close()
-        super().close()
 
 
 # --- the kernel's environment -------------------------------------------------------------------------------
@@ -287,7 +251,7 @@ class _Attempt:
         self.log_stream = StreamedFile(share, paths.log, self.log_path, remote=remote, fresh=fresh)
         self.metrics_stream = StreamedFile(share, paths.metrics, work / METRICS_FILE, remote=remote, fresh=fresh)
         self.telemetry_stream = StreamedFile(share, paths.telemetry, work / TELEMETRY_FILE, remote=remote, fresh=True)
-        self.log = _LogSink(self.log_path)
+        self.log = LogSink(self.log_path, echo=sys.stdout if os.environ.get(LOG_ECHO_ENV) else None)
         self.log.write(f"=== nbbatch run {run.run_id} attempt {record.attempts} on {record.host} "
                        f"(kernel {run.kernel}{self.rank.describe() if self.rank is not None else ''}, "
                        f"GPUs {','.join(map(str, record.gpu_ids)) or 'none'}{_sharing(record.gpu_share)}"
@@ -533,7 +497,7 @@ def _sharing(gpu_share: GpuSharing | None) -> str:
     return ": " + ", ".join(parts)
 
 
-def _point_recorder(record: RunRecord, live: LiveRecord, stream: StreamedFile, log: _LogSink
+def _point_recorder(record: RunRecord, live: LiveRecord, stream: StreamedFile, log: LogSink
                     ) -> Callable[[dict[str, Any]], None]:
     """What the engine calls with each ``record(step=...)`` point: append it to metrics.jsonl, update the metrics."""
 

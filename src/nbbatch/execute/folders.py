@@ -25,7 +25,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from nbbatch.artifacts import CHECKPOINT_DIR_ENV, OUTPUT_DIR_ENV
+from nbbatch.artifacts import CHECKPOINT_DIR_ENV, OUTPUT_DIR_ENV, sync_tree
 from nbbatch.errors import NbbatchError, ShareError
 from nbbatch.plan.inputs import is_share_url
 from nbbatch.plan.runs import Run
@@ -156,10 +156,14 @@ class RunFolders:
     # --- after an attempt ----------------------------------------------------------------------------
 
     def save(self) -> list[FileEntry]:
-        """Bring the outputs (and checkpoints) to the share when it is remote; the outputs' listing for run.json."""
+        """Bring the outputs (and checkpoints) to the share when it is remote, else flush them where they are (a
+        mounted share uploads on ``fsync``: the record written next must not name files still on their way); the
+        outputs' listing for run.json."""
         if self.remote:
             self._push_checkpoints()
             _push_whole(self.outputs, self.share, self.paths.outputs)
+        else:
+            sync_tree(self.outputs)
         return tree_listing(self.outputs)
 
     def close(self) -> None:

@@ -4,8 +4,10 @@ Every backend, and the container runner, describes a run's launch as a :class:`L
 :func:`launch_command` (or :func:`launch_shell_command`, in a job's script) gives; ``nbbatch run-one LAUNCH`` reads
 it back (:func:`read_launch`), as submitit's ``python -m submitit.core._submit FOLDER``. ``LAUNCH`` is a launch
 file (a private one, or one on the share such as the slurm backend's ``specs/<n>.json``) or, where a job's command
-is all that reaches its node (Azure ML), the launch JSON itself. This module is the only one that knows run-one's
-command line (tests/test_architecture.py holds it to that): a backend fills a LaunchSpec, never run-one's arguments.
+is all that reaches its node (Azure ML), the launch JSON itself, its run in a file beside the job's code
+(``run_file``: Linux holds one argument to 128 KiB, and a run's parameters have no bound). This module is the only
+one that knows run-one's command line (tests/test_architecture.py holds it to that): a backend fills a LaunchSpec,
+never run-one's arguments.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ LAUNCH_VERSION = 1  # bumped when a field changes meaning: run-one refuses a lau
 RUN_ONE = "run-one"  # the node launcher's subcommand
 RUN_ONE_NOT_DONE = 1  # run-one's exit code once it recorded the run failed, cancelled or timed out: never run it again
 RUN_ONE_REQUEUED = 75  # ... once its cluster stopped it and it went back in the queue (EX_TEMPFAIL: run it again)
+# Set (to anything) in the environment of a job whose own output stream is its live log (Azure ML's, which
+# `nbbatch logs -f` follows): run-one echoes the run's log to its stdout as well as writing log.txt
+LOG_ECHO_ENV = "NBBATCH_LOG_ECHO"
 
 
 @dataclass(frozen=True)
@@ -56,8 +61,11 @@ class LaunchSpec:
     node: NodePlacement | None = None  # a gang's node: its place (None: from the environment, by the backend's hook)
     fresh_ports: bool = False  # that node may pick new rendezvous ports (the local backend's single node)
 
-    def to_dict(self) -> dict[str, Any]:
-        """The launch as JSON values (``launch_version`` first); refuses a secret-looking launch setting."""
+    def to_dict(self, run_file: str | None = None) -> dict[str, Any]:
+        """The launch as JSON values (``launch_version`` first); refuses a secret-looking launch setting.
+
+        With ``run_file`` the run is not in it but in that file (relative to run-one's working directory), which the
+        caller writes with :meth:`run_json`: what keeps a job's command line bounded whatever the run's parameters."""
         settings = [self.share, self.project, *self.inputs.values(), *self.container_images.values()]
         if any(is_secret_value(value) for value in settings):
             raise NbbatchError(f"the launch of run {self.run.run_id} names a share, project, input or image whose text "
@@ -65,7 +73,9 @@ class LaunchSpec:
                                "inputs without credentials (keys travel in the environment, e.g. AZURE_STORAGE_KEY)")
         node = self.node
         return {
-            "launch_version": LAUNCH_VERSION, "run": self.run.to_dict(), "share": self.share, "backend": self.backend,
+            "launch_version": LAUNCH_VERSION, **({"run": self.run.to_dict()} if run_file is None else
+                                                 {"run_file": run_file}),
+            "share": self.share, "backend": self.backend,
             "project": self.project, "gpus": list(self.gpus), "gpus_from_env": list(self.gpus_from_env),
             "shared_gpu": self.shared_gpu, "inputs": dict(self.inputs), "container_images": dict(self.container_images),
             "container_engine": self.container_engine,
@@ -79,6 +89,10 @@ class LaunchSpec:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
 
+    def run_json(self) -> str:
+        """The run alone, as the file :meth:`to_dict`'s ``run_file`` names holds it."""
+        return json.dumps(self.run.to_dict(), sort_keys=True)
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "the launch") -> LaunchSpec:
         """The launch ``data`` describes (:meth:`to_dict`'s); :class:`NbbatchError` naming ``source`` when it is not one."""
@@ -91,8 +105,9 @@ class LaunchSpec:
                                f"({LAUNCH_VERSION}); install the submitting machine's nbbatch where the run starts")
         try:
             node, host = data.get("node"), data.get("host_gpu_ids")
+            run = _read_run_file(str(data["run_file"]), source) if "run_file" in data else data["run"]
             return cls(
-                run=Run.from_dict(data["run"]), share=str(data["share"]), backend=str(data.get("backend", "local")),
+                run=Run.from_dict(run), share=str(data["share"]), backend=str(data.get("backend", "local")),
                 project=data.get("project"), gpus=tuple(int(g) for g in data.get("gpus") or ()),
                 gpus_from_env=tuple(data.get("gpus_from_env") or ()), shared_gpu=bool(data.get("shared_gpu")),
                 inputs=dict(data.get("inputs") or {}), container_images=dict(data.get("container_images") or {}),
@@ -137,6 +152,17 @@ class LaunchSpec:
             recorded_gpu_ids=None if self.host_gpu_ids is None else list(self.host_gpu_ids),
             input_paths=dict(self.inputs), placement=node,
             new_endpoints=(lambda: local_placements(self.run)[0].endpoints) if self.fresh_ports else None)
+
+
+def _read_run_file(path: str, source: str) -> Any:
+    """The run a launch's ``run_file`` holds (relative to the working directory: a job's code snapshot)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise NbbatchError(f"run-one: {source} names the run file {path}, which cannot be read here "
+                           f"({exc.strerror or exc}); run-one starts in the folder the backend put it in") from exc
+    except ValueError as exc:
+        raise NbbatchError(f"run-one: the run file {path} of {source} is not JSON ({exc})") from exc
 
 
 def nbbatch_launcher(python: str | os.PathLike[str]) -> list[str]:

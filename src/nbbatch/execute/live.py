@@ -1,7 +1,7 @@
 """What a run shows while it goes: its streamed files and its record, kept current on the share.
 
-A run appends to three files as it executes: ``log.txt`` (the kernel's output), ``metrics.jsonl``
-(each ``nbbatch.record(step=...)`` point) and ``telemetry.jsonl`` (GPU samples). Each is a
+A run appends to three files as it executes: ``log.txt`` (the kernel's output, through a :class:`LogSink`),
+``metrics.jsonl`` (each ``nbbatch.record(step=...)`` point) and ``telemetry.jsonl`` (GPU samples). Each is a
 :class:`StreamedFile`: written in the run folder itself when the share is a mounted folder, else in a
 scratch folder and mirrored to the share (only the new bytes where the share can append, see
 :class:`~nbbatch.store.share.RangeStore`; the whole file at most every 30 s otherwise).
@@ -15,19 +15,25 @@ it goes without a write per cell or per point.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+from nbbatch.artifacts import fsync_path
 from nbbatch.errors import ShareError
 from nbbatch.store.runfiles import write_record
 from nbbatch.store.runjson import RunRecord
 from nbbatch.store.share import RangeStore, Share
 
 log = logging.getLogger(__name__)
+
+
+_LOG_CHUNK = 1 << 20  # characters
 
 
 class StreamedFile:
@@ -39,12 +45,14 @@ class StreamedFile:
     """
 
     WHOLE_EVERY_S = 30.0
+    FLUSH_EVERY_S = 5.0  # the share's own file: flushed at most this often (a mount uploads appends on fsync)
 
     def __init__(self, share: Share, path: str, local: Path, *, remote: bool, fresh: bool):
         self.share, self.path, self.local, self.remote = share, path, local, remote
         self.ranged = remote and isinstance(share, RangeStore)
         self.offset: int | None = None if fresh else 0  # None: the first push replaces the share's file
         self._last_whole = 0.0
+        self._flushed: tuple[int, float] = (0, 0.0)  # (size, when) at the last flush of the share's own file
         self._lock = threading.Lock()
         if fresh:
             local.unlink(missing_ok=True)
@@ -59,8 +67,11 @@ class StreamedFile:
             handle.write(data)
 
     def push(self, final: bool = False) -> None:
-        """Bring the share's copy up to date (remote shares; a no-op where the file is the share's own)."""
+        """Bring the share's copy up to date: a remote share's by writing it, the share's own file by flushing it
+        when it grew (a share mounted through FUSE, as Azure ML's data runtime mounts one, may upload appended lines
+        only on ``fsync`` or close: without it the driver would see a running job's log only once it ended)."""
         if not self.remote:
+            self._flush(final)
             return
         with self._lock:
             if not self.local.exists():
@@ -80,6 +91,68 @@ class StreamedFile:
                 data = self.local.read_bytes()
                 self.share.write_bytes(self.path, data)
                 self.offset, self._last_whole = len(data), time.monotonic()
+
+
+    def _flush(self, final: bool) -> None:
+        with self._lock:
+            try:
+                size = self.local.stat().st_size
+            except FileNotFoundError:
+                return
+            flushed_size, flushed_at = self._flushed
+            if size == flushed_size or (not final and time.monotonic() - flushed_at < self.FLUSH_EVERY_S):
+                return
+            self._flushed = (size, time.monotonic())
+        fsync_path(self.local)  # outside the lock: an upload through a mount must not hold up the run's appends
+
+
+class LogSink(io.TextIOBase):
+    """A text stream the kernel's stdout/stderr go to: a local file, synced to remote shares.
+
+    A write that fails (the share is full) never breaks the run's execution: the sink keeps the first
+    error in ``error`` and stops writing; the run is then failed with it. The file is flushed to storage (``fsync``)
+    at most every :attr:`FLUSH_EVERY_S`: a share mounted through FUSE (Azure ML's data runtime) may upload what a
+    held-open file was given only then. With ``echo`` (run-one's stdout where ``NBBATCH_LOG_ECHO`` is set: a job
+    whose own log stream is what ``nbbatch logs -f`` follows) every line goes there too.
+    """
+
+    FLUSH_EVERY_S = 5.0
+
+    def __init__(self, path: Path, echo: IO[str] | None = None):
+        self.path, self.echo = path, echo
+        self.error: OSError | None = None
+        self._lock = threading.Lock()
+        self._handle: IO[str] | None = None
+        self._synced_at = time.monotonic()
+        try:
+            self._handle = open(path, "a", encoding="utf-8", errors="replace")
+        except OSError as exc:
+            self.error = exc
+
+    def write(self, text: str) -> int:  # type: ignore[override]
+        with self._lock:
+            if self._handle is not None and self.error is None:
+                try:
+                    for start in range(0, len(text), _LOG_CHUNK):  # encoded a slice at a time, not as one copy
+                        self._handle.write(text[start:start + _LOG_CHUNK])
+                    self._handle.flush()
+                    if time.monotonic() - self._synced_at >= self.FLUSH_EVERY_S:
+                        os.fsync(self._handle.fileno())
+                        self._synced_at = time.monotonic()
+                except OSError as exc:
+                    self.error = exc
+            if self.echo is not None:
+                with contextlib.suppress(OSError, ValueError):  # a closed or broken stdout loses the echo only
+                    self.echo.write(text)
+                    self.echo.flush()
+        return len(text)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._handle is not None:
+                with contextlib.suppress(OSError):
+                    self._handle.close()
+        super().close()
 
 
 class LiveRecord:

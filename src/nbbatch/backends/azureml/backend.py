@@ -30,12 +30,14 @@ from nbbatch.backends.azureml.images import (
 from nbbatch.backends.azureml.jobs import (
     CANCEL_REQUESTED,
     ENDED,
+    JobLaunch,
     JobState,
     canonical_status,
     job_distribution,
     job_status_text,
     map_job_status,
     refused_job_error,
+    runtime_environment,
 )
 from nbbatch.backends.azureml.logstream import stream_job
 from nbbatch.backends.azureml.placement import azureml_placement
@@ -270,6 +272,8 @@ class AzureMLBackend(JobPolling, Backend):
                 ensure_datastore(self.ml_client, datastore_name_for(*place), *place)
             with tempfile.TemporaryDirectory(prefix="nbbatch-code-") as tmp:
                 code_dir = build_code_snapshot(runs, Path(tmp) / "code")
+                for run in runs:  # every run's file before the first job: one snapshot, uploaded once, for all
+                    self._launch(run, share_url=location.url).write_run_file(code_dir)
                 for run in runs:
                     job = self.build_job(run, self._environment_for(run, register=True), code_dir,
                                          datastore=datastore, share_url=location.url, share_prefix=location.prefix)
@@ -390,23 +394,8 @@ class AzureMLBackend(JobPolling, Backend):
         attempt: int = 1,
     ) -> Command:
         """The command job of one run's ``attempt`` (what :meth:`start` sends; also handy to inspect or dump as YAML)."""
-        secret = sorted(k for k, v in run.env.items() if is_secret(k, v))
-        secret += sorted(k for k, v in run.parameters.items() if is_secret_value(v))
-        if secret:
-            where = "`env:`" if secret[0] in run.env else "its parameters"
-            raise BackendError(
-                f"run {run.run_id} sets `{secret[0]}` in {where}, which looks like a secret (by its name or value); "
-                "on Azure ML a run's settings are part of the job's command, visible in the studio and the job's "
-                "history, so they must hold no secrets. Keep secrets in a workspace connection or Key Vault and read "
-                "them from the notebook"
-            )
-        # Azure ML sets MLflow's URI and the run token in every job: its kernels track only when asked (`tracking:`)
-        remote = dataclasses.replace(run, notebook=run.notebook_rel, tracking=run.tracking or "none",
-                                     cwd=run.cwd if run.cwd and not Path(run.cwd).is_absolute() else None)
-        mounted = self.settings.share_mode == "mount"
-        launch = LaunchSpec(run=remote, share=SHARE_BINDING if mounted else share_url, backend=self.name,
-                            gpus=tuple(range(run.gpus)), inputs={name: f"${{{{inputs.{name}}}}}" for name in run.inputs})
-        bindings = {"inputs", "share"} if mounted else {"inputs"}
+        launch = self._launch(run, share_url=share_url)
+        run_file = launch.write_run_file(code)
         outputs = {}
         if self.settings.share_mode == "mount":
             outputs["share"] = Output(type="uri_folder", path=_datastore_path(datastore, share_prefix), mode="rw_mount")
@@ -429,7 +418,8 @@ class AzureMLBackend(JobPolling, Backend):
             experiment_name=run.experiment,
             description=f"nbbatch run {run.run_id}: {run.notebook_rel}",
             code=str(code),
-            command=launch_shell_command(self.settings.launcher, shlex.quote(command_json(launch.to_dict(), bindings))),
+            command=launch_shell_command(self.settings.launcher, shlex.quote(
+                command_json(launch.spec.to_dict(run_file=run_file), launch.bindings))),
             environment=environment,
             compute=self.cluster_settings.name,
             inputs=inputs,
@@ -440,8 +430,29 @@ class AzureMLBackend(JobPolling, Backend):
             distribution=distribution,
             shm_size=normal_shm_size(self.settings.shm_size),
             timeout=job_timeout_s(run),  # every attempt of the runner inside, not one
-            environment_variables=job_environment(self.settings.identity_client_id),
+            environment_variables={**runtime_environment(), **job_environment(self.settings.identity_client_id)},
         )
+
+    def _launch(self, run: Run, *, share_url: str) -> JobLaunch:
+        """What the run's job hands ``run-one``: the launch (the share and inputs as the job's bindings) and its run;
+        refused when the run holds something that looks like a secret (the workspace shows both to its readers)."""
+        secret = sorted(k for k, v in run.env.items() if is_secret(k, v))
+        secret += sorted(k for k, v in run.parameters.items() if is_secret_value(v))
+        if secret:
+            where = "`env:`" if secret[0] in run.env else "its parameters"
+            raise BackendError(
+                f"run {run.run_id} sets `{secret[0]}` in {where}, which looks like a secret (by its name or value); "
+                "on Azure ML a run's settings are part of the job's command and code, visible in the studio and "
+                "the job's history, so they must hold no secrets. Keep secrets in a workspace connection or Key Vault "
+                "and read them from the notebook"
+            )
+        # Azure ML sets MLflow's URI and the run token in every job: its kernels track only when asked (`tracking:`)
+        remote = dataclasses.replace(run, notebook=run.notebook_rel, tracking=run.tracking or "none",
+                                     cwd=run.cwd if run.cwd and not Path(run.cwd).is_absolute() else None)
+        mounted = self.settings.share_mode == "mount"
+        spec = LaunchSpec(run=remote, share=SHARE_BINDING if mounted else share_url, backend=self.name,
+                          gpus=tuple(range(run.gpus)), inputs={name: f"${{{{inputs.{name}}}}}" for name in run.inputs})
+        return JobLaunch(spec, frozenset({"inputs", "share"} if mounted else {"inputs"}))
 
     def _environment_for(self, run: Run, register: bool) -> str:
         key = run.framework or "*"

@@ -5,17 +5,30 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from azure.ai.ml import MpiDistribution, PyTorchDistribution, TensorFlowDistribution
 from azure.ai.ml.entities import Command
 
 from nbbatch.errors import BackendError
+from nbbatch.execute.launch import LOG_ECHO_ENV, LaunchSpec
 from nbbatch.spec.resources import Distribution
 from nbbatch.store.runjson import ErrorKind, RunError, RunRecord, Status
 
 JOB_FILE = "azureml.json"  # in the run's folder: run_paths(experiment, run_id).file(JOB_FILE)
+# The data runtime's mount settings nbbatch relies on, in every job's environment (Microsoft Learn, "Access data in a
+# job", *Available mount settings*); whether they hold live is what `make azure-smoke` measures (docs/azure.md).
+MOUNT_SETTINGS = {
+    # getattr answers are cached for ever by default: the job would never see the cancel marker the driver writes
+    "DATASET_MOUNT_ATTRIBUTE_CACHE_TTL": "5000",  # milliseconds
+    # unmount waits 30 s by default for pending flushes, then drops them: a large output written at the run's end
+    # (the runner fsyncs its outputs and record before it exits, see RunFolders.save) gets 10 minutes
+    "DATASET_UNMOUNT_TIMEOUT_SECONDS": "600",
+}
+RUN_FILES = "nbbatch-runs"  # in the job's code snapshot: one <run id>.json per run, what its launch's run_file names
 
 _QUEUED = ("NotStarted", "Queued", "Preparing", "Provisioning", "Starting")
 _RUNNING = ("Running", "Finalizing")
@@ -75,6 +88,29 @@ def job_status_text(status: Any) -> str:
     """A job's status as the SDK gives it (an enum or text), as text."""
     value = getattr(status, "value", status)
     return str(value) if value is not None else "NotStarted"
+
+
+@dataclass(frozen=True)
+class JobLaunch:
+    """What one run's job hands ``run-one``: ``spec`` on the command line, with ``bindings`` (the entries whose
+    ``${{…}}`` Azure ML replaces), and its run in a file of the job's code snapshot (a run's parameters have no bound,
+    and Linux holds one argument to 128 KiB: ``MAX_ARG_STRLEN``)."""
+
+    spec: LaunchSpec
+    bindings: frozenset[str]
+
+    @property
+    def run_file(self) -> str:
+        """The run's file, relative to the code snapshot (the job's working directory)."""
+        return f"{RUN_FILES}/{self.spec.run.run_id}.json"
+
+    def write_run_file(self, code: str | os.PathLike[str]) -> str:
+        """Write the run's file into the code snapshot ``code``; return its relative path (the same bytes every time,
+        so a snapshot written for every run before the first job is uploaded once)."""
+        target = Path(code, self.run_file)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(self.spec.run_json() + "\n", encoding="utf-8")
+        return self.run_file
 
 
 @dataclass
@@ -156,6 +192,12 @@ def job_distribution(
     if kind == "mpi":
         return nodes, MpiDistribution(process_count_per_instance=distribution.processes_per_node)
     raise BackendError(f"distribution `{kind}` has no Azure ML job form (torch, jax, tensorflow or mpi)")
+
+
+def runtime_environment() -> dict[str, str]:
+    """The variables of every job's runtime: the mount settings, and run-one's echo of the run's log to the job's own
+    stream (which ``nbbatch logs -f`` follows: the mount may show log.txt's new lines late)."""
+    return {**MOUNT_SETTINGS, LOG_ECHO_ENV: "1"}
 
 
 def job_yaml(job: Command) -> str:
