@@ -20,6 +20,7 @@ from queue import Empty
 from typing import Any, BinaryIO
 
 from nbbatch.execute.affinity import CPUS_VARIABLE
+from nbbatch.execute.forkserver import ForkServer, ForkServers
 from nbbatch.execute.kernels import KERNEL_ARGUMENTS, BatchKernelManager, kill_kernel_group, pin_kernel, reap_kernel
 
 PRELOAD_TIMEOUT = 120.0  # seconds a kernel started ahead may take to import its modules
@@ -82,10 +83,11 @@ class PrestartedKernel:
     """
 
     def __init__(self, kernel_name: str, env: dict[str, str], cwd: str, preload: Sequence[str] = (),
-                 preload_timeout: float = PRELOAD_TIMEOUT):
+                 preload_timeout: float = PRELOAD_TIMEOUT, fork_server: ForkServer | None = None):
         self.kernel_name, self.env, self.cwd, self.preload = kernel_name, env, cwd, tuple(preload)
         self.preload_timeout = preload_timeout
         self.km = BatchKernelManager(kernel_name=kernel_name)
+        self.km.fork_server = fork_server  # the kernel is forked from it, its modules already imported
         self.error: BaseException | None = None
         self.imported: tuple[str, ...] = ()  # the preloaded modules the kernel has
         self.preload_seconds: float | None = None

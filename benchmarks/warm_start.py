@@ -1,0 +1,137 @@
+"""A batch's first wave, cold or warm: from "kernel wanted" to the notebook's imports cell done, N kernels at once.
+
+    python benchmarks/warm_start.py NOTEBOOK [--kernel nbbatch-pytorch] [--preload torch] [--n 1 4] [--lead 0 1]
+                                    [--rounds 3] [--modes cold pool fork]
+
+The kernel, preload list and working directory come from the notebook (its kernelspec, its folder) unless given.
+Each round, for each N, lead and mode (in turns, so that a machine getting busier affects each alike), the batch
+"starts" at t0 and its N runs want their kernels at t0 + lead (what the driver does in between: plan, records):
+
+  * cold: each run starts its own kernel when it wants it (nbbatch before the warm first wave);
+  * pool: the N kernels are started at t0 and import the preload list (KernelPool's kernels started ahead);
+  * fork: a fork server is started at t0, imports the preload list once, and the N kernels started at t0 are forked
+    from it (what nbbatch does now for a first wave whose framework has ``preload``).
+
+The time of a run is from t0 + lead until the notebook's first code cell that imports a preload module (else its
+first code cell) has run in its kernel; the wave's time is its slowest run. Prints a markdown table of medians.
+Run from the project root with nbbatch importable (``PYTHONPATH=src``) and ``JUPYTER_PATH`` naming the kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import nbformat
+
+from nbbatch.execute.forkserver import ForkServer
+from nbbatch.execute.kernels import KERNEL_ARGUMENTS, BatchKernelManager, reap_kernel
+from nbbatch.execute.prestart import PrestartedKernel
+
+
+def imports_cell(path: Path, preload: list[str]) -> str:
+    cells = [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code" and c.source.strip()]
+    return next((c for c in cells if any(f"import {m}" in c for m in preload)), cells[0] if cells else "pass")
+
+
+async def _run_cell(km: BatchKernelManager, code: str) -> None:
+    client = km.client()
+    client.start_channels()
+    try:
+        await client.wait_for_ready(timeout=120)
+        asked = client.execute(code)
+        while (reply := await client.get_shell_msg(timeout=300))["parent_header"].get("msg_id") != asked:
+            pass
+        if reply["content"]["status"] != "ok":
+            raise RuntimeError(f"the cell failed: {reply['content'].get('ename')}: {reply['content'].get('evalue')}")
+    finally:
+        client.stop_channels()
+
+
+def one_run(mode: str, kernel: str, cwd: str, code: str, want_at: float, prestarted: PrestartedKernel | None,
+            server: ForkServer | None, times: list[float]) -> None:
+    time.sleep(max(0.0, want_at - time.monotonic()))
+    km = prestarted.claim(None, wait=300) if prestarted is not None else None
+    if km is None:
+        km = BatchKernelManager(kernel_name=kernel)
+        km.fork_server = server
+        asyncio.run(km.start_kernel(cwd=cwd, extra_arguments=list(KERNEL_ARGUMENTS)))
+    try:
+        asyncio.run(_run_cell(km, code))
+        times.append(time.monotonic() - want_at)
+    finally:
+        reap_kernel(km)
+        if prestarted is not None:
+            prestarted.release_output()
+
+
+def wave(mode: str, n: int, lead: float, kernel: str, cwd: str, preload: list[str], code: str) -> float:
+    import os
+
+    t0 = time.monotonic()
+    server = ForkServer(_kernel_python(kernel), preload, dict(os.environ)) if mode == "fork" else None
+    prestarted = [PrestartedKernel(kernel, dict(os.environ), cwd, preload, fork_server=server)
+                  if mode in ("pool", "fork") else None for _ in range(n)]
+    times: list[float] = []
+    threads = [threading.Thread(target=one_run, args=(mode, kernel, cwd, code, t0 + lead, p, server, times))
+               for p in prestarted]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if server is not None:
+        server.close()
+    if len(times) != n:
+        raise SystemExit(f"{mode}: {n - len(times)} of {n} runs failed")
+    return max(times)
+
+
+def _kernel_python(kernel: str) -> list[str]:
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    from nbbatch.execute.forkserver import split_command
+
+    split = split_command(KernelSpecManager().get_kernel_spec(kernel).argv)
+    if split is None:
+        raise SystemExit(f"kernel {kernel} is not `python [options] -m ipykernel_launcher`: it cannot be forked")
+    return split[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("notebook", type=Path)
+    parser.add_argument("--kernel", default=None, help="kernel name (default: the notebook's kernelspec)")
+    parser.add_argument("--preload", nargs="*", default=["torch"])
+    parser.add_argument("--n", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--lead", type=float, nargs="+", default=[0.0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", default=["cold", "pool", "fork"], choices=["cold", "pool", "fork"])
+    args = parser.parse_args()
+    nb = nbformat.read(args.notebook, as_version=4)
+    kernel = args.kernel or nb.metadata.get("kernelspec", {}).get("name", "python3")
+    code = imports_cell(args.notebook, args.preload)
+    cwd = str(args.notebook.resolve().parent)
+    results: dict[tuple[int, float, str], list[float]] = {}
+    for round_ in range(args.rounds):
+        for n in args.n:
+            for lead in args.lead:
+                for mode in args.modes:
+                    seconds = wave(mode, n, lead, kernel, cwd, args.preload, code)
+                    results.setdefault((n, lead, mode), []).append(seconds)
+                    print(f"round {round_ + 1}: n={n} lead={lead:g} s {mode}: {seconds:.2f} s", file=sys.stderr)
+    print(f"\nkernel `{kernel}`, preload {args.preload}, cell: {code.splitlines()[0]!r}…, median of {args.rounds}\n")
+    print("| runs at once | lead (s) | " + " | ".join(args.modes) + " |")
+    print("|---|---|" + "---|" * len(args.modes))
+    for n in args.n:
+        for lead in args.lead:
+            cells = [f"{statistics.median(results[(n, lead, m)]):.2f} s" for m in args.modes]
+            print(f"| {n} | {lead:g} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
