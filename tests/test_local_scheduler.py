@@ -252,7 +252,8 @@ def test_prestart_starts_the_next_runs_kernels_for_the_gpus_they_will_likely_get
         def __contains__(self, key: str) -> bool:
             return False
 
-        def prestart(self, key: str, kernel_name: str, env: dict[str, str], cwd: str, preload: Any = ()) -> bool:
+        def prestart(self, key: str, kernel_name: str, env: dict[str, str], cwd: str, preload: Any = (),
+                     now: bool = False) -> bool:
             return True
 
     monkeypatch.setattr(local_scheduler, "kernel_launch", kernel_launch)

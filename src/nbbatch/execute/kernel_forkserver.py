@@ -120,8 +120,10 @@ def _child(request, fds, own_fds, fresh_path):
         sys.argv = ["-m", *request["argv"]]
         runpy._run_module_as_main("ipykernel_launcher", alter_argv=True)
         code = 0
-    except SystemExit as exc:
+    except SystemExit as exc:  # as the interpreter ends on one: a message is printed, its code 1
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            sys.stderr.write(f"{exc.code}\n")
     except BaseException:  # noqa: BLE001 - said on the kernel's stderr, which goes to the run's log
         import traceback
 

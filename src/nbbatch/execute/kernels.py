@@ -329,6 +329,8 @@ class BatchKernelManager(AsyncKernelManager):
         env = {**(kw.get("env") or os.environ), "JPY_PARENT_PID": str(os.getpid())}  # as jupyter_client's launch
         cwd = kw.get("cwd") or os.getcwd()
         try:
+            if split[0] != server.python:
+                raise RuntimeError(f"the kernel's command is not the fork server's ({' '.join(server.python)})")
             process = await asyncio.to_thread(server.fork, split[1], env, str(cwd), kw.get("stdout"), kw.get("stderr"))
         except (OSError, RuntimeError, ValueError, KeyError) as exc:
             self.fork_error = str(exc) or type(exc).__name__
