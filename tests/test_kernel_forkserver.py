@@ -55,14 +55,14 @@ def test_forked_kernels_are_as_fresh_as_cold_ones_and_share_nothing(tmp_path):
     cold, cold_count = _execute(cold_dir, None, env)
 
     pool = KernelPool(2)
-    pool.warm("python3", env, ("json", "numpy"))
+    pool.warm("python3", env, ("json", "numpy.random"))
     seen = []
     for key, folder in (("first", first_dir), ("second", second_dir)):  # one after the other: the first sets LEAK…
         run_env = dict(env, NBBATCH_RUN_ID=key)  # set per run: the server serves both
-        assert pool.prestart(key, "python3", run_env, str(folder), ("json", "numpy"))
-        kernel = pool.take(key, "python3", run_env, str(folder), ("json", "numpy"))
+        assert pool.prestart(key, "python3", run_env, str(folder), ("json", "numpy.random"))
+        kernel = pool.take(key, "python3", run_env, str(folder), ("json", "numpy.random"))
         result, count = _execute(folder, kernel, run_env)
-        assert kernel.km.fork_error is None and "; forked from a process that had imported json, numpy" in \
+        assert kernel.km.fork_error is None and "; forked from a process that had imported json, numpy.random" in \
             kernel.describe(kernel.km), kernel.describe(kernel.km)
         assert count == cold_count == 1, "the first cell's execution count is 1"
         seen.append(result)
@@ -78,6 +78,29 @@ def test_forked_kernels_are_as_fresh_as_cold_ones_and_share_nothing(tmp_path):
     assert cold[6] == [] and cold[2] is None
     assert seen[0][10] != seen[1][10], "numpy's global random streams of two forked kernels differ"
     assert all(gone(result[-1]) for result in seen)
+
+
+@pytest.mark.kernel
+@pytest.mark.timeout(120)
+def test_generators_a_preload_seeded_at_import_are_seeded_anew_in_each_forked_kernel(tmp_path):
+    """A stand-in `torch` seeded from the OS at import, as PyTorch's default generator is: two forks differ."""
+    modules, one, two = _folders(tmp_path, "modules", "one", "two")
+    (modules / "torch.py").write_text("import os\n_seed = os.urandom(8).hex()\n"
+                                      "def seed():\n    global _seed\n    _seed = os.urandom(8).hex()\n"
+                                      "def initial_seed():\n    return _seed\n")
+    pool, seeds = KernelPool(2), []
+    env = dict(os.environ, PYTHONPATH=str(modules))
+    pool.warm("python3", env, ("torch",))
+    for key, folder in (("one", one), ("two", two)):
+        make_notebook(folder / "nb.ipynb", ["import torch\nprint(torch.initial_seed())"], parameters=None)
+        assert pool.prestart(key, "python3", env, str(folder), ("torch",))
+        kernel = pool.take(key, "python3", env, str(folder), ("torch",))
+        nb = execute_notebook_file(str(folder / "nb.ipynb"), str(folder / "out.ipynb"), kernel_name="python3",
+                                   kernel_env=env, kernel_cwd=str(folder), prestarted=kernel, start_timeout=120)
+        assert kernel.km.fork_error is None and kernel.km.fork_server is not None
+        seeds.append(nb.cells[0].outputs[0].text.strip())
+    pool.close()
+    assert seeds[0] != seeds[1]
 
 
 @pytest.mark.kernel

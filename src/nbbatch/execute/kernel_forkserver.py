@@ -9,10 +9,10 @@ the kernel ends, ``{"exit": code}`` (negative: the signal) on the same connectio
 
 A forked kernel is made as a fresh ``python -m ipykernel_launcher -f …`` started in ``cwd`` with ``env`` would be: a
 session of its own, that environment (``os.environ`` replaced), working directory, ``sys.argv`` and ``sys.path``, and
-numpy's global random state seeded anew (Python's ``random`` reseeds itself at a fork). The server never forks once it
-has a Python thread besides its own or CUDA's driver library loaded (a preload that touched CUDA): it says so instead
-(``{"ready": false, …}``) and exits. It exits when its parent (the driver) is gone, or when asked to (``{"close":
-true}``), once its kernels ended.
+the random generators a module seeded at import seeded anew (``RESEED``; Python's ``random`` reseeds itself). The
+server never forks once it has a Python thread besides its own or CUDA's driver library loaded (a preload that
+touched CUDA): it says so instead (``{"ready": false, …}``) and exits. It exits when its parent (the driver) is gone,
+or when asked to (``{"close": true}``), once its kernels ended.
 """
 
 import array
@@ -74,6 +74,20 @@ def _preload(modules):
     return imported
 
 
+# Random generators seeded once, at import, from the OS: a fresh kernel's differ, a fork's would be its server's.
+# (module, its function that seeds it anew from the OS). Python's `random` reseeds itself at a fork.
+RESEED = (("numpy.random", "seed"), ("torch", "seed"))
+
+
+def _reseed():
+    for module, function in RESEED:
+        target = sys.modules.get(module)
+        for name in function.split(".") if target is not None else ():
+            target = getattr(target, name, None)
+        if callable(target):
+            target()  # torch.seed() seeds CUDA's generators lazily: no CUDA call here
+
+
 def _receive(conn):
     """One request: its JSON line and the file descriptors that came with it."""
     data, fds = b"", []
@@ -114,9 +128,7 @@ def _child(request, fds, own_fds, fresh_path):
         sys.path[:] = [os.getcwd(), *fresh_path]  # `python -m` puts the working directory first
         if hasattr(sys, "orig_argv"):
             sys.orig_argv = list(request.get("orig_argv") or sys.orig_argv)
-        numpy = sys.modules.get("numpy")
-        if numpy is not None:  # its global RandomState is seeded once, at import: a fresh kernel's differs
-            numpy.random.seed()
+        _reseed()
         sys.argv = ["-m", *request["argv"]]
         runpy._run_module_as_main("ipykernel_launcher", alter_argv=True)
         code = 0
