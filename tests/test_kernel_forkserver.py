@@ -107,7 +107,7 @@ def test_generators_a_preload_seeded_at_import_are_seeded_anew_in_each_forked_ke
 @pytest.mark.timeout(120)
 def test_a_preloaded_modules_side_effects_do_not_reach_the_forked_kernel(tmp_path):
     modules, run = _folders(tmp_path, "modules", "run")
-    (modules / "meddling.py").write_text("import os, sys\nos.chdir('/')\nos.environ['MEDDLED'] = '1'\n"
+    (modules / "meddling.py").write_text("import os, sys\nos.chdir('/')\nos.environ['MEDDLED'] = '1'\nprint('on-import')\n"
                                          "os.environ.pop('KEEP_ME', None)\nsys.path.insert(0, '/nowhere')\n")
     probe = ("import os, sys\nprint(repr([os.getcwd(), os.environ.get('MEDDLED'), os.environ.get('KEEP_ME'), "
              "sys.path.count('/nowhere'), 'meddling' in sys.modules]))")
@@ -121,6 +121,7 @@ def test_a_preloaded_modules_side_effects_do_not_reach_the_forked_kernel(tmp_pat
                                kernel_env=env, kernel_cwd=str(run), prestarted=kernel, start_timeout=120)
     assert kernel.km.fork_error is None
     assert eval(nb.cells[0].outputs[0].text) == [str(run), None, "kept", 0, True]  # noqa: S307
+    assert "importing printed:\non-import" in kernel.describe(kernel.km), "what the server's imports printed is said"
     pool.close()
 
 
@@ -147,23 +148,9 @@ def test_a_server_that_cannot_fork_leaves_the_run_a_kernel_started_as_usual(tmp_
 @pytest.mark.kernel
 @pytest.mark.timeout(120)
 def test_a_forked_kernel_is_killed_with_its_process_group_and_its_exit_code_reported(tmp_path):
-    import asyncio
-
-    from nbbatch.execute.kernels import BatchKernelManager
-
-    server = ForkServer(split_command([sys.executable, "-m", "ipykernel_launcher"])[0],
-                        ("json",), dict(os.environ))
-    assert server.ready(), server.error
-    km = BatchKernelManager(kernel_name="python3")
-    km.fork_server = server
-    km.kernel_spec.argv[0] = server.python[0]
-    asyncio.run(km.start_kernel(cwd=str(tmp_path), env=dict(os.environ)))
-    assert km.fork_error is None, km.fork_error
+    server, km, client = _forked_kernel(tmp_path)
     kernel = km.provisioner.process
     assert kernel.pid not in {p.pid for p in psutil.Process().children()}, "a child of the server, not of this process"
-    client = km.client()
-    client.start_channels()
-    asyncio.run(client.wait_for_ready(timeout=60))
     client.execute("import subprocess; p = subprocess.Popen(['sleep', '300']); open('child', 'w').write(str(p.pid))")
     wait_until(lambda: (tmp_path / "child").exists() and (tmp_path / "child").read_text(), 30, "the kernel's child")
     child = int((tmp_path / "child").read_text())
@@ -175,6 +162,40 @@ def test_a_forked_kernel_is_killed_with_its_process_group_and_its_exit_code_repo
     reap_kernel(km)
     server.close()
     wait_until(lambda: not server._process or server._process.poll() is not None, 10, "the server to end")
+
+
+def _forked_kernel(folder):
+    """A kernel of the driver's venv forked from a server that imported json, and its client, ready."""
+    import asyncio
+
+    from nbbatch.execute.kernels import BatchKernelManager
+
+    server = ForkServer(split_command([sys.executable, "-m", "ipykernel_launcher"])[0], ("json",), dict(os.environ))
+    assert server.ready(), server.error
+    km = BatchKernelManager(kernel_name="python3")
+    km.fork_server = server
+    km.kernel_spec.argv[0] = server.python[0]
+    asyncio.run(km.start_kernel(cwd=str(folder), env=dict(os.environ)))
+    assert km.fork_error is None, km.fork_error
+    client = km.client()
+    client.start_channels()
+    asyncio.run(client.wait_for_ready(timeout=60))
+    return server, km, client
+
+
+@pytest.mark.kernel
+@pytest.mark.timeout(120)
+def test_a_forked_kernel_that_is_shut_down_ends_as_an_interpreter_does(tmp_path):
+    """Its `atexit` functions run (a notebook's own: a tracker's last write), as in a kernel started cold."""
+    server, km, client = _forked_kernel(tmp_path)
+    client.execute("import atexit\natexit.register(lambda: open('at-exit', 'w').write('ran'))")
+    wait_until(lambda: km.provisioner.process.poll() is None, 5, "the kernel to run")
+    client.shutdown()
+    assert km.provisioner.process.wait(timeout=30) == 0
+    assert (tmp_path / "at-exit").read_text() == "ran"
+    client.stop_channels()
+    reap_kernel(km)
+    server.close()
 
 
 def test_a_kernel_command_is_forkable_only_as_python_m_ipykernel_launcher():

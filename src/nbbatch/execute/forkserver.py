@@ -31,6 +31,7 @@ from nbbatch.execute.affinity import CPUS_VARIABLE
 SERVER_SCRIPT = Path(__file__).with_name("kernel_forkserver.py")
 LAUNCHER = ["-m", "ipykernel_launcher"]
 READY_TIMEOUT = 120.0  # seconds a server may take to import its modules
+PRINTED_MAX = 16 << 10  # characters of what importing them printed kept for the runs' logs
 # Set per run, never read at import: runs that differ only in these share a server (which starts without them).
 PER_RUN_VARIABLES = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY",
                      "JPY_PARENT_PID", "JPY_SESSION_NAME", "PYDEVD_DISABLE_FILE_VALIDATION", CPUS_VARIABLE)
@@ -133,6 +134,7 @@ class ForkServer:
         self.error: str | None = None
         self.imported: tuple[str, ...] = ()
         self.seconds: float | None = None
+        self.printed = ""  # what importing the modules printed
         self._ready = threading.Event()
         self._process: subprocess.Popen[bytes] | None = None
         threading.Thread(target=self._start, name="fork-server", daemon=True).start()
@@ -144,11 +146,14 @@ class ForkServer:
                 cwd=self.folder, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 start_new_session=True)
             assert self._process.stdout is not None
-            said = b""
+            said, printed = b"", []
             for line in self._process.stdout:  # what importing printed, then the ready line
                 said = line
                 if line.startswith(b'{"ready"'):
                     break
+                if sum(map(len, printed)) < PRINTED_MAX:
+                    printed.append(line)
+            self.printed = b"".join(printed)[:PRINTED_MAX].decode(errors="replace")
             answer = json.loads(said) if said.startswith(b'{"ready"') else {"ready": False, "why": "it ended"}
             self._process.stdout.close()
             if answer["ready"]:

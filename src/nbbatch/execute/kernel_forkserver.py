@@ -141,12 +141,26 @@ def _child(request, fds, own_fds, fresh_path):
 
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001
-                pass
+        _finalize()
         os._exit(code)
+
+
+def _finalize():
+    """What the interpreter does at its end, as a kernel started cold would: wait for the threads that are not daemons,
+    run the ``atexit`` functions (the notebook's own too), flush the output."""
+    import atexit
+    import threading
+
+    for end in (threading._shutdown, atexit._run_exitfuncs):
+        try:
+            end()
+        except BaseException:  # noqa: BLE001 - as the interpreter goes on past a failing one
+            pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def _answer(conn, message):

@@ -191,11 +191,13 @@ class PrestartedKernel:
             missing = [name for name in self.preload if name not in self.imported]
             line += (f", {', '.join(self.imported)} imported in {self.preload_seconds or 0:.1f} s" if self.imported
                      else "") + (f", {', '.join(missing)} not importable" if missing else "")
+        printed = self.preload_output
         if server is not None and self.km.fork_error is None:
             line += f"; forked from a process that had imported {', '.join(server.imported) or 'nothing'}"
+            printed = server.printed + printed  # the imports ran in the server: what they printed is there
         elif server is not None:
             line += f"; not forked ({self.km.fork_error}): started as usual"
-        return line + (f"; importing printed:\n{self.preload_output.rstrip()}" if self.preload_output.strip() else "")
+        return line + (f"; importing printed:\n{printed.rstrip()}" if printed.strip() else "")
 
     def release_output(self, wait: float = 1.0) -> None:
         """Stop writing the kernel's output anywhere (call once the kernel is gone)."""
