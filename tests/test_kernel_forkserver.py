@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 
 import nbformat
@@ -220,10 +221,7 @@ def test_runs_that_differ_only_in_what_nbbatch_sets_per_run_share_a_server():
 def test_the_first_wave_of_a_recognised_framework_starts_forked(project, write_experiment):
     """End to end: every run of the first wave gets a kernel forked from a process that imported its framework, and
     the kernel process's own output still reaches each run's log."""
-    (project / "frameworks" / "toy").mkdir()
-    (project / "frameworks" / "toy" / "framework.yaml").write_text(
-        "title: Toy\nnotebook: nb.ipynb\nimports: [colorsys]\npreload: [colorsys]\n")
-    (project / "frameworks" / "toy" / "requirements.txt").write_text("# its env is never built here\n")
+    _toy_framework(project)
     make_notebook(project / "nb.ipynb", [
         "import os, sys\nprint('colorsys' in sys.modules, os.environ['NBBATCH_RUN_ID'])",
         "import colorsys\nget_ipython().kernel.log.warning('kernel-process-output %s', A)"])
@@ -241,3 +239,35 @@ def test_the_first_wave_of_a_recognised_framework_starts_forked(project, write_e
                      if "'colorsys' in sys.modules" in cell.source)
         assert probe.outputs[0].text.split() == ["True", record.run_id]
     assert not kernels_of("forked"), "kernels were left running"
+
+
+def _toy_framework(project) -> None:
+    """A project framework recognised by `import colorsys`, preloading it."""
+    (project / "frameworks" / "toy").mkdir()
+    (project / "frameworks" / "toy" / "framework.yaml").write_text(
+        "title: Toy\nnotebook: nb.ipynb\nimports: [colorsys]\npreload: [colorsys]\n")
+    (project / "frameworks" / "toy" / "requirements.txt").write_text("# its env is never built here\n")
+
+
+@pytest.mark.kernel
+@pytest.mark.timeout(180)
+def test_a_sigkilled_driver_leaves_no_fork_server_forked_kernel_or_kernel_child(project, write_experiment):
+    _toy_framework(project)
+    make_notebook(project / "nb.ipynb", [
+        "import colorsys, os, pathlib, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        "pathlib.Path(f'pids-{A}').write_text(f'{os.getpid()} {os.getppid()} {child.pid}')\ntime.sleep(120)"])
+    write_experiment("experiment: killedfork\nnotebooks: [{path: nb.ipynb, kernel: python3}]\n"
+                     "sweep: {grid: {A: [1, 2]}}\nresources: {max_parallel: 2}\n")
+    driver = subprocess.Popen([sys.executable, "-m", "nbbatch", "submit", "exp.yaml", "-q"], cwd=project,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: all((project / f"pids-{a}").exists() for a in (1, 2)), 120, "both runs to start")
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(10)
+    kernels, parents, children = zip(*(map(int, (project / f"pids-{a}").read_text().split()) for a in (1, 2)),
+                                     strict=True)
+    assert parents[0] == parents[1] != driver.pid, "both kernels were forked by one fork server"
+    for pid in (*kernels, parents[0], *children):
+        wait_until(lambda pid=pid: gone(pid), 15, f"process {pid} to end")
