@@ -15,6 +15,12 @@ Each round, for each N, lead and mode (in turns, so that a machine getting busie
 The time of a run is from t0 + lead until the notebook's first code cell that imports a preload module (else its
 first code cell) has run in its kernel; the wave's time is its slowest run. Prints a markdown table of medians.
 Run from the project root with nbbatch importable (``PYTHONPATH=src``) and ``JUPYTER_PATH`` naming the kernels.
+
+``--batch`` measures the same through nbbatch itself instead: ``nbbatch submit`` of N runs of the notebook at once
+(``max_parallel: N``), with ``prestart: 0`` (every kernel started cold) and with the default (the first wave forked),
+in the current project (its results folder gets the experiments ``warm-start-cold-N`` and ``warm-start-warm-N``); a
+run's time is from its start (run.json ``started_at``) until its imports cell ended (the output notebook's
+``papermill.end_time``). The notebook's framework must be recognised (its kernel, its ``preload``).
 """
 
 from __future__ import annotations
@@ -102,6 +108,38 @@ def _kernel_python(kernel: str) -> list[str]:
     return split[0]
 
 
+def batch_wave(notebook: Path, n: int, prestart: int, name: str, preload: list[str]) -> float:
+    """Submit N runs of ``notebook`` at once; the slowest run's time from its start to its imports cell's end."""
+    import json
+    import subprocess
+    from datetime import datetime
+
+    experiment = Path.cwd() / f".{name}.yaml"  # in the project: its frameworks, its results folder
+    try:
+        experiment.write_text(f"experiment: {name}\nnotebooks: [{json.dumps(str(notebook.resolve()))}]\n"
+                              f"sweep: {{grid: {{warm_start_run: {list(range(n))}}}}}\nresources: {{max_parallel: {n}}}\n"
+                              f"backend: {{name: local, prestart: {prestart}}}\n")
+        done = subprocess.run([sys.executable, "-m", "nbbatch", "submit", str(experiment), "-q", "--force"],
+                              capture_output=True, text=True)
+    finally:
+        experiment.unlink(missing_ok=True)
+    if done.returncode != 0:
+        raise SystemExit(f"nbbatch submit failed:\n{done.stdout}{done.stderr}")
+    results = Path("".join(done.stdout.rsplit("results in ", 1)[-1].split()))  # the console may wrap the path
+    records = list(results.glob("*/run.json"))
+    if len(records) != n:
+        raise SystemExit(f"{len(records)} run records in {results}, not {n}")
+    slowest = 0.0
+    for record_path in records:
+        started = datetime.fromisoformat(json.loads(record_path.read_text())["started_at"])
+        cells = nbformat.read(record_path.with_name("output.ipynb"), as_version=4).cells
+        cell = next((c for c in cells if c.cell_type == "code" and any(f"import {m}" in c.source for m in preload)),
+                    next(c for c in cells if c.cell_type == "code" and "parameters" not in c.metadata.get("tags", [])))
+        ended = datetime.fromisoformat(cell.metadata["papermill"]["end_time"])
+        slowest = max(slowest, (ended - started).total_seconds())
+    return slowest
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("notebook", type=Path)
@@ -111,7 +149,21 @@ def main() -> None:
     parser.add_argument("--lead", type=float, nargs="+", default=[0.0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--modes", nargs="+", default=["cold", "pool", "fork"], choices=["cold", "pool", "fork"])
+    parser.add_argument("--batch", action="store_true", help="through `nbbatch submit`: prestart 0 vs the default")
     args = parser.parse_args()
+    if args.batch:
+        rows: dict[int, dict[str, list[float]]] = {}
+        for round_ in range(args.rounds):
+            for n in args.n:
+                for mode, prestart in (("cold", 0), ("warm", 2)):
+                    seconds = batch_wave(args.notebook, n, prestart, f"warm-start-{mode}-{n}", args.preload)
+                    rows.setdefault(n, {}).setdefault(mode, []).append(seconds)
+                    print(f"round {round_ + 1}: n={n} {mode}: {seconds:.2f} s", file=sys.stderr)
+        print(f"\nnbbatch submit, run start → imports cell done (slowest run), median of {args.rounds}\n")
+        print("| runs at once | prestart 0 (cold) | default (warm first wave) |\n|---|---|---|")
+        for n, modes in rows.items():
+            print(f"| {n} | {statistics.median(modes['cold']):.2f} s | {statistics.median(modes['warm']):.2f} s |")
+        return
     nb = nbformat.read(args.notebook, as_version=4)
     kernel = args.kernel or nb.metadata.get("kernelspec", {}).get("name", "python3")
     code = imports_cell(args.notebook, args.preload)
