@@ -11,6 +11,7 @@ server per (kernel command, preload, environment read at import).
 
 from __future__ import annotations
 
+import array
 import contextlib
 import json
 import os
@@ -239,8 +240,6 @@ def _fileno(stream: Any) -> int | None:
 
 
 def _int_array(fds: list[int]) -> Any:
-    import array
-
     return array.array("i", fds)
 
 

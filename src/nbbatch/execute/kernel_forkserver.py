@@ -16,6 +16,8 @@ or when asked to (``{"close": true}``), once its kernels ended.
 """
 
 import array
+import atexit
+import importlib
 import json
 import os
 import runpy
@@ -23,7 +25,9 @@ import select
 import signal
 import socket
 import sys
+import threading
 import time
+import traceback
 
 _MAX_FDS = 2
 
@@ -36,8 +40,7 @@ def _fresh_path(script_dir):
 def _python_threads():
     """Threads of Python's besides this one (an import's worker): a fork would copy its locks, not it. Native threads
     (PyTorch starts one at import) are a library's own, made fork-safe by it as PyTorch's data loaders need."""
-    threading = sys.modules.get("threading")
-    return threading.active_count() - 1 if threading is not None else 0
+    return threading.active_count() - 1
 
 
 def _cuda_loaded():
@@ -50,8 +53,6 @@ def _cuda_loaded():
 
 def _preload(modules):
     """Import ``modules`` (and ipykernel's kernel app) as a kernel would, then undo what they changed around them."""
-    import importlib
-
     cwd, env, path = os.getcwd(), dict(os.environ), list(sys.path)
     imported = []
     try:
@@ -137,8 +138,6 @@ def _child(request, fds, own_fds, fresh_path):
         if exc.code is not None and not isinstance(exc.code, int):
             sys.stderr.write(f"{exc.code}\n")
     except BaseException:  # noqa: BLE001 - said on the kernel's stderr, which goes to the run's log
-        import traceback
-
         traceback.print_exc()
     finally:
         _finalize()
@@ -148,9 +147,6 @@ def _child(request, fds, own_fds, fresh_path):
 def _finalize():
     """What the interpreter does at its end, as a kernel started cold would: wait for the threads that are not daemons,
     run the ``atexit`` functions (the notebook's own too), flush the output."""
-    import atexit
-    import threading
-
     for end in (threading._shutdown, atexit._run_exitfuncs):
         try:
             end()
