@@ -214,6 +214,8 @@ def test_runs_that_differ_only_in_what_nbbatch_sets_per_run_share_a_server():
     two = dict(base, NBBATCH_RUN_ID="b", CUDA_VISIBLE_DEVICES="1", NBBATCH_OUTPUT_DIR="/o")
     assert import_env(one) == import_env(two) == base
     assert import_env(dict(base, OMP_NUM_THREADS="4")) != import_env(one), "a variable read at import is the key's"
+    shared = dict(one, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    assert import_env(shared, per_run=("PYTORCH_CUDA_ALLOC_CONF",)) == base, "a sharing variable is set per run"
 
 
 @pytest.mark.kernel

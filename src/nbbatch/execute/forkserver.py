@@ -38,10 +38,11 @@ PER_RUN_VARIABLES = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_MPS_PIPE
                      "JPY_PARENT_PID", "JPY_SESSION_NAME", "PYDEVD_DISABLE_FILE_VALIDATION", CPUS_VARIABLE)
 
 
-def import_env(env: dict[str, str]) -> dict[str, str]:
-    """The part of a kernel's environment its imports may read: without the variables nbbatch sets per run."""
+def import_env(env: dict[str, str], per_run: Sequence[str] = ()) -> dict[str, str]:
+    """The part of a kernel's environment its imports may read: without the variables nbbatch sets per run, nor
+    ``per_run`` (those a run sharing its GPUs gets: read when the framework first uses the GPU, never at import)."""
     return {name: value for name, value in env.items()
-            if name not in PER_RUN_VARIABLES and not name.startswith("NBBATCH_")}
+            if name not in PER_RUN_VARIABLES and name not in per_run and not name.startswith("NBBATCH_")}
 
 
 def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]] | None:
@@ -128,14 +129,16 @@ class ForkedKernel:
 class ForkServer:
     """A fork server for one kernel command, preload list and import environment, starting in the background."""
 
-    def __init__(self, python: Sequence[str], preload: Sequence[str], env: dict[str, str]):
-        self.python, self.preload, self.env = list(python), tuple(preload), import_env(env)
+    def __init__(self, python: Sequence[str], preload: Sequence[str], env: dict[str, str], per_run: Sequence[str] = ()):
+        self.python, self.preload, self.per_run = list(python), tuple(preload), tuple(sorted(per_run))
+        self.env = import_env(env, self.per_run)
         self.folder = tempfile.mkdtemp(prefix="nbbatch-f")  # mode 0700: only this user may ask for kernels
         self.socket_path = os.path.join(self.folder, "s")
         self.error: str | None = None
         self.imported: tuple[str, ...] = ()
         self.seconds: float | None = None
         self.printed = ""  # what importing the modules printed
+        self._closing = False
         self._ready = threading.Event()
         self._process: subprocess.Popen[bytes] | None = None
         threading.Thread(target=self._start, name="fork-server", daemon=True).start()
@@ -146,6 +149,8 @@ class ForkServer:
                 [*self.python, str(SERVER_SCRIPT), self.socket_path, *self.preload], env={**self.env, "CUDA_VISIBLE_DEVICES": ""},
                 cwd=self.folder, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 start_new_session=True)
+            if self._closing:  # closed while it was being started
+                self._process.kill()
             assert self._process.stdout is not None
             said, printed = b"", []
             for line in self._process.stdout:  # what importing printed, then the ready line
@@ -172,8 +177,12 @@ class ForkServer:
             self.error = f"the fork server was not ready within {wait:g} s"
         return self._ready.is_set() and self.error is None
 
-    def serves(self, python: Sequence[str], preload: Sequence[str], env: dict[str, str]) -> bool:
-        return (list(python), tuple(preload), import_env(env)) == (self.python, self.preload, self.env)
+    def serves(self, python: Sequence[str], preload: Sequence[str], env: dict[str, str],
+               per_run: Sequence[str] = ()) -> bool:
+        """Whether kernels of this command, preload list and environment may be forked from this server."""
+        per_run = tuple(sorted(per_run))
+        return ((list(python), tuple(preload), per_run, import_env(env, per_run))
+                == (self.python, self.preload, self.per_run, self.env))
 
     def fork(self, launcher_args: Sequence[str], env: dict[str, str], cwd: str, stdout: Any = None,
              stderr: Any = None, wait: float = READY_TIMEOUT) -> ForkedKernel:
@@ -211,23 +220,30 @@ class ForkServer:
         return ForkedKernel(pid, conn, [*self.python, *LAUNCHER, *launcher_args])
 
     def close(self) -> None:
-        """Stop the server once its kernels have ended (they are killed by their runs, never by this)."""
+        """Stop the server once its kernels have ended (they are killed by their runs, never by this); one still
+        importing is killed."""
+        self._closing = True
         process = self._process
-        if process is not None and process.poll() is None:
-            with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-                conn.settimeout(2.0)
-                conn.connect(self.socket_path)
-                conn.sendall(b'{"close": true}\n')
         if process is not None and not self._ready.is_set():
             with contextlib.suppress(OSError):
-                process.kill()  # still importing
+                process.kill()
         threading.Thread(target=self._reap, name="fork-server-reap", daemon=True).start()
 
     def _reap(self) -> None:
         self._ready.wait(READY_TIMEOUT)
-        if self._process is not None:
+        process = self._process
+        if process is not None and process.poll() is None:
+            if self._ready.is_set() and self.error is None:
+                with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                    conn.settimeout(2.0)
+                    conn.connect(self.socket_path)
+                    conn.sendall(b'{"close": true}\n')
+            else:
+                with contextlib.suppress(OSError):
+                    process.kill()
+        if process is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self._process.wait(timeout=24 * 3600)
+                process.wait(timeout=24 * 3600)  # its kernels' runs end them
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
@@ -251,9 +267,11 @@ class ForkServers:
         self._lock = threading.Lock()
         self._closed = False
 
-    def start(self, argv: Sequence[str], preload: Sequence[str], env: dict[str, str]) -> ForkServer | None:
-        """The server for kernels of command ``argv`` with these modules and environment, started now if there is
-        none; None when ``argv`` is not a Python kernel, there is nothing to preload, or the servers are closed."""
+    def start(self, argv: Sequence[str], preload: Sequence[str], env: dict[str, str],
+              per_run: Sequence[str] = ()) -> ForkServer | None:
+        """The server for kernels of command ``argv`` with these modules and environment (but for ``per_run``),
+        started now if there is none; None when ``argv`` is not a Python kernel, there is nothing to preload, or the
+        servers are closed."""
         split = split_command(argv)
         if split is None or not preload:
             return None
@@ -261,17 +279,19 @@ class ForkServers:
             if self._closed:
                 return None
             for server in self._servers:
-                if server.serves(split[0], preload, env):
+                if server.serves(split[0], preload, env, per_run):
                     return server
-            server = ForkServer(split[0], preload, env)
+            server = ForkServer(split[0], preload, env, per_run)
             self._servers.append(server)
             return server
 
-    def find(self, argv: Sequence[str], preload: Sequence[str], env: dict[str, str]) -> ForkServer | None:
+    def find(self, argv: Sequence[str], preload: Sequence[str], env: dict[str, str],
+             per_run: Sequence[str] = ()) -> ForkServer | None:
         """The server started for these kernels, if any (it may still be importing)."""
         split = split_command(argv)
         with self._lock:
-            return next((s for s in self._servers if split is not None and s.serves(split[0], preload, env)), None)
+            return next((s for s in self._servers
+                         if split is not None and s.serves(split[0], preload, env, per_run)), None)
 
     def close(self) -> None:
         with self._lock:

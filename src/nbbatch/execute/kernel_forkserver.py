@@ -17,6 +17,7 @@ or when asked to (``{"close": true}``), once its kernels ended.
 
 import array
 import atexit
+import builtins
 import importlib
 import json
 import os
@@ -28,6 +29,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 
 _MAX_FDS = 2
 
@@ -131,6 +133,9 @@ def _child(request, fds, own_fds, fresh_path):
             sys.orig_argv = list(request.get("orig_argv") or sys.orig_argv)
         _reseed()
         sys.argv = ["-m", *request["argv"]]
+        main = types.ModuleType("__main__")  # runpy runs the launcher in __main__'s globals: fresh ones, not ours
+        main.__dict__["__builtins__"] = builtins
+        sys.modules["__main__"] = main
         runpy._run_module_as_main("ipykernel_launcher", alter_argv=True)
         code = 0
     except SystemExit as exc:  # as the interpreter ends on one: a message is printed, its code 1

@@ -256,14 +256,15 @@ class KernelPool:
         with self._lock:
             return key in self._kernels
 
-    def warm(self, kernel_name: str, env: dict[str, str], preload: Sequence[str]) -> None:
-        """Start the fork server for kernels of ``kernel_name`` with this environment and ``preload`` (none without
-        ``preload``, with the pool off, or for a kernel that is not ``python -m ipykernel_launcher``)."""
+    def warm(self, kernel_name: str, env: dict[str, str], preload: Sequence[str], per_run: Sequence[str] = ()) -> None:
+        """Start the fork server for kernels of ``kernel_name`` with this environment (but for the variables
+        ``per_run``, set when each kernel is forked) and ``preload``; none without ``preload``, with the pool off,
+        or for a kernel that is not ``python -m ipykernel_launcher``."""
         if self.size and preload and (spec := _launch_spec(kernel_name, env)) is not None:
-            self.servers.start(spec[0], preload, spec[1])
+            self.servers.start(spec[0], preload, spec[1], per_run)
 
     def prestart(self, key: str, kernel_name: str, env: dict[str, str], cwd: str, preload: Sequence[str] = (),
-                 now: bool = False) -> bool:
+                 now: bool = False, per_run: Sequence[str] = ()) -> bool:
         """Start a kernel for run ``key`` (importing ``preload`` once started; forked where a :meth:`warm` server
         serves it) unless the pool is full (``now``: the run starts now, whatever the size) or has one for it;
         whether it started one."""
@@ -272,7 +273,7 @@ class KernelPool:
                     or (len(self._kernels) >= self.size and not now)):
                 return False
         spec = _launch_spec(kernel_name, env) if preload else None
-        server = self.servers.find(spec[0], preload, spec[1]) if spec is not None else None
+        server = self.servers.find(spec[0], preload, spec[1], per_run) if spec is not None else None
         with self._lock:
             if self._closed or key in self._kernels:
                 return False

@@ -257,7 +257,7 @@ class LocalScheduler:
         for run in [r for r in self.pending if r.preload and not r.distribution][:first]:
             with contextlib.suppress(Exception):  # the runs then start their kernels as usual
                 kernel_name, env, _cwd = self.launch_settings(run, self.preview_lease(run))
-                self.kernels.warm(kernel_name, env, run.preload)
+                self.kernels.warm(kernel_name, env, run.preload, per_run=tuple(run.shared_gpu_env))
 
     def prestart(self) -> None:
         """Start the kernels of the next runs to start. A GPU run's kernel is started for the GPUs it will most
@@ -284,7 +284,8 @@ class LocalScheduler:
         if run.run_id in self.kernels or run.distribution:  # a distributed run starts a kernel per rank itself
             return True
         try:
-            self.kernels.prestart(run.run_id, *self.launch_settings(run, lease), preload=run.preload, now=now)
+            self.kernels.prestart(run.run_id, *self.launch_settings(run, lease), preload=run.preload, now=now,
+                                  per_run=tuple(run.shared_gpu_env))
         except Exception:  # noqa: BLE001 - the run then starts its kernel itself
             return False
         return True
