@@ -233,11 +233,14 @@ def _imported_expression(modules: Sequence[str]) -> str:
 
 
 class KernelPool:
-    """Kernels started ahead of the runs that will use them, one per run id, at most ``size`` at a time.
+    """Kernels started ahead of the runs that will use them, one per run id, at most ``size`` at a time (more for
+    runs starting now); ``size`` 0 starts nothing.
 
     A kernel is started with the run's own kernel name, environment and working directory and
     handed to that run only (:meth:`take`); a kernel whose run is cancelled, or whose launch
-    settings no longer match when the run starts, is killed. ``close`` kills every unclaimed kernel.
+    settings no longer match when the run starts, is killed. A kernel is forked from the fork server
+    :meth:`warm` started for its settings, if there is one. ``close`` kills every unclaimed kernel
+    and lets the fork servers end with the kernels they forked.
     """
 
     def __init__(self, size: int, preload_timeout: float = PRELOAD_TIMEOUT):
