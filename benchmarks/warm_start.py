@@ -27,15 +27,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
 import nbformat
+from jupyter_client.kernelspec import KernelSpecManager
 
-from nbbatch.execute.forkserver import ForkServer
+from nbbatch.execute.forkserver import ForkServer, split_command
 from nbbatch.execute.kernels import KERNEL_ARGUMENTS, BatchKernelManager, reap_kernel
 from nbbatch.execute.prestart import PrestartedKernel
 
@@ -77,8 +82,6 @@ def one_run(mode: str, kernel: str, cwd: str, code: str, want_at: float, prestar
 
 
 def wave(mode: str, n: int, lead: float, kernel: str, cwd: str, preload: list[str], code: str) -> float:
-    import os
-
     t0 = time.monotonic()
     server = ForkServer(_kernel_python(kernel), preload, dict(os.environ)) if mode == "fork" else None
     prestarted = [PrestartedKernel(kernel, dict(os.environ), cwd, preload, fork_server=server)
@@ -98,10 +101,6 @@ def wave(mode: str, n: int, lead: float, kernel: str, cwd: str, preload: list[st
 
 
 def _kernel_python(kernel: str) -> list[str]:
-    from jupyter_client.kernelspec import KernelSpecManager
-
-    from nbbatch.execute.forkserver import split_command
-
     split = split_command(KernelSpecManager().get_kernel_spec(kernel).argv)
     if split is None:
         raise SystemExit(f"kernel {kernel} is not `python [options] -m ipykernel_launcher`: it cannot be forked")
@@ -110,9 +109,6 @@ def _kernel_python(kernel: str) -> list[str]:
 
 def batch_wave(notebook: Path, n: int, prestart: int, name: str, preload: list[str]) -> float:
     """Submit N runs of ``notebook`` at once; the slowest run's time from its start to its imports cell's end."""
-    import json
-    import subprocess
-    from datetime import datetime
 
     experiment = Path.cwd() / f".{name}.yaml"  # in the project: its frameworks, its results folder
     try:
