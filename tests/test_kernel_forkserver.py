@@ -199,6 +199,22 @@ def test_a_forked_kernel_that_is_shut_down_ends_as_an_interpreter_does(tmp_path)
     server.close()
 
 
+@pytest.mark.kernel
+@pytest.mark.timeout(60)
+def test_a_server_under_a_temporary_folder_too_long_for_a_socket_path_still_starts(tmp_path, monkeypatch):
+    import tempfile
+
+    long_folder = tmp_path / ("x" * 100)
+    long_folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long_folder))
+    server = ForkServer([sys.executable], ("json",), dict(os.environ))
+    try:
+        assert server.ready(), server.error
+        assert len(os.fsencode(server.socket_path)) < 100
+    finally:
+        server.close()
+
+
 def test_a_kernel_command_is_forkable_only_as_python_m_ipykernel_launcher():
     assert split_command(["/v/bin/python", "-Xfrozen_modules=off", "-m", "ipykernel_launcher", "-f", "{cf}"]) == \
         (["/v/bin/python", "-Xfrozen_modules=off"], ["-f", "{cf}"])

@@ -132,7 +132,9 @@ class ForkServer:
     def __init__(self, python: Sequence[str], preload: Sequence[str], env: dict[str, str], per_run: Sequence[str] = ()):
         self.python, self.preload, self.per_run = list(python), tuple(preload), tuple(sorted(per_run))
         self.env = import_env(env, self.per_run)
-        self.folder = tempfile.mkdtemp(prefix="nbbatch-f")  # mode 0700: only this user may ask for kernels
+        # Mode 0700: only this user may ask for kernels. A socket's path must fit sun_path: a long TMPDIR is not used.
+        base = tempfile.gettempdir()
+        self.folder = tempfile.mkdtemp(prefix="nbbatch-f", dir=base if len(os.fsencode(base)) <= 80 else "/tmp")
         self.socket_path = os.path.join(self.folder, "s")
         self.error: str | None = None
         self.imported: tuple[str, ...] = ()
@@ -160,7 +162,9 @@ class ForkServer:
                 if sum(map(len, printed)) < PRINTED_MAX:
                     printed.append(line)
             self.printed = b"".join(printed)[:PRINTED_MAX].decode(errors="replace")
-            answer = json.loads(said) if said.startswith(b'{"ready"') else {"ready": False, "why": "it ended"}
+            last = said.decode(errors="replace").strip()[-200:]  # an error's last line, when it died of one
+            answer = json.loads(said) if said.startswith(b'{"ready"') else \
+                {"ready": False, "why": f"it ended ({last})" if last else "it ended"}
             self._process.stdout.close()
             if answer["ready"]:
                 self.imported, self.seconds = tuple(answer.get("imported", ())), answer.get("seconds")
