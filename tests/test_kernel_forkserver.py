@@ -201,6 +201,29 @@ def test_a_forked_kernel_that_is_shut_down_ends_as_an_interpreter_does(tmp_path)
 
 @pytest.mark.kernel
 @pytest.mark.timeout(60)
+def test_a_server_whose_imports_touched_the_gpu_never_forks(tmp_path):
+    """A preload that loaded NVML (or CUDA's driver) asked about the GPUs as the server saw them: no fork from it.
+    A stand-in library under NVML's name is loaded as one would be."""
+    import ctypes.util
+    import shutil
+
+    found = ctypes.util.find_library("z")
+    source = next((p for p in (f"/lib/x86_64-linux-gnu/{found}", f"/usr/lib/x86_64-linux-gnu/{found}",
+                               f"/usr/lib64/{found}", f"/lib64/{found}") if found and os.path.exists(p)), None)
+    if source is None:
+        pytest.skip("no shared library to stand in for NVML")
+    shutil.copy(source, tmp_path / "libnvidia-ml.so.1")
+    (tmp_path / "asks_the_gpus.py").write_text(f"import ctypes\nctypes.CDLL({str(tmp_path / 'libnvidia-ml.so.1')!r})\n")
+    server = ForkServer([sys.executable], ("asks_the_gpus",), dict(os.environ, PYTHONPATH=str(tmp_path)))
+    try:
+        assert not server.ready()
+        assert server.error == "the fork server did not start: the imports loaded CUDA's driver or NVML"
+    finally:
+        server.close()
+
+
+@pytest.mark.kernel
+@pytest.mark.timeout(60)
 def test_a_server_under_a_temporary_folder_too_long_for_a_socket_path_still_starts(tmp_path, monkeypatch):
     import tempfile
 

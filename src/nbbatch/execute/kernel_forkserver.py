@@ -10,8 +10,8 @@ the kernel ends, ``{"exit": code}`` (negative: the signal) on the same connectio
 A forked kernel is made as a fresh ``python -m ipykernel_launcher -f …`` started in ``cwd`` with ``env`` would be: a
 session of its own, that environment (``os.environ`` replaced), working directory, ``sys.argv`` and ``sys.path``, and
 the random generators a module seeded at import seeded anew (``RESEED``; Python's ``random`` reseeds itself). The
-server never forks once it has a Python thread besides its own or CUDA's driver library loaded (a preload that
-touched CUDA): it says so instead (``{"ready": false, …}``) and exits. It exits when its parent (the driver) is gone,
+server never forks once it has a Python thread besides its own or CUDA's driver or NVML loaded (a preload that
+touched the GPU): it says so instead (``{"ready": false, …}``) and exits. It exits when its parent (the driver) is gone,
 or when asked to (``{"close": true}``), once its kernels ended.
 """
 
@@ -46,9 +46,11 @@ def _python_threads():
 
 
 def _cuda_loaded():
+    """Whether CUDA's driver or NVML is loaded: an import asked about the GPUs (a count it keeps would be the server's,
+    which sees none), or made a CUDA context a fork cannot keep."""
     try:
         with open("/proc/self/maps") as maps:
-            return any("libcuda.so" in line for line in maps)
+            return any("libcuda.so" in line or "libnvidia-ml.so" in line for line in maps)
     except OSError:
         return False
 
@@ -179,7 +181,8 @@ def serve(socket_path, modules):
     imported = _preload(modules)
     threads, cuda = _python_threads(), _cuda_loaded()
     ready = not threads and not cuda
-    why = "" if ready else ("the imports loaded CUDA's driver" if cuda else f"the imports started {threads} Python threads")
+    why = "" if ready else ("the imports loaded CUDA's driver or NVML" if cuda
+                            else f"the imports started {threads} Python threads")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     if ready:
         listener.bind(socket_path)
