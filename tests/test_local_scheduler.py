@@ -252,7 +252,8 @@ def test_prestart_starts_the_next_runs_kernels_for_the_gpus_they_will_likely_get
         def __contains__(self, key: str) -> bool:
             return False
 
-        def prestart(self, key: str, kernel_name: str, env: dict[str, str], cwd: str, preload: Any = ()) -> bool:
+        def prestart(self, key: str, kernel_name: str, env: dict[str, str], cwd: str, preload: Any = (),
+                     now: bool = False, per_run: Any = ()) -> bool:
             return True
 
     monkeypatch.setattr(local_scheduler, "kernel_launch", kernel_launch)
@@ -260,6 +261,45 @@ def test_prestart_starts_the_next_runs_kernels_for_the_gpus_they_will_likely_get
     scheduler.pool.acquire(1)  # GPU 0 now holds a run: the next ones would likely get GPU 1
     scheduler.prestart()
     assert launched == [("r0", [1], True), ("r1", [1], True)], "the first `prestart` pending runs only"
+
+
+def test_the_first_wave_warms_a_fork_server_and_gets_its_kernels_as_it_launches(share: FileShare,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Servers for the first runs with `preload` (not a distributed run's: it starts a kernel per rank), the sharing
+    variables named per run; then every launched run's kernel is started through the pool, also with the pool full."""
+    runs = _runs(3, preload=("torch",), shared_gpu_env={"PYTORCH_CUDA_ALLOC_CONF": "x"}) + _runs(1, prefix="plain")
+    scheduler = _scheduler(share, runs, FakeExecute(), options=SubmitOptions(max_parallel=2))
+    calls: list[tuple[str, Any]] = []
+
+    class Pool:
+        size = 1
+
+        def __contains__(self, key: str) -> bool:
+            return False
+
+        def warm(self, kernel_name: str, env: dict[str, str], preload: Any, per_run: Any = ()) -> None:
+            calls.append(("warm", (kernel_name, tuple(preload), tuple(per_run))))
+
+        def prestart(self, key: str, kernel_name: str, env: dict[str, str], cwd: str, preload: Any = (),
+                     now: bool = False, per_run: Any = ()) -> bool:
+            calls.append(("prestart", (key, now)))
+            return True
+
+        def take(self, *args: Any) -> None:
+            return None
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(local_scheduler, "kernel_launch", lambda run, *a, **k: (run.kernel, {}, "/x"))
+    scheduler.kernels = Pool()  # type: ignore[assignment]
+    scheduler.warm_first_wave()
+    assert calls == [("warm", ("python3", ("torch",), ("PYTORCH_CUDA_ALLOC_CONF",)))] * 2, "the first two runs"
+    calls.clear()
+    with scheduler.changed:
+        scheduler.step()
+    assert [c for c in calls if c[1][1]] == [("prestart", ("r0", True)), ("prestart", ("r1", True))], \
+        "each run launched gets its kernel through the pool, beyond its size"
 
 
 # --- out of GPU memory ---------------------------------------------------------------------------------

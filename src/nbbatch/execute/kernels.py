@@ -11,6 +11,8 @@ jupyter_client's kernel manager and client with these changes (kernels started a
 * A killed kernel is reaped in milliseconds, not on jupyter_client's 0.1-s poll (:class:`BatchKernelManager`).
 * A kernel whose environment has ``NBBATCH_CPUS`` (a rank's cores) runs on those cores only
   (:class:`BatchKernelManager`, :mod:`nbbatch.execute.affinity`).
+* A kernel may be forked from a server that already imported its framework (``fork_server``,
+  :mod:`nbbatch.execute.forkserver`); if it cannot be, it starts as usual and ``fork_error`` says why.
 * A kernel is reached over Unix sockets (ZeroMQ ``ipc``), not localhost TCP, where the platform has
   them (:func:`kernel_transport`): no port other local users could connect to, and no ipykernel
   warning about unencrypted TCP at the top of every run's log. Its sockets and connection file live
@@ -49,6 +51,7 @@ from traitlets import DottedObjectName, Type, default
 
 from nbbatch.errors import NbbatchError
 from nbbatch.execute.affinity import CPUS_VARIABLE, parse_cpu_list, pin_process
+from nbbatch.execute.forkserver import ForkServer, split_command
 
 # A kernel's output the driver has received but not handled yet: at most this many bytes (see _IOPubChannel),
 # and this many messages in ZeroMQ's own queue (its default, 1000, is 1 GiB of 1-MiB lines).
@@ -285,6 +288,8 @@ class BatchKernelManager(AsyncKernelManager):
     client_class = DottedObjectName("nbbatch.execute.kernels.ReadyKernelClient")
     client_factory = Type(klass=ReadyKernelClient)
     private_folder: str | None = None
+    fork_server: ForkServer | None = None  # set before the start: the kernel is forked from it if it can be
+    fork_error: str | None = None  # why it was not (it started as usual)
 
     @default("transport")
     def _default_transport(self) -> str:
@@ -315,6 +320,27 @@ class BatchKernelManager(AsyncKernelManager):
         pin_kernel(self, kw.get("env") or {})
 
     start_kernel = _async_start_kernel  # type: ignore[assignment]  # AsyncKernelManager binds the base's
+
+    async def _async_launch_kernel(self, kernel_cmd: list[str], **kw: Any) -> None:
+        server, provisioner = self.fork_server, self.provisioner
+        split = split_command(kernel_cmd)
+        if server is None or split is None or type(provisioner).__name__ != "LocalProvisioner":
+            return await super()._async_launch_kernel(kernel_cmd, **kw)
+        env = {**(kw.get("env") or os.environ), "JPY_PARENT_PID": str(os.getpid())}  # as jupyter_client's launch
+        cwd = kw.get("cwd") or os.getcwd()
+        try:
+            if split[0] != server.python:
+                raise RuntimeError(f"the kernel's command is not the fork server's ({' '.join(server.python)})")
+            process = await asyncio.to_thread(server.fork, split[1], env, str(cwd), kw.get("stdout"), kw.get("stderr"))
+        except (OSError, RuntimeError, ValueError, KeyError) as exc:
+            self.fork_error = str(exc) or type(exc).__name__
+            return await super()._async_launch_kernel(kernel_cmd, **kw)
+        assert provisioner is not None
+        provisioner.process, provisioner.pid, provisioner.pgid = process, process.pid, process.pid  # type: ignore[attr-defined]
+        provisioner.cwd = cwd  # type: ignore[attr-defined]
+        self._reconcile_connection_info(provisioner.connection_info)
+
+    _launch_kernel = _async_launch_kernel  # type: ignore[assignment]
 
     async def _async_cleanup_resources(self, restart: bool = False) -> None:
         try:

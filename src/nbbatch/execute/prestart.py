@@ -1,10 +1,12 @@
 """Kernels started ahead of their runs: :class:`KernelPool` starts a run's kernel before the run starts, with the
 run's own kernel, environment and working directory, so that its start-up overlaps the runs before it.
 
-Once up, such a kernel imports the run's framework (``preload``) in one silent request that binds no name, puts
-back the working directory, environment variables and ``sys.path`` the imports changed, and never touches CUDA:
-a kernel's GPUs are fixed when it starts, and it is used only by a run that got those GPUs.
-A kernel only ever executes the one notebook it was started for.
+A kernel whose framework has a ``preload`` list is forked, where it can be, from a fork server that imported those
+modules once (:mod:`nbbatch.execute.forkserver`, started by :meth:`KernelPool.warm` when the batch starts): a batch's
+first wave starts in milliseconds, not seconds each. Once up, a kernel imports the run's framework (instant when
+forked) in one silent request that binds no name, puts back the working directory, environment variables and
+``sys.path`` the imports changed, and never touches CUDA: a kernel's GPUs are fixed when it starts, and it is used
+only by a run that got those GPUs. A kernel only ever executes the one notebook it was started for.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import ast
 import asyncio
 import contextlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -20,6 +23,7 @@ from queue import Empty
 from typing import Any, BinaryIO
 
 from nbbatch.execute.affinity import CPUS_VARIABLE
+from nbbatch.execute.forkserver import ForkServer, ForkServers
 from nbbatch.execute.kernels import KERNEL_ARGUMENTS, BatchKernelManager, kill_kernel_group, pin_kernel, reap_kernel
 
 PRELOAD_TIMEOUT = 120.0  # seconds a kernel started ahead may take to import its modules
@@ -82,10 +86,11 @@ class PrestartedKernel:
     """
 
     def __init__(self, kernel_name: str, env: dict[str, str], cwd: str, preload: Sequence[str] = (),
-                 preload_timeout: float = PRELOAD_TIMEOUT):
+                 preload_timeout: float = PRELOAD_TIMEOUT, fork_server: ForkServer | None = None):
         self.kernel_name, self.env, self.cwd, self.preload = kernel_name, env, cwd, tuple(preload)
         self.preload_timeout = preload_timeout
         self.km = BatchKernelManager(kernel_name=kernel_name)
+        self.km.fork_server = fork_server  # the kernel is forked from it, its modules already imported
         self.error: BaseException | None = None
         self.imported: tuple[str, ...] = ()  # the preloaded modules the kernel has
         self.preload_seconds: float | None = None
@@ -177,16 +182,22 @@ class PrestartedKernel:
         return self.km
 
     def describe(self, km: Any) -> str:
-        """One line for the run's log: whether the run got this kernel (``km`` is the one it got), and what it imported."""
+        """One line for the run's log: whether the run got this kernel (``km`` is the one it got), whether it was
+        forked, and what it imported."""
         if km is not self.km:
             return f"the kernel started ahead was not used ({self.error}); this run started its own"
-        if not self.preload:
-            return "kernel started ahead"
-        missing = [name for name in self.preload if name not in self.imported]
-        line = "kernel started ahead" + (f", {', '.join(self.imported)} imported in {self.preload_seconds or 0:.1f} s"
-                                         if self.imported else "")
-        line += f", {', '.join(missing)} not importable" if missing else ""
-        return line + (f"; importing printed:\n{self.preload_output.rstrip()}" if self.preload_output.strip() else "")
+        line, server = "kernel started ahead", self.km.fork_server
+        if self.preload:
+            missing = [name for name in self.preload if name not in self.imported]
+            line += (f", {', '.join(self.imported)} imported in {self.preload_seconds or 0:.1f} s" if self.imported
+                     else "") + (f", {', '.join(missing)} not importable" if missing else "")
+        printed = self.preload_output
+        if server is not None and self.km.fork_error is None:
+            line += f"; forked from a process that had imported {', '.join(server.imported) or 'nothing'}"
+            printed = server.printed + printed  # the imports ran in the server: what they printed is there
+        elif server is not None:
+            line += f"; not forked ({self.km.fork_error}): started as usual"
+        return line + (f"; importing printed:\n{printed.rstrip()}" if printed.strip() else "")
 
     def release_output(self, wait: float = 1.0) -> None:
         """Stop writing the kernel's output anywhere (call once the kernel is gone)."""
@@ -222,16 +233,20 @@ def _imported_expression(modules: Sequence[str]) -> str:
 
 
 class KernelPool:
-    """Kernels started ahead of the runs that will use them, one per run id, at most ``size`` at a time.
+    """Kernels started ahead of the runs that will use them, one per run id, at most ``size`` at a time (more for
+    runs starting now); ``size`` 0 starts nothing.
 
     A kernel is started with the run's own kernel name, environment and working directory and
     handed to that run only (:meth:`take`); a kernel whose run is cancelled, or whose launch
-    settings no longer match when the run starts, is killed. ``close`` kills every unclaimed kernel.
+    settings no longer match when the run starts, is killed. A kernel is forked from the fork server
+    :meth:`warm` started for its settings, if there is one. ``close`` kills every unclaimed kernel
+    and lets the fork servers end with the kernels they forked.
     """
 
     def __init__(self, size: int, preload_timeout: float = PRELOAD_TIMEOUT):
         self.size = max(0, size)
         self.preload_timeout = preload_timeout
+        self.servers = ForkServers()
         self._kernels: dict[str, PrestartedKernel] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -244,13 +259,28 @@ class KernelPool:
         with self._lock:
             return key in self._kernels
 
-    def prestart(self, key: str, kernel_name: str, env: dict[str, str], cwd: str, preload: Sequence[str] = ()) -> bool:
-        """Start a kernel for run ``key`` (importing ``preload`` once started) unless the pool is full or has one
-        for it; whether it started one."""
+    def warm(self, kernel_name: str, env: dict[str, str], preload: Sequence[str], per_run: Sequence[str] = ()) -> None:
+        """Start the fork server for kernels of ``kernel_name`` with this environment (but for the variables
+        ``per_run``, set when each kernel is forked) and ``preload``; none without ``preload``, with the pool off,
+        or for a kernel that is not ``python -m ipykernel_launcher``."""
+        if self.size and preload and (spec := _launch_spec(kernel_name, env)) is not None:
+            self.servers.start(spec[0], preload, spec[1], per_run)
+
+    def prestart(self, key: str, kernel_name: str, env: dict[str, str], cwd: str, preload: Sequence[str] = (),
+                 now: bool = False, per_run: Sequence[str] = ()) -> bool:
+        """Start a kernel for run ``key`` (importing ``preload`` once started; forked where a :meth:`warm` server
+        serves it) unless the pool is full (``now``: the run starts now, whatever the size) or has one for it;
+        whether it started one."""
         with self._lock:
-            if self._closed or key in self._kernels or len(self._kernels) >= self.size:
+            if (self._closed or not self.size or key in self._kernels
+                    or (len(self._kernels) >= self.size and not now)):
                 return False
-            self._kernels[key] = PrestartedKernel(kernel_name, env, cwd, preload, self.preload_timeout)
+        spec = _launch_spec(kernel_name, env) if preload else None
+        server = self.servers.find(spec[0], preload, spec[1], per_run) if spec is not None else None
+        with self._lock:
+            if self._closed or key in self._kernels:
+                return False
+            self._kernels[key] = PrestartedKernel(kernel_name, env, cwd, preload, self.preload_timeout, server)
             return True
 
     def take(self, key: str, kernel_name: str, env: dict[str, str], cwd: str,
@@ -272,8 +302,25 @@ class KernelPool:
             kernel.discard()
 
     def close(self) -> None:
+        """Kill every unclaimed kernel; the fork servers end once the kernels they forked have ended."""
         with self._lock:
             self._closed = True
             kernels, self._kernels = list(self._kernels.values()), {}
         for kernel in kernels:
             kernel.discard()
+        self.servers.close()
+
+
+def _launch_spec(kernel_name: str, env: dict[str, str]) -> tuple[list[str], dict[str, str]] | None:
+    """The kernel's command and the environment it starts with (its kernelspec's variables over ``env``, as
+    jupyter_client starts it); None for a kernel not found."""
+    try:
+        spec = BatchKernelManager(kernel_name=kernel_name).kernel_spec
+    except Exception:  # noqa: BLE001 - the run itself then says the kernel is missing
+        return None
+    if spec is None:
+        return None
+    argv = list(spec.argv)
+    if argv and argv[0] in {"python", f"python{sys.version_info[0]}", "python{}.{}".format(*sys.version_info[:2])}:
+        argv[0] = sys.executable  # as jupyter_client starts such a kernel: with the driver's own Python
+    return argv, {**env, **(spec.env or {})}

@@ -109,6 +109,7 @@ class LocalScheduler:
         """Pass after pass until every run is final. Ctrl-C, SIGTERM or a defect cancels the runs not started
         and waits for the running ones (which see :attr:`cancel`), so no run is left ``running``."""
         try:
+            self.warm_first_wave()
             with self.changed:
                 while self.pending or self.active:
                     if not self.step() and (self.pending or self.active):  # a pass may end the last pending runs
@@ -150,6 +151,7 @@ class LocalScheduler:
                 continue
             lease = self.admit(run)
             if lease is not None:
+                self.prestart_run(run, lease, now=True)  # its kernel starts while the run's records are written
                 self.launch(run, lease)
                 started = True
         self.prestart()
@@ -248,22 +250,45 @@ class LocalScheduler:
                     return marked
         return CANCEL_REQUEST
 
+    def warm_first_wave(self) -> None:
+        """Start, now, a fork server for each kernel environment of the first runs whose framework has ``preload``:
+        their kernels are forked from it with the framework imported (:meth:`KernelPool.warm`)."""
+        first = max(self.cpu_parallel, self.gpu_parallel)
+        for run in [r for r in self.pending if r.preload and not r.distribution][:first]:
+            with contextlib.suppress(Exception):  # the runs then start their kernels as usual
+                kernel_name, env, _cwd = self.launch_settings(run, self.preview_lease(run))
+                self.kernels.warm(kernel_name, env, run.preload, per_run=tuple(run.shared_gpu_env))
+
     def prestart(self) -> None:
         """Start the kernels of the next runs to start. A GPU run's kernel is started for the GPUs it will most
         likely get; if it gets others, the kernel is not used (its environment does not match) and is killed."""
         for run in self.pending[:self.kernels.size]:
-            if run.run_id in self.kernels or run.distribution:  # a distributed run starts a kernel per rank itself
-                continue
-            try:
-                gpu_ids = self.pool.preview(run.gpus)
-                alone = run.run_id in self.out_of_memory
-                need_mb = self.needs.need_mb(run) if self.pool.auto else None
-                lease = GpuLease(gpu_ids, need_mb, exclusive=alone or (self.pool.auto and need_mb is None), alone=alone)
-                shared, gpu_env, _info = self.placement(run, lease)
-                self.kernels.prestart(run.run_id, *kernel_launch(run, gpu_ids, shared, gpu_env=gpu_env, share=self.share),
-                                      preload=run.preload)
-            except Exception:  # noqa: BLE001 - the run then starts its kernel itself
+            if not self.prestart_run(run, self.preview_lease(run)):
                 return
+
+    def preview_lease(self, run: Run) -> GpuLease:
+        """The GPUs the run will most likely get."""
+        alone = run.run_id in self.out_of_memory
+        need_mb = self.needs.need_mb(run) if self.pool.auto else None
+        return GpuLease(self.pool.preview(run.gpus), need_mb, exclusive=alone or (self.pool.auto and need_mb is None),
+                        alone=alone)
+
+    def launch_settings(self, run: Run, lease: GpuLease) -> tuple[str, dict[str, str], str]:
+        """The kernel name, environment and working directory of the run's kernel on ``lease``."""
+        shared, gpu_env, _info = self.placement(run, lease)
+        return kernel_launch(run, lease.gpu_ids, shared, gpu_env=gpu_env, share=self.share)
+
+    def prestart_run(self, run: Run, lease: GpuLease, now: bool = False) -> bool:
+        """Start the run's kernel on ``lease`` unless it has one (``now``: it starts now, also with the pool full);
+        False when it could not be (the next runs are not tried: the run starts its kernel itself)."""
+        if run.run_id in self.kernels or run.distribution:  # a distributed run starts a kernel per rank itself
+            return True
+        try:
+            self.kernels.prestart(run.run_id, *self.launch_settings(run, lease), preload=run.preload, now=now,
+                                  per_run=tuple(run.shared_gpu_env))
+        except Exception:  # noqa: BLE001 - the run then starts its kernel itself
+            return False
+        return True
 
     # --- one run (its worker thread) ------------------------------------------------------------------
 
