@@ -45,6 +45,7 @@ AT_A_TIME = {"pytorch18": 9}
 OWN_KERNELS = {"PyTorch_CIFAR": "nbbatch-pytorch", "Lightning_CIFAR": "nbbatch-lightning",
                "JAX_Flax_CIFAR": "nbbatch-jax-flax"}
 WARM = "=== nbbatch: kernel started ahead, "  # log.txt of a run given a kernel started ahead, its framework imported
+FORKED = "; forked from a process that had imported"  # ... and forked from a fork server (docs/gpus.md)
 
 
 def submit_batch(names: list[str], tag: str, mode: str, args: argparse.Namespace, share: Path, data: Path,
@@ -62,13 +63,15 @@ def submit_batch(names: list[str], tag: str, mode: str, args: argparse.Namespace
                           "mps": mps, "max_parallel": AT_A_TIME.get(tag)},
             "backend": {"name": backend, "prestart": AT_A_TIME.get(tag, 2)}, "share": str(share)}
     result, wall = submit_all(spec, f"{tag} {mode}")
-    setups, warm_setups, imports, warm_imports, needs = [], [], [], [], set()
+    setups, warm_setups, imports, warm_imports, needs, forked = [], [], [], [], set(), 0
     for record in result.records:
         folder = share / record.experiment / record.run_id
         setup, first = setup_seconds(json.loads((folder / "output.ipynb").read_text()))
         setups.append(setup)
         imports.append(first)
-        if WARM in (folder / "log.txt").read_text():
+        log = (folder / "log.txt").read_text()
+        forked += FORKED in log
+        if WARM in log:
             warm_setups.append(setup)
             warm_imports.append(first)
             if args.cells:  # where a warm run's setup goes: each cell's seconds
@@ -78,7 +81,7 @@ def submit_batch(names: list[str], tag: str, mode: str, args: argparse.Namespace
         needs.add(f"{share_info.need_mb:.0f} MiB ({share_info.need_from})" if share_info and share_info.need_mb
                   else "alone first" if share_info and share_info.exclusive else "-")
     return {"wall": wall, "setup": median(setups), "imports": median(imports),
-            "warm": (median(warm_setups), median(warm_imports), len(warm_setups)) if warm_setups else None,
+            "warm": (median(warm_setups), median(warm_imports), len(warm_setups)) if warm_setups else None, "forked": forked,
             "needs": ", ".join(sorted(needs))}
 
 
@@ -162,7 +165,7 @@ def main() -> None:
           "runs | reserved / run |")
     print("|---|---|---|---|---|---|---|")
     for tag, mode, r, base in rows:
-        warm = f"{r['warm'][0]:.2f} s ({r['warm'][1]:.2f} s), {r['warm'][2]}" if r["warm"] else "-"
+        warm = f"{r['warm'][0]:.2f} s ({r['warm'][1]:.2f} s), {r['warm'][2]} ({r['forked']} forked)" if r["warm"] else "-"
         print(f"| {tag} | {mode} | {r['wall']:.1f} s | {base / r['wall']:.2f}× | {r['setup']:.2f} s ({r['imports']:.2f} s) | "
               f"{warm} | {r['needs']} |")
 

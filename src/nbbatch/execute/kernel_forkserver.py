@@ -45,13 +45,26 @@ def _python_threads():
     return threading.active_count() - 1
 
 
+# The GPU device files CUDA's driver and NVML open when initialised (tests point it at files of their own).
+_GPU_DEVICES = os.environ.pop("FORKSERVER_GPU_DEVICES", "/dev/nvidia")
+
+
 def _cuda_loaded():
-    """Whether CUDA's driver or NVML is loaded: an import asked about the GPUs (a count it keeps would be the server's,
-    which sees none), or made a CUDA context a fork cannot keep."""
+    """Whether CUDA's driver or NVML was initialised (a GPU device file is open): an import asked about the GPUs (a
+    count it keeps would be the server's, which sees none), or made a CUDA context a fork cannot keep. Their libraries
+    merely loaded are fine: a CUDA build of PyTorch loads CUDA's driver at import and forks safely until it is used."""
     try:
-        with open("/proc/self/maps") as maps:
-            return any("libcuda.so" in line or "libnvidia-ml.so" in line for line in maps)
+        return any(os.readlink(f"/proc/self/fd/{fd}").startswith(_GPU_DEVICES) for fd in os.listdir("/proc/self/fd")
+                   if _is_link(f"/proc/self/fd/{fd}"))
     except OSError:
+        return False
+
+
+def _is_link(path):
+    try:
+        os.readlink(path)
+        return True
+    except OSError:  # gone meanwhile (the listing's own descriptor)
         return False
 
 
