@@ -21,14 +21,13 @@ import random
 from typing import Any
 
 from nbbatch.drivers.search import _is_number, _Study, _Trial
-from nbbatch.drivers.segments import SegmentedSearchDriver
+from nbbatch.drivers.segments import SEGMENTS, SegmentedSearchDriver
 from nbbatch.plan.runs import Run
 from nbbatch.search.pbt import Population, Segment
 from nbbatch.search.study import RUN_ID, SearchError, optuna_module, suggest, trial_of
 from nbbatch.spec.search import SEED_LIMIT
 from nbbatch.store.runjson import RunRecord, Status
 
-SEGMENTS = "segments"  # a member's user attribute: its runs' ids, one per generation, in order
 SCHEDULE = "pbt_schedule"  # a member's user attribute: [{params, exploits, continues}], one per decided generation
 VALUES = "generation_values"  # a member's user attribute: {generation: the metric when it paused there}
 SEED = "pbt_seed"  # the study's user attribute: the decisions' seed, when the search gives none
@@ -129,14 +128,10 @@ class PbtSearchDriver(SegmentedSearchDriver):
         segments = self._segments(study, number)
         generation = len(segments)
         run, about = self._segment_run(study, number, generation)
-        live.set_user_attr(SEGMENTS, [*segments, run.run_id])
-        live.set_user_attr(RUN_ID, run.run_id)
-        self._mark(segments[-1], state="continued", continued_by=run.run_id)
         how = (f"copies trial {segment.exploits} (run {about['continues']}) with {about['params']}"
                if segment.exploits is not None else f"continues from run {segments[-1]}")
-        self.say(f"trial {number} of {study.label}: generation {generation} ({self.search.resource}="
-                 f"{self.search.rungs[generation]}) {how}")
-        self._start_segment(study, live, run, about)
+        self._chain(study, live, segments, run, about, "continued", f"trial {number} of {study.label}: generation "
+                    f"{generation} ({self.search.resource}={self.search.rungs[generation]}) {how}")
 
     # --- a segment's end -------------------------------------------------------------------------------
 

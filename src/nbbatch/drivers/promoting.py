@@ -19,7 +19,7 @@ from typing import Any
 
 from nbbatch.drivers.pbt import PbtSearchDriver
 from nbbatch.drivers.search import SearchDriver, _is_number, _Study, _Trial
-from nbbatch.drivers.segments import SegmentedSearchDriver
+from nbbatch.drivers.segments import SEGMENTS, SegmentedSearchDriver
 from nbbatch.errors import ShareError
 from nbbatch.plan.runs import Run
 from nbbatch.search.rungs import Decision, Promotions
@@ -27,7 +27,6 @@ from nbbatch.search.study import RUN_ID, SearchError, optuna_module, suggest, tr
 from nbbatch.store.layout import run_paths
 from nbbatch.store.runjson import RunRecord, Status
 
-SEGMENTS = "segments"  # a trial's user attribute: its runs' ids, one per segment, in order
 BRACKET = "bracket"  # a trial's user attribute: its bracket of the schedule
 RUNG_VALUES = "rung_values"  # a trial's user attribute: {rung index: the metric when it paused there}
 
@@ -110,12 +109,8 @@ class PromotingSearchDriver(SegmentedSearchDriver):
         live = trial_of(study.study, number)
         segments = list(study.study.get_trials(deepcopy=False)[number].user_attrs.get(SEGMENTS, []))
         run, about = self._segment_run(study, live, rung, segments[-1], len(segments))
-        live.set_user_attr(SEGMENTS, [*segments, run.run_id])
-        live.set_user_attr(RUN_ID, run.run_id)
-        self._mark(segments[-1], state="promoted", continued_by=run.run_id)
-        self.say(f"trial {number} of {study.label}: promoted to {self.search.resource}={self.search.rungs[rung]}, "
-                 f"continuing from run {segments[-1]}")
-        self._start_segment(study, live, run, about)
+        self._chain(study, live, segments, run, about, "promoted", f"trial {number} of {study.label}: promoted to "
+                    f"{self.search.resource}={self.search.rungs[rung]}, continuing from run {segments[-1]}")
 
     # --- a segment's end -------------------------------------------------------------------------------
 

@@ -13,10 +13,13 @@ from typing import Any
 
 from nbbatch.drivers.search import SearchDriver, _Study, _Trial
 from nbbatch.plan.runs import Run
+from nbbatch.search.study import RUN_ID
 from nbbatch.store.jsonl import JsonlTail
 from nbbatch.store.layout import run_paths
 from nbbatch.store.runfiles import read_record_or_none, write_record
 from nbbatch.store.runjson import RunRecord
+
+SEGMENTS = "segments"  # a trial's user attribute: its runs' ids, one per segment (a PBT member: generation), in order
 
 
 class SegmentedSearchDriver(SearchDriver):
@@ -53,6 +56,15 @@ class SegmentedSearchDriver(SearchDriver):
                     self._ask(study)
                 else:
                     break
+
+    def _chain(self, study: _Study, live: Any, segments: list[str], run: Run, about: dict[str, Any], state: str,
+               said: str) -> None:
+        """Launch ``run`` as the trial's next segment after ``segments``, the last of which is marked ``state``."""
+        live.set_user_attr(SEGMENTS, [*segments, run.run_id])
+        live.set_user_attr(RUN_ID, run.run_id)
+        self._mark(segments[-1], state=state, continued_by=run.run_id)
+        self.say(said)
+        self._start_segment(study, live, run, about)
 
     def _start_segment(self, study: _Study, live: Any, run: Run, about: dict[str, Any]) -> None:
         """Watch and launch a trial's segment (``about``: what its record's ``trial`` says of it)."""
