@@ -36,6 +36,7 @@ account URL (``http://127.0.0.1:PORT/devstoreaccount1``).
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import re
 import threading
@@ -368,9 +369,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(key, value)
         if "Content-Length" not in headers:
             self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        if self.command != "HEAD" and payload:
-            self.wfile.write(payload)
+        with contextlib.suppress(ConnectionError):  # a client that gave up (its timeout) reads no answer
+            self.end_headers()
+            if self.command != "HEAD" and payload:
+                self.wfile.write(payload)
 
     def _check_auth(self, request: Request, data_operation: bool) -> None:
         """A valid Shared Key signature, or a Bearer token with the backup intent for files and folders."""
