@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -177,6 +178,20 @@ def summary(results: list[dict], counts: list[int]) -> str:
             if ratios:
                 lines.append(f"| {name} | {count} | {', '.join(f'{x:.3f}' for x in ratios)} | {min(ratios):.3f} | "
                              f"{', '.join(f'{x:.2f}' for x in ups_raw)} | {', '.join(f'{x:.2f}' for x in ups_nb)} |")
+    lines += ["", "| framework | GPUs | launcher | runs | images/s: mean (lowest–highest) | mean ÷ raw's mean |",
+              "|---|---|---|---|---|---|"]
+    for name in dict.fromkeys(r["framework"] for r in results):
+        for count in counts:
+            speeds: dict[str, list[float]] = {}
+            for r in results:
+                if r["framework"] == name and r["gpus"] == count:
+                    speeds.setdefault(r["launcher"], []).append(r["images_per_second"])
+            raw_mean = statistics.mean(speeds["raw"]) if "raw" in speeds else None
+            for launcher, got in speeds.items():
+                mean = statistics.mean(got)
+                ratio = f"{mean / raw_mean:.3f}" if raw_mean else "–"
+                lines.append(f"| {name} | {count} | {launcher} | {len(got)} | {mean:,.0f} ({min(got):,.0f}–"
+                             f"{max(got):,.0f}) | {ratio} |")
     return "\n".join(lines)
 
 
@@ -193,6 +208,9 @@ def main() -> None:
                         help="one more distributed run through nbbatch, with this variable in the experiment's "
                              "env: (e.g. unpinned:NBBATCH_CPUS= or omp1:OMP_NUM_THREADS=1)")
     parser.add_argument("--no-raw", action="store_true", help="nbbatch only")
+    parser.add_argument("--alternate", action="store_true",
+                        help="nbbatch before raw in odd rounds (raw first in every round otherwise): is a slow run "
+                             "the launcher's or the first of its kind on the machine?")
     parser.add_argument("--raw-only-at-baseline", action="store_true",
                         help="at the first GPU count only the raw run (the speed-ups' baseline)")
     parser.add_argument("--json", help="append one JSON line per run here")
@@ -244,6 +262,8 @@ def main() -> None:
                     if count > 1:
                         runs.append((f"nbbatch-{label}", partial(nbbatch_run, name, parameters=parameters,
                                                                   folder=folder, backend=backend, env=env, **ranks)))
+                if args.alternate and rnd % 2 and runs and runs[0][0] == "raw":
+                    runs.append(runs.pop(0))
                 raw_speed = None
                 for launcher, go in runs:
                     got = go()
