@@ -6,7 +6,7 @@ NBBATCH := $(BIN)/nbbatch
 EXPERIMENT ?= experiments/digits.yaml
 # pytest-xdist workers: kernel tests mostly wait on subprocesses, so more workers than cores pay. Each heavy fixture
 # (Slurm, podman and the registry) keeps its tests in one worker (tests/conftest.py: SHARED_FIXTURE_GROUPS).
-TEST_WORKERS ?= 5
+TEST_WORKERS ?= 4
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 .PHONY: setup envs submit demo demo-quick study report test test-fast test-unit lint data images bench azure-smoke clean
