@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from jupyter_client.manager import KernelManager
 from support.containers import build_chainer_image, build_pytorch_image, podman_session
+from support.cputime import CpuTimes
 from support.frameworks import env_build_lock, framework_envs  # noqa: F401 - framework_envs: a session fixture
 from support.machine import REPO, gpu_count
 from support.processes import TEST_SESSION_VAR
@@ -248,6 +249,7 @@ class _GroupsTakeEffect:
 
 def pytest_configure(config):
     config.pluginmanager.register(_GroupsTakeEffect(), "nbbatch-xdist-groups")
+    config.pluginmanager.register(CpuTimes(), "nbbatch-cpu-times")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (`--dist loadgroup`)
